@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 set +o pipefail
-bash "$ROOT/launch/setup_env.sh" 2>&1 | grep -v "is ignored: it is neither"
+bash "$ROOT/launch/setup_env.sh" 2>&1 | { grep -v "is ignored: it is neither" || true; }
 status=${PIPESTATUS[0]}
 set -o pipefail
 [ "$status" -eq 0 ] || { echo "environment set-up failed (launch/setup_env.sh)" >&2; exit "$status"; }
