@@ -1,0 +1,126 @@
+"""Run a function on N gloo ranks in fresh processes and collect each rank's return value.
+
+The target is named as ``"module:function"`` so spawned children can import it; it is called as
+``fn(rank, world_size, **kwargs)`` after ``torch.distributed`` is initialised with gloo and the
+CPU shim is installed. Return values must be picklable (tensors are fine).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from typing import Any, Dict, List, Optional
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(spec_path: str) -> None:
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    rank, world_size = spec["rank"], spec["world_size"]
+    out_path = spec["out_path"]
+    for p in spec.get("sys_path", []):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        import torch
+
+        torch.set_num_threads(spec.get("threads", 1))
+        from megatron_dmuon.testing import cpu_shim
+
+        cpu_shim.install()
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{spec['port']}",
+            rank=rank,
+            world_size=world_size,
+        )
+        module_name, fn_name = spec["target"].split(":")
+        fn = getattr(importlib.import_module(module_name), fn_name)
+        result = {"ok": True, "value": fn(rank, world_size, **spec["kwargs"])}
+    except BaseException:  # report any failure to the parent, including asserts
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(out_path, "wb") as f:
+        pickle.dump(result, f)
+    try:
+        import torch
+
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_distributed(
+    target: str,
+    world_size: int,
+    kwargs: Optional[Dict[str, Any]] = None,
+    timeout: float = 600.0,
+    sys_path: Optional[List[str]] = None,
+    env: Optional[Dict[str, str]] = None,
+) -> List[Any]:
+    """Run ``target`` on ``world_size`` gloo ranks; return the per-rank results (rank order).
+
+    Raises RuntimeError with every failing rank's traceback if any rank fails or times out.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="dmuon-mp-")
+    procs, outs = [], []
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    child_env.setdefault("PYTHONWARNINGS", "ignore")
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    for rank in range(world_size):
+        out_path = os.path.join(tmp, f"rank{rank}.pkl")
+        spec_path = os.path.join(tmp, f"spec{rank}.pkl")
+        with open(spec_path, "wb") as f:
+            pickle.dump(
+                {
+                    "rank": rank,
+                    "world_size": world_size,
+                    "port": port,
+                    "target": target,
+                    "kwargs": kwargs or {},
+                    "out_path": out_path,
+                    "sys_path": sys_path or [],
+                },
+                f,
+            )
+        cmd = [sys.executable, "-c", f"from megatron_dmuon.testing.multiproc import _worker_main; _worker_main({spec_path!r})"]
+        procs.append(subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outs.append(out_path)
+    logs = []
+    errors = []
+    for rank, p in enumerate(procs):
+        try:
+            log, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"rank {rank} of {target} timed out after {timeout}s")
+        logs.append(log.decode(errors="replace"))
+    results = []
+    for rank, out_path in enumerate(outs):
+        if not os.path.exists(out_path):
+            errors.append(f"rank {rank}: no result (exit {procs[rank].returncode})\n{logs[rank][-4000:]}")
+            results.append(None)
+            continue
+        with open(out_path, "rb") as f:
+            res = pickle.load(f)
+        if not res["ok"]:
+            errors.append(f"rank {rank}:\n{res['error']}")
+        results.append(res.get("value"))
+    if errors:
+        raise RuntimeError(f"{target} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+    return results
