@@ -42,3 +42,116 @@ def megatron_adam_dp(rank, world_size, steps=6, grad_accum=2, mbs=2):
         losses.append(loss)
     params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     return {"losses": losses, "params": params}
+
+
+# ---------------------------------------------------------------- DMuon vs single-process reference
+DEFAULTS = dict(lr=2e-2, weight_decay=0.1, clip_grad=1.0, steps=10, grad_accum=2, mbs=2)
+
+
+def _muon_settings(ns_dtype="float32", ns_method="standard"):
+    from megatron_dmuon.runtime.owner_step import MuonSettings
+
+    return MuonSettings(ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method)
+
+
+def _shape(**kw):
+    from megatron_dmuon.megatron.gpt import GPTShape
+
+    return GPTShape(**kw)
+
+
+def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
+             return_params=True, **kw):
+    """Train the tiny GPT with DMuon (or a baseline mode) at DP=world_size; report everything."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_dmuon.megatron.gpt import build_gpt, train_step, wire_sync_funcs
+    from megatron_dmuon.megatron.layout import build_dmuon_ddp
+    from megatron_dmuon.megatron.optimizer import DMuonConfig, comm_bytes_per_step, get_dmuon_optimizer
+
+    o = {**DEFAULTS, **kw}
+    init_parallel()
+    shape = _shape(**(shape_kw or {}))
+    model = build_gpt(shape)
+    dist_opt = mode == "dmuon" or mode == "adam"
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap, overlap_param_gather=overlap and dist_opt,
+        bucket_size=o.get("bucket_size"),
+    )
+    if mode == "dmuon":
+        ddp = build_dmuon_ddp(model.config, ddp_config, model)
+    else:
+        ddp = DistributedDataParallel(model.config, ddp_config, model)
+    ddp.broadcast_params()
+    wire_sync_funcs([ddp], ddp_config)
+    opt_config = OptimizerConfig(optimizer="adam", lr=o["lr"], min_lr=o["lr"], weight_decay=o["weight_decay"],
+                                 use_distributed_optimizer=dist_opt, clip_grad=o["clip_grad"])
+    if mode == "adam":
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        opt = get_megatron_optimizer(opt_config, [ddp])
+    else:
+        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype)))
+    sched = OptimizerParamScheduler(
+        opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
+        lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
+        wd_incr_steps=100, wd_incr_style="constant",
+    )
+    losses, ns_counts, grad_norms = [], [], []
+    for step in range(o["steps"]):
+        micro = [synthetic_tokens(step, m, rank, o["mbs"], shape.seq_length, shape.vocab_size)
+                 for m in range(o["grad_accum"])]
+        loss, grad_norm, _, ok = train_step([ddp], opt, micro, shape.seq_length, o["mbs"])
+        assert ok
+        sched.step(increment=1)
+        losses.append(loss)
+        grad_norms.append(float(grad_norm))
+        if mode != "adam":
+            n = torch.tensor([opt.chained_optimizers[0].dmuon_inner.stats["ns_matrices"]])
+            torch.distributed.all_reduce(n)
+            ns_counts.append(int(n))
+    if ddp_config.overlap_param_gather:
+        ddp.disable_forward_pre_hook(param_sync=True)
+    from megatron_dmuon.megatron.layout import is_muon_param
+
+    out = {
+        "losses": losses, "grad_norms": grad_norms, "ns_counts": ns_counts,
+        "num_matrices": sum(is_muon_param(n, p) for n, p in ddp.module.named_parameters()),
+        "bytes": comm_bytes_per_step([ddp], "gather_then_compute" if mode == "gather_then_compute" else "dmuon"),
+    }
+    if return_params:
+        out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    if mode == "dmuon":
+        out["owners"] = {str(k): v.owners for k, v in ddp.dmuon_owner_plans.items()}
+        out["layouts"] = [v.to_json() for v in ddp.dmuon_owner_plans.values()]
+    return out
+
+
+def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, **kw):
+    """The single-process reference for a DP=`dp` run (world_size must be 1)."""
+    from megatron_dmuon.megatron.gpt import build_gpt
+    from megatron_dmuon.testing.reference import reference_train
+
+    assert world_size == 1
+    o = {**DEFAULTS, **kw}
+    init_parallel()
+    shape = _shape(**(shape_kw or {}))
+    model = build_gpt(shape)
+
+    def batches(step):
+        return [[synthetic_tokens(step, m, r, o["mbs"], shape.seq_length, shape.vocab_size)
+                 for m in range(o["grad_accum"])] for r in range(dp)]
+
+    from megatron_dmuon.planning.owner_layout import OwnerLayout
+    from megatron_dmuon.testing.reference import reduce_chunks_from_layout
+
+    chunks = None
+    if layouts is not None:
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        chunks = reduce_chunks_from_layout([OwnerLayout.from_json(j) for j in layouts], shapes)
+    return reference_train(model, batches, o["steps"], lr=o["lr"], weight_decay=o["weight_decay"],
+                           clip_grad=o["clip_grad"], muon_settings=_muon_settings(ns_dtype),
+                           reduce_chunk_of=chunks)

@@ -1,0 +1,242 @@
+"""`--optimizer dmuon` for megatron-core: owner-centric distributed Muon on Megatron's own buffers.
+
+Data path per step: grads accumulate in DDP's owner-aligned buffers -> reduce-scatter (= reduce to
+the owner, whole matrices) -> the owner runs Muon with batched NS on what it owns, AdamW on its
+element-wise shard -> Megatron's param all-gather publishes (overlapped with the next forward
+when overlap_param_gather is on). Grad-norm, clipping, zero counting and the lr/wd schedule are
+Megatron's own (we only swap the inner optimizer and the layout).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+
+from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+from .layout import is_muon_param
+
+MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
+
+
+@dataclasses.dataclass
+class DMuonConfig:
+    mode: str = "dmuon"
+    muon: MuonSettings = dataclasses.field(default_factory=MuonSettings)
+    split_qkv: bool = False
+    split_per_head: bool = False
+    split_glu: bool = False
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--dmuon-mode {self.mode!r} unknown; valid: {', '.join(MODES)}")
+        self.muon.validate()
+
+
+def _split_rule(name, param, model_config, cfg: DMuonConfig):
+    if not (cfg.split_qkv or cfg.split_glu or cfg.split_per_head):
+        return None
+    from ..algorithms.splitting import rule_for_megatron_param
+
+    return rule_for_megatron_param(
+        name, tuple(param.shape), model_config,
+        split_qkv=cfg.split_qkv, split_glu=cfg.split_glu, per_head=cfg.split_per_head,
+    )
+
+
+def _muon_adam_groups(param_groups, name_of):
+    """Split each Megatron param group (lr/wd multipliers intact) into a Muon and an AdamW group."""
+    out = []
+    for g in param_groups:
+        muon = [p for p in g["params"] if is_muon_param(name_of[p], p)]
+        adam = [p for p in g["params"] if not is_muon_param(name_of[p], p)]
+        for params, use_muon in ((muon, True), (adam, False)):
+            out.append({**g, "params": params, "use_muon": use_muon})
+    return out
+
+
+def _init_state_fn(opt, config=None):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if len(opt.state[p]) == 0:
+                if group.get("use_muon", False):
+                    opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
+                else:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, name_of, model_config, cfg):
+    for model_group, main_group in zip(model_groups, main_groups):
+        for model_param, main_param in zip(model_group, main_group):
+            name = name_of[model_param]
+            if is_muon_param(name, model_param):
+                inner.register_matrix(
+                    main_param,
+                    MatrixInfo(name, (model_param.shape[0], model_param[0].numel()),
+                               _split_rule(name, model_param, model_config, cfg)),
+                )
+
+
+def _grad_scaler(config):
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+            growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
+def check_dmuon_config(config, ddp_config, cfg: DMuonConfig) -> None:
+    """Start-up checks; each error names the flag and the fix."""
+    cfg.validate()
+    if config.fp16:
+        raise ValueError(
+            "--optimizer dmuon does not support --fp16 (Muon's NS on loss-scaled fp16 grads is "
+            "unsupported); use --bf16"
+        )
+    if config.optimizer_cpu_offload:
+        raise ValueError("--optimizer dmuon does not support --optimizer-cpu-offload; drop the flag")
+    if config.use_precision_aware_optimizer:
+        raise ValueError("--optimizer dmuon does not support --use-precision-aware-optimizer; drop the flag")
+    if cfg.mode == "dmuon":
+        if not (config.use_distributed_optimizer and ddp_config.use_distributed_optimizer):
+            raise ValueError(
+                "--optimizer dmuon needs --use-distributed-optimizer (OptimizerConfig and "
+                "DistributedDataParallelConfig use_distributed_optimizer=True); or pick "
+                "--dmuon-mode gather_then_compute"
+            )
+        if ddp_config.num_distributed_optimizer_instances != 1:
+            raise ValueError("--optimizer dmuon needs --num-distributed-optimizer-instances 1")
+    elif cfg.mode == "gather_then_compute" and ddp_config.use_distributed_optimizer:
+        raise ValueError("--dmuon-mode gather_then_compute all-reduces grads: drop --use-distributed-optimizer")
+
+
+def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig] = None):
+    """Build the DMuon optimizer for DDP-wrapped model chunks (like get_megatron_optimizer)."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import (
+        ChainedOptimizer,
+        _get_param_groups_and_buffers,
+        get_standard_config_overrides,
+    )
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    cfg = dmuon or DMuonConfig()
+    ddp_config = model_chunks[0].ddp_config
+    check_dmuon_config(config, ddp_config, cfg)
+    if cfg.mode == "megatron_layerwise":
+        try:
+            import emerging_optimizers  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "--dmuon-mode megatron_layerwise delegates to Megatron's LayerWiseDistributedOptimizer, "
+                "which needs the emerging_optimizers package (Python >= 3.12): pip install emerging-optimizers"
+            ) from e
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        return get_megatron_optimizer(dataclasses.replace(config, optimizer="muon"), model_chunks)
+
+    name_of = {}
+    for chunk in model_chunks:
+        for n, p in chunk.module.named_parameters() if hasattr(chunk, "module") else chunk.named_parameters():
+            name_of[p] = n
+    overrides = get_standard_config_overrides(config)
+    param_groups, buffers = _get_param_groups_and_buffers(
+        model_chunks, 0, config, overrides, lambda g: not g["is_expert_parallel"], "buffers"
+    )
+    if any(g["is_expert_parallel"] and g["params"] for g in _get_param_groups_and_buffers(
+            model_chunks, 0, config, overrides, lambda g: True, "buffers")[0]):
+        raise NotImplementedError("DMuon: expert-parallel params (EP > 1) are not supported yet")
+    inner = OwnerMuonAdamW(
+        _muon_adam_groups(param_groups, name_of),
+        lr=config.lr, weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
+    )
+    model_config = model_chunks[0].config
+    if cfg.mode == "dmuon":
+        opt = DMuonDistributedOptimizer(
+            inner, config, _grad_scaler(config), _init_state_fn,
+            model_chunks=model_chunks,
+            per_model_buffers=buffers,
+            data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+            data_parallel_group_gloo=None,
+            data_parallel_group_idx=parallel_state.get_model_parallel_group().rank(),
+            distributed_optimizer_instance_id=0,
+        )
+        _register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, name_of, model_config, cfg)
+        _register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, name_of, model_config, cfg)
+        opt.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
+    else:  # gather_then_compute: all-reduced grads, every rank orthogonalizes every matrix
+        if config.bf16:
+            opt = Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config), _init_state_fn)
+            _register_matrices(inner, opt.float16_groups, opt.fp32_from_float16_groups, name_of, model_config, cfg)
+            _register_matrices(inner, opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups, name_of, model_config, cfg)
+        else:
+            opt = FP32Optimizer(inner, config, _init_state_fn)
+            groups = [g["params"] for g in inner.param_groups]
+            _register_matrices(inner, groups, groups, name_of, model_config, cfg)
+        opt.grad_stats_parallel_group = parallel_state.get_model_parallel_group()
+    opt.tp_group = parallel_state.get_tensor_model_parallel_group()
+    opt.expert_tp_group = opt.tp_group
+    opt.dmuon_mode = cfg.mode
+    opt.dmuon_inner = inner
+    opt.dmuon_model_chunks = model_chunks
+    return ChainedOptimizer([opt])
+
+
+def _import_distributed_optimizer():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer
+
+
+class DMuonDistributedOptimizer(_import_distributed_optimizer()):
+    """Megatron's DistributedOptimizer whose shards are owner-aligned and whose inner step is the
+    owner step (OwnerMuonAdamW). Everything else (grad copy, norm/clip, zero count, publish via
+    param all-gather, overlap hooks) is inherited unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._check_owner_aligned()
+
+    def _check_owner_aligned(self) -> None:
+        for buffer in self.buffers:
+            if not hasattr(buffer, "param_index_map"):
+                continue
+        for chunk in self.model_chunks:
+            if getattr(chunk, "dmuon_owner_plans", None) is None:
+                raise ValueError(
+                    "DMuon: the model chunk was wrapped with a plain DistributedDataParallel; wrap it "
+                    "with megatron_dmuon.megatron.layout.build_dmuon_ddp(...) so buckets are owner-aligned"
+                )
+
+
+def comm_bytes_per_step(model_chunks, mode: str) -> dict:
+    """Bytes each rank sends per step for grad reduction and param publish (ring algorithms).
+
+    reduce-scatter / all-gather of n elements: (D-1)/D * n per rank; all-reduce: 2(D-1)/D * n.
+    """
+    reduce_b = publish_b = 0.0
+    padded = unpadded = 0
+    for chunk in model_chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            d = buffer.data_parallel_world_size
+            for bucket in buffer.buckets:
+                n = bucket.grad_data.numel()
+                padded += n
+                unpadded += bucket.numel_unpadded
+                gbytes = bucket.grad_data.element_size()
+                if mode == "gather_then_compute":
+                    reduce_b += 2 * (d - 1) / d * n * gbytes
+                else:
+                    pbytes = bucket.param_data.element_size() if bucket.param_data is not None else gbytes
+                    reduce_b += (d - 1) / d * n * gbytes
+                    publish_b += (d - 1) / d * n * pbytes
+    return {"reduce_bytes": reduce_b, "publish_bytes": publish_b, "total_bytes": reduce_b + publish_b,
+            "buffer_numel": padded, "buffer_numel_unpadded": unpadded}

@@ -1,0 +1,246 @@
+"""Owner plan + owner-aligned buffer layout (pure data, deterministic, serializable).
+
+A Megatron buffer is cut into buckets; each bucket is reduce-scattered in D equal shards, shard r
+going to DP rank r. DMuon lays a bucket out so that every Muon matrix lies wholly inside the shard
+of the rank that owns it: the reduce-scatter then *is* reduce-to-owner, and the all-gather of
+params is the owner's publish. Element-wise (AdamW) params fill the space around the owned
+matrices and may straddle shard boundaries, exactly as in Megatron's DistributedOptimizer, which
+keeps padding (and so bytes on the wire) close to AdamW-ZeRO's.
+
+Ownership balances predicted Newton–Schulz cost (not numel) globally across buckets, subject to
+each rank's owned numel in a bucket fitting its shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+PARAM_ALIGN = 64  # Megatron aligns param starts to 64 elements; keeps matrix views GEMM-friendly.
+
+
+def _align(x: int, a: int = PARAM_ALIGN) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamItem:
+    """One parameter of a buffer, in the buffer's parameter order."""
+
+    name: str
+    numel: int
+    is_matrix: bool  # handled by Muon (owned whole by one rank)
+    cost: float = 0.0  # predicted NS cost (FLOPs or seconds); only for matrices
+    shape_key: str = ""  # matrices with equal keys can be batched in one NS call
+    own_bucket: bool = False  # e.g. Megatron's shared embedding: bucket of its own
+
+
+@dataclasses.dataclass
+class BucketLayout:
+    start: int
+    end: int  # padded end; (end - start) % world_size == 0
+    numel_unpadded: int
+    shard_size: int
+
+
+@dataclasses.dataclass
+class OwnerLayout:
+    """Where each param sits in the buffer, which rank owns each matrix, and the buckets."""
+
+    world_size: int
+    param_ranges: Dict[str, Tuple[int, int, int]]  # name -> (start, end, bucket_id)
+    owners: Dict[str, int]  # matrix name -> owning DP rank
+    buckets: List[BucketLayout]
+    rank_cost: List[float]
+
+    @property
+    def numel(self) -> int:
+        return self.buckets[-1].end if self.buckets else 0
+
+    @property
+    def numel_unpadded(self) -> int:
+        return sum(b.numel_unpadded for b in self.buckets)
+
+    def owned_by(self, rank: int) -> List[str]:
+        return [n for n, r in self.owners.items() if r == rank]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "OwnerLayout":
+        d = json.loads(text)
+        return cls(
+            world_size=d["world_size"],
+            param_ranges={k: tuple(v) for k, v in d["param_ranges"].items()},
+            owners=d["owners"],
+            buckets=[BucketLayout(**b) for b in d["buckets"]],
+            rank_cost=d["rank_cost"],
+        )
+
+    def validate(self, items: Sequence[ParamItem]) -> None:
+        """Check the invariants the optimizer relies on; raise AssertionError if broken."""
+        spans = sorted((s, e, n) for n, (s, e, _) in self.param_ranges.items())
+        for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+            assert e0 <= s1, f"params {n0} and {n1} overlap in the buffer"
+        for it in items:
+            s, e, b = self.param_ranges[it.name]
+            assert e - s == it.numel, it.name
+            bucket = self.buckets[b]
+            assert bucket.start <= s and e <= bucket.start + bucket.numel_unpadded + (bucket.end - bucket.start), it.name
+            assert e <= bucket.end, f"{it.name} runs past its bucket"
+            if it.is_matrix:
+                r = self.owners[it.name]
+                lo = bucket.start + r * bucket.shard_size
+                assert lo <= s and e <= lo + bucket.shard_size, f"matrix {it.name} crosses its owner's shard"
+        for bucket in self.buckets:
+            assert (bucket.end - bucket.start) == bucket.shard_size * self.world_size
+
+
+def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world_size: int,
+                   max_padding: float) -> List[List[int]]:
+    """Group param indices (in reverse order, i.e. backprop order, as Megatron does) into buckets.
+
+    A bucket closes once it reaches `bucket_size` *and* its matrices can be spread over the DP
+    ranks with at most `max_padding` extra elements; so buckets grow with D instead of padding.
+    """
+    order = list(range(len(items)))[::-1]
+    buckets: List[List[int]] = []
+    cur: List[int] = []
+
+    def balanced(idx: List[int]) -> bool:
+        total = sum(items[i].numel for i in idx)
+        mats = sorted((items[i].numel for i in idx if items[i].is_matrix), reverse=True)
+        loads = [0] * world_size
+        for m in mats:
+            loads[loads.index(min(loads))] += m
+        shard = max(math.ceil(total / world_size), max(loads) if mats else 0)
+        return shard * world_size <= total * (1.0 + max_padding)
+
+    for i in order:
+        if items[i].own_bucket and cur:
+            buckets.append(cur)
+            cur = []
+        cur.append(i)
+        size = sum(items[j].numel for j in cur)
+        if items[i].own_bucket or (bucket_size is not None and size >= bucket_size and balanced(cur)):
+            buckets.append(cur)
+            cur = []
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _assign_owners(items, bucket_members, world_size, rank_cost):
+    """Cost-aware greedy: heaviest matrix first to the least-loaded rank whose shard still fits it."""
+    total = sum(items[i].numel for i in bucket_members)
+    mats = sorted((i for i in bucket_members if items[i].is_matrix),
+                  key=lambda i: (-items[i].cost, -items[i].numel, items[i].name))
+    # shard must hold the biggest matrix and, ideally, 1/D of the bucket
+    shard = max(math.ceil(total / world_size), max((items[i].numel for i in mats), default=0))
+    owned_numel = [0] * world_size
+    owners = {}
+    for i in mats:
+        it = items[i]
+        fits = [r for r in range(world_size) if owned_numel[r] + _align(it.numel) <= shard + PARAM_ALIGN]
+        pool = fits or list(range(world_size))
+        key = (lambda r: (rank_cost[r], owned_numel[r], r)) if fits else (lambda r: (owned_numel[r], rank_cost[r], r))
+        r = min(pool, key=key)
+        owners[it.name] = r
+        owned_numel[r] += _align(it.numel)
+        rank_cost[r] += it.cost
+    return owners
+
+
+def _place_bucket(items, members, owners, world_size, start) -> Tuple[Dict[str, Tuple[int, int]], int]:
+    """Lay out one bucket; returns ({name: (start, end)}, shard_size)."""
+    mats_of = [[] for _ in range(world_size)]
+    fillers = []
+    for i in members:
+        (mats_of[owners[items[i].name]] if items[i].is_matrix else fillers).append(i)
+    block = [sum(_align(items[i].numel) for i in m) for m in mats_of]
+    total = sum(items[i].numel for i in members)
+    shard = _align(max(math.ceil(total / world_size), max(block)), 1)
+    while True:
+        placed = _try_pour(items, mats_of, block, fillers, world_size, start, shard)
+        if placed is not None:
+            return placed, shard
+        shard += max(PARAM_ALIGN, shard // 64)  # grow a little and retry
+
+
+def _try_pour(items, mats_of, block, fillers, world_size, start, shard):
+    """Pour filler params in order through the buffer; place each rank's matrix block inside its
+    shard as soon as the next filler would no longer leave room for it."""
+    pos: Dict[str, Tuple[int, int]] = {}
+    cursor = start
+    f = 0
+    for r in range(world_size):
+        lo, hi = start + r * shard, start + (r + 1) * shard
+        # fillers that fit before this rank's block
+        while f < len(fillers):
+            n = items[fillers[f]].numel
+            s = _align(cursor) if cursor > lo or r == 0 else cursor
+            s = max(s, cursor)
+            if s + n + (block[r] + (PARAM_ALIGN if block[r] else 0)) <= hi:
+                pos[items[fillers[f]].name] = (s, s + n)
+                cursor = s + n
+                f += 1
+            else:
+                break
+        if block[r]:
+            s = max(_align(cursor), lo)
+            for i in mats_of[r]:
+                pos[items[i].name] = (s, s + items[i].numel)
+                s = _align(s + items[i].numel)
+            cursor = s
+            if cursor > hi:
+                return None
+    # remaining fillers go at the end (the last shard) if room is left
+    while f < len(fillers):
+        n = items[fillers[f]].numel
+        s = cursor
+        if s + n > start + world_size * shard:
+            return None
+        pos[items[fillers[f]].name] = (s, s + n)
+        cursor = s + n
+        f += 1
+    return pos
+
+
+def plan_owner_layout(
+    items: Sequence[ParamItem],
+    world_size: int,
+    bucket_size: Optional[int] = None,
+    max_bucket_padding: float = 0.02,
+    rank_cost: Optional[List[float]] = None,
+) -> OwnerLayout:
+    """Compute the owner plan and owner-aligned layout of one buffer.
+
+    `rank_cost` carries load across buffers (several buffers share the same ranks' NS time).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    names = [it.name for it in items]
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names in a buffer must be unique")
+    for it in items:
+        if it.numel <= 0:
+            raise ValueError(f"parameter {it.name} has numel {it.numel}; expected > 0")
+    rank_cost = rank_cost if rank_cost is not None else [0.0] * world_size
+    buckets: List[BucketLayout] = []
+    param_ranges: Dict[str, Tuple[int, int, int]] = {}
+    owners: Dict[str, int] = {}
+    start = 0
+    for b, members in enumerate(_split_buckets(items, bucket_size, world_size, max_bucket_padding)):
+        bucket_owners = _assign_owners(items, members, world_size, rank_cost)
+        owners.update(bucket_owners)
+        pos, shard = _place_bucket(items, members, bucket_owners, world_size, start)
+        for name, (s, e) in pos.items():
+            param_ranges[name] = (s, e, b)
+        end = start + shard * world_size
+        buckets.append(BucketLayout(start=start, end=end, numel_unpadded=sum(items[i].numel for i in members), shard_size=shard))
+        start = end
+    layout = OwnerLayout(world_size, param_ranges, owners, buckets, list(rank_cost))
+    layout.validate(items)
+    return layout

@@ -1,0 +1,161 @@
+"""The owner step: Muon on the matrices this rank owns (batched by shape), AdamW elsewhere.
+
+`OwnerMuonAdamW` is the *inner* optimizer of the DMuon DistributedOptimizer. Megatron hands it
+1-D fp32 main-param shards; the owner-aligned layout guarantees that every Muon matrix arrives
+whole on exactly one rank, so its shard can be viewed as the full matrix. Matrices (or split
+pieces: QKV blocks, heads) of equal shape are stacked and orthogonalized in ONE batched NS call.
+It subclasses torch.optim.AdamW so element-wise params take torch's exact AdamW code path.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..algorithms.muon import muon_lr_scale, muon_momentum_
+
+NS_METHODS = ("standard", "gram", "auto")
+
+
+@dataclasses.dataclass
+class MuonSettings:
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_method: str = "standard"  # 'standard' | 'gram' | 'auto' (kernels' autotuned choice)
+    coefficients: str = "keller"
+    ns_steps: int = 5
+    ns_dtype: torch.dtype = torch.bfloat16
+    scale_mode: str = "spectral"  # 'spectral' | 'match_rms_adamw' | 'none'
+    extra_scale: float = 1.0
+
+    def validate(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"dmuon momentum must be in [0, 1), got {self.momentum}")
+        if self.ns_method not in NS_METHODS:
+            raise ValueError(f"dmuon ns_method {self.ns_method!r} unknown; valid: {NS_METHODS}")
+        if self.ns_steps < 1:
+            raise ValueError(f"dmuon ns_steps must be >= 1, got {self.ns_steps}")
+        if self.ns_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"dmuon ns_dtype must be a float dtype, got {self.ns_dtype}")
+        from ..algorithms.coefficients import get_coefficients
+
+        get_coefficients(self.coefficients, self.ns_steps)  # raises a clear error if unknown
+        muon_lr_scale(2, 1, self.scale_mode)  # raises if the mode is unknown
+
+
+@dataclasses.dataclass
+class MatrixInfo:
+    name: str
+    shape: Tuple[int, int]
+    split: Optional[object] = None  # algorithms.splitting.SplitRule, or None = whole matrix
+
+
+def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Batched NS over a [B, m, n] stack: the kernels' fast path on CUDA, else the torch path."""
+    method = settings.ns_method
+    kw = dict(coefficients=settings.coefficients, steps=settings.ns_steps, compute_dtype=settings.ns_dtype)
+
+    def orth(stack: torch.Tensor) -> torch.Tensor:
+        if stack.is_cuda:
+            try:
+                from ..kernels import orthogonalize_batched
+            except ImportError:
+                orthogonalize_batched = None
+            if orthogonalize_batched is not None:
+                return orthogonalize_batched(stack, method=method, **kw)
+        from ..algorithms.newton_schulz import orthogonalize
+
+        return orthogonalize(stack, method="standard" if method == "auto" else method, check_finite=False, **kw)
+
+    return orth
+
+
+class OwnerMuonAdamW(torch.optim.AdamW):
+    """Param groups with ``use_muon=True`` get Muon; the others get torch's AdamW."""
+
+    def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
+                 muon: Optional[MuonSettings] = None, orthogonalizer=None):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.muon = muon or MuonSettings()
+        self.muon.validate()
+        self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
+        self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
+        self.stats = defaultdict(int)  # ns_matrices / ns_calls of the last step, and totals
+
+    def register_matrix(self, main_param: torch.Tensor, info: MatrixInfo) -> None:
+        rows, cols = info.shape
+        if main_param.numel() != rows * cols:
+            raise RuntimeError(
+                f"DMuon: rank holds {main_param.numel()} elements of matrix {info.name} "
+                f"{tuple(info.shape)}; the owner-aligned layout must deliver whole matrices"
+            )
+        self.matrix_info[main_param] = info
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        all_groups = self.param_groups
+        adam_groups = [g for g in all_groups if not g.get("use_muon", False)]
+        try:
+            self.param_groups = adam_groups
+            if any(p.grad is not None for g in adam_groups for p in g["params"]):
+                super().step()
+        finally:
+            self.param_groups = all_groups
+        self._muon_step([g for g in all_groups if g.get("use_muon", False)])
+        return loss
+
+    def _muon_step(self, groups) -> None:
+        s = self.muon
+        work = []  # (param, group, info, update pieces)
+        for group in groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                info = self.matrix_info.get(p)
+                if info is None:
+                    raise RuntimeError("DMuon: a Muon param has no registered matrix shape")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                grad = p.grad.view(info.shape)
+                buf = state["momentum_buffer"].view(info.shape)
+                update = muon_momentum_(buf, grad, s.momentum, s.nesterov)
+                pieces = info.split.pieces(update) if info.split is not None else [update]
+                work.append((p, group, info, pieces))
+        # one batched NS call per distinct piece shape
+        by_shape: Dict[Tuple[int, int], List[Tuple[int, int, Optional[int]]]] = defaultdict(list)
+        for wi, (_, _, _, pieces) in enumerate(work):
+            for pi, piece in enumerate(pieces):
+                if piece.dim() == 2:
+                    by_shape[tuple(piece.shape)].append((wi, pi, None))
+                else:
+                    for k in range(piece.shape[0]):
+                        by_shape[tuple(piece.shape[-2:])].append((wi, pi, k))
+        results = [[None] * len(w[3]) for w in work]
+        for shape, refs in by_shape.items():
+            stack = torch.stack([work[wi][3][pi] if k is None else work[wi][3][pi][k] for wi, pi, k in refs])
+            orth = self.orthogonalizer(stack)
+            self.stats["ns_calls"] += 1
+            for j, (wi, pi, k) in enumerate(refs):
+                if k is None:
+                    results[wi][pi] = orth[j]
+                else:
+                    if results[wi][pi] is None:
+                        results[wi][pi] = torch.empty_like(work[wi][3][pi])
+                    results[wi][pi][k] = orth[j]
+        for wi, (p, group, info, pieces) in enumerate(work):
+            lr, wd = group["lr"], group["weight_decay"]
+            if info.split is None:
+                scale = muon_lr_scale(*info.shape, mode=s.scale_mode, extra=s.extra_scale)
+                update = results[wi][0].to(p.dtype)
+            else:
+                scaled = [r.to(p.dtype) * muon_lr_scale(*r.shape[-2:], mode=s.scale_mode, extra=s.extra_scale)
+                          for r in results[wi]]
+                update, scale = info.split.assemble(scaled, like=pieces[0].new_empty(info.shape)), 1.0
+            p.mul_(1 - lr * wd)
+            p.add_(update.reshape(p.shape), alpha=-lr * scale)
+        self.stats["ns_matrices"] = len(work)
+        self.stats["ns_matrices_total"] += len(work)

@@ -1,0 +1,125 @@
+"""Single-process reference for DMuon: plain PyTorch autograd on the same megatron-core GPT,
+the full (global) batch, and the pure update rules from `algorithms` — no DDP, no sharding,
+no batching. Distributed runs must reproduce it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from ..algorithms.adamw import adamw_step_
+from ..algorithms.muon import muon_lr_scale, muon_momentum_
+from ..algorithms.newton_schulz import orthogonalize
+from ..megatron.gpt import causal_batch
+from ..megatron.layout import is_muon_param
+
+
+def param_weight_decay(name: str, param: torch.Tensor, wd: float) -> float:
+    """Megatron's standard override: no weight decay on biases and 1-D params."""
+    return 0.0 if (param.dim() == 1 or name.endswith(".bias")) else wd
+
+
+def gloo_ring_order(chunk: int, world_size: int) -> List[int]:
+    """Order in which gloo's reduce_scatter adds the ranks' values for output shard `chunk`
+    (measured on torch 2.13: x[c-1] + x[c-2] + ... + x[c+1], then x[c] last)."""
+    return [(chunk - k) % world_size for k in range(1, world_size)] + [chunk]
+
+
+def _sum_over_ranks(values: List[torch.Tensor], chunk_of: Optional[torch.Tensor]) -> torch.Tensor:
+    d = len(values)
+    if chunk_of is None or d <= 2:
+        out = values[0]
+        for v in values[1:]:
+            out = out + v
+        return out
+    flat = [v.reshape(-1) for v in values]
+    out = torch.empty_like(flat[0])
+    for c in range(d):
+        mask = chunk_of.reshape(-1) == c
+        if not bool(mask.any()):
+            continue
+        order = gloo_ring_order(c, d)
+        acc = flat[order[0]][mask]
+        for r in order[1:]:
+            acc = acc + flat[r][mask]
+        out[mask] = acc
+    return out.view_as(values[0])
+
+
+def reduce_chunks_from_layout(owner_layouts, named_shapes: Dict[str, torch.Size]) -> Dict[str, torch.Tensor]:
+    """Per-element reduce-scatter shard index of every param, from DMuon's OwnerLayouts."""
+    out = {}
+    for layout in owner_layouts:
+        for name, (start, end, b) in layout.param_ranges.items():
+            bucket = layout.buckets[b]
+            idx = torch.arange(start, end) - bucket.start
+            out[name] = (idx // bucket.shard_size).view(named_shapes[name])
+    return out
+
+
+def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]], steps: int, *,
+                    lr: float, weight_decay: float, adam_betas=(0.9, 0.999), adam_eps=1e-8,
+                    clip_grad: float = 0.0, muon_settings=None,
+                    reduce_chunk_of: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, object]:
+    """`batches_per_step(step)` returns the global batch as [dp rank][micro-batch] token blocks.
+
+    `reduce_chunk_of[name]` (optional) gives, per element, the reduce-scatter shard it lands in;
+    the cross-rank sum then follows gloo's ring order for that shard, so fp32 results can be
+    compared bit-for-bit. Without it ranks are summed in rank order.
+    """
+    s = muon_settings
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    state: Dict[str, dict] = {n: {} for n, _ in named}
+    losses = []
+    for step in range(steps):
+        for _, p in named:
+            p.grad = None
+        per_rank = batches_per_step(step)  # [dp][grad_accum] micro-batches
+        dp = len(per_rank)
+        total_loss, n_micro = 0.0, 0
+        rank_grads = []
+        # Same float order as Megatron DDP: each rank accumulates loss/num_micro grads in fp32,
+        # scales by 1/dp, then the ranks' grads are summed in rank order.
+        for rank_micro in per_rank:
+            for _, p in named:
+                p.grad = None
+            for tokens in rank_micro:
+                batch = causal_batch(tokens)
+                loss_mask = batch.pop("loss_mask")
+                out = model(**batch).float()
+                loss = (out.view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum().clamp(min=1)
+                (loss / len(rank_micro)).backward()
+                total_loss += loss.item()
+                n_micro += 1
+            rank_grads.append({n: p.grad.detach().float() * (1.0 / dp) for n, p in named})
+        grads = {n: _sum_over_ranks([g[n] for g in rank_grads], None if reduce_chunk_of is None
+                                    else reduce_chunk_of[n]) for n, _ in named}
+        losses.append(total_loss / n_micro)
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        if clip_grad > 0:
+            coeff = clip_grad / (norm + 1.0e-6)
+            if coeff < 1.0:
+                grads = {n: g * coeff for n, g in grads.items()}
+        with torch.no_grad():
+            for n, p in named:
+                g, st = grads[n], state[n]
+                wd = param_weight_decay(n, p, weight_decay)
+                if is_muon_param(n, p):
+                    shape = (p.shape[0], p[0].numel())
+                    st.setdefault("momentum", torch.zeros(shape))
+                    upd = muon_momentum_(st["momentum"], g.view(shape), s.momentum, s.nesterov)
+                    method = "standard" if s.ns_method == "auto" else s.ns_method
+                    o = orthogonalize(upd, method=method, coefficients=s.coefficients, steps=s.ns_steps,
+                                      compute_dtype=s.ns_dtype, check_finite=False)
+                    scale = muon_lr_scale(*shape, mode=s.scale_mode, extra=s.extra_scale)
+                    p.mul_(1 - lr * wd)
+                    p.add_(o.view(p.shape).to(p.dtype), alpha=-lr * scale)
+                else:
+                    st.setdefault("exp_avg", torch.zeros_like(p))
+                    st.setdefault("exp_avg_sq", torch.zeros_like(p))
+                    st["step"] = st.get("step", 0) + 1
+                    adamw_step_(p, g, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=lr,
+                                beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps, weight_decay=wd)
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in named}, "grad_norm_last": norm}
