@@ -71,16 +71,15 @@ def newton_schulz_flops(
     _check_dim("steps", steps)
     if method not in FLOP_METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(FLOP_METHODS)}")
-    m = float(min(rows, cols))
-    alpha = max(rows, cols) / m
+    m, n = min(rows, cols), max(rows, cols)
     half = 0.5 if symmetric else 1.0
-    cube = 2.0 * m**3  # FLOPs of one m×m @ m×m product
+    square = 2 * m * m * m  # one m×m @ m×m product (integers: exact for any real shape)
+    wide = 2 * m * m * n  # one m×m @ m×n product, or X Xᵀ
 
-    if method == "gram" and alpha < min_aspect_ratio:
+    if method == "gram" and n / m < min_aspect_ratio:
         method = "standard"
     if method == "standard":
-        per_step = half * alpha + half * 1.0 + alpha  # X Xᵀ, A², B X
-        return steps * per_step * cube
+        return float(steps * (half * wide + half * square + wide))  # X Xᵀ, A², B X
 
     if restart_after is not None:
         r = len(restart_points(restart_after, steps))
@@ -94,4 +93,4 @@ def newton_schulz_flops(
     square_products = 4 * steps - 3 * segments  # R² each step, Q Z', two R-update products
     wide_symmetric = 1 + r  # R₀ and one X Xᵀ per restart
     wide_full = segments  # one Q X per segment
-    return (half * square_products + (half * wide_symmetric + wide_full) * alpha) * cube
+    return float(half * square_products * square + (half * wide_symmetric + wide_full) * wide)
