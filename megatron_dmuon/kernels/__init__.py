@@ -1,1 +1,37 @@
+"""Gram Newton–Schulz kernels: Triton symmetric products, batching, autotuning, CUDA graphs.
 
+Public API (Triton is imported lazily; everything falls back to torch where it cannot run):
+
+* ``gram_newton_schulz_fast(x, ...)`` / ``newton_schulz_fast(x, ...)`` – drop-in fast versions
+  of ``megatron_dmuon.algorithms.gram_newton_schulz`` / ``newton_schulz``.
+* ``orthogonalize_batched(x, method='auto'|'gram'|'standard', **kw)`` – one same-shape stack.
+* ``syrk``, ``sym_poly``, ``sym_axpby``, ``sym_matmul`` – the symmetric-output products.
+* ``graphed_orthogonalize`` / ``GraphedOrthogonalizer`` – CUDA-graph replay for static shapes.
+* ``tune_op``, ``tune_method``, ``AutotuneCache`` – shape-adaptive autotuning (disk cache).
+* ``NONFINITE_METRICS`` – counters of the NaN/Inf → fp32 retry safety net.
+"""
+
+from .autotune import AutotuneCache, default_cache_path, tune_method, tune_op
+from .cuda_graph import GraphedOrthogonalizer, graphed_orthogonalize
+from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched
+from .metrics import NONFINITE_METRICS, nonfinite_metrics, reset_nonfinite_metrics
+from .symmetric_ops import sym_axpby, sym_matmul, sym_poly, syrk
+
+__all__ = [
+    "AutotuneCache",
+    "GraphedOrthogonalizer",
+    "NONFINITE_METRICS",
+    "default_cache_path",
+    "graphed_orthogonalize",
+    "gram_newton_schulz_fast",
+    "newton_schulz_fast",
+    "nonfinite_metrics",
+    "orthogonalize_batched",
+    "reset_nonfinite_metrics",
+    "sym_axpby",
+    "sym_matmul",
+    "sym_poly",
+    "syrk",
+    "tune_method",
+    "tune_op",
+]

@@ -1,0 +1,376 @@
+"""Benchmark of the Gram Newton–Schulz kernels on Qwen2.5-7B layer shapes (JSON + markdown).
+
+    python bench/kernels.py [--out-dir docs] [--name bench_kernels_h200] [--coefficients polar_express]
+                            [--peers .peers] [--cache PATH] [--smoke]
+
+Measures, for each Qwen2.5-7B matrix shape as a batch of 8 (and for one whole layer):
+torch standard NS (algorithms.newton_schulz, bf16), torch Gram NS (algorithms.gram_newton_schulz,
+fp16), our kernel paths (Triton standard / Gram NS, autotuned), and peers when their code is
+present under --peers (never committed): microsoft/dion's Triton NS and X-Square-Robot/dmuon's
+Gram NS. Reports median ms (CUDA events), TFLOP/s of each method's own FLOP count, the FLOP
+lower bound at 790 TFLOP/s, and the relative Frobenius error of matrix 0 vs its exact polar
+factor (float64, eigh of the Gram matrix on the GPU; cross-checked against the SVD once).
+--smoke runs tiny shapes on CPU (torch paths only) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_dmuon.algorithms.flops import newton_schulz_flops  # noqa: E402
+from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz  # noqa: E402
+from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz  # noqa: E402
+from megatron_dmuon.kernels import (  # noqa: E402
+    gram_newton_schulz_fast,
+    graphed_orthogonalize,
+    newton_schulz_fast,
+    nonfinite_metrics,
+    orthogonalize_batched,
+)
+
+PEAK_TFLOPS = 790.0
+QWEN_SHAPES = {  # name: (rows, cols) as stored by the model
+    "q/o": (3584, 3584),
+    "k/v": (512, 3584),
+    "gate/up": (18944, 3584),
+    "down": (3584, 18944),
+}
+# One layer, grouped by the wide shape the owner batches: q,o | k,v | gate,up (transposed),down.
+QWEN_LAYER = {"q,o": (2, 3584, 3584), "k,v": (2, 512, 3584), "gate,up,down": (3, 3584, 18944)}
+SMOKE_SHAPES = {"sq": (48, 48), "kv": (16, 64), "tall": (96, 32), "wide": (32, 96)}
+SMOKE_LAYER = {"sq": (2, 48, 48), "kv": (2, 16, 64), "mlp": (3, 32, 96)}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device, reps=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def polar_fp64(x: torch.Tensor) -> torch.Tensor:
+    """Exact polar factor of one matrix in float64 via eigh of its (small) Gram matrix."""
+    X = x.double()
+    tall = X.size(0) > X.size(1)
+    if tall:
+        X = X.T
+    evals, U = torch.linalg.eigh(X @ X.T)
+    keep = evals > evals.max() * X.size(1) * torch.finfo(torch.float64).eps
+    inv_sqrt = torch.where(keep, evals.clamp(min=1e-300).rsqrt(), torch.zeros_like(evals))
+    P = (U * inv_sqrt) @ (U.T @ X)
+    return P.T if tall else P
+
+
+def rel_err(value: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((value.double() - ref).norm() / ref.norm())
+
+
+def load_peers(peers_dir: Path):
+    peers = {}
+    dion = peers_dir / "dion" / "dion_newton_schulz_triton.py"
+    if dion.exists():
+        try:
+            sys.path.insert(0, str(dion.parent))
+            import dion_newton_schulz_triton as dion_mod
+
+            peers["dion_triton_ns"] = dion_mod.newton_schulz_triton
+        except Exception as exc:  # report, do not fail the benchmark
+            peers["dion_triton_ns"] = f"import failed: {exc}"
+    dmuon = peers_dir / "dmuon_src" / "dmuon"
+    if dmuon.exists():
+        try:
+            sys.path.insert(0, str(dmuon.parent))
+            from dmuon.optim.newton_schulz import gram_newton_schulz as dmuon_gram
+
+            peers["dmuon_gram_ns"] = lambda x: torch.stack([dmuon_gram(m) for m in x]) if x.dim() == 3 else dmuon_gram(x)
+        except Exception as exc:
+            peers["dmuon_gram_ns"] = f"import failed: {exc}"
+    return peers
+
+
+def methods_for(args, device, peers):
+    co = args.coefficients
+    fast = device.type == "cuda"
+    gram_kw = dict(coefficients=co, compute_dtype=torch.float16, check_finite=False)
+    std_kw = dict(coefficients=co, compute_dtype=torch.bfloat16, check_finite=False)
+    methods = {
+        # name: (callable on a [B, m, n] stack, FLOP method, symmetric FLOP count?)
+        "torch_standard_bf16": (lambda x: newton_schulz(x, **std_kw), "standard", False),
+        "torch_gram_fp16": (lambda x: gram_newton_schulz(x, **gram_kw), "gram", False),
+    }
+    if fast:
+        cache = args.cache
+        methods["ours_standard_fp16"] = (
+            lambda x: newton_schulz_fast(x, **dict(std_kw, compute_dtype=torch.float16), cache_path=cache), "standard", True)
+        methods["ours_gram_fp16"] = (lambda x: gram_newton_schulz_fast(x, **gram_kw, cache_path=cache), "gram", True)
+        methods["ours_auto_fp16"] = (
+            lambda x: orthogonalize_batched(x, "auto", **gram_kw, cache_path=cache), "auto", True)
+        methods["ours_auto_fp16_graphed"] = (
+            lambda x: graphed_orthogonalize(x, "auto", **gram_kw, cache_path=cache), "auto", True)
+    for name, fn in peers.items():
+        if callable(fn):
+            methods[f"peer_{name}"] = (fn, "gram" if "gram" in name else "standard", "triton" in name)
+    return methods
+
+
+def flops_of(method, rows, cols, batch, symmetric, steps=5):
+    if method == "auto":
+        # What runs: Gram when the aspect ratio allows it (min_aspect_ratio=2), else standard.
+        method = "gram" if max(rows, cols) / min(rows, cols) >= 2.0 else "standard"
+    return batch * newton_schulz_flops(rows, cols, steps, method, symmetric=symmetric)
+
+
+def lower_bound_ms(rows, cols, batch, steps=5):
+    best = min(newton_schulz_flops(rows, cols, steps, m, symmetric=True, min_aspect_ratio=1.0) for m in ("standard", "gram"))
+    return batch * best / (PEAK_TFLOPS * 1e12) * 1e3
+
+
+def bench_shapes(args, device, methods, report):
+    shapes = SMOKE_SHAPES if args.smoke else QWEN_SHAPES
+    batch = 2 if args.smoke else args.batch
+    rows_out = []
+    for shape_name, (rows, cols) in shapes.items():
+        gen = torch.Generator(device=device).manual_seed(7)
+        x = torch.randn(batch, rows, cols, device=device, generator=gen)
+        polar = polar_fp64(x[0])
+        bound = lower_bound_ms(rows, cols, batch)
+        for name, (fn, fmethod, symmetric) in methods.items():
+            entry = {"shape": shape_name, "rows": rows, "cols": cols, "batch": batch, "method": name}
+            try:
+                out = fn(x)
+                entry["rel_err_vs_polar"] = rel_err(out[0], polar)
+                entry["finite"] = bool(torch.isfinite(out).all())
+                del out
+                entry["ms"] = time_ms(lambda: fn(x), device, reps=args.reps)
+                flops = flops_of(fmethod, rows, cols, batch, symmetric)
+                entry["tflops"] = flops / (entry["ms"] * 1e-3) / 1e12
+                entry["lower_bound_ms"] = bound
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            rows_out.append(entry)
+            print(json.dumps(entry), flush=True)
+        del x, polar
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report["shapes"] = rows_out
+
+
+def bench_layer(args, device, methods, report):
+    layer = SMOKE_LAYER if args.smoke else QWEN_LAYER
+    gen = torch.Generator(device=device).manual_seed(11)
+    stacks = {g: torch.randn(*s, device=device, generator=gen) for g, s in layer.items()}
+    polars = {g: polar_fp64(x[0]) for g, x in stacks.items()}
+    bound = sum(lower_bound_ms(r, c, b) for b, r, c in layer.values())
+    result = {"groups": {g: list(s) for g, s in layer.items()}, "lower_bound_ms": bound, "methods": {}}
+    for name, (fn, _, _) in methods.items():
+        try:
+            errs = {g: rel_err(fn(x)[0], polars[g]) for g, x in stacks.items()}
+            batched = time_ms(lambda: [fn(x) for x in stacks.values()], device, reps=args.reps)
+            looped = time_ms(lambda: [fn(m.unsqueeze(0)) for x in stacks.values() for m in x], device, reps=args.reps) \
+                if "graphed" not in name else None
+            result["methods"][name] = {"batched_ms": batched, "looped_ms": looped, "rel_err_vs_polar": errs,
+                                       "max_rel_err": max(errs.values())}
+        except Exception as exc:
+            result["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        print(name, json.dumps(result["methods"][name]), flush=True)
+    report["layer"] = result
+
+
+def bench_kv_batching(args, device, methods, report):
+    rows, cols = SMOKE_SHAPES["kv"] if args.smoke else QWEN_SHAPES["k/v"]
+    batch = 2 if args.smoke else args.batch
+    x = torch.randn(batch, rows, cols, device=device)
+    result = {}
+    for name, (fn, _, _) in methods.items():
+        if "peer" in name:
+            continue
+        try:
+            batched = time_ms(lambda: fn(x), device, reps=args.reps)
+            looped = time_ms(lambda: [fn(m.unsqueeze(0)) for m in x], device, reps=args.reps) if "graphed" not in name else None
+            result[name] = {"batched_ms": batched, "looped_ms": looped}
+        except Exception as exc:
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    # The headline ratio: our graphed batch vs our own eager per-matrix loop, and vs torch's loop.
+    ours = result.get("ours_auto_fp16_graphed", {}).get("batched_ms")
+    if ours:
+        for ref in ("ours_auto_fp16", "torch_gram_fp16", "torch_standard_bf16"):
+            looped = result.get(ref, {}).get("looped_ms")
+            if looped:
+                result[f"speedup_graphed_batch_vs_{ref}_looped"] = looped / ours
+    report["kv_batch"] = {"rows": rows, "cols": cols, "batch": batch, **result}
+    print(json.dumps(report["kv_batch"]), flush=True)
+
+
+def gemm_ceiling(device, report):
+    if device.type != "cuda":
+        return
+    n = 8192
+    for dtype in (torch.bfloat16, torch.float16):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        ms = time_ms(lambda: a @ b, device, reps=10)
+        report.setdefault("gemm_ceiling_tflops", {})[str(dtype)] = 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def accuracy_checks(args, device, report):
+    """cond-1e6 inputs: no NaN/Inf; and the eigh polar factor vs the SVD one."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    m, n = (16, 64) if args.smoke else (512, 3584)
+    x = torch.randn(2, m, n, device=device, generator=gen)
+    result = {"polar_eigh_vs_svd": rel_err(polar_fp64(x[0]), msgn_svd(x[0]).to(device))}
+    U, _ = torch.linalg.qr(torch.randn(2, m, m, device=device, dtype=torch.float64, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(2, n, m, device=device, dtype=torch.float64, generator=gen))
+    s = torch.logspace(0, -6, m, device=device, dtype=torch.float64)
+    ill = ((U * s) @ V.mT).float()
+    before = nonfinite_metrics()
+    fns = {"torch_gram_fp16": lambda t: gram_newton_schulz(t, args.coefficients, check_finite=False)}
+    if device.type == "cuda":
+        fns["ours_gram_fp16_checked"] = lambda t: gram_newton_schulz_fast(t, args.coefficients, check_finite=True, cache_path=args.cache)
+        fns["ours_gram_fp16_unchecked"] = lambda t: gram_newton_schulz_fast(t, args.coefficients, check_finite=False, cache_path=args.cache)
+    polar = polar_fp64(ill[0].double())
+    for name, fn in fns.items():
+        out = fn(ill)
+        result[f"cond1e6_{name}"] = {"finite": bool(torch.isfinite(out).all()), "rel_err_vs_polar": rel_err(out[0], polar)}
+    after = nonfinite_metrics()
+    result["nonfinite_metrics_delta"] = {k: after[k] - before[k] for k in after}
+    report["accuracy"] = result
+    print(json.dumps(result), flush=True)
+
+
+def autotune_summary(args, report):
+    from megatron_dmuon.kernels.autotune import get_cache
+
+    entries = get_cache(args.cache).entries
+    report["autotune"] = entries
+
+
+def markdown(report) -> str:
+    lines = [f"# Gram NS kernels benchmark ({report['device']})", ""]
+    lines.append(f"torch {report['torch']}, triton {report.get('triton')}, coefficients {report['coefficients']}; "
+                 f"FLOP lower bound at {PEAK_TFLOPS:.0f} TFLOP/s; errors: matrix 0 vs float64 polar factor.")
+    if "gemm_ceiling_tflops" in report:
+        lines.append(f"Measured 8192³ GEMM: " + ", ".join(f"{k}: {v:.0f} TFLOP/s" for k, v in report["gemm_ceiling_tflops"].items()))
+    lines += ["", "## Per shape (batch of %d)" % report.get("batch", 8), "",
+              "| shape | method | ms | TFLOP/s | bound ms | rel err |", "|---|---|---:|---:|---:|---:|"]
+    for e in report.get("shapes", []):
+        if "error" in e:
+            lines.append(f"| {e['shape']} {e['rows']}×{e['cols']} | {e['method']} | error: {e['error'][:60]} | | | |")
+        else:
+            lines.append(f"| {e['shape']} {e['rows']}×{e['cols']} | {e['method']} | {e['ms']:.3f} | {e['tflops']:.0f} | "
+                         f"{e['lower_bound_ms']:.3f} | {e['rel_err_vs_polar']:.4f} |")
+    layer = report.get("layer")
+    if layer:
+        lines += ["", f"## One layer ({', '.join(f'{g} {s}' for g, s in layer['groups'].items())}); "
+                  f"FLOP bound {layer['lower_bound_ms']:.2f} ms", "",
+                  "| method | batched ms | per-matrix loop ms | max rel err |", "|---|---:|---:|---:|"]
+        for name, e in layer["methods"].items():
+            if "error" in e:
+                lines.append(f"| {name} | error: {e['error'][:60]} | | |")
+            else:
+                looped = "—" if e["looped_ms"] is None else f"{e['looped_ms']:.2f}"
+                lines.append(f"| {name} | {e['batched_ms']:.2f} | {looped} | {e['max_rel_err']:.4f} |")
+    kv = report.get("kv_batch")
+    if kv:
+        lines += ["", f"## k/v {kv['rows']}×{kv['cols']}, batch {kv['batch']}: batched vs looped", "",
+                  "| method | batched ms | looped ms |", "|---|---:|---:|"]
+        for name, e in kv.items():
+            if isinstance(e, dict) and "batched_ms" in e:
+                looped = "—" if e["looped_ms"] is None else f"{e['looped_ms']:.3f}"
+                lines.append(f"| {name} | {e['batched_ms']:.3f} | {looped} |")
+        for name, v in kv.items():
+            if name.startswith("speedup"):
+                lines.append(f"\n{name}: **{v:.1f}×**")
+    if "accuracy" in report:
+        lines += ["", "## Accuracy checks", "", "```", json.dumps(report["accuracy"], indent=1), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out-dir", default=str(ROOT / "docs"))
+    parser.add_argument("--name", default="bench_kernels")
+    parser.add_argument("--coefficients", default="polar_express")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--peers", default=str(ROOT / ".peers"))
+    parser.add_argument("--cache", default=None, help="autotune cache file (default: the user cache)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed (checks the script)")
+    parser.add_argument("--sections", default="ceiling,accuracy,shapes,layer,kv")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        print("bench/kernels.py needs a CUDA GPU (use --smoke to check the script on CPU)", file=sys.stderr)
+        return 2
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "triton": triton_version, "coefficients": args.coefficients,
+        "batch": args.batch, "peak_tflops_assumed": PEAK_TFLOPS,
+    }
+    peers = load_peers(Path(args.peers))
+    report["peers"] = {k: (v if isinstance(v, str) else "loaded") for k, v in peers.items()}
+    methods = methods_for(args, device, peers)
+    sections = {
+        "ceiling": lambda: gemm_ceiling(device, report),
+        "accuracy": lambda: accuracy_checks(args, device, report),
+        "shapes": lambda: bench_shapes(args, device, methods, report),
+        "layer": lambda: bench_layer(args, device, methods, report),
+        "kv": lambda: bench_kv_batching(args, device, methods, report),
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for section in args.sections.split(","):
+        t0 = time.time()
+        try:
+            sections[section]()
+        except Exception as exc:
+            report.setdefault("section_errors", {})[section] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        report.setdefault("section_seconds", {})[section] = time.time() - t0
+        autotune_summary(args, report)
+        (out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=str))
+        (out_dir / f"{args.name}.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

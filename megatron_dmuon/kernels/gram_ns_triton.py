@@ -1,0 +1,289 @@
+"""Fast Newton–Schulz drivers: the algorithms' recurrences on the symmetric kernels.
+
+``gram_newton_schulz_fast`` and ``newton_schulz_fast`` keep the contracts of
+``megatron_dmuon.algorithms.gram_newton_schulz`` / ``newton_schulz`` (shape and dtype of x,
+any leading batch dims, tall inputs transposed, zeros → zeros, the same normalisation and
+schedule). With ``backend='torch'`` — or when no GPU/Triton path fits the input — they *are*
+those functions. Otherwise every symmetric product runs on the backend the autotune cache
+chose for this shape (Triton kernel, cuBLAS or quack) and the m×n products ``Q X`` / ``B X``
+on cuBLAS.
+
+Gram recurrence on the fast path (wide X, m <= n), identical in exact arithmetic to the
+algorithms' version (all m×m matrices are polynomials in R₀ and commute):
+
+    R = X Xᵀ                                  syrk
+    per step t with (a, b, c):
+        Z' = b R + c R²                        sym_poly
+        if the segment continues:  W = a R + R Z';  R = a W + W Z'     two sym_axpby
+        Q = a I + Z'  (segment start)  |  Q = a Q + Q Z'               sym_axpby
+        after a restart step:  X = Q X;  R = X Xᵀ;  Q = I
+    result Q X
+
+``check_finite=True`` validates the input (ValueError on NaN/Inf, as the algorithms do) and
+checks every output matrix: one holding NaN/Inf is recomputed by the float32 torch path and
+counted in ``metrics.NONFINITE_METRICS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from . import symmetric_ops
+from .autotune import ShapePlan, cached_method, shape_plan
+from .metrics import NONFINITE_METRICS
+
+__all__ = [
+    "gram_newton_schulz_fast", "newton_schulz_fast", "orthogonalize_batched", "fast_path_usable",
+    "resolve_method", "default_method",
+]
+
+FAST_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+METHODS: tuple[str, ...] = ("auto", "gram", "standard")
+
+
+def fast_path_usable(x: Tensor, compute_dtype: torch.dtype) -> bool:
+    """Whether the kernel path can run: fp16/bf16 compute on a usable GPU (or the interpreter)."""
+    return compute_dtype in symmetric_ops.TRITON_DTYPES and symmetric_ops.triton_usable(
+        torch.empty(0, dtype=compute_dtype, device=x.device)
+    )
+
+
+def _sym(choice, a, b, *, c=None, alpha=1.0, beta=0.0) -> Tensor:
+    out = torch.empty((*a.shape[:-1], a.shape[-2]), dtype=a.dtype, device=a.device)
+    return symmetric_ops.sym_matmul(a, b, c=c, alpha=alpha, beta=beta, out=out, backend=choice.backend, config=choice.config)
+
+
+def _normalised_wide(stack: Tensor, compute_dtype: torch.dtype, eps: float) -> tuple[Tensor, bool]:
+    """The algorithms' normalisation (same stage dtype, norm and clamp), written to a
+    contiguous wide [B, m, n] buffer in one pass so the kernels read row-major operands."""
+    stage_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
+    staged = stack.to(stage_dtype)
+    transposed = stack.size(-2) > stack.size(-1)
+    wide = staged.mT if transposed else staged
+    norm = wide.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    out = torch.empty(wide.shape, dtype=compute_dtype, device=stack.device)
+    torch.div(wide, norm, out=out)
+    return out, transposed
+
+
+def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan) -> Tensor:
+    """Gram NS on a normalised wide [B, m, n] stack; returns Q X in X's dtype."""
+    steps = len(schedule)
+    R = _sym(plan.syrk, X, X.mT)
+    Q = None  # the identity at the start of a segment
+    for t, (a, b, c) in enumerate(schedule, start=1):
+        Z = _sym(plan.square, R, R, c=R, alpha=c, beta=b)  # Z' = b R + c R²
+        if not (t in restarts or t == steps):
+            W = _sym(plan.square, R, Z, c=R, beta=a)  # R Z = a R + R Z'
+            R = _sym(plan.square, W, Z, c=W, beta=a)  # Z R Z = a W + W Z'
+        if Q is None:
+            Q = Z
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = a I + Z' (Z' is not needed any more)
+        else:
+            Q = _sym(plan.square, Q, Z, c=Q, beta=a)  # Q Z = a Q + Q Z'
+        if t in restarts:
+            X = torch.bmm(Q, X)
+            R = _sym(plan.syrk, X, X.mT)
+            Q = None
+    return torch.bmm(Q, X)
+
+
+def standard_core(X: Tensor, schedule, plan: ShapePlan) -> Tensor:
+    """Standard NS on a normalised wide [B, m, n] stack: X <- a X + (b A + c A²) X, A = X Xᵀ."""
+    for a, b, c in schedule:
+        A = _sym(plan.syrk, X, X.mT)
+        B = _sym(plan.square, A, A, c=A, alpha=c, beta=b)
+        X = torch.baddbmm(X, B, X, beta=a)
+    return X
+
+
+def _algorithms():
+    from ..algorithms import gram_newton_schulz as gram_module
+    from ..algorithms import newton_schulz as ns_module
+
+    return ns_module, gram_module
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in FAST_BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(FAST_BACKENDS)}; got {backend!r}")
+
+
+def _retry_nonfinite(result: Tensor, x: Tensor, recompute) -> Tensor:
+    """Replace every matrix of ``result`` that holds NaN/Inf by ``recompute(x_subset)`` (fp32)."""
+    flat = result.reshape(-1, result.size(-2), result.size(-1))
+    finite = torch.isfinite(flat).flatten(1).all(dim=1)
+    NONFINITE_METRICS["outputs_checked"] += flat.size(0)
+    bad = (~finite).nonzero().flatten().tolist()
+    if not bad:
+        return result
+    NONFINITE_METRICS["nonfinite_outputs"] += len(bad)
+    x_flat = x.reshape(-1, x.size(-2), x.size(-1))
+    index = torch.tensor(bad, device=result.device)
+    fixed = recompute(x_flat[index]).to(result.dtype)
+    NONFINITE_METRICS["fp32_retries"] += len(bad)
+    flat = flat.clone()
+    flat[index] = fixed
+    return flat.reshape(result.shape)
+
+
+def _finish(out_wide: Tensor, transposed: bool, x: Tensor) -> Tensor:
+    out = out_wide.mT if transposed else out_wide
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def newton_schulz_fast(
+    x: Tensor,
+    coefficients="keller",
+    steps: int = 5,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+    safety: float = 1.01,
+    check_finite: bool = False,
+    backend: str = "auto",
+    autotune: bool = True,
+    cache_path=None,
+) -> Tensor:
+    """Standard NS with symmetric kernels for A = X Xᵀ and b A + c A²; contract of
+    ``algorithms.newton_schulz`` (its default compute dtype bf16 too). ``cache_path``
+    overrides the autotune cache location."""
+    ns_module, _ = _algorithms()
+    _check_backend(backend)
+    ns_module.validate_matrix_input(x, check_finite)
+    ns_module.validate_compute_dtype(compute_dtype)
+    ns_module.validate_eps(eps)
+    schedule = ns_module.get_coefficients(coefficients, steps, safety)
+    usable = fast_path_usable(x, compute_dtype)
+    if backend == "triton" and not usable:
+        raise ValueError(
+            f"backend='triton' needs compute_dtype float16/bfloat16 (got {compute_dtype}) and a CUDA GPU of "
+            f"compute capability >= 8.0 or TRITON_INTERPRET=1 (x is on {x.device}); use backend='torch'"
+        )
+    torch_kwargs = dict(coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False)
+    if backend == "torch" or not usable or x.numel() == 0:
+        return ns_module.newton_schulz(x, **torch_kwargs)
+
+    stack = x.reshape(-1, x.size(-2), x.size(-1))
+    X, transposed = _normalised_wide(stack, compute_dtype, eps)
+    plan = shape_plan(
+        X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
+        autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
+    )
+    out = _finish(standard_core(X, schedule, plan), transposed, x)
+    if check_finite:
+        fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
+        out = _retry_nonfinite(out, x, lambda sub: ns_module.newton_schulz(sub, **fp32_kwargs))
+    return out
+
+
+def gram_newton_schulz_fast(
+    x: Tensor,
+    coefficients="keller",
+    steps: int = 5,
+    compute_dtype: torch.dtype = torch.float16,
+    eps: float = 1e-7,
+    safety: float = 1.01,
+    restart_after: Iterable[int] = (2,),
+    min_aspect_ratio: float = 2.0,
+    check_finite: bool = False,
+    backend: str = "auto",
+    autotune: bool = True,
+    cache_path=None,
+) -> Tensor:
+    """Gram NS with symmetric kernels; contract of ``algorithms.gram_newton_schulz``.
+
+    Args (beyond the algorithms' ones):
+        check_finite: validate the input and retry non-finite output matrices in fp32 (syncs).
+        backend: 'auto' (kernels when usable, per-op choice from the autotune cache),
+            'triton' (force the Triton kernel for every symmetric product), 'torch'.
+        autotune: tune and cache kernel choices for unseen shapes (CUDA only); False uses the
+            cached choice if any was loaded already, else default Triton configs.
+        cache_path: autotune cache file (default ``$DMUON_AUTOTUNE_CACHE`` or
+            ``~/.cache/megatron_dmuon/autotune.json``).
+    """
+    ns_module, gram_module = _algorithms()
+    _check_backend(backend)
+    ns_module.validate_matrix_input(x, check_finite)
+    ns_module.validate_compute_dtype(compute_dtype)
+    ns_module.validate_eps(eps)
+    schedule = ns_module.get_coefficients(coefficients, steps, safety)
+    restart_after = tuple(restart_after)
+    restarts = gram_module.restart_points(restart_after, steps)
+    if not (float(min_aspect_ratio) >= 1.0):
+        raise ValueError(f"min_aspect_ratio must be >= 1.0, got {min_aspect_ratio!r}")
+    usable = fast_path_usable(x, compute_dtype)
+    if backend == "triton" and not usable:
+        raise ValueError(
+            f"backend='triton' needs compute_dtype float16/bfloat16 (got {compute_dtype}) and a CUDA GPU of "
+            f"compute capability >= 8.0 or TRITON_INTERPRET=1 (x is on {x.device}); use backend='torch'"
+        )
+    torch_kwargs = dict(
+        coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps,
+        restart_after=restart_after, min_aspect_ratio=min_aspect_ratio, check_finite=False,
+    )
+    if backend == "torch" or not usable or x.numel() == 0:
+        return gram_module.gram_newton_schulz(x, **torch_kwargs)
+
+    rows, cols = x.size(-2), x.size(-1)
+    if max(rows, cols) / min(rows, cols) < min_aspect_ratio:
+        # As the algorithms do: near-square matrices run standard NS (same schedule and dtype).
+        return newton_schulz_fast(
+            x, schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=check_finite,
+            backend=backend, autotune=autotune, cache_path=cache_path,
+        )
+    stack = x.reshape(-1, rows, cols)
+    X, transposed = _normalised_wide(stack, compute_dtype, eps)
+    plan = shape_plan(
+        X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
+        autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
+    )
+    out = _finish(gram_core(X, schedule, restarts, plan), transposed, x)
+    if check_finite:
+        fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
+        out = _retry_nonfinite(out, x, lambda sub: gram_module.gram_newton_schulz(sub, **fp32_kwargs))
+    return out
+
+
+def default_method(rows: int, cols: int, steps: int = 5, restart_after=(2,), min_aspect_ratio: float = 2.0) -> str:
+    """FLOP-based choice (symmetric kernels): Gram when it needs fewer FLOPs, else standard."""
+    from ..algorithms.flops import newton_schulz_flops
+
+    gram = newton_schulz_flops(rows, cols, steps, "gram", symmetric=True, restart_after=restart_after,
+                               min_aspect_ratio=min_aspect_ratio)
+    standard = newton_schulz_flops(rows, cols, steps, "standard", symmetric=True)
+    return "gram" if gram < standard else "standard"
+
+
+def resolve_method(x: Tensor, method: str, kwargs: dict) -> str:
+    """'gram' or 'standard' for this stack: explicit, else the autotune cache's, else by FLOPs."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method != "auto":
+        return method
+    rows, cols = x.size(-2), x.size(-1)
+    steps = kwargs.get("steps", 5)
+    batch = x.numel() // max(rows * cols, 1)
+    dtype = kwargs.get("compute_dtype", torch.float16)
+    cached = cached_method(min(rows, cols), max(rows, cols), batch, dtype, x.device, steps, kwargs.get("cache_path"))
+    if cached is not None:
+        return cached
+    return default_method(rows, cols, steps, kwargs.get("restart_after", (2,)), kwargs.get("min_aspect_ratio", 2.0))
+
+
+def orthogonalize_batched(x: Tensor, method: str = "auto", **kwargs) -> Tensor:
+    """Orthogonalize a same-shape stack [B, m, n] (any leading dims) in one batched call.
+
+    method: 'gram', 'standard', or 'auto' = the autotune cache's measured choice for this
+    (GPU, shape, batch, dtype), else the FLOP-based ``default_method``. ``kwargs`` go to
+    ``gram_newton_schulz_fast`` / ``newton_schulz_fast`` (each keeps its own default
+    compute dtype: fp16 for Gram, bf16 for standard); Gram-only keys are dropped for standard.
+    """
+    if not isinstance(x, Tensor) or x.ndim < 2:
+        raise ValueError(f"x must be a tensor [..., m, n]; got {getattr(x, 'shape', type(x))}")
+    if resolve_method(x, method, kwargs) == "gram":
+        return gram_newton_schulz_fast(x, **kwargs)
+    standard_kwargs = {k: v for k, v in kwargs.items() if k not in ("restart_after", "min_aspect_ratio")}
+    return newton_schulz_fast(x, **standard_kwargs)

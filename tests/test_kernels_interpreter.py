@@ -1,0 +1,203 @@
+"""The Triton kernels on CPU through Triton's interpreter (TRITON_INTERPRET=1), vs the torch path.
+
+The interpreter is chosen when a kernel is decorated, i.e. when the kernel module is first
+imported; another test may already have imported it compiled in this process. So the parent
+test re-runs this file in a fresh child process with TRITON_INTERPRET=1 and checks that every
+child test passed; in the parent the child tests are skipped.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CHILD_ENV = "DMUON_KERNELS_INTERPRETER_CHILD"
+IN_CHILD = os.environ.get(CHILD_ENV) == "1"
+child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
+
+# Small tiles keep the interpreter fast and exercise partial tiles on tiny matrices.
+TILE_CONFIGS = [(16, 16, 16), (32, 16, 16), (16, 32, 32)]
+
+
+def test_interpreter_child_process_passes():
+    if IN_CHILD:
+        pytest.skip("this is the child")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
+    env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600,
+    )
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", summary)
+    expected = sum(1 for name in globals() if name.startswith("test_child_"))
+    assert passed and int(passed.group(1)) >= expected, summary
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _kernel_config(bm, bn, bk):
+    from megatron_dmuon.kernels.triton_symmetric import KernelConfig
+
+    return KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=1, group=2)
+
+
+@child_only
+def test_child_interpreter_is_active():
+    from megatron_dmuon.kernels.triton_symmetric import _sym_mm_kernel, interpreter_active
+
+    assert interpreter_active()
+    assert "Interpret" in type(_sym_mm_kernel).__name__
+
+
+@child_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tiles", TILE_CONFIGS)
+def test_child_syrk_matches_torch(dtype, tiles):
+    from megatron_dmuon.kernels import syrk
+
+    gen = torch.Generator().manual_seed(sum(tiles))
+    for batch, m, k in [(2, 40, 72), (1, 17, 20), (3, 32, 48)]:
+        x = torch.randn(batch, m, k, generator=gen).to(dtype)
+        out = torch.full((batch, m, m), float("nan"), dtype=dtype)  # poison: every element must be written
+        syrk(x, out=out, backend="triton", config=_kernel_config(*tiles))
+        ref = syrk(x, backend="torch")
+        tol = 2e-3 if dtype == torch.float16 else 1e-2
+        assert torch.isfinite(out).all()
+        assert _rel(out, ref) < tol, (batch, m, k)
+        assert torch.equal(out, out.mT)
+
+
+@child_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_child_poly_and_axpby_match_torch(dtype):
+    from megatron_dmuon.kernels import sym_axpby, sym_poly
+
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(2, 36, 36, generator=gen)
+    r = ((g + g.mT) / (2 * 36)).to(dtype)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    for tiles in TILE_CONFIGS:
+        cfg = _kernel_config(*tiles)
+        p = sym_poly(r, -4.775, 2.0315, diag=3.4445, backend="triton", config=cfg)
+        assert _rel(p, sym_poly(r, -4.775, 2.0315, diag=3.4445, backend="torch")) < tol
+        z = sym_poly(r, 1.5, 0.5, backend="triton", config=cfg)
+        q = sym_axpby(r, z, 3.0, backend="triton", config=cfg)
+        assert _rel(q, sym_axpby(r, z, 3.0, backend="torch")) < tol
+        assert torch.equal(q, q.mT) and torch.equal(p, p.mT)
+
+
+@child_only
+def test_child_transposed_operand_strides():
+    """A tall matrix's wide view (column-major) goes to the kernel without a copy."""
+    from megatron_dmuon.kernels import syrk
+
+    tall = torch.randn(2, 50, 24).half()
+    wide = tall.mT
+    assert not wide.is_contiguous()
+    out = syrk(wide, backend="triton", config=_kernel_config(16, 16, 16))
+    assert _rel(out, syrk(wide.contiguous(), backend="torch")) < 2e-3
+
+
+@child_only
+@pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
+@pytest.mark.parametrize("shape", [(2, 24, 80), (3, 96, 40), (2, 2, 16, 48)])
+def test_child_gram_fast_matches_torch_gram_fp16(shape, coefficients):
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
+    from megatron_dmuon.algorithms.newton_schulz import msgn_svd
+    from megatron_dmuon.kernels import gram_newton_schulz_fast
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))
+    fast = gram_newton_schulz_fast(x, coefficients, backend="triton")
+    ref = gram_newton_schulz(x, coefficients)
+    assert fast.shape == x.shape and fast.dtype == x.dtype
+    assert _rel(fast, ref) < 0.02
+    exact = msgn_svd(x)
+    # Within the fp16 Gram NS accuracy of the reference path (docs/algorithms.md bounds).
+    assert _rel(fast, exact) <= _rel(ref, exact) + 0.01
+    if coefficients == "polar_express":
+        assert _rel(fast, exact) < 0.12
+
+
+@child_only
+def test_child_gram_fast_bf16_and_restarts():
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
+    from megatron_dmuon.algorithms.newton_schulz import msgn_svd
+    from megatron_dmuon.kernels import gram_newton_schulz_fast
+
+    x = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(9))
+    exact = msgn_svd(x)
+    fast = gram_newton_schulz_fast(x, "polar_express", compute_dtype=torch.bfloat16, backend="triton")
+    ref = gram_newton_schulz(x, "polar_express", compute_dtype=torch.bfloat16)
+    assert abs(_rel(fast, exact) - _rel(ref, exact)) < 0.05  # bf16 rounding differs; accuracy does not
+    for restarts in [(), (1, 3), (2, 4)]:
+        fast = gram_newton_schulz_fast(x, "polar_express", restart_after=restarts, backend="triton")
+        ref = gram_newton_schulz(x, "polar_express", restart_after=restarts)
+        assert _rel(fast, ref) < 0.02, restarts
+
+
+@child_only
+def test_child_standard_fast_and_auto_dispatch():
+    from megatron_dmuon.algorithms.newton_schulz import newton_schulz
+    from megatron_dmuon.kernels import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched
+
+    sq = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(2))
+    fast = newton_schulz_fast(sq, "polar_express", compute_dtype=torch.float16, backend="triton")
+    assert _rel(fast, newton_schulz(sq, "polar_express", compute_dtype=torch.float16)) < 0.02
+    # Gram on a near-square matrix runs standard NS, as the algorithms do.
+    assert torch.equal(gram_newton_schulz_fast(sq, "polar_express"), fast)
+    kv = torch.randn(2, 16, 64)
+    assert torch.equal(orthogonalize_batched(kv, "auto"), gram_newton_schulz_fast(kv))
+
+
+@child_only
+def test_child_ill_conditioned_and_zero_inputs_stay_finite():
+    from megatron_dmuon.kernels import gram_newton_schulz_fast, nonfinite_metrics
+
+    gen = torch.Generator().manual_seed(4)
+    U, _ = torch.linalg.qr(torch.randn(2, 32, 32, dtype=torch.float64, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(2, 96, 32, dtype=torch.float64, generator=gen))
+    x = ((U * torch.logspace(0, -6, 32, dtype=torch.float64)) @ V.mT).float()  # cond 1e6
+    before = nonfinite_metrics()["outputs_checked"]
+    for co in ("keller", "polar_express"):
+        out = gram_newton_schulz_fast(x, co, backend="triton", check_finite=True)
+        assert torch.isfinite(out).all()
+    assert nonfinite_metrics()["outputs_checked"] == before + 4
+    zeros = gram_newton_schulz_fast(torch.zeros(2, 16, 48), backend="triton")
+    assert torch.equal(zeros, torch.zeros(2, 16, 48))
+
+
+@child_only
+def test_child_nonfinite_output_is_retried_in_fp32(monkeypatch):
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
+    from megatron_dmuon.kernels import gram_ns_triton, gram_newton_schulz_fast, nonfinite_metrics
+
+    real_core = gram_ns_triton.gram_core
+
+    def core_with_overflow(X, *args):
+        out = real_core(X, *args)
+        out[1, 0, 0] = float("inf")  # as if fp16 had overflowed in matrix 1
+        return out
+
+    monkeypatch.setattr(gram_ns_triton, "gram_core", core_with_overflow)
+    x = torch.randn(3, 16, 48, generator=torch.Generator().manual_seed(8))
+    before = nonfinite_metrics()
+    out = gram_newton_schulz_fast(x, "polar_express", backend="triton", check_finite=True)
+    after = nonfinite_metrics()
+    assert torch.isfinite(out).all()
+    assert after["nonfinite_outputs"] - before["nonfinite_outputs"] == 1
+    assert after["fp32_retries"] - before["fp32_retries"] == 1
+    fp32 = gram_newton_schulz(x[1:2], "polar_express", compute_dtype=torch.float32)
+    assert torch.equal(out[1:2], fp32)
+    monkeypatch.setattr(gram_ns_triton, "gram_core", real_core)
+    clean = gram_newton_schulz_fast(x, "polar_express", backend="triton")
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+    unchecked = gram_newton_schulz_fast(x, "polar_express", backend="triton", check_finite=False)
+    assert nonfinite_metrics()["outputs_checked"] == after["outputs_checked"] and torch.isfinite(unchecked).all()
