@@ -10,7 +10,7 @@ matrices) is run as ONE batched call on a ``[K, R, C]`` stack; the "one layer to
 the calls. FLOPs come from ``megatron_dmuon.algorithms.flops.newton_schulz_flops`` (full GEMMs).
 
     python bench/ns.py [--shapes 3584x3584x2,512x3584x2] [--reps 20] [--dtype default|bfloat16|float16|float32]
-                       [--steps 5] [--coefficients keller] [--scale 1] [--check-finite]
+                       [--steps 5] [--coefficients keller] [--scale 1] [--check-finite] [--threads N]
 
 ``--dtype default`` uses each function's own default compute dtype (bf16 standard, fp16 Gram).
 Needs only torch (no megatron import): runs on the device image (torch 2.11, Python 3.12).
@@ -80,7 +80,11 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=None, help="divide every dim by this (cpu default 8)")
     ap.add_argument("--methods", default="standard,gram")
     ap.add_argument("--check-finite", action="store_true", help="include the NaN/Inf check (a host sync)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 avoids OpenMP contention on a busy machine)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_cuda = device.type == "cuda"
@@ -123,7 +127,7 @@ def main() -> None:
     totals = {m: sum(r["ms_per_call"] for r in results if r["method"] == m) for m in methods}
     report = {
         "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
-        "torch": torch.__version__, "reps": reps, "warmup": warmup, "scale": scale,
+        "torch": torch.__version__, "cpu_threads": torch.get_num_threads(), "reps": reps, "warmup": warmup, "scale": scale,
         "steps": args.steps, "coefficients": args.coefficients, "check_finite": args.check_finite,
         "results": results, "one_layer_total_ms": totals,
     }
