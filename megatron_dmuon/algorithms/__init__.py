@@ -1,13 +1,17 @@
 """Pure tensor math: Newton–Schulz variants, Muon/AdamW rules, parameter splitting, FLOP model.
 
 No process groups and no megatron imports here.
+
+``newton_schulz`` and ``gram_newton_schulz`` are deliberately not re-exported: their names are
+also submodule names, and a package attribute holding the function would shadow the module
+(breaking ``import megatron_dmuon.algorithms.newton_schulz as m`` and ``mock.patch`` paths).
+Import them from their modules, or call ``orthogonalize(x, method=...)``.
 """
 from .adamw import adamw_step_
 from .coefficients import COEFFICIENT_SETS, get_coefficients
 from .flops import newton_schulz_flops
-from .gram_newton_schulz import gram_newton_schulz
 from .muon import LR_SCALE_MODES, muon_apply_, muon_lr_scale, muon_momentum_, muon_step_
-from .newton_schulz import ORTHOGONALIZE_METHODS, msgn_svd, newton_schulz, newton_schulz_reference, orthogonalize
+from .newton_schulz import ORTHOGONALIZE_METHODS, msgn_svd, newton_schulz_reference, orthogonalize
 from .ns_metrics import orthogonalization_errors
 from .splitting import (
     SPLIT_KINDS,
