@@ -45,7 +45,7 @@ def megatron_adam_dp(rank, world_size, steps=6, grad_accum=2, mbs=2):
 
 
 # ---------------------------------------------------------------- DMuon vs single-process reference
-DEFAULTS = dict(lr=2e-2, weight_decay=0.1, clip_grad=1.0, steps=10, grad_accum=2, mbs=2)
+DEFAULTS = dict(lr=2e-2, weight_decay=0.1, clip_grad=0.0, steps=10, grad_accum=2, mbs=2)
 
 
 def _muon_settings(ns_dtype="float32", ns_method="standard"):
@@ -60,8 +60,15 @@ def _shape(**kw):
     return GPTShape(**kw)
 
 
+def _freeze(model, freeze):
+    if freeze:
+        for n, p in model.named_parameters():
+            if freeze in n:
+                p.requires_grad_(False)
+
+
 def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
-             return_params=True, **kw):
+             return_params=True, freeze=None, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) at DP=world_size; report everything."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -75,6 +82,7 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
     init_parallel()
     shape = _shape(**(shape_kw or {}))
     model = build_gpt(shape)
+    _freeze(model, freeze)
     dist_opt = mode == "dmuon" or mode == "adam"
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True,
@@ -119,18 +127,18 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
 
     out = {
         "losses": losses, "grad_norms": grad_norms, "ns_counts": ns_counts,
-        "num_matrices": sum(is_muon_param(n, p) for n, p in ddp.module.named_parameters()),
+        "num_matrices": sum(is_muon_param(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad),
         "bytes": comm_bytes_per_step([ddp], "gather_then_compute" if mode == "gather_then_compute" else "dmuon"),
     }
     if return_params:
-        out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters() if p.requires_grad}
     if mode == "dmuon":
         out["owners"] = {str(k): v.owners for k, v in ddp.dmuon_owner_plans.items()}
         out["layouts"] = [v.to_json() for v in ddp.dmuon_owner_plans.values()]
     return out
 
 
-def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, **kw):
+def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None, **kw):
     """The single-process reference for a DP=`dp` run (world_size must be 1)."""
     from megatron_dmuon.megatron.gpt import build_gpt
     from megatron_dmuon.testing.reference import reference_train
@@ -140,6 +148,7 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
     init_parallel()
     shape = _shape(**(shape_kw or {}))
     model = build_gpt(shape)
+    _freeze(model, freeze)
 
     def batches(step):
         return [[synthetic_tokens(step, m, r, o["mbs"], shape.seq_length, shape.vocab_size)

@@ -72,7 +72,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
     s = muon_settings
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     state: Dict[str, dict] = {n: {} for n, _ in named}
-    losses = []
+    losses, grad_norms = [], []
     for step in range(steps):
         for _, p in named:
             p.grad = None
@@ -97,7 +97,8 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
         grads = {n: _sum_over_ranks([g[n] for g in rank_grads], None if reduce_chunk_of is None
                                     else reduce_chunk_of[n]) for n, _ in named}
         losses.append(total_loss / n_micro)
-        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+        grad_norms.append(norm)
         if clip_grad > 0:
             coeff = clip_grad / (norm + 1.0e-6)
             if coeff < 1.0:
@@ -122,4 +123,4 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                     st["step"] = st.get("step", 0) + 1
                     adamw_step_(p, g, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=lr,
                                 beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps, weight_decay=wd)
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in named}, "grad_norm_last": norm}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in named}, "grad_norms": grad_norms}
