@@ -96,10 +96,10 @@ def rel_err(value: torch.Tensor, ref: torch.Tensor) -> float:
     return float((value.double() - ref).norm() / ref.norm())
 
 
-def load_peers(peers_dir: Path):
+def load_peers(peers_dir: Path, wanted=("dion", "dmuon")):
     peers = {}
     dion = peers_dir / "dion" / "dion_newton_schulz_triton.py"
-    if dion.exists():
+    if dion.exists() and "dion" in wanted:
         try:
             sys.path.insert(0, str(dion.parent))
             import dion_newton_schulz_triton as dion_mod
@@ -108,7 +108,7 @@ def load_peers(peers_dir: Path):
         except Exception as exc:  # report, do not fail the benchmark
             peers["dion_triton_ns"] = f"import failed: {exc}"
     dmuon = peers_dir / "dmuon_src" / "dmuon"
-    if dmuon.exists():
+    if dmuon.exists() and "dmuon" in wanted:
         try:
             sys.path.insert(0, str(dmuon.parent))
             from dmuon.optim.newton_schulz import gram_newton_schulz as dmuon_gram
@@ -185,6 +185,20 @@ def bench_shapes(args, device, methods, report):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     report["shapes"] = rows_out
+
+
+def tune_layer_methods(args, device, report):
+    """Measure Gram vs standard for the layer's stacks so 'ours_auto' uses the measured choice."""
+    if device.type != "cuda":
+        return
+    from megatron_dmuon.kernels import tune_method
+
+    layer = SMOKE_LAYER if args.smoke else QWEN_LAYER
+    report["method_tuning"] = {
+        g: tune_method(m, n, b, torch.float16, device, coefficients=args.coefficients, cache_path=args.cache)
+        for g, (b, m, n) in layer.items()
+    }
+    print(json.dumps(report["method_tuning"]), flush=True)
 
 
 def bench_layer(args, device, methods, report):
@@ -313,6 +327,25 @@ def markdown(report) -> str:
         for name, v in kv.items():
             if name.startswith("speedup"):
                 lines.append(f"\n{name}: **{v:.1f}×**")
+    if report.get("method_tuning"):
+        lines += ["", "## Measured Gram vs standard (our kernels)", "", "| group | choice | ms per method | error vs torch path |",
+                  "|---|---|---|---|"]
+        for g, e in report["method_tuning"].items():
+            times = ", ".join(f"{k} {v:.3f}" for k, v in e["time_ms"].items())
+            errs = ", ".join(f"{k} {v:.4f}" for k, v in e["error_vs_torch"].items())
+            lines.append(f"| {g} | {e['method']} | {times} | {errs} |")
+    ops = {k: v for k, v in report.get("autotune", {}).items() if k.startswith("op|")}
+    if ops:
+        lines += ["", "## Autotuned symmetric products", "",
+                  "| product | choice | ms | best Triton ms | cuBLAS ms |", "|---|---|---:|---:|---:|"]
+        for key, e in sorted(ops.items()):
+            _, _, op, m, k, b, dt = key.split("|")
+            tri = [c["time_ms"] for c in e["candidates"] if c["backend"] == "triton" and "time_ms" in c]
+            cub = [c["time_ms"] for c in e["candidates"] if c["backend"] == "cublas" and "time_ms" in c]
+            cfg = e["choice"]["config"]
+            desc = e["choice"]["backend"] + ("" if not cfg else " {block_m}x{block_n}x{block_k} w{num_warps} s{num_stages}".format(**cfg))
+            lines.append(f"| {op} {m} {k} {b} {dt} | {desc} | {e['time_ms']:.4f} | "
+                         f"{min(tri) if tri else float('nan'):.4f} | {min(cub) if cub else float('nan'):.4f} |")
     if "accuracy" in report:
         lines += ["", "## Accuracy checks", "", "```", json.dumps(report["accuracy"], indent=1), "```"]
     return "\n".join(lines) + "\n"
@@ -326,9 +359,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--peers", default=str(ROOT / ".peers"))
+    parser.add_argument("--peer-list", default="dion,dmuon", help="which peers to load from --peers")
     parser.add_argument("--cache", default=None, help="autotune cache file (default: the user cache)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed (checks the script)")
-    parser.add_argument("--sections", default="ceiling,accuracy,shapes,layer,kv")
+    parser.add_argument("--sections", default="ceiling,accuracy,shapes,methods,layer,kv")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -345,13 +379,14 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "triton": triton_version, "coefficients": args.coefficients,
         "batch": args.batch, "peak_tflops_assumed": PEAK_TFLOPS,
     }
-    peers = load_peers(Path(args.peers))
+    peers = load_peers(Path(args.peers), tuple(args.peer_list.split(",")))
     report["peers"] = {k: (v if isinstance(v, str) else "loaded") for k, v in peers.items()}
     methods = methods_for(args, device, peers)
     sections = {
         "ceiling": lambda: gemm_ceiling(device, report),
         "accuracy": lambda: accuracy_checks(args, device, report),
         "shapes": lambda: bench_shapes(args, device, methods, report),
+        "methods": lambda: tune_layer_methods(args, device, report),
         "layer": lambda: bench_layer(args, device, methods, report),
         "kv": lambda: bench_kv_batching(args, device, methods, report),
     }

@@ -26,6 +26,7 @@ counted in ``metrics.NONFINITE_METRICS``.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 
 import torch
@@ -101,9 +102,9 @@ def standard_core(X: Tensor, schedule, plan: ShapePlan) -> Tensor:
 
 
 def _algorithms():
-    from ..algorithms import gram_newton_schulz as gram_module
-    from ..algorithms import newton_schulz as ns_module
-
+    # The package re-exports functions under the submodules' names: import the modules by path.
+    ns_module = importlib.import_module("megatron_dmuon.algorithms.newton_schulz")
+    gram_module = importlib.import_module("megatron_dmuon.algorithms.gram_newton_schulz")
     return ns_module, gram_module
 
 

@@ -1,0 +1,97 @@
+"""The kernels on a CUDA GPU (skipped without one): Triton vs torch, autotune, CUDA graphs."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_symmetric_products_match_torch(dtype):
+    from megatron_dmuon.kernels import sym_poly, syrk
+    from megatron_dmuon.kernels.triton_symmetric import KernelConfig
+
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    configs = [KernelConfig(), KernelConfig(128, 256, 64, 8, 3, 8), KernelConfig(64, 64, 32, 4, 4, 4)]
+    for batch, m, k in [(3, 200, 333), (2, 512, 1024), (1, 130, 64)]:
+        x = torch.randn(batch, m, k, device="cuda").to(dtype)
+        ref = syrk(x, backend="torch")
+        r = (ref.float() / ref.float().norm(dim=(-2, -1), keepdim=True)).to(dtype)
+        poly_ref = sym_poly(r, -4.775, 2.0315, diag=1.0, backend="torch")
+        for cfg in configs:
+            out = torch.full_like(ref, float("nan"))
+            syrk(x, out=out, backend="triton", config=cfg)
+            assert torch.isfinite(out).all() and torch.equal(out, out.mT)
+            assert _rel(out, ref) < tol, (batch, m, k, cfg)
+            assert _rel(sym_poly(r, -4.775, 2.0315, diag=1.0, backend="triton", config=cfg), poly_ref) < tol
+
+
+@pytest.mark.parametrize("shape", [(3, 256, 1024), (2, 1024, 256), (2, 384, 384)])
+def test_gpu_gram_fast_matches_torch_and_polar(shape):
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
+    from megatron_dmuon.algorithms.newton_schulz import msgn_svd
+    from megatron_dmuon.kernels import gram_newton_schulz_fast
+
+    x = torch.randn(*shape, device="cuda")
+    fast = gram_newton_schulz_fast(x, "polar_express", backend="triton", autotune=False)
+    ref = gram_newton_schulz(x, "polar_express")
+    exact = msgn_svd(x)
+    assert fast.shape == x.shape and fast.dtype == x.dtype
+    assert _rel(fast, ref) < 0.02
+    assert _rel(fast, exact) <= _rel(ref, exact) + 0.01
+
+
+def test_gpu_ill_conditioned_input_is_finite():
+    from megatron_dmuon.kernels import gram_newton_schulz_fast
+
+    U, _ = torch.linalg.qr(torch.randn(2, 256, 256, device="cuda", dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(2, 1024, 256, device="cuda", dtype=torch.float64))
+    s = torch.logspace(0, -6, 256, device="cuda", dtype=torch.float64)
+    x = ((U * s) @ V.mT).float()
+    for co in ("keller", "polar_express", "you"):
+        out = gram_newton_schulz_fast(x, co, backend="triton", autotune=False, check_finite=False)
+        assert torch.isfinite(out).all(), co
+
+
+def test_gpu_autotune_writes_cache_and_reuses_it(tmp_path):
+    from megatron_dmuon.kernels import autotune, gram_newton_schulz_fast
+
+    path = tmp_path / "tune.json"
+    x = torch.randn(2, 128, 512, device="cuda")
+    out = gram_newton_schulz_fast(x, "polar_express", cache_path=path)
+    entries = json.loads(path.read_text())["entries"]
+    dev = autotune.device_key(x.device)
+    keys = {autotune.op_key(dev, "syrk", 128, 512, 2, torch.float16), autotune.op_key(dev, "square", 128, 128, 2, torch.float16)}
+    assert keys <= set(entries)
+    for key in keys:
+        assert entries[key]["choice"]["backend"] in ("triton", "cublas", "quack")
+        assert any("time_ms" in c for c in entries[key]["candidates"])
+    mtime = path.stat().st_mtime_ns
+    again = gram_newton_schulz_fast(x, "polar_express", cache_path=path)
+    assert path.stat().st_mtime_ns == mtime  # reused, not re-tuned
+    assert _rel(again, out) < 1e-6
+    entry = autotune.tune_method(128, 512, 2, torch.float16, x.device, cache_path=path)
+    assert entry["method"] in ("gram", "standard") and max(entry["error_vs_torch"].values()) < 0.05
+    autotune.clear_memo()
+    assert autotune.cached_method(128, 512, 2, torch.float16, x.device, 5, path) == entry["method"]
+
+
+def test_gpu_cuda_graph_matches_eager():
+    from megatron_dmuon.kernels import orthogonalize_batched
+    from megatron_dmuon.kernels.cuda_graph import GraphedOrthogonalizer
+
+    x = torch.randn(4, 64, 512, device="cuda")
+    graphed = GraphedOrthogonalizer(x, "gram", coefficients="polar_express", autotune=False)
+    for _ in range(2):
+        y = torch.randn_like(x)
+        out = graphed(y, copy_output=True)
+        eager = orthogonalize_batched(y, "gram", coefficients="polar_express", autotune=False)
+        assert _rel(out, eager) < 1e-3
+    with pytest.raises(ValueError, match="captured for"):
+        graphed(torch.randn(2, 64, 512, device="cuda"))
