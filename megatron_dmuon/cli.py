@@ -1,8 +1,26 @@
-"""`dmuon` console script."""
+"""`dmuon` console script: `dmuon verify ...`, `dmuon autotune ...`."""
 import sys
 
+USAGE = "usage: dmuon {verify,autotune} [options]   (dmuon <command> --help for details)"
 
-def main(argv=None):
+
+def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    print("usage: dmuon {verify,autotune} ...", file=sys.stderr)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "verify":
+        from .verify import main as verify_main
+
+        return verify_main(rest)
+    if cmd == "autotune":
+        from .kernels.autotune_cli import main as autotune_main
+
+        return autotune_main(rest)
+    print(f"dmuon: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
     return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

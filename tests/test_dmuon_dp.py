@@ -11,11 +11,11 @@ FP32_TOL = 1e-6
 
 
 def _run(world_size, **kw):
-    return run_distributed("mcore_workers:dmuon_dp", world_size, kwargs=kw, sys_path=[HERE])
+    return run_distributed("megatron_dmuon.testing.workers:dmuon_dp", world_size, kwargs=kw)
 
 
 def _reference(dp, layouts=None, **kw):
-    return run_distributed("mcore_workers:reference", 1, kwargs=dict(dp=dp, layouts=layouts, **kw), sys_path=[HERE])[0]
+    return run_distributed("megatron_dmuon.testing.workers:reference", 1, kwargs=dict(dp=dp, layouts=layouts, **kw))[0]
 
 
 def _max_rel_diff(params, ref_params):

@@ -9,7 +9,7 @@ HERE = os.path.dirname(__file__)
 
 
 def test_megatron_distributed_adam_dp2_trains_and_stays_in_sync():
-    results = run_distributed("mcore_workers:megatron_adam_dp", 2, sys_path=[HERE])
+    results = run_distributed("megatron_dmuon.testing.workers:megatron_adam_dp", 2)
     r0, r1 = results
     # the same fixed batch every step: the loss must drop clearly
     assert r0["losses"][-1] < r0["losses"][0] - 0.05, r0["losses"]

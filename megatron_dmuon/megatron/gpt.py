@@ -72,7 +72,16 @@ def build_gpt(shape: GPTShape, config=None):
     )
     if shape.bf16:
         model = model.bfloat16()
+    if on_gpu():
+        model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def on_gpu() -> bool:
+    """True on a real CUDA run (never under the CPU test shim)."""
+    from megatron_dmuon.testing import cpu_shim
+
+    return torch.cuda.is_available() and not cpu_shim.installed()
 
 
 def wire_sync_funcs(model_chunks: List[torch.nn.Module], ddp_config) -> None:
@@ -139,7 +148,8 @@ def train_step(
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    data = iter([causal_batch(t) for t in micro_batches])
+    device = torch.cuda.current_device() if on_gpu() else "cpu"
+    data = iter([causal_batch(t.to(device)) for t in micro_batches])
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step,
         data_iterator=data,
@@ -150,7 +160,7 @@ def train_step(
         forward_only=False,
     )
     update_successful, grad_norm, num_zeros = optimizer.step()
-    tot = torch.stack([x["lm loss"] for x in losses]).sum(0)
+    tot = torch.stack([x["lm loss"] for x in losses]).sum(0).float()
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(tot)
     return (tot[0] / tot[1]).item(), grad_norm, num_zeros, update_successful
