@@ -149,6 +149,7 @@ def test_rule_for_megatron_param_defaults_and_options():
     assert rule.kind == "qkv" and rule.piece_shapes(qkv_shape) == [(128, 128), (32, 128), (32, 128)]
     rule = rule_for_megatron_param(qkv, qkv_shape, cfg, split_qkv=True, qkv_per_head=True)
     assert rule.piece_shapes(qkv_shape) == [(8, 16, 128), (2, 16, 128), (2, 16, 128)]
+    assert rule_for_megatron_param(qkv, qkv_shape, cfg, per_head=True) == rule  # implies split_qkv
     assert rule_for_megatron_param(fc1, fc1_shape, cfg, split_glu=True).kind == "glu"
     expert = "decoder.layers.3.mlp.experts.linear_fc1.weight5"
     assert rule_for_megatron_param(expert, fc1_shape, cfg, split_glu=True) == SplitRule("glu")

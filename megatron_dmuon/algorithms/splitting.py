@@ -319,6 +319,7 @@ def rule_for_megatron_param(
     qkv_per_head: bool = False,
     split_glu: bool = False,
     tp_shards: int = 1,
+    per_head: bool = False,
 ) -> SplitRule:
     """The split rule for a Megatron parameter called ``name`` of full shape ``param_shape``.
 
@@ -328,8 +329,11 @@ def rule_for_megatron_param(
     parameter (whole-matrix NS). ``split_qkv`` cuts ``*.linear_qkv.weight`` (self-attention);
     ``split_glu`` cuts GLU ``*.linear_fc1.weight*`` (dense and expert); 3-D parameters under
     ``experts`` become ``'experts'`` stacks. ``tp_shards`` describes how a GLU matrix was
-    assembled from stride-2 TP shards (see ``glu_split``).
+    assembled from stride-2 TP shards (see ``glu_split``). ``per_head`` is an alias of
+    ``qkv_per_head`` (either one turns it on); per-head splitting implies ``split_qkv``.
     """
+    qkv_per_head = qkv_per_head or per_head
+    split_qkv = split_qkv or qkv_per_head
     shape = tuple(int(s) for s in param_shape)
     base = name.rsplit(".", 1)[-1]
     module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
