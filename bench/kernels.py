@@ -339,7 +339,7 @@ def markdown(report) -> str:
         lines += ["", "## Autotuned symmetric products", "",
                   "| product | choice | ms | best Triton ms | cuBLAS ms |", "|---|---|---:|---:|---:|"]
         for key, e in sorted(ops.items()):
-            _, _, op, m, k, b, dt = key.split("|")
+            op, m, k, b, dt = key.split("|")[-5:]
             tri = [c["time_ms"] for c in e["candidates"] if c["backend"] == "triton" and "time_ms" in c]
             cub = [c["time_ms"] for c in e["candidates"] if c["backend"] == "cublas" and "time_ms" in c]
             cfg = e["choice"]["config"]

@@ -64,7 +64,7 @@ def test_child_syrk_matches_torch(dtype, tiles):
     from megatron_dmuon.kernels import syrk
 
     gen = torch.Generator().manual_seed(sum(tiles))
-    for batch, m, k in [(2, 40, 72), (1, 17, 20), (3, 32, 48)]:
+    for batch, m, k in [(2, 40, 72), (1, 17, 20), (3, 32, 48), (2, 64, 40)]:  # odd and tile-multiple m
         x = torch.randn(batch, m, k, generator=gen).to(dtype)
         out = torch.full((batch, m, m), float("nan"), dtype=dtype)  # poison: every element must be written
         syrk(x, out=out, backend="triton", config=_kernel_config(*tiles))
@@ -81,10 +81,10 @@ def test_child_poly_and_axpby_match_torch(dtype):
     from megatron_dmuon.kernels import sym_axpby, sym_poly
 
     gen = torch.Generator().manual_seed(5)
-    g = torch.randn(2, 36, 36, generator=gen)
-    r = ((g + g.mT) / (2 * 36)).to(dtype)
     tol = 2e-3 if dtype == torch.float16 else 1e-2
-    for tiles in TILE_CONFIGS:
+    for m, tiles in [(36, t) for t in TILE_CONFIGS] + [(64, (32, 16, 16)), (64, (16, 32, 32))]:
+        g = torch.randn(2, m, m, generator=gen)
+        r = ((g + g.mT) / (2 * m)).to(dtype)
         cfg = _kernel_config(*tiles)
         p = sym_poly(r, -4.775, 2.0315, diag=3.4445, backend="triton", config=cfg)
         assert _rel(p, sym_poly(r, -4.775, 2.0315, diag=3.4445, backend="torch")) < tol

@@ -190,8 +190,6 @@ def candidate_configs(device: torch.device, m: int, k: int) -> list:
         configs = [
             KernelConfig(128, 128, 64, 8, 3, 8),
             KernelConfig(128, 128, 64, 8, 4, 8),
-            KernelConfig(128, 128, 64, 4, 4, 8),
-            KernelConfig(128, 128, 128, 8, 3, 8),
             KernelConfig(128, 256, 64, 8, 3, 8),
             KernelConfig(128, 256, 64, 8, 4, 8),
             KernelConfig(256, 128, 64, 8, 3, 8),

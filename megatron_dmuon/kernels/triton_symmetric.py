@@ -83,6 +83,7 @@ def _sym_mm_kernel(
     alpha, beta, diag,
     HAS_C: tl.constexpr,
     EVEN_K: tl.constexpr,
+    EVEN_M: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -95,13 +96,18 @@ def _sym_mm_kernel(
 
     rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_col * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows/cols past M read a valid row (their results are never stored): no masks in the loop.
-    rows_safe = tl.where(rows < M, rows, 0)
-    cols_safe = tl.where(cols < M, cols, 0)
+    if EVEN_M:
+        # Plain aranges keep the compiler's contiguity facts: vectorized loads along either dim.
+        rows_in = rows
+        cols_in = cols
+    else:
+        # Rows/cols past M read a valid row (their results are never stored): no masks in the loop.
+        rows_in = tl.where(rows < M, rows, 0)
+        cols_in = tl.where(cols < M, cols, 0)
     ks = tl.arange(0, BLOCK_K)
 
-    a_ptrs = A + batch * stride_ab + rows_safe[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = B + batch * stride_bb + ks[:, None] * stride_bk + cols_safe[None, :] * stride_bn
+    a_ptrs = A + batch * stride_ab + rows_in[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = B + batch * stride_bb + ks[:, None] * stride_bk + cols_in[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -117,20 +123,32 @@ def _sym_mm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    inside = (rows[:, None] < M) & (cols[None, :] < M)
-    upper = inside & (rows[:, None] <= cols[None, :])
     result = alpha * acc
     if HAS_C:
         c_ptrs = C + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        result += beta * tl.load(c_ptrs, mask=upper, other=0.0).to(tl.float32)
+        if EVEN_M:
+            result += beta * tl.load(c_ptrs).to(tl.float32)
+        else:
+            c_mask = (rows[:, None] < M) & (cols[None, :] < M)
+            result += beta * tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
     result += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
     out = result.to(OUT.dtype.element_ty)
-
+    # The mirror image (c, r) of element (r, c) is stored from the transposed tile, so both
+    # stores run along the output's contiguous dim.
+    out_t = tl.trans(out)
     out_base = OUT + batch * stride_ob
-    tl.store(out_base + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=upper)
-    # Mirror: element (r, c) with r < c also lands at (c, r).
-    strictly_upper = inside & (rows[:, None] < cols[None, :])
-    tl.store(out_base + cols[None, :] * stride_om + rows[:, None] * stride_on, out, mask=strictly_upper)
+    direct_ptrs = out_base + rows[:, None] * stride_om + cols[None, :] * stride_on
+    mirror_ptrs = out_base + cols[:, None] * stride_om + rows[None, :] * stride_on
+    # A tile whose last row is <= its first column has no element below the diagonal.
+    above_diagonal = tile_row * BLOCK_M + BLOCK_M - 1 <= tile_col * BLOCK_N
+    if EVEN_M and above_diagonal:
+        tl.store(direct_ptrs, out)
+        tl.store(mirror_ptrs, out_t)
+    else:
+        inside = (rows[:, None] < M) & (cols[None, :] < M)
+        tl.store(direct_ptrs, out, mask=inside & (rows[:, None] <= cols[None, :]))
+        inside_t = (cols[:, None] < M) & (rows[None, :] < M)
+        tl.store(mirror_ptrs, out_t, mask=inside_t & (rows[None, :] < cols[:, None]))
 
 
 def upper_tile_list(m: int, block_m: int, block_n: int, group: int) -> list[tuple[int, int]]:
@@ -224,6 +242,7 @@ def sym_matmul(
         float(alpha), float(beta), float(diag),
         HAS_C=c is not None,
         EVEN_K=(k % config.block_k == 0),
+        EVEN_M=(m % config.block_m == 0 and m % config.block_n == 0),
         UPCAST_DOT=(a.dtype == torch.bfloat16 and interpreter_active()),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
