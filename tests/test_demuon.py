@@ -184,6 +184,18 @@ def test_per_agent_learning_rates_on_disjoint_blocks_equal_separate_runs():
     assert both.consensus_errors()[0] > 0
 
 
+def test_diverged_block_does_not_leak_into_other_blocks():
+    layout = FlatLayout([("w", (2, 3))])
+    cfg = DecentralizedConfig(method="dsgd", lr=0.1)
+    for blocks in ([ring_graph(3), ring_graph(3)], [ring_graph(3), complete_graph(2)]):
+        sim = DecentralizedSimulator(cfg, blocks, layout, torch.zeros(6, dtype=torch.float64))
+        g = torch.ones(sim.num_agents, 6, dtype=torch.float64)
+        g[0, 0] = float("nan")
+        sim.step(lambda pts: g)
+        assert torch.isnan(sim.params[:3]).any()
+        assert torch.equal(sim.params[3:], torch.full_like(sim.params[3:], -0.1))
+
+
 def test_layout_views_and_matrix_rule():
     layout = FlatLayout([("w", (4, 1, 3)), ("conv", (2, 3, 2, 2)), ("v", (7,)), ("s", (1, 1))])
     assert [s.matrix_shape for s in layout.slots] == [(4, 3), (2, 12), None, None]

@@ -31,15 +31,27 @@ class StackedMixer:
         self.topologies = tuple(blocks)
         self.weights = torch.block_diag(*[t.weights for t in blocks]).to(device=device)
         self.num_local_agents = int(self.weights.shape[0])
-        self._cast: dict[tuple, Tensor] = {}
+        sizes = {t.num_agents for t in blocks}
+        # Blocks are mixed separately (one bmm when all have the same size), never through the
+        # zeros of the block-diagonal matrix: a diverged (NaN/Inf) block must not leak into others.
+        self._uniform = len(sizes) == 1
+        self._stacked = torch.stack([t.weights for t in blocks]) if self._uniform else None
+        self._cast: dict[tuple, list[Tensor] | Tensor] = {}
 
     def mix(self, flat: Tensor) -> Tensor:
         if flat.ndim != 2 or flat.shape[0] != self.num_local_agents:
             raise ValueError(f"expected a stack [{self.num_local_agents}, P], got {tuple(flat.shape)}")
         key = (flat.device, flat.dtype)
         if key not in self._cast:
-            self._cast[key] = self.weights.to(device=flat.device, dtype=flat.dtype)
-        return self._cast[key] @ flat
+            if self._uniform:
+                self._cast[key] = self._stacked.to(device=flat.device, dtype=flat.dtype)
+            else:
+                self._cast[key] = [t.weights.to(device=flat.device, dtype=flat.dtype) for t in self.topologies]
+        weights = self._cast[key]
+        if self._uniform:
+            blocks, n = weights.shape[0], weights.shape[1]
+            return torch.bmm(weights, flat.reshape(blocks, n, flat.shape[1])).reshape(flat.shape)
+        return torch.cat([w @ flat[s] for w, s in zip(weights, self.block_slices())])
 
     def block_slices(self) -> list[slice]:
         out, start = [], 0
