@@ -125,6 +125,7 @@ def main(argv=None):
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
     parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(args.seed)  # CPU-side init (use_cpu_initialization), as Megatron's _set_random_seed
     model_parallel_cuda_manual_seed(args.seed)
     if args.global_batch_size % (args.micro_batch_size * world):
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of "

@@ -9,6 +9,7 @@ def init_parallel(tp=1, pp=1, seed=1234):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     parallel_state.initialize_model_parallel(tp, pp)
+    torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
 

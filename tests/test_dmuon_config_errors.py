@@ -1,0 +1,64 @@
+"""Bad DMuon set-ups fail at start-up with errors that name the flag and the fix."""
+import pytest
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+
+from megatron_dmuon.megatron.optimizer import DMuonConfig, check_dmuon_config
+from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
+from megatron_dmuon.runtime.owner_step import MuonSettings
+
+DIST = DistributedDataParallelConfig(use_distributed_optimizer=True)
+
+
+def _opt(**kw):
+    return OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=kw.pop("dist", True), **kw)
+
+
+def test_fp16_is_rejected_with_the_fix():
+    with pytest.raises(ValueError, match="--fp16.*--bf16"):
+        check_dmuon_config(_opt(fp16=True), DIST, DMuonConfig())
+
+
+def test_non_distributed_optimizer_is_rejected():
+    with pytest.raises(ValueError, match="--use-distributed-optimizer"):
+        check_dmuon_config(_opt(dist=False), DistributedDataParallelConfig(), DMuonConfig())
+
+
+def test_gather_then_compute_with_distributed_optimizer_is_rejected():
+    with pytest.raises(ValueError, match="gather_then_compute"):
+        check_dmuon_config(_opt(), DIST, DMuonConfig(mode="gather_then_compute"))
+
+
+@pytest.mark.parametrize("muon,match", [
+    (MuonSettings(momentum=1.0), "momentum"),
+    (MuonSettings(ns_method="svd"), "ns_method"),
+    (MuonSettings(ns_steps=0), "ns_steps"),
+    (MuonSettings(coefficients="nope"), "nope"),
+    (MuonSettings(scale_mode="bogus"), "bogus"),
+])
+def test_bad_muon_settings(muon, match):
+    with pytest.raises(ValueError, match=match):
+        check_dmuon_config(_opt(), DIST, DMuonConfig(muon=muon))
+
+
+def test_unknown_mode():
+    with pytest.raises(ValueError, match="--dmuon-mode"):
+        check_dmuon_config(_opt(), DIST, DMuonConfig(mode="zero3"))
+
+
+def test_planner_rejects_bad_input():
+    with pytest.raises(ValueError, match="world_size"):
+        plan_owner_layout([ParamItem("a", 4, True, 1.0)], 0)
+    with pytest.raises(ValueError, match="unique"):
+        plan_owner_layout([ParamItem("a", 4, True, 1.0), ParamItem("a", 4, True, 1.0)], 2)
+
+
+def test_planner_is_deterministic_and_serializable():
+    items = [ParamItem(f"m{i}", 64 * (i + 1), True, float((i + 1) ** 3)) for i in range(7)]
+    items += [ParamItem("emb", 5000, False)]
+    a = plan_owner_layout(items, 3)
+    b = plan_owner_layout(items, 3)
+    assert a.to_json() == b.to_json()
+    assert type(a).from_json(a.to_json()).to_json() == a.to_json()
+    # cost-balanced: the heaviest rank carries at most the heaviest single matrix more than the lightest
+    assert max(a.rank_cost) - min(a.rank_cost) <= max(it.cost for it in items)
