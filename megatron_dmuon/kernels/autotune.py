@@ -177,7 +177,7 @@ def default_config(device: torch.device, m: int, k: int):
     if m <= 256:
         return KernelConfig(64, 64, 64, 4, 4, 4)
     if major >= 9:
-        return KernelConfig(128, 128, 64, 8, 4, 8)
+        return KernelConfig(128, 128, 64, 8, 3, 8)
     return KernelConfig(128, 128, 32, 4, 4, 8)
 
 
