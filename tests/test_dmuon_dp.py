@@ -100,3 +100,11 @@ def test_gather_then_compute_baseline_matches_reference():
     assert _max_rel_diff(results[0]["params"], ref["params"]) <= 1e-4
     # every rank orthogonalized every matrix: D x the work of DMuon
     assert results[0]["ns_counts"] == [2 * results[0]["num_matrices"]] * 5
+
+
+def test_hierarchical_two_nodes_by_two_ranks_matches_reference():
+    # 2 simulated nodes x 2 ranks: intra-node reduce-scatter then inter-node, mirrored publish,
+    # overlapped, several buckets
+    kw = dict(steps=6, grad_accum=2, ranks_per_node=2)
+    results = _run(4, overlap=True, bucket_size=20000, **kw)
+    _check_against_reference(results, 4, **kw)

@@ -102,8 +102,12 @@ def compute_owner_aligned_layout(
     return FullParamLayout(layouts=layouts), plans, name_of
 
 
-def build_dmuon_ddp(config, ddp_config, module, dp_group=None, disable_bucketing=False, **layout_kwargs):
-    """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...))."""
+def build_dmuon_ddp(config, ddp_config, module, dp_group=None, disable_bucketing=False,
+                    ranks_per_node: int = 0, **layout_kwargs):
+    """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...)).
+
+    ranks_per_node > 0 switches grad reduce and param publish to two levels (intra-node, then
+    inter-node; runtime/hierarchy.py) with node-striped owners."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
 
@@ -114,4 +118,14 @@ def build_dmuon_ddp(config, ddp_config, module, dp_group=None, disable_bucketing
     ddp = DistributedDataParallel(config, ddp_config, module, disable_bucketing=disable_bucketing, full_param_layout=full_layout)
     ddp.dmuon_owner_plans = plans
     ddp.dmuon_param_names = name_of
+    ddp.dmuon_topology = None
+    if ranks_per_node:
+        from ..runtime.hierarchy import build_node_topology, make_hierarchical
+
+        topo = build_node_topology(dp_group, ranks_per_node)
+        for bucket_group in ddp.bucket_groups:
+            make_hierarchical(bucket_group, topo)
+        for buffer in ddp.buffers:
+            buffer.dmuon_shard_index = topo.shard_index
+        ddp.dmuon_topology = topo
     return ddp

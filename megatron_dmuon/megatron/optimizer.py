@@ -26,6 +26,7 @@ class DMuonConfig:
     split_qkv: bool = False
     split_per_head: bool = False
     split_glu: bool = False
+    ranks_per_node: int = 0  # > 0: two-level (intra-node, inter-node) reduce/publish
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -205,10 +206,23 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
         super().__init__(*args, **kwargs)
         self._check_owner_aligned()
 
+    @classmethod
+    def _build_model_gbuf_range(cls, param_and_grad_buffer, bucket_index: int):
+        """As Megatron's, but this rank's shard is `buffer.dmuon_shard_index` (the two-level
+        reduce-scatter delivers shard l*N + k to node k, local rank l); flat runs use the DP rank."""
+        from megatron.core.optimizer.distrib_optimizer import Range
+
+        shard = getattr(param_and_grad_buffer, "dmuon_shard_index", None)
+        if shard is None:
+            return super()._build_model_gbuf_range(param_and_grad_buffer, bucket_index)
+        world = param_and_grad_buffer.data_parallel_group.size()
+        bucket = param_and_grad_buffer.buckets[bucket_index]
+        size = bucket.grad_data.numel() // world
+        local = Range(bucket.offset + shard * size, bucket.offset + (shard + 1) * size)
+        return {"param_map": cls._build_model_gbuf_param_range_map(
+            param_and_grad_buffer.param_index_map, local, bucket.offset)}
+
     def _check_owner_aligned(self) -> None:
-        for buffer in self.buffers:
-            if not hasattr(buffer, "param_index_map"):
-                continue
         for chunk in self.model_chunks:
             if getattr(chunk, "dmuon_owner_plans", None) is None:
                 raise ValueError(

@@ -27,8 +27,14 @@ def gloo_ring_order(chunk: int, world_size: int) -> List[int]:
     return [(chunk - k) % world_size for k in range(1, world_size)] + [chunk]
 
 
-def _sum_over_ranks(values: List[torch.Tensor], chunk_of: Optional[torch.Tensor]) -> torch.Tensor:
+def _sum_over_ranks(values: List[torch.Tensor], chunk_of: Optional[torch.Tensor],
+                    ranks_per_node: int = 0) -> torch.Tensor:
     d = len(values)
+    if ranks_per_node:
+        # two-level reduce: node partial sums, then across nodes (exact order for L, N <= 2,
+        # where every stage adds two values)
+        nodes = [_sum_over_ranks(values[k:k + ranks_per_node], None) for k in range(0, d, ranks_per_node)]
+        return _sum_over_ranks(nodes, None)
     if chunk_of is None or d <= 2:
         out = values[0]
         for v in values[1:]:
@@ -62,7 +68,8 @@ def reduce_chunks_from_layout(owner_layouts, named_shapes: Dict[str, torch.Size]
 def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]], steps: int, *,
                     lr: float, weight_decay: float, adam_betas=(0.9, 0.999), adam_eps=1e-8,
                     clip_grad: float = 0.0, muon_settings=None,
-                    reduce_chunk_of: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, object]:
+                    reduce_chunk_of: Optional[Dict[str, torch.Tensor]] = None,
+                    ranks_per_node: int = 0) -> Dict[str, object]:
     """`batches_per_step(step)` returns the global batch as [dp rank][micro-batch] token blocks.
 
     `reduce_chunk_of[name]` (optional) gives, per element, the reduce-scatter shard it lands in;
@@ -95,7 +102,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                 n_micro += 1
             rank_grads.append({n: p.grad.detach().float() * (1.0 / dp) for n, p in named})
         grads = {n: _sum_over_ranks([g[n] for g in rank_grads], None if reduce_chunk_of is None
-                                    else reduce_chunk_of[n]) for n, _ in named}
+                                    else reduce_chunk_of[n], ranks_per_node) for n, _ in named}
         losses.append(total_loss / n_micro)
         norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
         grad_norms.append(norm)

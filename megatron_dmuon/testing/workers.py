@@ -69,7 +69,7 @@ def _freeze(model, freeze):
 
 
 def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
-             return_params=True, freeze=None, **kw):
+             return_params=True, freeze=None, ranks_per_node=0, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) at DP=world_size; report everything."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -91,7 +91,7 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
         bucket_size=o.get("bucket_size"),
     )
     if mode == "dmuon":
-        ddp = build_dmuon_ddp(model.config, ddp_config, model)
+        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node)
     else:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
@@ -139,7 +139,8 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
     return out
 
 
-def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None, **kw):
+def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
+              ranks_per_node=0, **kw):
     """The single-process reference for a DP=`dp` run (world_size must be 1)."""
     from megatron_dmuon.megatron.gpt import build_gpt
     from megatron_dmuon.testing.reference import reference_train
@@ -164,4 +165,4 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
         chunks = reduce_chunks_from_layout([OwnerLayout.from_json(j) for j in layouts], shapes)
     return reference_train(model, batches, o["steps"], lr=o["lr"], weight_decay=o["weight_decay"],
                            clip_grad=o["clip_grad"], muon_settings=_muon_settings(ns_dtype),
-                           reduce_chunk_of=chunks)
+                           reduce_chunk_of=chunks, ranks_per_node=ranks_per_node)
