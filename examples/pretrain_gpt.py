@@ -31,6 +31,8 @@ def parse_args(argv=None):
     a("--dmuon-coefficients", default="keller")
     a("--dmuon-momentum", type=float, default=0.95)
     a("--dmuon-no-nesterov", action="store_true")
+    a("--dmuon-ranks-per-node", type=int, default=0,
+      help="> 0: two-level (intra-node, inter-node) reduce/publish with this many ranks per node")
     a("--dmuon-scale-mode", default="match_rms_adamw", choices=["spectral", "match_rms_adamw", "none"])
     a("--num-layers", type=int, default=2)
     a("--hidden-size", type=int, default=128)
@@ -146,7 +148,7 @@ def main(argv=None):
         bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=not gtc)
     if args.optimizer == "dmuon" and not gtc:
-        ddp = build_dmuon_ddp(model.config, ddp_config, model)
+        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=args.dmuon_ranks_per_node)
     else:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
