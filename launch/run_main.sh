@@ -3,14 +3,7 @@
 # CPU machine: 2 gloo ranks. GPU machine: one rank per GPU (NCCL), bf16.
 # Extra arguments go to examples/pretrain_gpt.py (e.g. --train-iters 200 --optimizer adam).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-set +o pipefail
-bash "$ROOT/launch/setup_env.sh" 2>&1 | { grep -v "is ignored: it is neither" || true; }
-status=${PIPESTATUS[0]}
-set -o pipefail
-[ "$status" -eq 0 ] || { echo "environment set-up failed (launch/setup_env.sh)" >&2; exit "$status"; }
-source "${DMUON_VENV:-$ROOT/.venv}/bin/activate"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/activate_env.sh"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   NPROC="${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count())')}"
