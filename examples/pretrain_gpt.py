@@ -58,7 +58,10 @@ def parse_args(argv=None):
     a("--seed", type=int, default=1234)
     a("--log-interval", type=int, default=10)
     a("--timing-json", default=None, help="write per-iteration timings here (rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.lr_warmup_iters >= args.train_iters:
+        p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters ({args.train_iters})")
+    return args
 
 
 def stdlib_bytes() -> torch.Tensor:
