@@ -77,6 +77,19 @@ def test_updates_equal_agent_by_agent_reference(method, graph):
     assert torch.allclose(sim.params, expected, atol=1e-12, rtol=0)
 
 
+def test_stationarity_proxy_is_norm_of_mean_gradient_per_block():
+    layout = FlatLayout([("w", (2, 2))])
+    for method in ("demuon_a", "dsgd"):
+        cfg = DecentralizedConfig(method=method, lr=0.1, orthogonalizer="svd")
+        sim = DecentralizedSimulator(cfg, [ring_graph(3), ring_graph(3)], layout, torch.zeros(4, dtype=torch.float64))
+        assert all(math.isnan(v) for v in sim.stationarity_proxies())
+        g = torch.arange(24, dtype=torch.float64).view(6, 4)
+        sim.step(lambda pts: g)
+        expected = [float(g[:3].mean(0).norm()), float(g[3:].mean(0).norm())]
+        # DeMuon-A's combined gradient Σ a_s g_s equals g when every point returns g (Σ a_s = 1)
+        assert sim.stationarity_proxies() == pytest.approx(expected, rel=1e-12)
+
+
 def test_dsgd_c_clips_to_schedule():
     layout = FlatLayout([("v", (3,))])
     cfg = DecentralizedConfig(method="dsgd_c", lr=1.0, clip_scale=0.1, clip_exponent=0.4)

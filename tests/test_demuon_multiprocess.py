@@ -76,6 +76,7 @@ def rank_worker(rank, world_size):
             out["plain"][(graph, method)] = {
                 "params": opt.flat.detach().clone(),
                 "consensus": opt.consensus_error(),
+                "stationarity": opt.stationarity_proxy(),
                 "module_sees_update": torch.equal(model[0].weight.detach().reshape(-1), opt.flat[0, :48]),
                 "all_gather": opt.mixer.use_all_gather,
             }
@@ -155,6 +156,7 @@ def test_multiprocess_equals_simulator(rank_results, graph, method):
         assert got["all_gather"] == (graph == "complete")
         assert torch.allclose(got["params"][0], sim.params[rank], atol=1e-12, rtol=1e-10), (graph, method, rank)
         assert got["consensus"] == pytest.approx(sim.consensus_errors()[0], rel=1e-9, abs=1e-14)
+        assert got["stationarity"] == pytest.approx(sim.stationarity_proxies()[0], rel=1e-9)
     start = torch.cat([p.detach().reshape(-1) for p in make_mlp().parameters()])
     assert (sim.params - start).abs().max() > 1e-3  # the run really moved
 

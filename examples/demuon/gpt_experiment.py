@@ -134,6 +134,7 @@ class Run:
         )
         train = self.last_train.view(nb, self.n).mean(1) if self.last_train is not None else None
         cons = self.sim.consensus_errors()
+        stat = self.sim.stationarity_proxies()
         out = []
         for b in range(nb):
             out.append(
@@ -142,6 +143,7 @@ class Run:
                     "val_loss_agents_mean": float(agent_loss[b * self.n : (b + 1) * self.n].mean()),
                     "train_loss": None if train is None else float(train[b]),
                     "consensus_error": cons[b],
+                    "stationarity_proxy": stat[b],
                 }
             )
         return out

@@ -40,6 +40,11 @@ GRIDS = {
 GRAPHS = ["complete", "directed_exponential", "ring"]
 
 
+def sig(x: float, digits: int = 6) -> float:
+    """Round to ``digits`` significant digits (keeps the results JSON small)."""
+    return float(f"{x:.{digits}g}") if math.isfinite(x) else x
+
+
 class Problem:
     def __init__(self, agents, rows, d_in, d_out, seed):
         gen = torch.Generator().manual_seed(seed)
@@ -103,10 +108,10 @@ def run_method(problem, method, lrs, graphs, iters, batch, momentum, seed, eval_
                 grad = problem.full_grad(xbar) if ok else None
                 curves[b].append({
                     "iter": k,
-                    "suboptimality": problem.loss(xbar) - problem.f_star if ok else float("nan"),
-                    "grad_nuclear": float(torch.linalg.matrix_norm(grad, ord="nuc")) if ok else float("nan"),
-                    "grad_fro": float(grad.norm()) if ok else float("nan"),
-                    "consensus_error": cons,
+                    "suboptimality": sig(problem.loss(xbar) - problem.f_star) if ok else float("nan"),
+                    "grad_nuclear": sig(float(torch.linalg.matrix_norm(grad, ord="nuc"))) if ok else float("nan"),
+                    "grad_fro": sig(float(grad.norm())) if ok else float("nan"),
+                    "consensus_error": sig(cons),
                 })
     return [{"graph": g, "lr": lr, "curve": c} for (g, lr), c in zip(blocks, curves)]
 
@@ -146,7 +151,7 @@ def main(argv=None):
     results["total_seconds"] = time.time() - start
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(results, f, separators=(",", ":"))
     print(f"done in {results['total_seconds']:.1f}s -> {args.out}")
 
 

@@ -5,8 +5,10 @@
 
 Step-size selection: for every (method, graph) the grid point with the best final metric
 (f(X̄) − f* for regression; validation loss of the averaged model for GPT) among non-diverged
-runs. A second column gives each baseline's best metric among step sizes whose final consensus
-error is at most DeMuon's (equal-or-lower consensus error, the paper's comparison).
+runs. Two matched-consensus columns (the paper compares at equal or lower consensus error):
+each baseline's best metric among its step sizes whose final consensus error is at most
+``CONSENSUS_SLACK`` × DeMuon's, and DeMuon's best metric among its step sizes whose consensus
+error is at most ``CONSENSUS_SLACK`` × that baseline's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 LABELS = {"demuon": "DeMuon", "demuon_a": "DeMuon-A (q=2)", "dsgd": "DSGD", "dsgd_c": "DSGD-C", "dsgd_n": "DSGD-N"}
 GRAPH_LABELS = {"complete": "complete", "directed_exponential": "directed exponential", "ring": "ring"}
+CONSENSUS_SLACK = 1.1  # "similar" consensus error: within 10%
 COLORS = {"demuon": "C3", "demuon_a": "C1", "dsgd": "C0", "dsgd_c": "C2", "dsgd_n": "C4"}
 
 
@@ -34,7 +37,7 @@ def best_block(blocks, graph, metric, max_consensus=None):
     cands = [
         b for b in blocks
         if b["graph"] == graph and finite(b["curve"][-1][metric])
-        and (max_consensus is None or b["curve"][-1]["consensus_error"] <= max_consensus * (1 + 1e-9) + 1e-12)
+        and (max_consensus is None or b["curve"][-1]["consensus_error"] <= max_consensus * CONSENSUS_SLACK + 1e-12)
     ]
     return min(cands, key=lambda b: b["curve"][-1][metric]) if cands else None
 
@@ -57,27 +60,30 @@ def fmt(x, digits=4):
 def table(results, metric, metric_title, extra=()):
     lines = [
         f"| graph | method | step size η₀ | {metric_title} | " + " | ".join(t for _, t in extra)
-        + (" | " if extra else "") + "consensus error ‖X−1⊗X̄‖_F | best at consensus ≤ DeMuon's |",
+        + (" | " if extra else "") + "consensus error ‖X−1⊗X̄‖_F | this method at consensus ≤ DeMuon's | "
+        "DeMuon at consensus ≤ this method's |",
     ]
-    lines.append("|" + "---|" * (5 + len(extra) + 1))
+    lines.append("|" + "---|" * (7 + len(extra)))
+    demuon_blocks = results["methods"].get("demuon", {"blocks": []})["blocks"]
     for graph in graphs_of(results):
-        ref = best_block(results["methods"].get("demuon", {"blocks": []})["blocks"], graph, metric)
+        ref = best_block(demuon_blocks, graph, metric)
         ref_cons = ref["curve"][-1]["consensus_error"] if ref else None
         for method, data in results["methods"].items():
             b = best_block(data["blocks"], graph, metric)
             if b is None:
-                lines.append(f"| {GRAPH_LABELS.get(graph, graph)} | {LABELS[method]} | all diverged |" + " |" * (3 + len(extra)))
+                lines.append(f"| {GRAPH_LABELS.get(graph, graph)} | {LABELS[method]} | all diverged |" + " |" * (4 + len(extra)))
                 continue
             last = b["curve"][-1]
-            matched = ""
+            matched = reverse = "—"
             if method != "demuon" and ref_cons is not None:
                 mb = best_block(data["blocks"], graph, metric, max_consensus=ref_cons)
                 matched = f"{fmt(mb['curve'][-1][metric])} (η₀={mb['lr']:g})" if mb else "none"
-            else:
-                matched = "—"
+                rb = best_block(demuon_blocks, graph, metric, max_consensus=last["consensus_error"])
+                reverse = (f"{fmt(rb['curve'][-1][metric])} (η₀={rb['lr']:g}, cons. {fmt(rb['curve'][-1]['consensus_error'], 2)})"
+                           if rb else "none")
             cells = [GRAPH_LABELS.get(graph, graph), LABELS[method], f"{b['lr']:g}", fmt(last[metric])]
             cells += [fmt(last[k]) for k, _ in extra]
-            cells += [fmt(last["consensus_error"], 3), matched]
+            cells += [fmt(last["consensus_error"], 3), matched, reverse]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -108,17 +114,49 @@ def plot(results, metric, ylabel, path, logy, shown=None):
             label = f"{LABELS[method]} (η₀={b['lr']:g})"
             pts = [(p["iter"], p[shown]) for p in b["curve"] if p[shown] is not None]
             axes[0][col].plot([x for x, _ in pts], [y for _, y in pts], color=COLORS[method], label=label)
-            axes[1][col].plot(xs[1:], [p["consensus_error"] for p in b["curve"]][1:], color=COLORS[method], label=label)
+            cons = [(x, p["consensus_error"]) for x, p in zip(xs, b["curve"]) if p["consensus_error"] > 1e-9]
+            if cons:
+                axes[1][col].plot([x for x, _ in cons], [c for _, c in cons], color=COLORS[method], label=label)
         axes[0][col].set_title(GRAPH_LABELS.get(graph, graph))
         axes[0][col].set_ylabel(ylabel)
         axes[1][col].set_ylabel("consensus error ‖X − 1⊗X̄‖_F")
-        axes[1][col].set_yscale("symlog", linthresh=1e-6)
+        if axes[1][col].lines:
+            axes[1][col].set_yscale("log")
+        else:  # W = 11ᵀ/N averages exactly: every agent holds X̄ after each round
+            axes[1][col].text(0.5, 0.5, "consensus error ≤ 1e-9 for every method\n(W = 11ᵀ/N averages exactly)",
+                              ha="center", va="center", transform=axes[1][col].transAxes)
         for r in range(2):
             axes[r][col].set_xlabel("iteration")
             axes[r][col].grid(alpha=0.3)
         if logy:
             axes[0][col].set_yscale("log")
         axes[0][col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def pareto(results, metric, ylabel, path):
+    """Final metric against final consensus error for every grid point (non-complete graphs)."""
+    graphs = [g for g in graphs_of(results) if g != "complete"]
+    fig, axes = plt.subplots(1, len(graphs), figsize=(5.5 * len(graphs), 4.2), squeeze=False)
+    for col, graph in enumerate(graphs):
+        ax = axes[0][col]
+        for method, data in results["methods"].items():
+            pts = sorted((b["curve"][-1]["consensus_error"], b["curve"][-1][metric], b["lr"]) for b in data["blocks"]
+                         if b["graph"] == graph and finite(b["curve"][-1][metric]))
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLORS[method], label=LABELS[method], ms=4)
+            for c, v, lr in pts:
+                ax.annotate(f"{lr:g}", (c, v), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log" if metric == "suboptimality" else "linear")
+        ax.set_xlabel("final consensus error ‖X − 1⊗X̄‖_F")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{GRAPH_LABELS.get(graph, graph)}: every step size η₀ (labels)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -138,6 +176,7 @@ def regression(results, outdir):
     with open(os.path.join(outdir, "regression_table.md"), "w") as f:
         f.write(md + "\n")
     plot(results, "suboptimality", "f(X̄) − f*", os.path.join(outdir, "regression.png"), logy=True)
+    pareto(results, "suboptimality", "final f(X̄) − f*", os.path.join(outdir, "regression_pareto.png"))
     print(md)
 
 
@@ -167,6 +206,7 @@ def gpt(results, outdir):
     with open(os.path.join(outdir, "gpt_table.md"), "w") as f:
         f.write(md + "\n")
     plot(results, "val_loss_avg_model", "validation loss of the averaged model", os.path.join(outdir, "gpt_val_loss.png"), logy=False)
+    pareto(results, "val_loss_avg_model", "final val loss of X̄", os.path.join(outdir, "gpt_pareto.png"))
     plot(results, "val_loss_avg_model", "training loss (mean over agents, current batch)",
          os.path.join(outdir, "gpt_train_loss.png"), logy=False, shown="train_loss")
     print(md)

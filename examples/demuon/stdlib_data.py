@@ -111,3 +111,15 @@ def describe(data: dict) -> str:
         f"heterogeneity (mean sym-KL of unigrams) {data['heterogeneity_sym_kl']:.3f}; "
         f"chars/token ≈ {math.nan if not sizes else data['bytes'] / (sum(sizes) + data['val_tokens'].numel()):.2f}"
     )
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="build (or find) the cached stdlib corpus")
+    ap.add_argument("--agents", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    args = ap.parse_args()
+    corpus = build_corpus(args.agents, args.vocab)
+    print(describe(corpus))
+    print("cache:", sorted(glob.glob(os.path.join(DEFAULT_CACHE, f"stdlib_*_v{args.vocab}_n{args.agents}.pt"))))

@@ -44,6 +44,7 @@ __all__ = [
     "DecentralizedAlgorithm",
     "default_is_matrix",
     "consensus_error",
+    "stationarity_proxy",
     "agent_norms",
 ]
 
@@ -182,6 +183,16 @@ def consensus_error(flat: Tensor) -> float:
     return float((x - x.mean(dim=0, keepdim=True)).pow(2).sum().sqrt())
 
 
+def stationarity_proxy(grads: Tensor) -> float:
+    """‖(1/N) Σ_i G_i‖_F for the full stack ``[N, P]`` of the agents' latest stochastic gradients.
+
+    At consensus this is a minibatch estimate of ‖∇f(X̄)‖_F; it is the same quantity for every
+    method (for the tracking methods mean(V) = mean(M) is a smoothed version of it).
+    """
+    g = grads.double().mean(dim=0)
+    return float(g.pow(2).sum().sqrt())
+
+
 class DecentralizedAlgorithm:
     """State and update of one decentralized method over a flat agent stack.
 
@@ -204,6 +215,7 @@ class DecentralizedAlgorithm:
         self.config, self.layout, self.mixer = config, layout, mixer
         self.params = params
         self.step_count = 0
+        self.last_grad: Tensor | None = None  # the (combined) gradient of the latest step
         tracking = config.method in TRACKING_METHODS
         self.momentum_buf = torch.zeros_like(params) if tracking else None
         self.tracker = torch.zeros_like(params) if tracking else None
@@ -234,6 +246,7 @@ class DecentralizedAlgorithm:
         method = self.config.method
         grad = grads[0] if self.extrapolation is None else self.extrapolation.combine(grads)
         grad = grad.to(self.params.dtype)
+        self.last_grad = grad
         if method in TRACKING_METHODS:
             update = self._tracked_direction(grad)
         elif method == "dsgd":

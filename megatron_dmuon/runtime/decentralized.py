@@ -27,7 +27,12 @@ from torch import Tensor
 from ..algorithms.demuon import DecentralizedAlgorithm, DecentralizedConfig, FlatLayout, default_is_matrix
 from ..algorithms.topology import Topology
 
-__all__ = ["ProcessGroupMixer", "DecentralizedOptimizer", "distributed_consensus_error"]
+__all__ = [
+    "ProcessGroupMixer",
+    "DecentralizedOptimizer",
+    "distributed_consensus_error",
+    "distributed_stationarity_proxy",
+]
 
 
 class ProcessGroupMixer:
@@ -96,6 +101,14 @@ def distributed_consensus_error(flat: Tensor, group=None) -> float:
     sq = (x - mean).pow(2).sum().reshape(1)
     dist.all_reduce(sq, group=group)
     return float(sq.sqrt())
+
+
+def distributed_stationarity_proxy(grad: Tensor, group=None) -> float:
+    """‖(1/N) Σ_i G_i‖_F across the group, each rank passing its latest gradient row (collective)."""
+    g = grad.detach().double().clone()
+    dist.all_reduce(g, group=group)
+    g /= dist.get_world_size(group)
+    return float(g.pow(2).sum().sqrt())
 
 
 class DecentralizedOptimizer:
@@ -199,6 +212,12 @@ class DecentralizedOptimizer:
 
     def consensus_error(self) -> float:
         return distributed_consensus_error(self.flat, self.group)
+
+    def stationarity_proxy(self) -> float:
+        """‖mean over agents of the latest (combined) gradients‖_F; collective; NaN before step 1."""
+        if self.algorithm.last_grad is None:
+            return float("nan")
+        return distributed_stationarity_proxy(self.algorithm.last_grad, self.group)
 
     def state_dict(self) -> dict:
         return {

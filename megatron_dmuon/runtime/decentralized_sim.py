@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..algorithms.demuon import DecentralizedAlgorithm, DecentralizedConfig, FlatLayout, consensus_error
+from ..algorithms.demuon import (
+    DecentralizedAlgorithm,
+    DecentralizedConfig,
+    FlatLayout,
+    consensus_error,
+    stationarity_proxy,
+)
 from ..algorithms.topology import Topology
 
 __all__ = ["StackedMixer", "DecentralizedSimulator", "vmapped_loss_and_grad"]
@@ -112,6 +118,13 @@ class DecentralizedSimulator:
     def consensus_errors(self) -> list[float]:
         """‖X − 1⊗X̄‖_F of each block."""
         return [consensus_error(self.params[s]) for s in self.mixer.block_slices()]
+
+    def stationarity_proxies(self) -> list[float]:
+        """‖mean of the latest (combined) stochastic gradients‖_F of each block (NaN before step 1)."""
+        g = self.algorithm.last_grad
+        if g is None:
+            return [float("nan")] * len(self.mixer.topologies)
+        return [stationarity_proxy(g[s]) for s in self.mixer.block_slices()]
 
 
 def vmapped_loss_and_grad(
