@@ -32,6 +32,9 @@ def _check_against_reference(results, dp, **kw):
     assert worst <= FP32_TOL, worst
     assert results[0]["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     assert results[0]["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-6)
+    # owners alone hold Muon state (momentum), exactly for the matrices they own
+    assert [r["muon_states"] for r in results] == [r["owned"] for r in results]
+    assert sum(r["muon_states"] for r in results) == results[0]["num_matrices"]
     # every matrix orthogonalized exactly once per step, summed over all ranks
     assert results[0]["ns_counts"] == [results[0]["num_matrices"]] * len(results[0]["ns_counts"])
     return worst
@@ -98,7 +101,8 @@ def test_gather_then_compute_baseline_matches_reference():
     ref = _reference(2, steps=5, grad_accum=2)
     # all-reduce sums in its own order; the baseline is checked to fp32 rounding amplified by NS
     assert _max_rel_diff(results[0]["params"], ref["params"]) <= 1e-4
-    # every rank orthogonalized every matrix: D x the work of DMuon
+    # every rank orthogonalized every matrix (and holds its state): D x the work of DMuon
+    assert [r["muon_states"] for r in results] == [results[0]["num_matrices"]] * 2
     assert results[0]["ns_counts"] == [2 * results[0]["num_matrices"]] * 5
 
 
@@ -108,3 +112,16 @@ def test_hierarchical_two_nodes_by_two_ranks_matches_reference():
     kw = dict(steps=6, grad_accum=2, ranks_per_node=2)
     results = _run(4, overlap=True, bucket_size=20000, **kw)
     _check_against_reference(results, 4, **kw)
+
+
+def test_dmuon_verify_cli_passes_at_dp4():
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.cli", "verify", "--dp", "4", "--steps", "4", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["dp"] == 4 and report["each_matrix_once"]
+    assert report["max_rel_diff"] <= 1e-6

@@ -133,7 +133,13 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
     }
     if return_params:
         out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters() if p.requires_grad}
+    if mode != "adam":
+        inner = opt.chained_optimizers[0].dmuon_inner
+        out["muon_states"] = sum(1 for p in inner.matrix_info if "momentum_buffer" in inner.state.get(p, {}))
     if mode == "dmuon":
+        topo = ddp.dmuon_topology
+        my_shard = topo.shard_index if topo is not None else rank
+        out["owned"] = sum(1 for v in ddp.dmuon_owner_plans.values() for s in v.owners.values() if s == my_shard)
         out["owners"] = {str(k): v.owners for k, v in ddp.dmuon_owner_plans.items()}
         out["layouts"] = [v.to_json() for v in ddp.dmuon_owner_plans.values()]
     return out
