@@ -54,7 +54,7 @@ class ProcessGroupMixer:
         self.topology = topology
         self.group = group
         self.agent = dist.get_rank(group)
-        self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(world)]
+        self.global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world)]
         self.row = topology.weights[self.agent]
         self.in_neighbors = topology.in_neighbors[self.agent]
         self.out_neighbors = topology.out_neighbors[self.agent]
@@ -76,8 +76,8 @@ class ProcessGroupMixer:
             rows = {j: gathered[j : j + 1] for j in range(n) if j != self.agent}
         else:
             rows = {j: torch.empty_like(flat) for j in self.in_neighbors}
-            ops = [dist.P2POp(dist.isend, flat, self._global[j], self.group) for j in self.out_neighbors]
-            ops += [dist.P2POp(dist.irecv, rows[j], self._global[j], self.group) for j in self.in_neighbors]
+            ops = [dist.P2POp(dist.isend, flat, self.global_ranks[j], self.group) for j in self.out_neighbors]
+            ops += [dist.P2POp(dist.irecv, rows[j], self.global_ranks[j], self.group) for j in self.in_neighbors]
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
             self.bytes_sent += flat.numel() * flat.element_size() * len(self.out_neighbors)
@@ -157,7 +157,7 @@ class DecentralizedOptimizer:
         for (_, p), slot in zip(named, layout.slots):
             flat[0, slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         if broadcast_from is not None:
-            dist.broadcast(flat, src=mixer._global[broadcast_from], group=group)
+            dist.broadcast(flat, src=mixer.global_ranks[broadcast_from], group=group)
         for (_, p), view in zip(named, layout.views(flat)):
             p.data = view[0]  # the module now reads the algorithm's live parameters
         self.params = [p for _, p in named]
@@ -186,7 +186,6 @@ class DecentralizedOptimizer:
 
     def step(self, closure: Callable[[], Tensor] | None = None):
         """One iteration. Without a closure, uses the ``.grad`` of the current backward pass."""
-        points = self.algorithm.gradient_points()
         if self.algorithm.extrapolation is None:
             loss = None
             if closure is not None:
@@ -197,7 +196,7 @@ class DecentralizedOptimizer:
         if closure is None:
             raise ValueError("method='demuon_a' evaluates gradients at extrapolation points: pass step(closure)")
         current = self.flat.clone()
-        points = [p.clone() for p in points]
+        points = [p.clone() for p in self.algorithm.gradient_points()]
         grads, first_loss = [], None
         for point in points:
             self.flat.copy_(point)
