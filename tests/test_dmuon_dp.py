@@ -125,3 +125,12 @@ def test_dmuon_verify_cli_passes_at_dp4():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["dp"] == 4 and report["each_matrix_once"]
     assert report["max_rel_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("split", ["qkv", "heads", "glu"])
+def test_split_rules_match_reference(split):
+    # fused QKV cut into Q/K/V (or per head), GLU fc1 into gate/up: the owner orthogonalizes the
+    # pieces (batched by shape), the reference each piece alone
+    kw = dict(steps=4, grad_accum=1, split=split)
+    results = _run(2, **kw)
+    _check_against_reference(results, 2, **kw)

@@ -147,13 +147,13 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
     for chunk in model_chunks:
         for n, p in chunk.module.named_parameters() if hasattr(chunk, "module") else chunk.named_parameters():
             name_of[p] = n
-    overrides = get_standard_config_overrides(config)
     param_groups, buffers = _get_param_groups_and_buffers(
-        model_chunks, 0, config, overrides, lambda g: not g["is_expert_parallel"], "buffers"
+        model_chunks, 0, config, get_standard_config_overrides(config), lambda g: True, "buffers"
     )
-    if any(g["is_expert_parallel"] and g["params"] for g in _get_param_groups_and_buffers(
-            model_chunks, 0, config, overrides, lambda g: True, "buffers")[0]):
-        raise NotImplementedError("DMuon: expert-parallel params (EP > 1) are not supported yet")
+    if any(g["is_expert_parallel"] and g["params"] for g in param_groups):
+        raise NotImplementedError(
+            "DMuon: expert-parallel params (--expert-model-parallel-size > 1) are not supported yet"
+        )
     inner = OwnerMuonAdamW(
         _muon_adam_groups(param_groups, name_of),
         lr=config.lr, weight_decay=config.weight_decay,

@@ -69,7 +69,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                     lr: float, weight_decay: float, adam_betas=(0.9, 0.999), adam_eps=1e-8,
                     clip_grad: float = 0.0, muon_settings=None,
                     reduce_chunk_of: Optional[Dict[str, torch.Tensor]] = None,
-                    ranks_per_node: int = 0) -> Dict[str, object]:
+                    ranks_per_node: int = 0, split_rule_for: Optional[Callable] = None) -> Dict[str, object]:
     """`batches_per_step(step)` returns the global batch as [dp rank][micro-batch] token blocks.
 
     `reduce_chunk_of[name]` (optional) gives, per element, the reduce-scatter shard it lands in;
@@ -119,11 +119,25 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                     st.setdefault("momentum", torch.zeros(shape))
                     upd = muon_momentum_(st["momentum"], g.view(shape), s.momentum, s.nesterov)
                     method = "standard" if s.ns_method == "auto" else s.ns_method
-                    o = orthogonalize(upd, method=method, coefficients=s.coefficients, steps=s.ns_steps,
-                                      compute_dtype=s.ns_dtype, check_finite=False)
-                    scale = muon_lr_scale(*shape, mode=s.scale_mode, extra=s.extra_scale)
+                    rule = split_rule_for(n, shape) if split_rule_for is not None else None
+
+                    def orth(m):
+                        o = orthogonalize(m, method=method, coefficients=s.coefficients, steps=s.ns_steps,
+                                          compute_dtype=s.ns_dtype, check_finite=False)
+                        return o, muon_lr_scale(*m.shape[-2:], mode=s.scale_mode, extra=s.extra_scale)
+
                     p.mul_(1 - lr * wd)
-                    p.add_(o.view(p.shape).to(p.dtype), alpha=-lr * scale)
+                    if rule is None:
+                        o, scale = orth(upd)
+                        p.add_(o.view(p.shape).to(p.dtype), alpha=-lr * scale)
+                    else:  # each piece (and each head of a per-head stack) on its own, then reassembled
+                        done = []
+                        for piece in rule.pieces(upd):
+                            mats = [piece] if piece.dim() == 2 else list(piece)
+                            outs = [orth(m) for m in mats]
+                            scaled = [o.to(p.dtype) * sc for o, sc in outs]
+                            done.append(scaled[0] if piece.dim() == 2 else torch.stack(scaled))
+                        p.add_(rule.assemble(done, like=upd).view(p.shape), alpha=-lr)
                 else:
                     st.setdefault("exp_avg", torch.zeros_like(p))
                     st.setdefault("exp_avg_sq", torch.zeros_like(p))

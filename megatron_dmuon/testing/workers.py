@@ -69,7 +69,7 @@ def _freeze(model, freeze):
 
 
 def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
-             return_params=True, freeze=None, ranks_per_node=0, **kw):
+             return_params=True, freeze=None, ranks_per_node=0, split=None, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) at DP=world_size; report everything."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -103,7 +103,8 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
 
         opt = get_megatron_optimizer(opt_config, [ddp])
     else:
-        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype)))
+        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype),
+                                                                     **_split_kwargs(split)))
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
         lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
@@ -145,8 +146,12 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
     return out
 
 
+def _split_kwargs(split):
+    return {"split_qkv": split in ("qkv", "heads"), "split_per_head": split == "heads", "split_glu": split == "glu"}
+
+
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
-              ranks_per_node=0, **kw):
+              ranks_per_node=0, split=None, **kw):
     """The single-process reference for a DP=`dp` run (world_size must be 1)."""
     from megatron_dmuon.megatron.gpt import build_gpt
     from megatron_dmuon.testing.reference import reference_train
@@ -171,4 +176,15 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
         chunks = reduce_chunks_from_layout([OwnerLayout.from_json(j) for j in layouts], shapes)
     return reference_train(model, batches, o["steps"], lr=o["lr"], weight_decay=o["weight_decay"],
                            clip_grad=o["clip_grad"], muon_settings=_muon_settings(ns_dtype),
-                           reduce_chunk_of=chunks, ranks_per_node=ranks_per_node)
+                           reduce_chunk_of=chunks, ranks_per_node=ranks_per_node,
+                           split_rule_for=_split_rule_for(model.config, split))
+
+
+def _split_rule_for(model_config, split):
+    if split is None:
+        return None
+    from megatron_dmuon.algorithms.splitting import rule_for_megatron_param
+
+    k = _split_kwargs(split)
+    return lambda name, shape: rule_for_megatron_param(name, shape, model_config, split_qkv=k["split_qkv"],
+                                                       per_head=k["split_per_head"], split_glu=k["split_glu"])
