@@ -33,6 +33,9 @@ def parse_args(argv=None):
     a("--dmuon-no-nesterov", action="store_true")
     a("--dmuon-ranks-per-node", type=int, default=0,
       help="> 0: two-level (intra-node, inter-node) reduce/publish with this many ranks per node")
+    a("--dmuon-split-qkv", action="store_true", help="orthogonalize Q, K, V separately (Megatron's Muon default)")
+    a("--dmuon-split-heads", action="store_true", help="orthogonalize every attention head separately")
+    a("--dmuon-split-glu", action="store_true", help="orthogonalize SwiGLU gate and up separately")
     a("--dmuon-scale-mode", default="match_rms_adamw", choices=["spectral", "match_rms_adamw", "none"])
     a("--num-layers", type=int, default=2)
     a("--hidden-size", type=int, default=128)
@@ -160,7 +163,9 @@ def main(argv=None):
         muon = MuonSettings(momentum=args.dmuon_momentum, nesterov=not args.dmuon_no_nesterov,
                             ns_method=args.dmuon_ns_method, coefficients=args.dmuon_coefficients,
                             ns_steps=args.dmuon_ns_steps, scale_mode=args.dmuon_scale_mode)
-        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=args.dmuon_mode, muon=muon))
+        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(
+            mode=args.dmuon_mode, muon=muon, split_qkv=args.dmuon_split_qkv or args.dmuon_split_heads,
+            split_per_head=args.dmuon_split_heads, split_glu=args.dmuon_split_glu))
     else:
         opt = get_megatron_optimizer(opt_config, [ddp])
     sched = OptimizerParamScheduler(
