@@ -116,7 +116,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                 wd = param_weight_decay(n, p, weight_decay)
                 if is_muon_param(n, p):
                     shape = (p.shape[0], p[0].numel())
-                    st.setdefault("momentum", torch.zeros(shape))
+                    st.setdefault("momentum", torch.zeros(shape, device=p.device))
                     upd = muon_momentum_(st["momentum"], g.view(shape), s.momentum, s.nesterov)
                     method = "standard" if s.ns_method == "auto" else s.ns_method
                     rule = split_rule_for(n, shape) if split_rule_for is not None else None
