@@ -78,6 +78,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
     """
     s = muon_settings
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    device = named[0][1].device
     state: Dict[str, dict] = {n: {} for n, _ in named}
     losses, grad_norms = [], []
     for step in range(steps):
@@ -93,7 +94,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
             for _, p in named:
                 p.grad = None
             for tokens in rank_micro:
-                batch = causal_batch(tokens)
+                batch = causal_batch(tokens.to(device))
                 loss_mask = batch.pop("loss_mask")
                 out = model(**batch).float()
                 loss = (out.view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum().clamp(min=1)
