@@ -5,12 +5,19 @@
 
 Measures, for each Qwen2.5-7B matrix shape as a batch of 8 (and for one whole layer):
 torch standard NS (algorithms.newton_schulz, bf16), torch Gram NS (algorithms.gram_newton_schulz,
-fp16), our kernel paths (Triton standard / Gram NS, autotuned), and peers when their code is
-present under --peers (never committed): microsoft/dion's Triton NS and X-Square-Robot/dmuon's
-Gram NS. Reports median ms (CUDA events), TFLOP/s of each method's own FLOP count, the FLOP
-lower bound at 790 TFLOP/s, and the relative Frobenius error of matrix 0 vs its exact polar
-factor (float64, eigh of the Gram matrix on the GPU; cross-checked against the SVD once).
---smoke runs tiny shapes on CPU (torch paths only) to check the script itself.
+fp16), our Gram NS kernels (autotuned), and peers when their code is present under --peers
+(never committed): microsoft/dion's Triton NS and X-Square-Robot/dmuon's Gram NS.
+
+Schedules: every method runs the published 5-step Polar Express schedule, except the
+``*_adaptive`` ones, which take ``kernels.schedule_for_shape``: the same schedule for
+rectangular shapes and the 6-step ``POLAR_EXPRESS_6`` for square ones (q/o).
+
+Error metric (all tables): relative Frobenius error ``‖NS(X) − P‖_F / ‖P‖_F`` of the output
+vs the exact polar factor ``P = U Vᵀ`` of the float64 input, computed in float64 (eigh of the
+Gram matrix on the GPU, cross-checked against the SVD once). The per-shape table reports
+matrix 0 of the batch; the layer table reports the maximum over every matrix of the layer.
+Times are median ms (CUDA events); TFLOP/s use each method's own FLOP count; the FLOP lower
+bound assumes 790 TFLOP/s. --smoke runs tiny shapes on CPU (torch paths only).
 """
 
 from __future__ import annotations
@@ -36,9 +43,9 @@ from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz  # n
 from megatron_dmuon.kernels import (  # noqa: E402
     gram_newton_schulz_fast,
     graphed_orthogonalize,
-    newton_schulz_fast,
     nonfinite_metrics,
     orthogonalize_batched,
+    schedule_for_shape,
 )
 
 PEAK_TFLOPS = 790.0
@@ -119,25 +126,31 @@ def load_peers(peers_dir: Path, wanted=("dion", "dmuon")):
     return peers
 
 
+def _adaptive(fn):
+    """Run ``fn(x, **schedule_for_shape(rows, cols))``: 6 steps for square shapes, else 5."""
+    return lambda x: fn(x, **schedule_for_shape(x.size(-2), x.size(-1)))
+
+
 def methods_for(args, device, peers):
     co = args.coefficients
     fast = device.type == "cuda"
-    gram_kw = dict(coefficients=co, compute_dtype=torch.float16, check_finite=False)
+    gram_kw = dict(compute_dtype=torch.float16, check_finite=False)
     std_kw = dict(coefficients=co, compute_dtype=torch.bfloat16, check_finite=False)
     methods = {
         # name: (callable on a [B, m, n] stack, FLOP method, symmetric FLOP count?)
         "torch_standard_bf16": (lambda x: newton_schulz(x, **std_kw), "standard", False),
-        "torch_gram_fp16": (lambda x: gram_newton_schulz(x, **gram_kw), "gram", False),
+        "torch_gram_fp16": (lambda x: gram_newton_schulz(x, coefficients=co, **gram_kw), "gram", False),
     }
     if fast:
         cache = args.cache
-        methods["ours_standard_fp16"] = (
-            lambda x: newton_schulz_fast(x, **dict(std_kw, compute_dtype=torch.float16), cache_path=cache), "standard", True)
-        methods["ours_gram_fp16"] = (lambda x: gram_newton_schulz_fast(x, **gram_kw, cache_path=cache), "gram", True)
-        methods["ours_auto_fp16"] = (
-            lambda x: orthogonalize_batched(x, "auto", **gram_kw, cache_path=cache), "auto", True)
-        methods["ours_auto_fp16_graphed"] = (
-            lambda x: graphed_orthogonalize(x, "auto", **gram_kw, cache_path=cache), "auto", True)
+        methods["ours_gram_fp16"] = (
+            lambda x: gram_newton_schulz_fast(x, coefficients=co, **gram_kw, cache_path=cache), "gram", True)
+        methods["ours_gram_fp16_adaptive"] = (
+            _adaptive(lambda x, **s: gram_newton_schulz_fast(x, **s, **gram_kw, cache_path=cache)), "gram", True)
+        methods["ours_auto_fp16_adaptive"] = (
+            _adaptive(lambda x, **s: orthogonalize_batched(x, "auto", **s, **gram_kw, cache_path=cache)), "auto", True)
+        methods["ours_auto_fp16_adaptive_graphed"] = (
+            _adaptive(lambda x, **s: graphed_orthogonalize(x, "auto", **s, **gram_kw, cache_path=cache)), "auto", True)
     for name, fn in peers.items():
         if callable(fn):
             methods[f"peer_{name}"] = (fn, "gram" if "gram" in name else "standard", "triton" in name)
@@ -145,6 +158,8 @@ def methods_for(args, device, peers):
 
 
 def flops_of(method, rows, cols, batch, symmetric, steps=5):
+    if method in ("auto", "gram") and max(rows, cols) / min(rows, cols) < 2.0:
+        method = "standard"  # what runs below min_aspect_ratio=2
     if method == "auto":
         # What runs: Gram when the aspect ratio allows it (min_aspect_ratio=2), else standard.
         method = "gram" if max(rows, cols) / min(rows, cols) >= 2.0 else "standard"
@@ -173,7 +188,9 @@ def bench_shapes(args, device, methods, report):
                 entry["finite"] = bool(torch.isfinite(out).all())
                 del out
                 entry["ms"] = time_ms(lambda: fn(x), device, reps=args.reps)
-                flops = flops_of(fmethod, rows, cols, batch, symmetric)
+                steps = schedule_for_shape(rows, cols)["steps"] if "adaptive" in name else 5
+                entry["steps"] = steps
+                flops = flops_of(fmethod, rows, cols, batch, symmetric, steps)
                 entry["tflops"] = flops / (entry["ms"] * 1e-3) / 1e12
                 entry["lower_bound_ms"] = bound
             except Exception as exc:
@@ -188,14 +205,15 @@ def bench_shapes(args, device, methods, report):
 
 
 def tune_layer_methods(args, device, report):
-    """Measure Gram vs standard for the layer's stacks so 'ours_auto' uses the measured choice."""
+    """Measure Gram vs standard for the layer's stacks (with each group's adaptive schedule)
+    so that 'ours_auto' uses the measured choice."""
     if device.type != "cuda":
         return
     from megatron_dmuon.kernels import tune_method
 
     layer = SMOKE_LAYER if args.smoke else QWEN_LAYER
     report["method_tuning"] = {
-        g: tune_method(m, n, b, torch.float16, device, coefficients=args.coefficients, cache_path=args.cache)
+        g: tune_method(m, n, b, torch.float16, device, cache_path=args.cache, **schedule_for_shape(m, n))
         for g, (b, m, n) in layer.items()
     }
     print(json.dumps(report["method_tuning"]), flush=True)
@@ -205,17 +223,22 @@ def bench_layer(args, device, methods, report):
     layer = SMOKE_LAYER if args.smoke else QWEN_LAYER
     gen = torch.Generator(device=device).manual_seed(11)
     stacks = {g: torch.randn(*s, device=device, generator=gen) for g, s in layer.items()}
-    polars = {g: polar_fp64(x[0]) for g, x in stacks.items()}
+    polars = {g: [polar_fp64(m) for m in x] for g, x in stacks.items()}  # every matrix of the layer
     bound = sum(lower_bound_ms(r, c, b) for b, r, c in layer.values())
-    result = {"groups": {g: list(s) for g, s in layer.items()}, "lower_bound_ms": bound, "methods": {}}
+    bound_adaptive = sum(lower_bound_ms(r, c, b, schedule_for_shape(r, c)["steps"]) for b, r, c in layer.values())
+    result = {"groups": {g: list(s) for g, s in layer.items()}, "lower_bound_ms": bound,
+              "lower_bound_ms_adaptive": bound_adaptive, "methods": {}}
     for name, (fn, _, _) in methods.items():
         try:
-            errs = {g: rel_err(fn(x)[0], polars[g]) for g, x in stacks.items()}
+            errs = {}
+            for g, x in stacks.items():
+                out = fn(x)
+                errs[g] = [rel_err(out[i], polars[g][i]) for i in range(x.size(0))]
             batched = time_ms(lambda: [fn(x) for x in stacks.values()], device, reps=args.reps)
             looped = time_ms(lambda: [fn(m.unsqueeze(0)) for x in stacks.values() for m in x], device, reps=args.reps) \
                 if "graphed" not in name else None
             result["methods"][name] = {"batched_ms": batched, "looped_ms": looped, "rel_err_vs_polar": errs,
-                                       "max_rel_err": max(errs.values())}
+                                       "max_rel_err": max(max(e) for e in errs.values())}
         except Exception as exc:
             result["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc()
@@ -237,15 +260,63 @@ def bench_kv_batching(args, device, methods, report):
             result[name] = {"batched_ms": batched, "looped_ms": looped}
         except Exception as exc:
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    # The headline ratio: our graphed batch vs our own eager per-matrix loop, and vs torch's loop.
-    ours = result.get("ours_auto_fp16_graphed", {}).get("batched_ms")
-    if ours:
-        for ref in ("ours_auto_fp16", "torch_gram_fp16", "torch_standard_bf16"):
+    # The headline ratios: our graphed and our eager batch vs our own eager per-matrix loop and torch's loops.
+    loop_refs = ("ours_auto_fp16_adaptive", "torch_gram_fp16", "torch_standard_bf16")
+    for ours_name in ("ours_auto_fp16_adaptive_graphed", "ours_auto_fp16_adaptive"):
+        ours = result.get(ours_name, {}).get("batched_ms")
+        for ref in loop_refs if ours else ():
             looped = result.get(ref, {}).get("looped_ms")
             if looped:
-                result[f"speedup_graphed_batch_vs_{ref}_looped"] = looped / ours
+                result[f"speedup_{ours_name}_batch_vs_{ref}_looped"] = looped / ours
     report["kv_batch"] = {"rows": rows, "cols": cols, "batch": batch, **result}
     print(json.dumps(report["kv_batch"]), flush=True)
+
+
+def breakdown(args, device, report):
+    """Where the adaptive Gram path's layer time goes: each kind of launch timed alone on the
+    layer's shapes (median ms), times how often one call issues it."""
+    if device.type != "cuda":
+        return
+    from megatron_dmuon.algorithms.gram_newton_schulz import restart_points
+    from megatron_dmuon.kernels.autotune import shape_plan
+    from megatron_dmuon.kernels.gram_ns_triton import _apply_q, _normalised_wide, _sym, _syrk
+
+    layer = SMOKE_LAYER if args.smoke else QWEN_LAYER
+    result = {}
+    for g, (b, m, n) in layer.items():
+        sched = schedule_for_shape(m, n)
+        steps = sched["steps"]
+        x = torch.randn(b, m, n, device=device)
+        X, _ = _normalised_wide(x, torch.float16, 1e-7)
+        plan = shape_plan(m, n, b, torch.float16, device, cache_path=args.cache)
+        R = _syrk(plan.syrk, X)
+        gram = max(m, n) / min(m, n) >= 2.0
+        if gram:
+            restarts = len(restart_points((2,), steps))
+            segments = [2, steps - 2] if restarts else [steps]
+            # Per segment of s steps: s Z' products, 2 R updates on all but its last step,
+            # s - 1 Q updates (the first Q is Z' + aI).
+            squares = sum(s + 2 * (s - 1) + (s - 1) for s in segments)
+            counts = {"prep": 1, "syrk": 1 + restarts, "square": squares, "bmm_fp16": restarts, "bmm_out": 1}
+        else:  # standard NS: per step a SYRK, a polynomial and a full B·X product
+            counts = {"prep": 1, "syrk": steps, "square": steps, "baddbmm": steps, "cast_out": 1}
+        ops = {
+            "prep": lambda: _normalised_wide(x, torch.float16, 1e-7),
+            "syrk": lambda: _syrk(plan.syrk, X),
+            "square": lambda: _sym(plan.square, R, R, c=R, alpha=0.5, beta=-1.0),
+            "bmm_fp16": lambda: torch.bmm(R, X),
+            "bmm_out": lambda: _apply_q(R, X, False, torch.float32),
+            "baddbmm": lambda: torch.baddbmm(X, R, X, beta=2.0),
+            "cast_out": lambda: X.to(torch.float32),
+        }
+        times = {k: time_ms(ops[k], device, reps=args.reps) for k in counts}
+        parts = {k: {"count": counts[k], "ms_each": times[k], "ms": counts[k] * times[k]} for k in counts}
+        result[g] = {"method": "gram" if gram else "standard", "steps": steps, "parts": parts,
+                     "sum_ms": sum(p["ms"] for p in parts.values()),
+                     "plan": {"syrk": plan.syrk.as_dict(), "square": plan.square.as_dict()}}
+        del x, X, R
+    report["breakdown"] = result
+    print(json.dumps(result), flush=True)
 
 
 def gemm_ceiling(device, report):
@@ -291,42 +362,57 @@ def autotune_summary(args, report):
     report["autotune"] = entries
 
 
+def _fmt(v, spec=".3f"):
+    return "—" if v is None else format(v, spec)
+
+
 def markdown(report) -> str:
     lines = [f"# Gram NS kernels benchmark ({report['device']})", ""]
-    lines.append(f"torch {report['torch']}, triton {report.get('triton')}, coefficients {report['coefficients']}; "
-                 f"FLOP lower bound at {PEAK_TFLOPS:.0f} TFLOP/s; errors: matrix 0 vs float64 polar factor.")
+    lines.append(f"torch {report['torch']}, triton {report.get('triton')}, coefficients {report['coefficients']} "
+                 f"(`*_adaptive`: 6-step POLAR_EXPRESS_6 for square shapes); FLOP lower bound at {PEAK_TFLOPS:.0f} TFLOP/s.")
+    lines.append("Error: relative Frobenius error vs the float64 polar factor U Vᵀ; per shape: matrix 0; layer: max over every matrix.")
     if "gemm_ceiling_tflops" in report:
-        lines.append(f"Measured 8192³ GEMM: " + ", ".join(f"{k}: {v:.0f} TFLOP/s" for k, v in report["gemm_ceiling_tflops"].items()))
-    lines += ["", "## Per shape (batch of %d)" % report.get("batch", 8), "",
-              "| shape | method | ms | TFLOP/s | bound ms | rel err |", "|---|---|---:|---:|---:|---:|"]
-    for e in report.get("shapes", []):
-        if "error" in e:
-            lines.append(f"| {e['shape']} {e['rows']}×{e['cols']} | {e['method']} | error: {e['error'][:60]} | | | |")
-        else:
-            lines.append(f"| {e['shape']} {e['rows']}×{e['cols']} | {e['method']} | {e['ms']:.3f} | {e['tflops']:.0f} | "
-                         f"{e['lower_bound_ms']:.3f} | {e['rel_err_vs_polar']:.4f} |")
+        lines.append("Measured 8192³ GEMM: " + ", ".join(f"{k}: {v:.0f} TFLOP/s" for k, v in report["gemm_ceiling_tflops"].items()))
     layer = report.get("layer")
     if layer:
-        lines += ["", f"## One layer ({', '.join(f'{g} {s}' for g, s in layer['groups'].items())}); "
-                  f"FLOP bound {layer['lower_bound_ms']:.2f} ms", "",
-                  "| method | batched ms | per-matrix loop ms | max rel err |", "|---|---:|---:|---:|"]
+        groups = list(layer["groups"])
+        lines += ["", f"## One layer ({', '.join(f'{g} {s}' for g, s in layer['groups'].items())}); FLOP bound "
+                  f"{layer['lower_bound_ms']:.2f} ms (5 steps), {layer.get('lower_bound_ms_adaptive', float('nan')):.2f} ms (adaptive)", "",
+                  "| method | batched ms | per-matrix loop ms | max rel err | " + " | ".join(f"max err {g}" for g in groups) + " |",
+                  "|---|---:|---:|---:|" + "---:|" * len(groups)]
         for name, e in layer["methods"].items():
             if "error" in e:
-                lines.append(f"| {name} | error: {e['error'][:60]} | | |")
+                lines.append(f"| {name} | error: {e['error'][:60]} | | |" + " |" * len(groups))
             else:
-                looped = "—" if e["looped_ms"] is None else f"{e['looped_ms']:.2f}"
-                lines.append(f"| {name} | {e['batched_ms']:.2f} | {looped} | {e['max_rel_err']:.4f} |")
+                per = " | ".join(f"{max(e['rel_err_vs_polar'][g]):.4f}" for g in groups)
+                lines.append(f"| {name} | {e['batched_ms']:.2f} | {_fmt(e['looped_ms'], '.2f')} | {e['max_rel_err']:.4f} | {per} |")
+    bd = report.get("breakdown")
+    if bd:
+        lines += ["", "## Where the adaptive path's time goes (each launch kind timed alone × count)", "",
+                  "| group | method, steps | part | count | ms each | ms |", "|---|---|---|---:|---:|---:|"]
+        for g, e in bd.items():
+            for part, p in e["parts"].items():
+                lines.append(f"| {g} | {e['method']}, {e['steps']} | {part} | {p['count']} | {p['ms_each']:.4f} | {p['ms']:.3f} |")
+            lines.append(f"| {g} | | **sum** | | | **{e['sum_ms']:.3f}** |")
+    lines += ["", "## Per shape (batch of %d)" % report.get("batch", 8), "",
+              "| shape | method | steps | ms | TFLOP/s | bound ms | rel err |", "|---|---|---:|---:|---:|---:|---:|"]
+    for e in report.get("shapes", []):
+        if "error" in e:
+            lines.append(f"| {e['shape']} {e['rows']}×{e['cols']} | {e['method']} | | error: {e['error'][:60]} | | | |")
+        else:
+            lines.append(f"| {e['shape']} {e['rows']}×{e['cols']} | {e['method']} | {e.get('steps', 5)} | {e['ms']:.3f} | "
+                         f"{e['tflops']:.0f} | {e['lower_bound_ms']:.3f} | {e['rel_err_vs_polar']:.4f} |")
     kv = report.get("kv_batch")
     if kv:
         lines += ["", f"## k/v {kv['rows']}×{kv['cols']}, batch {kv['batch']}: batched vs looped", "",
                   "| method | batched ms | looped ms |", "|---|---:|---:|"]
         for name, e in kv.items():
             if isinstance(e, dict) and "batched_ms" in e:
-                looped = "—" if e["looped_ms"] is None else f"{e['looped_ms']:.3f}"
-                lines.append(f"| {name} | {e['batched_ms']:.3f} | {looped} |")
+                lines.append(f"| {name} | {e['batched_ms']:.3f} | {_fmt(e['looped_ms'])} |")
+        lines.append("")
         for name, v in kv.items():
             if name.startswith("speedup"):
-                lines.append(f"\n{name}: **{v:.1f}×**")
+                lines.append(f"* {name}: **{v:.1f}×**")
     if report.get("method_tuning"):
         lines += ["", "## Measured Gram vs standard (our kernels)", "", "| group | choice | ms per method | error vs torch path |",
                   "|---|---|---|---|"]
@@ -337,17 +423,30 @@ def markdown(report) -> str:
     ops = {k: v for k, v in report.get("autotune", {}).items() if k.startswith("op|")}
     if ops:
         lines += ["", "## Autotuned symmetric products", "",
-                  "| product | choice | ms | best Triton ms | cuBLAS ms |", "|---|---|---:|---:|---:|"]
+                  "| product | choice | ms | best pointer-kernel ms | best TMA-kernel ms | cuBLAS ms |", "|---|---|---:|---:|---:|---:|"]
         for key, e in sorted(ops.items()):
             op, m, k, b, dt = key.split("|")[-5:]
-            tri = [c["time_ms"] for c in e["candidates"] if c["backend"] == "triton" and "time_ms" in c]
-            cub = [c["time_ms"] for c in e["candidates"] if c["backend"] == "cublas" and "time_ms" in c]
+
+            def best(pred):
+                t = [c["time_ms"] for c in e["candidates"] if pred(c) and "time_ms" in c]
+                return min(t) if t else None
+            tri = best(lambda c: c["backend"] == "triton" and not (c.get("config") or {}).get("tma"))
+            tma = best(lambda c: c["backend"] == "triton" and (c.get("config") or {}).get("tma"))
+            cub = best(lambda c: c["backend"] == "cublas")
             cfg = e["choice"]["config"]
-            desc = e["choice"]["backend"] + ("" if not cfg else " {block_m}x{block_n}x{block_k} w{num_warps} s{num_stages}".format(**cfg))
-            lines.append(f"| {op} {m} {k} {b} {dt} | {desc} | {e['time_ms']:.4f} | "
-                         f"{min(tri) if tri else float('nan'):.4f} | {min(cub) if cub else float('nan'):.4f} |")
+            desc = e["choice"]["backend"]
+            if cfg:
+                desc += " {block_m}x{block_n}x{block_k} w{num_warps} s{num_stages}".format(**cfg)
+                desc += (" tma" if cfg.get("tma") else "") + (" flat" if cfg.get("flatten") else "")
+            lines.append(f"| {op} {m} {k} {b} {dt} | {desc} | {e['time_ms']:.4f} | {_fmt(tri, '.4f')} | "
+                         f"{_fmt(tma, '.4f')} | {_fmt(cub, '.4f')} |")
+        rejected = sorted({c["rejected"][:120] for e in ops.values() for c in e["candidates"] if "rejected" in c})
+        if rejected:
+            lines += ["", "Rejected candidates (reasons): " + "; ".join(rejected[:6])]
     if "accuracy" in report:
         lines += ["", "## Accuracy checks", "", "```", json.dumps(report["accuracy"], indent=1), "```"]
+    if report.get("section_errors"):
+        lines += ["", "## Section errors", "", "```", json.dumps(report["section_errors"], indent=1), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -362,7 +461,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-list", default="dion,dmuon", help="which peers to load from --peers")
     parser.add_argument("--cache", default=None, help="autotune cache file (default: the user cache)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed (checks the script)")
-    parser.add_argument("--sections", default="ceiling,accuracy,shapes,methods,layer,kv")
+    parser.add_argument("--sections", default="ceiling,accuracy,shapes,methods,layer,kv,breakdown")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -389,6 +488,7 @@ def main(argv=None) -> int:
         "methods": lambda: tune_layer_methods(args, device, report),
         "layer": lambda: bench_layer(args, device, methods, report),
         "kv": lambda: bench_kv_batching(args, device, methods, report),
+        "breakdown": lambda: breakdown(args, device, report),
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -95,6 +95,24 @@ def test_kernel_config_validation():
         KernelConfig.from_dict({"block_m": 64, "tile": 3})
     cfg = KernelConfig(64, 128, 32, 4, 3, 2)
     assert KernelConfig.from_dict(cfg.as_dict()) == cfg
+    tma = KernelConfig(128, 256, 64, 8, 3, 8, tma=1, flatten=1)
+    assert KernelConfig.from_dict(tma.as_dict()) == tma
+    # Entries written before the TMA kernel existed load as pointer-kernel configs.
+    old = {k: v for k, v in cfg.as_dict().items() if k not in ("tma", "flatten")}
+    assert KernelConfig.from_dict(old).tma == 0
+    with pytest.raises(ValueError, match="tma and flatten must be 0 or 1"):
+        KernelConfig(tma=2).validate()
+
+
+def test_tma_path_needs_k_contiguous_operands_and_tile_multiple_m():
+    from megatron_dmuon.kernels.triton_symmetric import KernelConfig, tma_applies
+
+    cfg = KernelConfig(32, 32, 32, 4, 1, 2, tma=1)
+    x = torch.randn(2, 64, 96).half()
+    r = torch.randn(2, 64, 64).half()
+    # Off the GPU (and without the interpreter) the TMA kernel never applies.
+    assert not tma_applies(x, x.mT, cfg)
+    assert not tma_applies(r, r, KernelConfig(32, 32, 32, 4, 1, 2), b_symmetric=True)
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 48), (40, 12), (2, 2, 20, 20)])

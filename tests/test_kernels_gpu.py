@@ -95,3 +95,40 @@ def test_gpu_cuda_graph_matches_eager():
         assert _rel(out, eager) < 1e-3
     with pytest.raises(ValueError, match="captured for"):
         graphed(torch.randn(2, 64, 512, device="cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="TMA needs Hopper")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_tma_kernel_matches_torch(dtype):
+    from megatron_dmuon.kernels import sym_axpby, sym_poly, syrk
+    from megatron_dmuon.kernels.triton_symmetric import KernelConfig, tma_applies
+
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    configs = [KernelConfig(128, 256, 64, 8, 3, 8, tma=1), KernelConfig(128, 128, 64, 8, 4, 8, tma=1, flatten=1),
+               KernelConfig(64, 128, 64, 4, 4, 4, tma=1)]
+    for batch, m, k in [(3, 512, 1000), (2, 768, 2048), (1, 256, 64)]:  # 1000: a K tail
+        x = torch.randn(batch, m, k, device="cuda").to(dtype)
+        ref = syrk(x, backend="torch")
+        r = (ref.float() / ref.float().norm(dim=(-2, -1), keepdim=True)).to(dtype)
+        poly_ref = sym_poly(r, -4.775, 2.0315, diag=1.0, backend="torch")
+        z = sym_poly(r, 1.5, 0.5, backend="torch")
+        axpby_ref = sym_axpby(r, z, 3.0, backend="torch")
+        for cfg in configs:
+            assert tma_applies(x, x.mT, cfg) and tma_applies(r, z, cfg, b_symmetric=True)
+            out = torch.full_like(ref, float("nan"))
+            syrk(x, out=out, backend="triton", config=cfg)
+            assert torch.isfinite(out).all() and torch.equal(out, out.mT)
+            assert _rel(out, ref) < tol, (batch, m, k, cfg)
+            assert _rel(sym_poly(r, -4.775, 2.0315, diag=1.0, backend="triton", config=cfg), poly_ref) < tol
+            assert _rel(sym_axpby(r, z, 3.0, backend="triton", config=cfg), axpby_ref) < tol
+
+
+def test_gpu_fast_path_writes_the_input_dtype_and_layout():
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
+    from megatron_dmuon.kernels import gram_newton_schulz_fast
+
+    for shape, dtype in [((2, 1024, 256), torch.float32), ((2, 256, 1024), torch.float32), ((2, 256, 1024), torch.bfloat16)]:
+        x = torch.randn(*shape, device="cuda").to(dtype)
+        fast = gram_newton_schulz_fast(x, "polar_express", autotune=False)
+        assert fast.shape == x.shape and fast.dtype == x.dtype and fast.is_contiguous()
+        assert _rel(fast, gram_newton_schulz(x, "polar_express")) < 0.02

@@ -201,3 +201,100 @@ def test_child_nonfinite_output_is_retried_in_fp32(monkeypatch):
     assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
     unchecked = gram_newton_schulz_fast(x, "polar_express", backend="triton", check_finite=False)
     assert nonfinite_metrics()["outputs_checked"] == after["outputs_checked"] and torch.isfinite(unchecked).all()
+
+
+def _tma_config(bm, bn, bk, flatten=0):
+    from megatron_dmuon.kernels.triton_symmetric import KernelConfig
+
+    return KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=1, group=2, tma=1, flatten=flatten)
+
+
+@child_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("flatten", [0, 1])
+def test_child_tma_kernel_matches_torch(dtype, flatten):
+    from megatron_dmuon.kernels import sym_axpby, sym_poly, syrk
+    from megatron_dmuon.kernels.triton_symmetric import tma_applies
+
+    gen = torch.Generator().manual_seed(11 + flatten)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    cfg = _tma_config(16, 32, 16, flatten)
+    for batch, m, k in [(3, 64, 72), (1, 32, 40), (2, 64, 24)]:  # K tails (40, 24) are zero-filled by TMA
+        x = torch.randn(batch, m, k, generator=gen).to(dtype)
+        assert tma_applies(x, x.mT, cfg)
+        out = torch.full((batch, m, m), float("nan"), dtype=dtype)
+        syrk(x, out=out, backend="triton", config=cfg)
+        assert torch.isfinite(out).all() and torch.equal(out, out.mT)
+        assert _rel(out, syrk(x, backend="torch")) < tol, (batch, m, k)
+    g = torch.randn(2, 64, 64, generator=gen)
+    r = ((g + g.mT) / 128).to(dtype)
+    assert tma_applies(r, r, cfg, b_symmetric=True) and not tma_applies(r, r, cfg)
+    p = sym_poly(r, -4.775, 2.0315, diag=3.4445, backend="triton", config=cfg)
+    assert _rel(p, sym_poly(r, -4.775, 2.0315, diag=3.4445, backend="torch")) < tol
+    z = sym_poly(r, 1.5, 0.5, backend="torch")
+    q = sym_axpby(r, z, 3.0, backend="triton", config=cfg)
+    assert _rel(q, sym_axpby(r, z, 3.0, backend="torch")) < tol
+    assert torch.equal(p, p.mT) and torch.equal(q, q.mT)
+
+
+@child_only
+def test_child_tma_config_falls_back_to_the_pointer_kernel():
+    from megatron_dmuon.kernels import syrk
+    from megatron_dmuon.kernels.triton_symmetric import tma_applies
+
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(3)).half()  # 40: not a tile multiple
+    tma_cfg = _tma_config(16, 16, 16)
+    assert not tma_applies(x, x.mT, tma_cfg)
+    assert not tma_applies(x[:, :32].contiguous().mT.contiguous().mT[:, :, :32], x[:, :32], tma_cfg)  # K not contiguous
+    out = syrk(x, backend="triton", config=tma_cfg)
+    assert torch.equal(out, syrk(x, backend="triton", config=_kernel_config(16, 16, 16)))
+
+
+@child_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_child_scale_cast_transposes_and_scales(dtype):
+    from megatron_dmuon.kernels.triton_cast import scale_cast
+
+    gen = torch.Generator().manual_seed(6)
+    scale = torch.tensor([0.5, 3.0, 1e-3])
+    for x in (torch.randn(3, 40, 24, generator=gen), torch.randn(3, 24, 40, generator=gen).mT):  # wide; tall's wide view
+        out = torch.full(x.shape, float("nan"), dtype=dtype)
+        scale_cast(x, scale, out)
+        ref = (x * scale[:, None, None]).to(dtype)
+        if dtype == torch.float16:
+            assert torch.equal(out, ref)
+        else:  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): within one bf16 ulp
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=0)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        scale_cast(x, scale.double(), out)
+
+
+@child_only
+def test_child_gram_core_with_tma_plan_matches_pointer_plan():
+    from megatron_dmuon.algorithms.coefficients import get_coefficients
+    from megatron_dmuon.kernels.autotune import OpChoice, ShapePlan
+    from megatron_dmuon.kernels.gram_ns_triton import _normalised_wide, gram_core
+
+    x = torch.randn(2, 96, 32, generator=torch.Generator().manual_seed(12))  # tall: result comes back tall
+    X, transposed = _normalised_wide(x, torch.float16, 1e-7)
+    schedule = get_coefficients("polar_express", 5)
+    tma = ShapePlan(OpChoice("triton", _tma_config(16, 32, 16)), OpChoice("triton", _tma_config(16, 16, 16, 1)))
+    ptr = ShapePlan(OpChoice("triton", _kernel_config(16, 32, 16)), OpChoice("triton", _kernel_config(16, 16, 16)))
+    out_tma = gram_core(X, schedule, frozenset({2}), tma, transposed, torch.float32)
+    out_ptr = gram_core(X, schedule, frozenset({2}), ptr, transposed, torch.float32)
+    assert out_tma.shape == x.shape
+    assert _rel(out_tma, out_ptr) < 2e-3
+
+
+@child_only
+def test_child_six_step_square_schedule():
+    """Square matrices run standard NS (Gram NS in fp16 loses accuracy on their tiny singular
+    values, which is why min_aspect_ratio defaults to 2); the 6-step schedule goes through."""
+    from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz
+    from megatron_dmuon.kernels import POLAR_EXPRESS_6, gram_newton_schulz_fast, newton_schulz_fast
+
+    sq = torch.randn(2, 48, 48, generator=torch.Generator().manual_seed(13))
+    std = newton_schulz_fast(sq, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float16, backend="triton")
+    assert _rel(std, newton_schulz(sq, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float16)) < 0.02
+    assert _rel(std, msgn_svd(sq)) < 0.01  # measured 0.0013
+    assert torch.equal(gram_newton_schulz_fast(sq, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float16), std)

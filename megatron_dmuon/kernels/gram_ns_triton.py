@@ -52,28 +52,61 @@ def fast_path_usable(x: Tensor, compute_dtype: torch.dtype) -> bool:
     )
 
 
-def _sym(choice, a, b, *, c=None, alpha=1.0, beta=0.0) -> Tensor:
+def _sym(choice, a, b, *, c=None, alpha=1.0, beta=0.0, b_symmetric=True) -> Tensor:
     out = torch.empty((*a.shape[:-1], a.shape[-2]), dtype=a.dtype, device=a.device)
-    return symmetric_ops.sym_matmul(a, b, c=c, alpha=alpha, beta=beta, out=out, backend=choice.backend, config=choice.config)
+    return symmetric_ops.sym_matmul(
+        a, b, c=c, alpha=alpha, beta=beta, out=out, backend=choice.backend, config=choice.config, b_symmetric=b_symmetric
+    )
+
+
+def _syrk(choice, X) -> Tensor:
+    return _sym(choice, X, X.mT, b_symmetric=False)
 
 
 def _normalised_wide(stack: Tensor, compute_dtype: torch.dtype, eps: float) -> tuple[Tensor, bool]:
-    """The algorithms' normalisation (same stage dtype, norm and clamp), written to a
-    contiguous wide [B, m, n] buffer in one pass so the kernels read row-major operands."""
-    stage_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
-    staged = stack.to(stage_dtype)
+    """The algorithms' normalisation ``X / max(‖X‖_F, eps)`` (norm in float32), written to a
+    contiguous wide [B, m, n] buffer of the compute dtype in one pass (scale, cast and, for
+    tall inputs, transpose), so the kernels read row-major operands."""
     transposed = stack.size(-2) > stack.size(-1)
-    wide = staged.mT if transposed else staged
-    norm = wide.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    wide = stack.mT if transposed else stack
+    norm = torch.linalg.vector_norm(wide, dim=(-2, -1), dtype=torch.float32)
     out = torch.empty(wide.shape, dtype=compute_dtype, device=stack.device)
-    torch.div(wide, norm, out=out)
-    return out, transposed
+    from .triton_cast import scale_cast  # the fast path runs only where Triton does
+
+    return scale_cast(wide, norm.clamp(min=eps).reciprocal(), out), transposed
 
 
-def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan) -> Tensor:
-    """Gram NS on a normalised wide [B, m, n] stack; returns Q X in X's dtype."""
+_BMM_FP32_OUT: dict = {}
+
+
+def _bmm_writes_fp32(device: torch.device) -> bool:
+    """Whether ``torch.bmm(half, half, out_dtype=torch.float32)`` runs here (torch >= 2.8, CUDA)."""
+    key = str(device)
+    if key not in _BMM_FP32_OUT:
+        probe = torch.ones(1, 8, 8, dtype=torch.float16, device=device)
+        try:
+            _BMM_FP32_OUT[key] = torch.bmm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _BMM_FP32_OUT[key] = False
+    return _BMM_FP32_OUT[key]
+
+
+def _apply_q(Q: Tensor, X: Tensor, transposed: bool, out_dtype: torch.dtype) -> Tensor:
+    """The result ``Q X`` in the input's orientation: wide [B, m, n], or for tall inputs
+    ``(Q X)ᵀ = Xᵀ Q`` (Q is symmetric) written tall directly; float32 straight from the
+    product when the input is float32 and cuBLAS can write it."""
+    left, right = (X.mT, Q) if transposed else (Q, X)
+    if out_dtype == torch.float32 and X.dtype != torch.float32 and X.is_cuda and _bmm_writes_fp32(X.device):
+        return torch.bmm(left, right, out_dtype=torch.float32)
+    return torch.bmm(left, right)
+
+
+def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transposed: bool = False,
+              out_dtype: torch.dtype | None = None) -> Tensor:
+    """Gram NS on a normalised wide [B, m, n] stack. Returns Q X in the input's orientation
+    (``transposed``: tall [B, n, m]), in ``out_dtype`` where the last product can write it."""
     steps = len(schedule)
-    R = _sym(plan.syrk, X, X.mT)
+    R = _syrk(plan.syrk, X)
     Q = None  # the identity at the start of a segment
     for t, (a, b, c) in enumerate(schedule, start=1):
         Z = _sym(plan.square, R, R, c=R, alpha=c, beta=b)  # Z' = b R + c R²
@@ -87,15 +120,15 @@ def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan) -> Tens
             Q = _sym(plan.square, Q, Z, c=Q, beta=a)  # Q Z = a Q + Q Z'
         if t in restarts:
             X = torch.bmm(Q, X)
-            R = _sym(plan.syrk, X, X.mT)
+            R = _syrk(plan.syrk, X)
             Q = None
-    return torch.bmm(Q, X)
+    return _apply_q(Q, X, transposed, out_dtype or X.dtype)
 
 
 def standard_core(X: Tensor, schedule, plan: ShapePlan) -> Tensor:
     """Standard NS on a normalised wide [B, m, n] stack: X <- a X + (b A + c A²) X, A = X Xᵀ."""
     for a, b, c in schedule:
-        A = _sym(plan.syrk, X, X.mT)
+        A = _syrk(plan.syrk, X)
         B = _sym(plan.square, A, A, c=A, alpha=c, beta=b)
         X = torch.baddbmm(X, B, X, beta=a)
     return X
@@ -241,7 +274,7 @@ def gram_newton_schulz_fast(
         X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
         autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
     )
-    out = _finish(gram_core(X, schedule, restarts, plan), transposed, x)
+    out = gram_core(X, schedule, restarts, plan, transposed, x.dtype).reshape(x.shape).to(x.dtype)
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
         out = _retry_nonfinite(out, x, lambda sub: gram_module.gram_newton_schulz(sub, **fp32_kwargs))

@@ -152,11 +152,13 @@ def sym_matmul(
     out: Tensor | None = None,
     backend: str = "auto",
     config=None,
+    b_symmetric: bool = False,
 ) -> Tensor:
     """``alpha·a@b + beta·c + diag·I`` where the exact product is known to be symmetric.
 
     a: [B, m, k] or [m, k]; b: [B, k, m] or [k, m]; c, out: [B, m, m] or [m, m].
-    ``config`` (a ``KernelConfig``) applies to the Triton backend only.
+    ``config`` (a ``KernelConfig``) applies to the Triton backend only. ``b_symmetric``
+    promises b == bᵀ, which lets the Triton TMA kernel read b's rows as its columns.
     """
     if a.dim() not in (2, 3) or b.dim() != a.dim():
         raise ValueError(f"sym_matmul: a and b must both be 2-D or both 3-D; got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -174,7 +176,8 @@ def sym_matmul(
         from .triton_symmetric import KernelConfig, sym_matmul as triton_sym_matmul
 
         return triton_sym_matmul(
-            a, b, out=out, c=c, alpha=alpha, beta=beta, diag=diag, config=config or KernelConfig()
+            a, b, out=out, c=c, alpha=alpha, beta=beta, diag=diag, config=config or KernelConfig(),
+            b_symmetric=b_symmetric,
         )
     if chosen == "cublas":
         return _cublas_sym_matmul(a, b, out, c, alpha, beta, diag)
@@ -192,11 +195,11 @@ def sym_poly(
     r: Tensor, b: float, c: float, *, diag: float = 0.0, out: Tensor | None = None, backend: str = "auto", config=None
 ) -> Tensor:
     """The NS polynomial step ``b·r + c·r@r + diag·I`` for symmetric r (one fused kernel)."""
-    return sym_matmul(r, r, c=r, alpha=c, beta=b, diag=diag, out=out, backend=backend, config=config)
+    return sym_matmul(r, r, c=r, alpha=c, beta=b, diag=diag, out=out, backend=backend, config=config, b_symmetric=True)
 
 
 def sym_axpby(
     a: Tensor, z: Tensor, beta: float, *, out: Tensor | None = None, backend: str = "auto", config=None
 ) -> Tensor:
     """``beta·a + a@z`` for commuting symmetric a, z: Q·Z' + a·Q and both R-update products."""
-    return sym_matmul(a, z, c=a, alpha=1.0, beta=beta, out=out, backend=backend, config=config)
+    return sym_matmul(a, z, c=a, alpha=1.0, beta=beta, out=out, backend=backend, config=config, b_symmetric=True)

@@ -14,11 +14,22 @@ exactly once and the result is bit-for-bit symmetric and deterministic.
 Operands may be fp16 or bf16 (fp32 accumulation, the epilogue in fp32), strided in any way
 (a SYRK passes B = Xᵀ as a transposed view, no copy), and batched over one leading dim.
 This module needs Triton; the dispatch and torch fallbacks live in ``symmetric_ops``.
+
+Two kernels share the tile list and the epilogue:
+
+* ``_sym_mm_kernel`` – one program per (tile, batch), pointer loads; any strides and sizes.
+* ``_sym_mm_tma_kernel`` (``KernelConfig.tma=1``) – persistent (one program per SM walks the
+  (batch, tile) list), operands fetched by TMA tensor descriptors (Hopper). It needs both
+  operands K-contiguous: A row-major, and B either a transposed view (SYRK: B = Xᵀ) or a
+  symmetric matrix whose rows are read as its columns (``b_symmetric=True``: every m×m
+  operand of Gram NS). It also needs tile-multiple m and 16-byte-aligned rows; otherwise
+  ``sym_matmul`` runs the pointer kernel with the same tiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -39,6 +50,8 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 3
     group: int = 8  # tile rows that share a column sweep, for L2 reuse
+    tma: int = 0  # 1: persistent TMA-descriptor kernel (Hopper) where the operands allow it
+    flatten: int = 0  # TMA kernel: let the compiler pipeline across tiles (tl.range flatten)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,6 +73,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_warps must be one of 1,2,4,8,16, got {self.num_warps}")
         if self.num_stages < 1 or self.group < 1:
             raise ValueError(f"KernelConfig: num_stages and group must be >= 1, got {self}")
+        if self.tma not in (0, 1) or self.flatten not in (0, 1):
+            raise ValueError(f"KernelConfig: tma and flatten must be 0 or 1, got {self}")
 
 
 def interpreter_active() -> bool:
@@ -70,6 +85,48 @@ def interpreter_active() -> bool:
         return bool(knobs.runtime.interpret)
     except (ImportError, AttributeError):  # older triton reads the variable directly
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _symmetric_epilogue(
+    acc, tile_row, tile_col, batch, C, OUT, M,
+    stride_cb, stride_cm, stride_cn,
+    stride_ob, stride_om, stride_on,
+    alpha, beta, diag,
+    HAS_C: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """alpha·acc + beta·C + diag·I, stored on and above the diagonal and mirrored below."""
+    rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_col * BLOCK_N + tl.arange(0, BLOCK_N)
+    result = alpha * acc
+    if HAS_C:
+        c_ptrs = C + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        if EVEN_M:
+            result += beta * tl.load(c_ptrs).to(tl.float32)
+        else:
+            c_mask = (rows[:, None] < M) & (cols[None, :] < M)
+            result += beta * tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+    result += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
+    out = result.to(OUT.dtype.element_ty)
+    # The mirror image (c, r) of element (r, c) is stored from the transposed tile, so both
+    # stores run along the output's contiguous dim.
+    out_t = tl.trans(out)
+    out_base = OUT + batch * stride_ob
+    direct_ptrs = out_base + rows[:, None] * stride_om + cols[None, :] * stride_on
+    mirror_ptrs = out_base + cols[:, None] * stride_om + rows[None, :] * stride_on
+    # A tile whose last row is <= its first column has no element below the diagonal.
+    above_diagonal = tile_row * BLOCK_M + BLOCK_M - 1 <= tile_col * BLOCK_N
+    if EVEN_M and above_diagonal:
+        tl.store(direct_ptrs, out)
+        tl.store(mirror_ptrs, out_t)
+    else:
+        inside = (rows[:, None] < M) & (cols[None, :] < M)
+        tl.store(direct_ptrs, out, mask=inside & (rows[:, None] <= cols[None, :]))
+        inside_t = (cols[:, None] < M) & (rows[None, :] < M)
+        tl.store(mirror_ptrs, out_t, mask=inside_t & (rows[None, :] < cols[:, None]))
 
 
 @triton.jit
@@ -122,33 +179,74 @@ def _sym_mm_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    _symmetric_epilogue(
+        acc, tile_row, tile_col, batch, C, OUT, M,
+        stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
+        alpha, beta, diag, HAS_C, EVEN_M, BLOCK_M, BLOCK_N,
+    )
 
-    result = alpha * acc
-    if HAS_C:
-        c_ptrs = C + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        if EVEN_M:
-            result += beta * tl.load(c_ptrs).to(tl.float32)
+
+@triton.jit
+def _tma_tile(
+    work, a_desc, b_desc, C, OUT, TILES,
+    M, K, num_tiles,
+    stride_cb, stride_cm, stride_cn,
+    stride_ob, stride_om, stride_on,
+    alpha, beta, diag,
+    HAS_C: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    batch = work // num_tiles
+    tile = work - batch * num_tiles
+    tile_row = tl.load(TILES + 2 * tile)
+    tile_col = tl.load(TILES + 2 * tile + 1)
+    a_row = batch * M + tile_row * BLOCK_M
+    b_row = batch * M + tile_col * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([a_row, ki * BLOCK_K])
+        b = b_desc.load([b_row, ki * BLOCK_K])
+        if UPCAST_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
         else:
-            c_mask = (rows[:, None] < M) & (cols[None, :] < M)
-            result += beta * tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-    result += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
-    out = result.to(OUT.dtype.element_ty)
-    # The mirror image (c, r) of element (r, c) is stored from the transposed tile, so both
-    # stores run along the output's contiguous dim.
-    out_t = tl.trans(out)
-    out_base = OUT + batch * stride_ob
-    direct_ptrs = out_base + rows[:, None] * stride_om + cols[None, :] * stride_on
-    mirror_ptrs = out_base + cols[:, None] * stride_om + rows[None, :] * stride_on
-    # A tile whose last row is <= its first column has no element below the diagonal.
-    above_diagonal = tile_row * BLOCK_M + BLOCK_M - 1 <= tile_col * BLOCK_N
-    if EVEN_M and above_diagonal:
-        tl.store(direct_ptrs, out)
-        tl.store(mirror_ptrs, out_t)
+            acc = tl.dot(a, tl.trans(b), acc)
+    _symmetric_epilogue(
+        acc, tile_row, tile_col, batch.to(tl.int64), C, OUT, M,
+        stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
+        alpha, beta, diag, HAS_C, True, BLOCK_M, BLOCK_N,
+    )
+
+
+@triton.jit(do_not_specialize=["num_tiles", "total_work", "num_programs"])
+def _sym_mm_tma_kernel(
+    a_desc, b_desc, C, OUT, TILES,
+    M, K, num_tiles, total_work, num_programs,
+    stride_cb, stride_cm, stride_cn,
+    stride_ob, stride_om, stride_on,
+    alpha, beta, diag,
+    HAS_C: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    # a_desc: A as [batch*M, K]; b_desc: Bᵀ as [batch*M, K] (K contiguous in both). M is a
+    # multiple of both block sizes, so a tile never straddles two matrices; the K tail past
+    # the end of a row is zero-filled by the TMA unit. Work item w = (batch, tile), batch-major.
+    if FLATTEN:  # one flattened loop: the pipeliner prefetches the next tile during the epilogue
+        for work in tl.range(tl.program_id(0), total_work, num_programs, flatten=True):
+            _tma_tile(work, a_desc, b_desc, C, OUT, TILES, M, K, num_tiles,
+                      stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
+                      alpha, beta, diag, HAS_C, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        inside = (rows[:, None] < M) & (cols[None, :] < M)
-        tl.store(direct_ptrs, out, mask=inside & (rows[:, None] <= cols[None, :]))
-        inside_t = (cols[:, None] < M) & (rows[None, :] < M)
-        tl.store(mirror_ptrs, out_t, mask=inside_t & (rows[None, :] < cols[:, None]))
+        for work in tl.range(tl.program_id(0), total_work, num_programs):
+            _tma_tile(work, a_desc, b_desc, C, OUT, TILES, M, K, num_tiles,
+                      stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
+                      alpha, beta, diag, HAS_C, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def upper_tile_list(m: int, block_m: int, block_n: int, group: int) -> list[tuple[int, int]]:
@@ -185,6 +283,58 @@ def _as_batched(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
+_SM_COUNTS: dict = {}
+
+
+def _programs_per_launch(device: torch.device, config: KernelConfig) -> int:
+    """Programs of the persistent kernel: one per SM (two for tiles of <= 128x128)."""
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs exercise the persistent loop
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNTS.get(index)
+    if sms is None:
+        sms = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms * (2 if config.block_m * config.block_n <= 128 * 128 else 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _tma_capable(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return interpreter_active()
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """t [B, R, K] as a [B*R, K] view with K contiguous and 16-byte rows, or None."""
+    batch, rows, k = t.shape
+    if t.stride(2) != 1 or (batch > 1 and t.stride(0) != rows * t.stride(1)):
+        return None
+    if (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    return t.as_strided((batch * rows, k), (t.stride(1), 1))
+
+
+def _tma_operands(a3, b3, b_symmetric: bool, config: KernelConfig):
+    """Row views of A and of Bᵀ for the TMA kernel, or None when the operands do not allow it."""
+    m = a3.shape[1]
+    if m % config.block_m or m % config.block_n or not _tma_capable(a3.device):
+        return None
+    if b3.stride(1) == 1:  # B is a transposed view (SYRK): its transpose is row-major
+        bt = b3.mT
+    elif b_symmetric and b3.shape[1] == m:  # rows of a symmetric B are its columns
+        bt = b3
+    else:
+        return None
+    a_rows, bt_rows = _rows_view(a3), _rows_view(bt)
+    if a_rows is None or bt_rows is None:
+        return None
+    return a_rows, bt_rows
+
+
 def sym_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -195,6 +345,7 @@ def sym_matmul(
     beta: float = 0.0,
     diag: float = 0.0,
     config: KernelConfig = KernelConfig(),
+    b_symmetric: bool = False,
 ) -> torch.Tensor:
     """``out = alpha·a@b + beta·c + diag·I`` for products known to be symmetric.
 
@@ -203,7 +354,11 @@ def sym_matmul(
         out: [B, M, M] or [M, M] of the operands' dtype; must not share memory with a, b or c.
         c: optional [B, M, M] addend (read on and above the diagonal only).
         alpha, beta, diag: scalars of the epilogue, applied in fp32.
-        config: tile shape and launch parameters.
+        config: tile shape and launch parameters (``tma=1``: the persistent TMA kernel where
+            the operands allow it, else the pointer kernel with the same tiles).
+        b_symmetric: b equals its transpose (K == M), so the TMA kernel may read its rows as
+            columns. The Gram NS drivers pass it for their m×m operands, which the kernel
+            itself wrote as exact mirrors.
     The caller guarantees the exact product is symmetric; the lower triangle of the result is
     the mirror of the computed upper triangle.
     """
@@ -231,8 +386,34 @@ def sym_matmul(
     if m == 0 or batch == 0:
         return out
     tiles = _tile_tensor(m, config, a.device)
-    grid = (tiles.numel() // 2, batch)
-    _sym_mm_kernel[grid](
+    num_tiles = tiles.numel() // 2
+    upcast = a.dtype == torch.bfloat16 and interpreter_active()
+    operands = _tma_operands(a3, b3, b_symmetric, config) if config.tma else None
+    if operands is not None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_rows, bt_rows = operands
+        a_desc = TensorDescriptor.from_tensor(a_rows, [config.block_m, config.block_k])
+        b_desc = TensorDescriptor.from_tensor(bt_rows, [config.block_n, config.block_k])
+        total = num_tiles * batch
+        programs = min(total, _programs_per_launch(a.device, config))
+        _sym_mm_tma_kernel[(programs,)](
+            a_desc, b_desc, c3, out3, tiles,
+            m, k, num_tiles, total, programs,
+            c3.stride(0), c3.stride(1), c3.stride(2),
+            out3.stride(0), out3.stride(1), out3.stride(2),
+            float(alpha), float(beta), float(diag),
+            HAS_C=c is not None,
+            UPCAST_DOT=upcast,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            FLATTEN=bool(config.flatten),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        return out
+    _sym_mm_kernel[(num_tiles, batch)](
         a3, b3, c3, out3, tiles,
         m, k,
         a3.stride(0), a3.stride(1), a3.stride(2),
@@ -243,7 +424,7 @@ def sym_matmul(
         HAS_C=c is not None,
         EVEN_K=(k % config.block_k == 0),
         EVEN_M=(m % config.block_m == 0 and m % config.block_n == 0),
-        UPCAST_DOT=(a.dtype == torch.bfloat16 and interpreter_active()),
+        UPCAST_DOT=upcast,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -251,3 +432,8 @@ def sym_matmul(
         num_stages=config.num_stages,
     )
     return out
+
+
+def tma_applies(a: torch.Tensor, b: torch.Tensor, config: KernelConfig, b_symmetric: bool = False) -> bool:
+    """Whether ``sym_matmul`` with this config runs the TMA kernel for these operands."""
+    return bool(config.tma) and _tma_operands(_as_batched(a), _as_batched(b), b_symmetric, config) is not None

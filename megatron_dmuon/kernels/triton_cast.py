@@ -1,0 +1,60 @@
+"""Triton kernel for the NS input pass: per-matrix scale, cast to the compute dtype, and (for
+tall matrices) transpose to the wide layout, in one read of the input and one write.
+
+torch's ``torch.div(x.mT, norm, out=wide)`` does the same arithmetic but walks the output's
+layout and reads the transposed input with a large stride (uncoalesced); here each program
+loads a tile along the input's contiguous dim and Triton converts the layout on chip before
+the coalesced store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import triton
+import triton.language as tl
+
+from .triton_symmetric import interpreter_active
+
+
+@triton.jit
+def _scale_cast_kernel(
+    X, SCALE, OUT,
+    R, C,
+    stride_xb, stride_xr, stride_xc,
+    stride_ob, stride_or, stride_oc,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    batch = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(X + batch * stride_xb + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+    scale = tl.load(SCALE + batch)
+    y = (x.to(tl.float32) * scale).to(OUT.dtype.element_ty)
+    tl.store(OUT + batch * stride_ob + rows[:, None] * stride_or + cols[None, :] * stride_oc, y, mask=mask)
+
+
+def scale_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``out[b] = (x[b].float() * scale[b]).to(out.dtype)`` for x, out [B, R, C] of any strides
+    (x may be a transposed view); scale is float32 [B]."""
+    if x.dim() != 3 or out.shape != x.shape:
+        raise ValueError(f"scale_cast: x and out must be [B, R, C] of one shape, got {tuple(x.shape)} and {tuple(out.shape)}")
+    if scale.shape != (x.shape[0],) or scale.dtype != torch.float32:
+        raise ValueError(f"scale_cast: scale must be float32 of shape ({x.shape[0]},), got {scale.dtype} {tuple(scale.shape)}")
+    batch, rows, cols = x.shape
+    if x.numel() == 0:
+        return out
+    if batch > 65535:
+        raise ValueError(f"scale_cast: at most 65535 matrices per call, got {batch}")
+    block_r = block if x.is_cuda or not interpreter_active() else 16
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_r), batch)
+    _scale_cast_kernel[grid](
+        x, scale, out, rows, cols,
+        x.stride(0), x.stride(1), x.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_R=block_r, BLOCK_C=block_r,
+        num_warps=4,
+    )
+    return out
