@@ -243,7 +243,46 @@ def bench_layer(args, device, methods, report):
             result["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"}
             traceback.print_exc()
         print(name, json.dumps(result["methods"][name]), flush=True)
+    for name, fn in layer_methods(args, device).items():  # the whole layer in one call
+        try:
+            groups = list(stacks)
+            outs = fn([stacks[g] for g in groups])
+            errs = {g: [rel_err(outs[k][i], polars[g][i]) for i in range(stacks[g].size(0))] for k, g in enumerate(groups)}
+            batched = time_ms(lambda: fn([stacks[g] for g in groups]), device, reps=args.reps)
+            result["methods"][name] = {"batched_ms": batched, "looped_ms": None, "rel_err_vs_polar": errs,
+                                       "max_rel_err": max(max(e) for e in errs.values())}
+        except Exception as exc:
+            result["methods"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            traceback.print_exc()
+        print(name, json.dumps(result["methods"][name]), flush=True)
     report["layer"] = result
+
+
+def layer_methods(args, device):
+    """Methods that take the layer's list of stacks: our groups on concurrent CUDA streams,
+    eager and as one captured graph."""
+    if device.type != "cuda":
+        return {}
+    from megatron_dmuon.kernels import GraphedGroups, orthogonalize_groups
+
+    kw = dict(compute_dtype=torch.float16, check_finite=False, cache_path=args.cache)
+
+    def per_stack(stacks):
+        return [schedule_for_shape(x.size(-2), x.size(-1)) for x in stacks]
+
+    graphs = {}
+
+    def graphed(stacks):
+        key = tuple(tuple(x.shape) for x in stacks)
+        if key not in graphs:
+            graphs[key] = GraphedGroups(stacks, "auto", per_stack_kwargs=per_stack(stacks), **kw)
+        return graphs[key](stacks)
+
+    return {
+        "ours_auto_fp16_adaptive_streams": lambda stacks: orthogonalize_groups(
+            stacks, "auto", per_stack_kwargs=per_stack(stacks), **kw),
+        "ours_auto_fp16_adaptive_streams_graphed": graphed,
+    }
 
 
 def bench_kv_batching(args, device, methods, report):
@@ -437,7 +476,7 @@ def markdown(report) -> str:
             desc = e["choice"]["backend"]
             if cfg:
                 desc += " {block_m}x{block_n}x{block_k} w{num_warps} s{num_stages}".format(**cfg)
-                desc += (" tma" if cfg.get("tma") else "") + (" flat" if cfg.get("flatten") else "")
+                desc += {1: " tma-persistent", 2: " tma"}.get(cfg.get("tma", 0), "")
             lines.append(f"| {op} {m} {k} {b} {dt} | {desc} | {e['time_ms']:.4f} | {_fmt(tri, '.4f')} | "
                          f"{_fmt(tma, '.4f')} | {_fmt(cub, '.4f')} |")
         rejected = sorted({c["rejected"][:120] for e in ops.values() for c in e["candidates"] if "rejected" in c})

@@ -95,13 +95,13 @@ def test_kernel_config_validation():
         KernelConfig.from_dict({"block_m": 64, "tile": 3})
     cfg = KernelConfig(64, 128, 32, 4, 3, 2)
     assert KernelConfig.from_dict(cfg.as_dict()) == cfg
-    tma = KernelConfig(128, 256, 64, 8, 3, 8, tma=1, flatten=1)
+    tma = KernelConfig(128, 256, 64, 8, 3, 8, tma=2)
     assert KernelConfig.from_dict(tma.as_dict()) == tma
     # Entries written before the TMA kernel existed load as pointer-kernel configs.
-    old = {k: v for k, v in cfg.as_dict().items() if k not in ("tma", "flatten")}
+    old = {k: v for k, v in cfg.as_dict().items() if k != "tma"}
     assert KernelConfig.from_dict(old).tma == 0
-    with pytest.raises(ValueError, match="tma and flatten must be 0 or 1"):
-        KernelConfig(tma=2).validate()
+    with pytest.raises(ValueError, match="tma must be 0"):
+        KernelConfig(tma=3).validate()
 
 
 def test_tma_path_needs_k_contiguous_operands_and_tile_multiple_m():
@@ -225,3 +225,24 @@ def test_cli_rejects_bad_arguments(capsys):
     assert autotune_cli.main(["--hidden", "64"]) == 2
     assert autotune_cli.main([]) == 2
     assert autotune_cli.main(["--hidden", "64", "--ffn", "128", "--heads", "6"]) == 2  # 64 % 6 != 0
+
+
+def test_orthogonalize_groups_off_cuda_runs_the_stacks_one_by_one():
+    from megatron_dmuon.kernels import orthogonalize_groups, schedule_for_shape
+
+    gen = torch.Generator().manual_seed(21)
+    stacks = [torch.randn(2, 12, 12, generator=gen), torch.randn(3, 8, 40, generator=gen), torch.randn(1, 40, 8, generator=gen)]
+    per = [schedule_for_shape(*s.shape[-2:]) for s in stacks]
+    outs = orthogonalize_groups(stacks, "auto", per_stack_kwargs=per, compute_dtype=torch.float16)
+    for s, o, p in zip(stacks, outs, per):
+        assert torch.equal(o, orthogonalize_batched(s, "auto", compute_dtype=torch.float16, **p))
+    outs = orthogonalize_groups(stacks, ["standard", "gram", "gram"])
+    assert torch.equal(outs[1], orthogonalize_batched(stacks[1], "gram"))
+    with pytest.raises(ValueError, match="one dict per stack"):
+        orthogonalize_groups(stacks, per_stack_kwargs=per[:2])
+    with pytest.raises(ValueError, match="one name or one per stack"):
+        orthogonalize_groups(stacks, ["gram"])
+    with pytest.raises(ValueError, match="non-empty list"):
+        orthogonalize_groups(stacks[0])
+    with pytest.raises(ValueError, match=r"stacks\[1\] must be a tensor"):
+        orthogonalize_groups([stacks[0], torch.randn(5)])

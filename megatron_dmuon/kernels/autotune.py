@@ -34,7 +34,7 @@ from . import symmetric_ops
 from .symmetric_ops import quack_usable, triton_usable
 
 CACHE_ENV = "DMUON_AUTOTUNE_CACHE"
-CACHE_VERSION = 2  # 2: Triton configs gained tma/flatten (TMA kernel candidates)
+CACHE_VERSION = 2  # 2: Triton configs gained the tma field (TMA kernel candidates)
 OPS: tuple[str, ...] = ("syrk", "square")
 # Relative Frobenius tolerance of a candidate kernel vs the float32 torch fallback.
 OP_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -196,18 +196,19 @@ def candidate_configs(device: torch.device, m: int, k: int) -> list:
     major, _ = _capability(device)
     if major >= 9:
         configs = [
-            # Pointer kernel (the winners of earlier H200 runs).
+            # Pointer kernel (128x128 with 3 stages leaves room for two programs per SM).
+            KernelConfig(128, 128, 64, 8, 3, 8),
             KernelConfig(128, 128, 64, 8, 4, 8),
             KernelConfig(128, 256, 64, 8, 3, 8),
             KernelConfig(128, 256, 64, 8, 4, 8),
             KernelConfig(64, 64, 64, 4, 4, 4),
-            # Persistent TMA kernel (runs only where the operands allow it, else = pointer).
+            # TMA loads (used only where the operands allow it, else = the pointer kernel):
+            # persistent (tma=1) and one program per tile (tma=2).
             KernelConfig(128, 128, 64, 8, 4, 8, tma=1),
-            KernelConfig(128, 256, 64, 8, 3, 8, tma=1),
             KernelConfig(128, 256, 64, 8, 4, 8, tma=1),
-            KernelConfig(128, 256, 64, 8, 3, 8, tma=1, flatten=1),
-            KernelConfig(128, 128, 64, 8, 4, 8, tma=1, flatten=1),
-            KernelConfig(64, 128, 64, 4, 4, 4, tma=1),
+            KernelConfig(128, 128, 64, 8, 3, 8, tma=2),
+            KernelConfig(128, 256, 64, 8, 3, 8, tma=2),
+            KernelConfig(128, 256, 64, 8, 4, 8, tma=2),
         ]
     else:
         configs = [

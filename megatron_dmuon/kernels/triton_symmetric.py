@@ -18,8 +18,9 @@ This module needs Triton; the dispatch and torch fallbacks live in ``symmetric_o
 Two kernels share the tile list and the epilogue:
 
 * ``_sym_mm_kernel`` – one program per (tile, batch), pointer loads; any strides and sizes.
-* ``_sym_mm_tma_kernel`` (``KernelConfig.tma=1``) – persistent (one program per SM walks the
-  (batch, tile) list), operands fetched by TMA tensor descriptors (Hopper). It needs both
+* ``_sym_mm_tma_kernel`` – operands fetched by TMA tensor descriptors (Hopper); with
+  ``KernelConfig.tma=1`` persistent (one program per SM walks the (batch, tile) list), with
+  ``tma=2`` one program per (tile, batch) like the pointer kernel. It needs both
   operands K-contiguous: A row-major, and B either a transposed view (SYRK: B = Xᵀ) or a
   symmetric matrix whose rows are read as its columns (``b_symmetric=True``: every m×m
   operand of Gram NS). It also needs tile-multiple m and 16-byte-aligned rows; otherwise
@@ -50,8 +51,7 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 3
     group: int = 8  # tile rows that share a column sweep, for L2 reuse
-    tma: int = 0  # 1: persistent TMA-descriptor kernel (Hopper) where the operands allow it
-    flatten: int = 0  # TMA kernel: let the compiler pipeline across tiles (tl.range flatten)
+    tma: int = 0  # TMA-descriptor loads (Hopper) where the operands allow it: 1 persistent, 2 one program per tile
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,8 +73,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_warps must be one of 1,2,4,8,16, got {self.num_warps}")
         if self.num_stages < 1 or self.group < 1:
             raise ValueError(f"KernelConfig: num_stages and group must be >= 1, got {self}")
-        if self.tma not in (0, 1) or self.flatten not in (0, 1):
-            raise ValueError(f"KernelConfig: tma and flatten must be 0 or 1, got {self}")
+        if self.tma not in (0, 1, 2):
+            raise ValueError(f"KernelConfig: tma must be 0 (pointer loads), 1 (persistent) or 2 (per tile), got {self}")
 
 
 def interpreter_active() -> bool:
@@ -232,21 +232,15 @@ def _sym_mm_tma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FLATTEN: tl.constexpr,
 ):
     # a_desc: A as [batch*M, K]; b_desc: Bᵀ as [batch*M, K] (K contiguous in both). M is a
     # multiple of both block sizes, so a tile never straddles two matrices; the K tail past
-    # the end of a row is zero-filled by the TMA unit. Work item w = (batch, tile), batch-major.
-    if FLATTEN:  # one flattened loop: the pipeliner prefetches the next tile during the epilogue
-        for work in tl.range(tl.program_id(0), total_work, num_programs, flatten=True):
-            _tma_tile(work, a_desc, b_desc, C, OUT, TILES, M, K, num_tiles,
-                      stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
-                      alpha, beta, diag, HAS_C, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        for work in tl.range(tl.program_id(0), total_work, num_programs):
-            _tma_tile(work, a_desc, b_desc, C, OUT, TILES, M, K, num_tiles,
-                      stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
-                      alpha, beta, diag, HAS_C, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+    # the end of a row is zero-filled by the TMA unit. Work item w = (batch, tile), batch-major;
+    # with num_programs == total_work every program does one item (the per-tile variant).
+    for work in tl.range(tl.program_id(0), total_work, num_programs):
+        _tma_tile(work, a_desc, b_desc, C, OUT, TILES, M, K, num_tiles,
+                  stride_cb, stride_cm, stride_cn, stride_ob, stride_om, stride_on,
+                  alpha, beta, diag, HAS_C, UPCAST_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def upper_tile_list(m: int, block_m: int, block_n: int, group: int) -> list[tuple[int, int]]:
@@ -354,8 +348,8 @@ def sym_matmul(
         out: [B, M, M] or [M, M] of the operands' dtype; must not share memory with a, b or c.
         c: optional [B, M, M] addend (read on and above the diagonal only).
         alpha, beta, diag: scalars of the epilogue, applied in fp32.
-        config: tile shape and launch parameters (``tma=1``: the persistent TMA kernel where
-            the operands allow it, else the pointer kernel with the same tiles).
+        config: tile shape and launch parameters (``tma=1``/``2``: the TMA kernel where the
+            operands allow it, else the pointer kernel with the same tiles).
         b_symmetric: b equals its transpose (K == M), so the TMA kernel may read its rows as
             columns. The Gram NS drivers pass it for their m×m operands, which the kernel
             itself wrote as exact mirrors.
@@ -396,7 +390,7 @@ def sym_matmul(
         a_desc = TensorDescriptor.from_tensor(a_rows, [config.block_m, config.block_k])
         b_desc = TensorDescriptor.from_tensor(bt_rows, [config.block_n, config.block_k])
         total = num_tiles * batch
-        programs = min(total, _programs_per_launch(a.device, config))
+        programs = min(total, _programs_per_launch(a.device, config)) if config.tma == 1 else total
         _sym_mm_tma_kernel[(programs,)](
             a_desc, b_desc, c3, out3, tiles,
             m, k, num_tiles, total, programs,
@@ -408,7 +402,6 @@ def sym_matmul(
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
-            FLATTEN=bool(config.flatten),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
