@@ -1,4 +1,5 @@
 """DMuon data parallel on real megatron-core (gloo, CPU) against the single-process reference."""
+import json
 import os
 
 import pytest
@@ -115,7 +116,6 @@ def test_hierarchical_two_nodes_by_two_ranks_matches_reference():
 
 
 def test_dmuon_verify_cli_passes_at_dp4():
-    import json
     import subprocess
     import sys
 
@@ -134,3 +134,16 @@ def test_split_rules_match_reference(split):
     kw = dict(steps=4, grad_accum=1, split=split)
     results = _run(2, **kw)
     _check_against_reference(results, 2, **kw)
+
+
+def test_dmuon_verify_under_torchrun():
+    # the launcher path used on GPUs (torchrun; NCCL there, gloo + shim on this CPU machine)
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "megatron_dmuon.cli", "verify", "--steps", "4", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
+    assert report["ok"] and report["dp"] == 3 and report["max_rel_diff"] <= 1e-6

@@ -5,10 +5,12 @@ import torch
 
 
 def init_parallel(tp=1, pp=1, seed=1234):
+    """Initialise Megatron's parallel state (once per process) and seed every RNG as Megatron does."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(tp, pp)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, pp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
