@@ -77,7 +77,7 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_dmuon.megatron.gpt import build_gpt, train_step, wire_sync_funcs
+    from megatron_dmuon.megatron.gpt import build_gpt, on_gpu, train_step, wire_sync_funcs
     from megatron_dmuon.megatron.layout import build_dmuon_ddp
     from megatron_dmuon.megatron.optimizer import DMuonConfig, comm_bytes_per_step, get_dmuon_optimizer
 
@@ -122,7 +122,8 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
         losses.append(loss)
         grad_norms.append(float(grad_norm))
         if mode != "adam":
-            n = torch.tensor([opt.chained_optimizers[0].dmuon_inner.stats["ns_matrices"]])
+            n = torch.tensor([opt.chained_optimizers[0].dmuon_inner.stats["ns_matrices"]],
+                             device="cuda" if on_gpu() else "cpu")
             torch.distributed.all_reduce(n)
             ns_counts.append(int(n))
     if ddp_config.overlap_param_gather:
