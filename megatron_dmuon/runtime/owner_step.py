@@ -82,7 +82,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.muon.validate()
         self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
-        self.stats = defaultdict(int)  # ns_matrices / ns_calls of the last step, and totals
+        self.stats = defaultdict(int)  # ns_matrices / ns_calls of the last step; ns_matrices_total
 
     def register_matrix(self, main_param: torch.Tensor, info: MatrixInfo) -> None:
         rows, cols = info.shape
@@ -109,6 +109,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
 
     def _muon_step(self, groups) -> None:
         s = self.muon
+        self.stats["ns_calls"] = 0
         work = []  # (param, group, info, update pieces)
         for group in groups:
             for p in group["params"]:
@@ -154,7 +155,8 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             else:
                 scaled = [r.to(p.dtype) * muon_lr_scale(*r.shape[-2:], mode=s.scale_mode, extra=s.extra_scale)
                           for r in results[wi]]
-                update, scale = info.split.assemble(scaled, like=pieces[0].new_empty(info.shape)), 1.0
+                like = self.state[p]["momentum_buffer"].view(info.shape)  # shape/device only
+                update, scale = info.split.assemble(scaled, like=like), 1.0
             p.mul_(1 - lr * wd)
             p.add_(update.reshape(p.shape), alpha=-lr * scale)
         self.stats["ns_matrices"] = len(work)
