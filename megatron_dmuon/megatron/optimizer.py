@@ -222,6 +222,19 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
         return {"param_map": cls._build_model_gbuf_param_range_map(
             param_and_grad_buffer.param_index_map, local, bucket.offset)}
 
+    def _checkpoint_not_supported(self, *args, **kwargs):
+        raise NotImplementedError(
+            "DMuon optimizer checkpoints are not supported yet (Muon momentum lives whole on its owner "
+            "and Megatron's sharded formats expect Adam state); run without --save/--load of optimizer "
+            "state (e.g. --no-save-optim --no-load-optim) until the checkpoint support lands"
+        )
+
+    sharded_state_dict = _checkpoint_not_supported
+    save_parameter_state = _checkpoint_not_supported
+    load_parameter_state = _checkpoint_not_supported
+    get_parameter_state_dp_zero = _checkpoint_not_supported
+    get_parameter_state_dp_reshardable = _checkpoint_not_supported
+
     def _check_owner_aligned(self) -> None:
         for chunk in self.model_chunks:
             if getattr(chunk, "dmuon_owner_plans", None) is None:

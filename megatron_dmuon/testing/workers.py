@@ -137,6 +137,12 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
     }
     if return_params:
         out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters() if p.requires_grad}
+    if mode == "dmuon":
+        try:
+            opt.chained_optimizers[0].sharded_state_dict({})
+            out["checkpoint_error"] = None
+        except NotImplementedError as e:
+            out["checkpoint_error"] = str(e)
     if mode != "adam":
         inner = opt.chained_optimizers[0].dmuon_inner
         out["muon_states"] = sum(1 for p in inner.matrix_info if "momentum_buffer" in inner.state.get(p, {}))
