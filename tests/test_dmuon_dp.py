@@ -114,6 +114,9 @@ def test_hierarchical_two_nodes_by_two_ranks_matches_reference():
     kw = dict(steps=6, grad_accum=2, ranks_per_node=2)
     results = _run(4, overlap=True, bucket_size=20000, **kw)
     _check_against_reference(results, 4, **kw)
+    b = results[0]["bytes"]
+    # per rank: intra (1/2)n + inter (1/2)(n/2) per direction; inter-node is 1/3 of the total
+    assert b["inter_node_bytes"] == pytest.approx(b["total_bytes"] / 3)
 
 
 def test_dmuon_verify_cli_passes_at_dp4():

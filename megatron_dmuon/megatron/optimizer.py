@@ -248,10 +248,13 @@ def comm_bytes_per_step(model_chunks, mode: str) -> dict:
     """Bytes each rank sends per step for grad reduction and param publish (ring algorithms).
 
     reduce-scatter / all-gather of n elements: (D-1)/D * n per rank; all-reduce: 2(D-1)/D * n.
+    With two-level groups (N nodes x L ranks) the split is also reported: intra-node
+    (L-1)/L * n and inter-node (N-1)/N * n/L per rank, for each direction.
     """
-    reduce_b = publish_b = 0.0
+    reduce_b = publish_b = inter_b = 0.0
     padded = unpadded = 0
     for chunk in model_chunks:
+        topo = getattr(chunk, "dmuon_topology", None)
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             d = buffer.data_parallel_world_size
             for bucket in buffer.buckets:
@@ -261,9 +264,19 @@ def comm_bytes_per_step(model_chunks, mode: str) -> dict:
                 gbytes = bucket.grad_data.element_size()
                 if mode == "gather_then_compute":
                     reduce_b += 2 * (d - 1) / d * n * gbytes
-                else:
-                    pbytes = bucket.param_data.element_size() if bucket.param_data is not None else gbytes
+                    continue
+                pbytes = bucket.param_data.element_size() if bucket.param_data is not None else gbytes
+                if topo is None:
                     reduce_b += (d - 1) / d * n * gbytes
                     publish_b += (d - 1) / d * n * pbytes
-    return {"reduce_bytes": reduce_b, "publish_bytes": publish_b, "total_bytes": reduce_b + publish_b,
-            "buffer_numel": padded, "buffer_numel_unpadded": unpadded}
+                else:
+                    L, N = topo.ranks_per_node, topo.num_nodes
+                    intra, inter = (L - 1) / L * n, (N - 1) / N * n / L
+                    reduce_b += (intra + inter) * gbytes
+                    publish_b += (intra + inter) * pbytes
+                    inter_b += inter * (gbytes + pbytes)
+    out = {"reduce_bytes": reduce_b, "publish_bytes": publish_b, "total_bytes": reduce_b + publish_b,
+           "buffer_numel": padded, "buffer_numel_unpadded": unpadded}
+    if any(getattr(c, "dmuon_topology", None) is not None for c in model_chunks):
+        out["inter_node_bytes"] = inter_b
+    return out
