@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.ns import time_calls  # noqa: E402
 from megatron_dmuon.algorithms.flops import newton_schulz_flops  # noqa: E402
 from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz  # noqa: E402
 from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz  # noqa: E402
@@ -67,23 +68,9 @@ def sync(device):
 
 
 def time_ms(fn, device, reps=10, warmup=2):
-    for _ in range(warmup):
-        fn()
+    """Median milliseconds per call (the timing loop of bench/ns.py)."""
     sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, reps, warmup, device))
 
 
 def polar_fp64(x: torch.Tensor) -> torch.Tensor:
