@@ -43,11 +43,15 @@ def main():
     args = p.parse_args()
     results = {}
     for n in args.gpus:
-        results[n] = {"e2e": run_e2e(n, args.preset, args.iters, args.modes),
-                      "verify": run_verify(n) if n > 1 else None}
+        try:
+            e2e = run_e2e(n, args.preset, args.iters, args.modes)
+        except Exception as exc:  # keep the other GPU counts; say what failed
+            e2e = [{"mode": mode, "error": f"{type(exc).__name__}: {exc}"} for mode in args.modes]
+        results[n] = {"e2e": e2e, "verify": run_verify(n) if n > 1 else None}
         print(json.dumps({n: results[n]}), flush=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+        with open(args.out + ".json", "w") as f:  # after every count: a cut-off run keeps what it measured
+            json.dump(results, f, indent=1)
+    results = dict(sorted(results.items()))
     lines = ["| GPUs | mode | ms/iter | optimizer ms | vs AdamW |", "|---|---|---|---|---|"]
     for n, r in results.items():
         for row in r["e2e"]:
