@@ -28,7 +28,7 @@ def parse_args(argv=None):
     a("--dmuon-mode", default="dmuon", choices=["dmuon", "gather_then_compute", "megatron_layerwise"])
     a("--dmuon-ns-method", default="auto", choices=["standard", "gram", "auto"])
     a("--dmuon-ns-steps", type=int, default=5)
-    a("--dmuon-coefficients", default="keller")
+    a("--dmuon-coefficients", default="keller", help="keller | polar_express | you | adaptive (per shape: 5-step Polar Express, 6 steps for square)")
     a("--dmuon-momentum", type=float, default=0.95)
     a("--dmuon-no-nesterov", action="store_true")
     a("--dmuon-ranks-per-node", type=int, default=0,

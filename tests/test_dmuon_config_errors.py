@@ -62,3 +62,25 @@ def test_planner_is_deterministic_and_serializable():
     assert type(a).from_json(a.to_json()).to_json() == a.to_json()
     # cost-balanced: the heaviest rank carries at most the heaviest single matrix more than the lightest
     assert max(a.rank_cost) - min(a.rank_cost) <= max(it.cost for it in items)
+
+
+def test_adaptive_schedule_settings():
+    import torch
+
+    from megatron_dmuon.algorithms.newton_schulz import newton_schulz
+    from megatron_dmuon.kernels.schedules import POLAR_EXPRESS_6
+    from megatron_dmuon.runtime.owner_step import MuonSettings, default_orthogonalizer
+
+    settings = MuonSettings(coefficients="adaptive", ns_dtype=torch.float32)
+    settings.validate()
+    assert settings.ns_schedule(64, 64) == {"coefficients": POLAR_EXPRESS_6, "steps": 6}
+    assert settings.ns_schedule(64, 256) == {"coefficients": "polar_express", "steps": 5}
+    orth = default_orthogonalizer(settings)
+    square = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
+    wide = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(orth(square), newton_schulz(square, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float32))
+    assert torch.equal(orth(wide), newton_schulz(wide, "polar_express", steps=5, compute_dtype=torch.float32))
+    with pytest.raises(ValueError, match="leave --dmuon-ns-steps at 5"):
+        MuonSettings(coefficients="adaptive", ns_steps=7).validate()
+    with pytest.raises(ValueError, match="unknown Newton-Schulz coefficient set"):
+        MuonSettings(coefficients="adaptve").validate()

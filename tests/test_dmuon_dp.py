@@ -140,6 +140,16 @@ def test_split_rules_match_reference(split):
     _check_against_reference(results, 2, **kw)
 
 
+def test_adaptive_schedule_per_shape_matches_reference():
+    # coefficients='adaptive': 6 steps of POLAR_EXPRESS_6 on the square linear_proj, the 5-step
+    # Polar Express elsewhere; the owner step and the reference pick the same per-shape schedule
+    kw = dict(steps=4, grad_accum=1, coefficients="adaptive")
+    results = _run(2, **kw)
+    _check_against_reference(results, 2, **kw)
+    keller = _run(2, steps=4, grad_accum=1)
+    assert results[0]["losses"][-1] != keller[0]["losses"][-1]  # the schedule is really used
+
+
 def test_dmuon_verify_under_torchrun():
     # the launcher path used on GPUs (torchrun; NCCL there, gloo + shim on this CPU machine)
     import subprocess

@@ -17,6 +17,7 @@ import torch
 from ..algorithms.muon import muon_lr_scale, muon_momentum_
 
 NS_METHODS = ("standard", "gram", "auto")
+ADAPTIVE_SCHEDULE = "adaptive"
 
 
 @dataclasses.dataclass
@@ -24,6 +25,9 @@ class MuonSettings:
     momentum: float = 0.95
     nesterov: bool = True
     ns_method: str = "standard"  # 'standard' | 'gram' | 'auto' (kernels' autotuned choice)
+    # a set of algorithms.get_coefficients, or 'adaptive': per shape, the published 5-step Polar
+    # Express, and the 6-step POLAR_EXPRESS_6 for (near-)square matrices (kernels.schedule_for_shape:
+    # error <= 0.10 vs the polar factor on every Qwen2.5-7B shape; ns_steps is then not used)
     coefficients: str = "keller"
     ns_steps: int = 5
     ns_dtype: torch.dtype = torch.bfloat16
@@ -39,10 +43,25 @@ class MuonSettings:
             raise ValueError(f"dmuon ns_steps must be >= 1, got {self.ns_steps}")
         if self.ns_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"dmuon ns_dtype must be a float dtype, got {self.ns_dtype}")
-        from ..algorithms.coefficients import get_coefficients
+        if self.coefficients == ADAPTIVE_SCHEDULE:
+            if self.ns_steps != 5:
+                raise ValueError(
+                    f"dmuon coefficients 'adaptive' choose the step count per shape (5, or 6 for square "
+                    f"matrices); ns_steps={self.ns_steps} would be ignored: leave --dmuon-ns-steps at 5"
+                )
+        else:
+            from ..algorithms.coefficients import get_coefficients
 
-        get_coefficients(self.coefficients, self.ns_steps)  # raises a clear error if unknown
+            get_coefficients(self.coefficients, self.ns_steps)  # raises a clear error if unknown
         muon_lr_scale(2, 1, self.scale_mode)  # raises if the mode is unknown
+
+    def ns_schedule(self, rows: int, cols: int) -> dict:
+        """``{'coefficients', 'steps'}`` of the NS call for a [rows, cols] matrix."""
+        if self.coefficients == ADAPTIVE_SCHEDULE:
+            from ..kernels.schedules import schedule_for_shape
+
+            return schedule_for_shape(rows, cols)
+        return {"coefficients": self.coefficients, "steps": self.ns_steps}
 
 
 @dataclasses.dataclass
@@ -55,9 +74,9 @@ class MatrixInfo:
 def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
     """Batched NS over a [B, m, n] stack: the kernels' fast path on CUDA, else the torch path."""
     method = settings.ns_method
-    kw = dict(coefficients=settings.coefficients, steps=settings.ns_steps, compute_dtype=settings.ns_dtype)
 
     def orth(stack: torch.Tensor) -> torch.Tensor:
+        kw = dict(settings.ns_schedule(stack.size(-2), stack.size(-1)), compute_dtype=settings.ns_dtype)
         if stack.is_cuda:
             try:
                 from ..kernels import orthogonalize_batched

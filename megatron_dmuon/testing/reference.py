@@ -123,7 +123,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                     rule = split_rule_for(n, shape) if split_rule_for is not None else None
 
                     def orth(m):
-                        o = orthogonalize(m, method=method, coefficients=s.coefficients, steps=s.ns_steps,
+                        o = orthogonalize(m, method=method, **s.ns_schedule(*m.shape[-2:]),
                                           compute_dtype=s.ns_dtype, check_finite=False)
                         return o, muon_lr_scale(*m.shape[-2:], mode=s.scale_mode, extra=s.extra_scale)
 

@@ -51,10 +51,10 @@ def megatron_adam_dp(rank, world_size, steps=6, grad_accum=2, mbs=2):
 DEFAULTS = dict(lr=2e-2, weight_decay=0.1, clip_grad=0.0, steps=10, grad_accum=2, mbs=2)
 
 
-def _muon_settings(ns_dtype="float32", ns_method="standard"):
+def _muon_settings(ns_dtype="float32", ns_method="standard", coefficients="keller"):
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
-    return MuonSettings(ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method)
+    return MuonSettings(ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method, coefficients=coefficients)
 
 
 def _shape(**kw):
@@ -71,7 +71,7 @@ def _freeze(model, freeze):
 
 
 def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
-             return_params=True, freeze=None, ranks_per_node=0, split=None, **kw):
+             return_params=True, freeze=None, ranks_per_node=0, split=None, coefficients="keller", **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) at DP=world_size; report everything."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -105,7 +105,7 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
 
         opt = get_megatron_optimizer(opt_config, [ddp])
     else:
-        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype),
+        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype, coefficients=coefficients),
                                                                      **_split_kwargs(split)))
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
@@ -160,7 +160,7 @@ def _split_kwargs(split):
 
 
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
-              ranks_per_node=0, split=None, **kw):
+              ranks_per_node=0, split=None, coefficients="keller", **kw):
     """The single-process reference for a DP=`dp` run (world_size must be 1)."""
     from megatron_dmuon.megatron.gpt import build_gpt
     from megatron_dmuon.testing.reference import reference_train
@@ -184,7 +184,7 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
         shapes = {n: p.shape for n, p in model.named_parameters()}
         chunks = reduce_chunks_from_layout([OwnerLayout.from_json(j) for j in layouts], shapes)
     return reference_train(model, batches, o["steps"], lr=o["lr"], weight_decay=o["weight_decay"],
-                           clip_grad=o["clip_grad"], muon_settings=_muon_settings(ns_dtype),
+                           clip_grad=o["clip_grad"], muon_settings=_muon_settings(ns_dtype, coefficients=coefficients),
                            reduce_chunk_of=chunks, ranks_per_node=ranks_per_node,
                            split_rule_for=_split_rule_for(model.config, split))
 
