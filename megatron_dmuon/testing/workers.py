@@ -105,8 +105,8 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
 
         opt = get_megatron_optimizer(opt_config, [ddp])
     else:
-        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype, coefficients=coefficients),
-                                                                     **_split_kwargs(split)))
+        muon = _muon_settings(ns_dtype, coefficients=coefficients)
+        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=muon, **_split_kwargs(split)))
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
         lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
