@@ -68,7 +68,7 @@ def test_adaptive_schedule_settings():
     import torch
 
     from megatron_dmuon.algorithms.newton_schulz import newton_schulz
-    from megatron_dmuon.kernels.schedules import POLAR_EXPRESS_6
+    from megatron_dmuon.algorithms.schedules import POLAR_EXPRESS_6
     from megatron_dmuon.runtime.owner_step import MuonSettings, default_orthogonalizer
 
     settings = MuonSettings(coefficients="adaptive", ns_dtype=torch.float32)

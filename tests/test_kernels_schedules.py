@@ -1,4 +1,4 @@
-"""Polar Express schedule design (kernels.schedules): reproduces the published sets, the
+"""Polar Express schedule design (algorithms.schedules, re-exported by kernels): reproduces the published sets, the
 6-step schedule for square matrices, and the per-shape choice."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Pure tensor math: Newton–Schulz variants, Muon/AdamW rules, parameter splitting, FLOP model.
+"""Pure tensor math: Newton–Schulz variants and schedules, Muon/AdamW rules, parameter splitting, FLOP model.
 
 No process groups and no megatron imports here.
 
@@ -13,6 +13,7 @@ from .flops import newton_schulz_flops
 from .muon import LR_SCALE_MODES, muon_apply_, muon_lr_scale, muon_momentum_, muon_step_
 from .newton_schulz import ORTHOGONALIZE_METHODS, msgn_svd, newton_schulz_reference, orthogonalize
 from .ns_metrics import orthogonalization_errors
+from .schedules import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
 from .splitting import (
     SPLIT_KINDS,
     SplitRule,

@@ -20,7 +20,7 @@ from .cuda_graph import GraphedOrthogonalizer, graphed_orthogonalize
 from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched
 from .multi_stream import GraphedGroups, orthogonalize_groups
 from .metrics import NONFINITE_METRICS, nonfinite_metrics, reset_nonfinite_metrics
-from .schedules import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
+from ..algorithms.schedules import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
 from .symmetric_ops import sym_axpby, sym_matmul, sym_poly, syrk
 
 __all__ = [

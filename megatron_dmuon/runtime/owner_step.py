@@ -26,7 +26,7 @@ class MuonSettings:
     nesterov: bool = True
     ns_method: str = "standard"  # 'standard' | 'gram' | 'auto' (kernels' autotuned choice)
     # a set of algorithms.get_coefficients, or 'adaptive': per shape, the published 5-step Polar
-    # Express, and the 6-step POLAR_EXPRESS_6 for (near-)square matrices (kernels.schedule_for_shape:
+    # Express, and the 6-step POLAR_EXPRESS_6 for (near-)square matrices (algorithms.schedules.schedule_for_shape:
     # error <= 0.10 vs the polar factor on every Qwen2.5-7B shape; ns_steps is then not used)
     coefficients: str = "keller"
     ns_steps: int = 5
@@ -58,7 +58,7 @@ class MuonSettings:
     def ns_schedule(self, rows: int, cols: int) -> dict:
         """``{'coefficients', 'steps'}`` of the NS call for a [rows, cols] matrix."""
         if self.coefficients == ADAPTIVE_SCHEDULE:
-            from ..kernels.schedules import schedule_for_shape
+            from ..algorithms.schedules import schedule_for_shape
 
             return schedule_for_shape(rows, cols)
         return {"coefficients": self.coefficients, "steps": self.ns_steps}
