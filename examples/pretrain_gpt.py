@@ -28,7 +28,10 @@ def parse_args(argv=None):
     a("--dmuon-mode", default="dmuon", choices=["dmuon", "gather_then_compute", "megatron_layerwise"])
     a("--dmuon-ns-method", default="auto", choices=["standard", "gram", "auto"])
     a("--dmuon-ns-steps", type=int, default=5)
-    a("--dmuon-coefficients", default="keller", help="keller | polar_express | you | adaptive (per shape: 5-step Polar Express, 6 steps for square)")
+    a("--dmuon-coefficients", default="keller",
+      help="keller | polar_express | you | adaptive (per shape: 5-step Polar Express, 6 steps for square)")
+    a("--dmuon-ns-launch", default="eager", choices=["eager", "streams", "graph"],
+      help="GPU: the owner's per-shape NS calls one by one, on concurrent streams, or as one CUDA graph")
     a("--dmuon-momentum", type=float, default=0.95)
     a("--dmuon-no-nesterov", action="store_true")
     a("--dmuon-ranks-per-node", type=int, default=0,
@@ -162,7 +165,8 @@ def main(argv=None):
     if args.optimizer == "dmuon":
         muon = MuonSettings(momentum=args.dmuon_momentum, nesterov=not args.dmuon_no_nesterov,
                             ns_method=args.dmuon_ns_method, coefficients=args.dmuon_coefficients,
-                            ns_steps=args.dmuon_ns_steps, scale_mode=args.dmuon_scale_mode)
+                            ns_steps=args.dmuon_ns_steps, scale_mode=args.dmuon_scale_mode,
+                            ns_launch=args.dmuon_ns_launch)
         opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(
             mode=args.dmuon_mode, muon=muon, split_qkv=args.dmuon_split_qkv or args.dmuon_split_heads,
             split_per_head=args.dmuon_split_heads, split_glu=args.dmuon_split_glu))

@@ -84,3 +84,32 @@ def test_adaptive_schedule_settings():
         MuonSettings(coefficients="adaptive", ns_steps=7).validate()
     with pytest.raises(ValueError, match="unknown Newton-Schulz coefficient set"):
         MuonSettings(coefficients="adaptve").validate()
+
+
+def test_ns_launch_settings_and_cpu_fallback():
+    import torch
+
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+
+    with pytest.raises(ValueError, match="--dmuon-ns-launch"):
+        MuonSettings(ns_launch="graphs").validate()
+    p = torch.nn.Parameter(torch.randn(8, 12))
+    with pytest.raises(ValueError, match="pass ns_launch='eager' with it"):
+        OwnerMuonAdamW([{"params": [p], "use_muon": True}], lr=0.1, weight_decay=0.0,
+                       muon=MuonSettings(ns_launch="graph"), orthogonalizer=lambda x: x)
+    # off CUDA every launch mode runs the same eager NS calls: identical results
+    finals = []
+    for launch in ("eager", "streams", "graph"):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*s)) for s in [(8, 12), (8, 12), (6, 6)]]
+        opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.1, weight_decay=0.01,
+                             muon=MuonSettings(ns_launch=launch, ns_dtype=torch.float32))
+        for i, q in enumerate(params):
+            opt.register_matrix(q, MatrixInfo(f"w{i}", tuple(q.shape)))
+        for _ in range(2):
+            for q in params:
+                q.grad = torch.randn_like(q)
+            opt.step()
+        assert opt.stats["ns_calls"] == 2 and opt.stats["ns_matrices"] == 3
+        finals.append([q.detach().clone() for q in params])
+    assert all(torch.equal(a, b) for other in finals[1:] for a, b in zip(finals[0], other))

@@ -152,3 +152,32 @@ def test_gpu_groups_on_streams_equal_one_by_one_and_graph_replays():
         assert _rel(o, orthogonalize_batched(x, "gram", **p, **kw)) < 1e-3
     with pytest.raises(ValueError, match="captured for"):
         graphed(fresh[:2])
+
+
+def test_gpu_owner_step_launch_modes_are_bit_identical(tmp_path, monkeypatch):
+    """The owner's whole Muon step with its per-shape NS calls eager, on streams, or replayed
+    from one captured CUDA graph (re-captured when the set of shapes changes)."""
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+
+    monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    shapes = [(256, 1024)] * 3 + [(512, 512)] * 2 + [(64, 256)] * 4
+    finals, graph_counts = [], []
+    for launch in ("eager", "streams", "graph"):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*s, device="cuda")) for s in shapes]
+        opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.01,
+                             muon=MuonSettings(ns_method="auto", coefficients="adaptive", ns_launch=launch))
+        for i, q in enumerate(params):
+            opt.register_matrix(q, MatrixInfo(f"w{i}", tuple(q.shape)))
+        for step in range(4):
+            for i, q in enumerate(params):
+                # step 3 leaves the last matrix out: another set of stack shapes, another graph
+                q.grad = None if (step == 3 and i == len(params) - 1) else torch.randn_like(q)
+            opt.step()
+        torch.cuda.synchronize()
+        finals.append([q.detach().clone() for q in params])
+        graph_counts.append(len(opt._graphs))
+    assert graph_counts == [0, 0, 2]
+    for other in finals[1:]:
+        for a, b in zip(finals[0], other):
+            assert torch.equal(a, b)

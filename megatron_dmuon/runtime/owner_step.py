@@ -18,6 +18,11 @@ from ..algorithms.muon import muon_lr_scale, muon_momentum_
 
 NS_METHODS = ("standard", "gram", "auto")
 ADAPTIVE_SCHEDULE = "adaptive"
+# How the owner's per-shape NS calls are launched on CUDA: one after the other ('eager'), on
+# concurrent streams ('streams'), or the whole set captured once as a CUDA graph and replayed
+# every step ('graph': kills the launch overhead of many small matrices; the graph keeps its
+# input/output buffers and memory pool alive, one graph per distinct set of stack shapes).
+NS_LAUNCH_MODES = ("eager", "streams", "graph")
 
 
 @dataclasses.dataclass
@@ -33,6 +38,7 @@ class MuonSettings:
     ns_dtype: torch.dtype = torch.bfloat16
     scale_mode: str = "spectral"  # 'spectral' | 'match_rms_adamw' | 'none'
     extra_scale: float = 1.0
+    ns_launch: str = "eager"  # NS_LAUNCH_MODES; off CUDA every mode runs eagerly
 
     def validate(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
@@ -41,6 +47,8 @@ class MuonSettings:
             raise ValueError(f"dmuon ns_method {self.ns_method!r} unknown; valid: {NS_METHODS}")
         if self.ns_steps < 1:
             raise ValueError(f"dmuon ns_steps must be >= 1, got {self.ns_steps}")
+        if self.ns_launch not in NS_LAUNCH_MODES:
+            raise ValueError(f"dmuon ns_launch {self.ns_launch!r} unknown (--dmuon-ns-launch); valid: {NS_LAUNCH_MODES}")
         if self.ns_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"dmuon ns_dtype must be a float dtype, got {self.ns_dtype}")
         if self.coefficients == ADAPTIVE_SCHEDULE:
@@ -99,7 +107,13 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.muon = muon or MuonSettings()
         self.muon.validate()
+        if orthogonalizer is not None and self.muon.ns_launch != "eager":
+            raise ValueError(
+                f"dmuon ns_launch={self.muon.ns_launch!r} runs the kernels' own group launcher; it cannot "
+                "wrap a custom orthogonalizer: pass ns_launch='eager' with it"
+            )
         self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
+        self._graphs: Dict[tuple, object] = {}  # ns_launch='graph': one GraphedGroups per stack-shape set
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
         self.stats = defaultdict(int)  # ns_matrices / ns_calls of the last step; ns_matrices_total
 
@@ -155,10 +169,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                     for k in range(piece.shape[0]):
                         by_shape[tuple(piece.shape[-2:])].append((wi, pi, k))
         results = [[None] * len(w[3]) for w in work]
-        for shape, refs in by_shape.items():
-            stack = torch.stack([work[wi][3][pi] if k is None else work[wi][3][pi][k] for wi, pi, k in refs])
-            orth = self.orthogonalizer(stack)
-            self.stats["ns_calls"] += 1
+        stacks = [torch.stack([work[wi][3][pi] if k is None else work[wi][3][pi][k] for wi, pi, k in refs])
+                  for refs in by_shape.values()]
+        self.stats["ns_calls"] += len(stacks)
+        for refs, orth in zip(by_shape.values(), self._orthogonalize_all(stacks)):
             for j, (wi, pi, k) in enumerate(refs):
                 if k is None:
                     results[wi][pi] = orth[j]
@@ -180,3 +194,20 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             p.add_(update.reshape(p.shape), alpha=-lr * scale)
         self.stats["ns_matrices"] = len(work)
         self.stats["ns_matrices_total"] += len(work)
+
+    def _orthogonalize_all(self, stacks: List[torch.Tensor]) -> List[torch.Tensor]:
+        """One NS result per same-shape stack, launched as ``MuonSettings.ns_launch`` says."""
+        s = self.muon
+        if s.ns_launch == "eager" or not stacks or not stacks[0].is_cuda:
+            return [self.orthogonalizer(stack) for stack in stacks]
+        from ..kernels import GraphedGroups, orthogonalize_groups
+
+        per_stack = [s.ns_schedule(x.size(-2), x.size(-1)) for x in stacks]
+        kw = dict(per_stack_kwargs=per_stack, compute_dtype=s.ns_dtype)
+        if s.ns_launch == "streams":
+            return orthogonalize_groups(stacks, s.ns_method, **kw)
+        key = tuple((tuple(x.shape), x.dtype, str(x.device)) for x in stacks)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = GraphedGroups(stacks, s.ns_method, **kw)
+        return graph(stacks)  # the graph's static outputs: consumed before the next step
