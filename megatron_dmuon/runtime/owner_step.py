@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -169,10 +169,14 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                     for k in range(piece.shape[0]):
                         by_shape[tuple(piece.shape[-2:])].append((wi, pi, k))
         results = [[None] * len(w[3]) for w in work]
-        stacks = [torch.stack([work[wi][3][pi] if k is None else work[wi][3][pi][k] for wi, pi, k in refs])
-                  for refs in by_shape.values()]
-        self.stats["ns_calls"] += len(stacks)
-        for refs, orth in zip(by_shape.values(), self._orthogonalize_all(stacks)):
+        groups_refs = list(by_shape.values())
+
+        def stack_of(refs):
+            return torch.stack([work[wi][3][pi] if k is None else work[wi][3][pi][k] for wi, pi, k in refs])
+
+        self.stats["ns_calls"] += len(groups_refs)
+        on_cuda = bool(work) and work[0][0].is_cuda
+        for refs, orth in zip(groups_refs, self._orthogonalize_all(groups_refs, stack_of, on_cuda)):
             for j, (wi, pi, k) in enumerate(refs):
                 if k is None:
                     results[wi][pi] = orth[j]
@@ -195,13 +199,16 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.stats["ns_matrices"] = len(work)
         self.stats["ns_matrices_total"] += len(work)
 
-    def _orthogonalize_all(self, stacks: List[torch.Tensor]) -> List[torch.Tensor]:
-        """One NS result per same-shape stack, launched as ``MuonSettings.ns_launch`` says."""
+    def _orthogonalize_all(self, groups_refs: list, stack_of, on_cuda: bool) -> Iterable[torch.Tensor]:
+        """One NS result per same-shape group, launched as ``MuonSettings.ns_launch`` says.
+        Eager stacks one group at a time (one input stack alive at once); streams and graph
+        need every stack up front."""
         s = self.muon
-        if s.ns_launch == "eager" or not stacks or not stacks[0].is_cuda:
-            return [self.orthogonalizer(stack) for stack in stacks]
+        if s.ns_launch == "eager" or not on_cuda:
+            return (self.orthogonalizer(stack_of(refs)) for refs in groups_refs)
         from ..kernels import GraphedGroups, orthogonalize_groups
 
+        stacks = [stack_of(refs) for refs in groups_refs]
         per_stack = [s.ns_schedule(x.size(-2), x.size(-1)) for x in stacks]
         kw = dict(per_stack_kwargs=per_stack, compute_dtype=s.ns_dtype)
         if s.ns_launch == "streams":
