@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.ns import time_calls  # noqa: E402
+from bench.ns import time_calls, warm_up_clocks  # noqa: E402
 from megatron_dmuon.algorithms.flops import newton_schulz_flops  # noqa: E402
 from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz  # noqa: E402
 from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz  # noqa: E402
@@ -544,11 +544,7 @@ def main(argv=None) -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if device.type == "cuda":  # bring the clocks up before anything is timed
-        warm = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-        for _ in range(100):
-            warm @ warm
-        sync(device)
+    warm_up_clocks(device)
     for section in args.sections.split(","):
         t0 = time.time()
         try:

@@ -47,6 +47,16 @@ def parse_shapes(spec: str, scale: int) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def warm_up_clocks(device: torch.device, matmuls: int = 100) -> None:
+    """Bring the GPU clocks up before anything is timed (idle clocks make first timings slow)."""
+    if device.type != "cuda":
+        return
+    warm = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(matmuls):
+        warm @ warm
+    torch.cuda.synchronize(device)
+
+
 def time_calls(fn, reps: int, warmup: int, device: torch.device) -> list[float]:
     """Milliseconds of each timed call."""
     for _ in range(warmup):

@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.ns import warm_up_clocks  # noqa: E402
 from megatron_dmuon.kernels import symmetric_ops  # noqa: E402
 from megatron_dmuon.kernels.autotune import _op_inputs, _relative_error, time_cuda_ms  # noqa: E402
 from megatron_dmuon.kernels.triton_symmetric import KernelConfig  # noqa: E402
@@ -91,10 +92,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench/sym_tiles.py needs a CUDA GPU")
     dtype = getattr(torch, args.dtype)
-    warm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    for _ in range(100):  # bring the clocks up before the first timing
-        warm @ warm
-    torch.cuda.synchronize()
+    warm_up_clocks(torch.device("cuda"))
     cases = CASES[:3] if args.quick else CASES
     rows = []
     for case in cases:
