@@ -5,7 +5,12 @@ One step for a matrix ``W`` with gradient ``G`` and momentum ``M`` (torch.optim.
 1. ``M <- β M + (1−β) G``                                  (``muon_momentum_``; a lerp)
 2. ``U = G + β(M − G)`` if Nesterov, else ``U = M``        (torch: ``grad.lerp(M, β)``)
 3. ``O = NS(U)``                                           (``orthogonalize``)
-4. ``W <- W (1 − lr·wd)``;  ``W <- W − lr·scale·O``          (``muon_apply_``)
+4. ``D, scale = muon_direction(O)``                         (lr scale; split pieces reassembled)
+5. ``W <- W (1 − lr·wd)``;  ``W <- W − lr·scale·D``          (``muon_apply_``)
+
+These functions are THE rule: ``muon_step_`` (checked bitwise against torch.optim.Muon), the
+distributed owner step and the single-process reference all call them, and only the NS call in
+between differs (batched by shape on owners, one matrix at a time in the reference).
 
 ``scale`` comes from ``muon_lr_scale``: ``'spectral'`` = sqrt(max(1, rows/cols)) (Keller;
 torch's ``adjust_lr_fn='original'``), ``'match_rms_adamw'`` = 0.2·sqrt(max(rows, cols))
@@ -18,6 +23,7 @@ dims), so same-shape matrices can be stepped as one batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -28,6 +34,8 @@ __all__ = [
     "muon_momentum_",
     "muon_lr_scale",
     "muon_apply_",
+    "muon_direction",
+    "muon_direction_scale",
     "muon_step_",
     "LR_SCALE_MODES",
 ]
@@ -72,14 +80,54 @@ def muon_lr_scale(rows: int, cols: int, mode: str = "spectral", extra: float = 1
     return ratio * extra
 
 
+def muon_direction_scale(split, shape: Sequence[int], scale_mode: str = "spectral",
+                         extra_scale: float = 1.0) -> float:
+    """The lr multiplier ``muon_direction`` returns, from the shape alone (ranks that only
+    receive a direction, e.g. the other TP ranks of a matrix, need it too)."""
+    if split is None or split.kind == "none":
+        return muon_lr_scale(int(shape[-2]), int(shape[-1]), scale_mode, extra_scale)
+    return 1.0
+
+
+def muon_direction(
+    orthogonalized: Sequence[Tensor],
+    split=None,
+    *,
+    shape: Sequence[int],
+    scale_mode: str = "spectral",
+    extra_scale: float = 1.0,
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, float]:
+    """The step direction of one matrix of ``shape`` and the lr multiplier that goes with it.
+
+    ``orthogonalized`` holds the NS outputs in the order of ``split.pieces`` (one entry, the
+    whole matrix, when ``split`` is None or kind 'none'); each is cast to ``dtype`` first.
+    Whole matrix: ``(O, muon_lr_scale(shape))``, so the lr multiplies once, as torch does.
+    Split (QKV / heads / GLU): every piece is its own matrix with its own lr scale
+    (per head for stacks), reassembled: ``(assemble(scale_i · O_i), 1.0)``.
+    """
+    cast = [o if dtype is None else o.to(dtype) for o in orthogonalized]
+    scale = muon_direction_scale(split, shape, scale_mode, extra_scale)
+    if split is None or split.kind == "none":
+        if len(cast) != 1:
+            raise ValueError(f"a whole-matrix direction takes one NS output, got {len(cast)}")
+        return cast[0], scale
+    scaled = [o * muon_lr_scale(o.size(-2), o.size(-1), scale_mode, extra_scale) for o in cast]
+    like = torch.empty(tuple(shape), device="meta")
+    return split.assemble(scaled, like=like), 1.0
+
+
 def muon_apply_(param: Tensor, update: Tensor, lr: float, weight_decay: float, scale: float) -> None:
-    """``param <- param·(1 − lr·wd) − lr·scale·update`` in torch.optim.Muon's op order."""
-    if update.shape != param.shape:
+    """``param <- param·(1 − lr·wd) − lr·scale·update`` in torch.optim.Muon's op order.
+
+    ``update`` may be any view-compatible shape of ``param`` (e.g. the [rows, cols] view of a
+    flat shard); it is added through ``param``'s shape."""
+    if update.numel() != param.numel():
         raise ValueError(
-            f"update shape {tuple(update.shape)} != param shape {tuple(param.shape)}"
+            f"update shape {tuple(update.shape)} does not fit param shape {tuple(param.shape)}"
         )
     param.mul_(1 - lr * weight_decay)
-    param.add_(update, alpha=-lr * scale)
+    param.add_(update.reshape(param.shape), alpha=-lr * scale)
 
 
 def muon_step_(
@@ -117,7 +165,7 @@ def muon_step_(
         raise ValueError(f"lr and weight_decay must be >= 0, got lr={lr!r}, weight_decay={weight_decay!r}")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta (momentum) must be in [0, 1], got {beta!r}")
-    scale = muon_lr_scale(param.size(-2), param.size(-1), scale_mode, extra_scale)
+    muon_lr_scale(param.size(-2), param.size(-1), scale_mode, extra_scale)  # validates the mode
     if ns_kwargs.get("check_finite", True) and not bool(torch.isfinite(grad).all()):
         raise ValueError(
             f"grad (shape {tuple(grad.shape)}) contains NaN or Inf; Muon step skipped with "
@@ -125,4 +173,5 @@ def muon_step_(
         )
     update = muon_momentum_(momentum, grad, beta, nesterov)
     ortho = orthogonalize(update, method=ns_method, **ns_kwargs)
-    muon_apply_(param, ortho, lr, weight_decay, scale)
+    direction, scale = muon_direction([ortho], shape=param.shape, scale_mode=scale_mode, extra_scale=extra_scale)
+    muon_apply_(param, direction, lr, weight_decay, scale)

@@ -6,24 +6,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..planning.owner_layout import OwnerLayout, ParamItem, plan_owner_layout
-
-
-def is_muon_param(name: str, param: torch.nn.Parameter) -> bool:
-    """Muon takes the hidden weight matrices; embeddings, output head, norms, biases go to AdamW."""
-    if param.dim() < 2:
-        return False
-    if getattr(param, "is_embedding_or_output_parameter", False) or getattr(param, "shared_embedding", False):
-        return False
-    lowered = name.lower()
-    return not ("embedding" in lowered or "output_layer" in lowered)
-
-
-def ns_cost(shape, steps: int = 5) -> float:
-    """Predicted NS cost of one matrix: FLOPs of the standard iteration (planner's unit)."""
-    from ..algorithms.flops import newton_schulz_flops
-
-    rows, cols = int(shape[0]), int(torch.Size(shape[1:]).numel())
-    return float(newton_schulz_flops(rows, cols, steps, method="standard"))
+from ..planning.params import is_muon_param, ns_cost
 
 
 def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = False, pp_rank: int = 0):

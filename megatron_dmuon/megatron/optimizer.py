@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
-from .layout import is_muon_param
+from ..planning.params import is_muon_param
 
 MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
 
@@ -80,17 +80,11 @@ def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, name_of
 
 
 def _grad_scaler(config):
-    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+    """bf16/fp32 need no scaler; a constant --loss-scale is honoured as Megatron does (fp16,
+    the only user of a dynamic scaler, is rejected by check_dmuon_config)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler
 
-    if config.loss_scale:
-        return ConstantGradScaler(config.loss_scale)
-    if config.fp16:
-        return DynamicGradScaler(
-            initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
-            growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
-            hysteresis=config.hysteresis,
-        )
-    return None
+    return ConstantGradScaler(config.loss_scale) if config.loss_scale else None
 
 
 def check_dmuon_config(config, ddp_config, cfg: DMuonConfig) -> None:

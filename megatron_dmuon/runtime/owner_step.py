@@ -14,7 +14,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..algorithms.muon import muon_lr_scale, muon_momentum_
+from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale, muon_momentum_
+from ..planning.params import check_muon_matrix_shape
+from .tp_exchange import TPExchange, TPMatrix
 
 NS_METHODS = ("standard", "gram", "auto")
 ADAPTIVE_SCHEDULE = "adaptive"
@@ -74,9 +76,27 @@ class MuonSettings:
 
 @dataclasses.dataclass
 class MatrixInfo:
+    """One Muon matrix as this rank sees it.
+
+    ``shape`` is the full logical [rows, cols] matrix NS runs on; ``local_shape`` the part this
+    rank holds (its TP shard; = ``shape`` without TP or for a TP-replicated matrix). ``split``
+    applies to the full canonical matrix."""
+
     name: str
     shape: Tuple[int, int]
     split: Optional[object] = None  # algorithms.splitting.SplitRule, or None = whole matrix
+    local_shape: Optional[Tuple[int, int]] = None
+    partition_dim: Optional[int] = None  # TP: 0 rows split, 1 cols split, None: whole on every TP rank
+    partition_stride: int = 1
+    tp_owner: int = 0  # TP rank that orthogonalizes this matrix
+
+    def __post_init__(self):
+        self.shape = check_muon_matrix_shape(self.name, self.shape)
+        self.local_shape = tuple(self.local_shape or self.shape)
+
+    def tp_matrix(self) -> TPMatrix:
+        return TPMatrix(self.name, self.tp_owner, self.local_shape[0] * self.local_shape[1],
+                        self.partition_dim, self.partition_stride)
 
 
 def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -100,10 +120,13 @@ def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], t
 
 
 class OwnerMuonAdamW(torch.optim.AdamW):
-    """Param groups with ``use_muon=True`` get Muon; the others get torch's AdamW."""
+    """Param groups with ``use_muon=True`` get Muon; the others get torch's AdamW.
+
+    With ``tp_group`` (tensor parallelism) every Muon param is this rank's shard of a matrix;
+    updates go to each matrix's TP owner and directions come back (``runtime.tp_exchange``)."""
 
     def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
-                 muon: Optional[MuonSettings] = None, orthogonalizer=None):
+                 muon: Optional[MuonSettings] = None, orthogonalizer=None, tp_group=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.muon = muon or MuonSettings()
         self.muon.validate()
@@ -113,18 +136,24 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 "wrap a custom orthogonalizer: pass ns_launch='eager' with it"
             )
         self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
+        self.tp = TPExchange(tp_group)
         self._graphs: Dict[tuple, object] = {}  # ns_launch='graph': one GraphedGroups per stack-shape set
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
         self.stats = defaultdict(int)  # ns_matrices / ns_calls of the last step; ns_matrices_total
 
     def register_matrix(self, main_param: torch.Tensor, info: MatrixInfo) -> None:
-        rows, cols = info.shape
-        if main_param.numel() != rows * cols:
+        if main_param.numel() != info.local_shape[0] * info.local_shape[1]:
             raise RuntimeError(
                 f"DMuon: rank holds {main_param.numel()} elements of matrix {info.name} "
-                f"{tuple(info.shape)}; the owner-aligned layout must deliver whole matrices"
+                f"{tuple(info.local_shape)}; the owner-aligned layout must deliver whole matrices (or TP shards)"
             )
+        if any(i.name == info.name for i in self.matrix_info.values()):
+            raise ValueError(f"DMuon: matrix name {info.name!r} registered twice")
         self.matrix_info[main_param] = info
+
+    def holds_momentum(self, info: MatrixInfo) -> bool:
+        """Every rank keeps momentum for its shard; a TP-replicated matrix's only on its owner."""
+        return info.partition_dim is not None or info.tp_owner == self.tp.rank
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -142,62 +171,75 @@ class OwnerMuonAdamW(torch.optim.AdamW):
 
     def _muon_step(self, groups) -> None:
         s = self.muon
-        self.stats["ns_calls"] = 0
-        work = []  # (param, group, info, update pieces)
+        entries = []
         for group in groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
                 info = self.matrix_info.get(p)
                 if info is None:
                     raise RuntimeError("DMuon: a Muon param has no registered matrix shape")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                grad = p.grad.view(info.shape)
-                buf = state["momentum_buffer"].view(info.shape)
-                update = muon_momentum_(buf, grad, s.momentum, s.nesterov)
-                pieces = info.split.pieces(update) if info.split is not None else [update]
-                work.append((p, group, info, pieces))
-        # one batched NS call per distinct piece shape
+                # without TP a param with no grad is skipped (torch semantics); under TP every rank
+                # of the group must step the same matrices, so a missing grad counts as zero
+                if p.grad is not None or self.tp.size > 1:
+                    entries.append((p, group, info))
+        entries.sort(key=lambda e: e[2].name)  # the same order on every TP rank
+        updates = {}
+        for p, _, info in entries:
+            if not self.holds_momentum(info):
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            updates[info.name] = muon_momentum_(state["momentum_buffer"].view(info.local_shape),
+                                                grad.view(info.local_shape), s.momentum, s.nesterov)
+        tp_mats = [info.tp_matrix() for _, _, info in entries]
+        info_of = {info.name: (p, info) for p, _, info in entries}
+        full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()})
+        owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
+        orthogonalized = self._orthogonalize_owned([(info, full[info.name]) for _, info in owned])
+        directions = {
+            info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
+                                      scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)[0]
+            for p, info in owned
+        }
+        like = entries[0][0] if entries else None
+        local = self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, (_, i) in info_of.items()}, like)
+        for p, group, info in entries:
+            scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
+            muon_apply_(p, local[info.name], group["lr"], group["weight_decay"], scale)
+        self.stats["ns_matrices"] = len(owned)
+        self.stats["ns_matrices_total"] += len(owned)
+        self.stats["tp_bytes"] = self.tp.bytes_sent
+
+    def _orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:
+        """NS outputs of every (info, full update) job, one batched call per distinct piece shape;
+        per matrix, the outputs in the order of ``info.split.pieces`` (stacks stay stacks)."""
+        pieces_of = [info.split.pieces(update) if info.split is not None else [update] for info, update in jobs]
         by_shape: Dict[Tuple[int, int], List[Tuple[int, int, Optional[int]]]] = defaultdict(list)
-        for wi, (_, _, _, pieces) in enumerate(work):
+        for ji, pieces in enumerate(pieces_of):
             for pi, piece in enumerate(pieces):
                 if piece.dim() == 2:
-                    by_shape[tuple(piece.shape)].append((wi, pi, None))
-                else:
+                    by_shape[tuple(piece.shape)].append((ji, pi, None))
+                else:  # a per-head stack: every head is its own matrix
                     for k in range(piece.shape[0]):
-                        by_shape[tuple(piece.shape[-2:])].append((wi, pi, k))
-        results = [[None] * len(w[3]) for w in work]
+                        by_shape[tuple(piece.shape[-2:])].append((ji, pi, k))
         groups_refs = list(by_shape.values())
 
         def stack_of(refs):
-            return torch.stack([work[wi][3][pi] if k is None else work[wi][3][pi][k] for wi, pi, k in refs])
+            return torch.stack([pieces_of[ji][pi] if k is None else pieces_of[ji][pi][k] for ji, pi, k in refs])
 
-        self.stats["ns_calls"] += len(groups_refs)
-        on_cuda = bool(work) and work[0][0].is_cuda
+        results = [[None] * len(p) for p in pieces_of]
+        on_cuda = bool(jobs) and jobs[0][1].is_cuda
+        self.stats["ns_calls"] = len(groups_refs)
         for refs, orth in zip(groups_refs, self._orthogonalize_all(groups_refs, stack_of, on_cuda)):
-            for j, (wi, pi, k) in enumerate(refs):
+            for j, (ji, pi, k) in enumerate(refs):
                 if k is None:
-                    results[wi][pi] = orth[j]
+                    results[ji][pi] = orth[j]
                 else:
-                    if results[wi][pi] is None:
-                        results[wi][pi] = torch.empty_like(work[wi][3][pi])
-                    results[wi][pi][k] = orth[j]
-        for wi, (p, group, info, pieces) in enumerate(work):
-            lr, wd = group["lr"], group["weight_decay"]
-            if info.split is None:
-                scale = muon_lr_scale(*info.shape, mode=s.scale_mode, extra=s.extra_scale)
-                update = results[wi][0].to(p.dtype)
-            else:
-                scaled = [r.to(p.dtype) * muon_lr_scale(*r.shape[-2:], mode=s.scale_mode, extra=s.extra_scale)
-                          for r in results[wi]]
-                like = self.state[p]["momentum_buffer"].view(info.shape)  # shape/device only
-                update, scale = info.split.assemble(scaled, like=like), 1.0
-            p.mul_(1 - lr * wd)
-            p.add_(update.reshape(p.shape), alpha=-lr * scale)
-        self.stats["ns_matrices"] = len(work)
-        self.stats["ns_matrices_total"] += len(work)
+                    if results[ji][pi] is None:
+                        results[ji][pi] = orth.new_empty(pieces_of[ji][pi].shape)
+                    results[ji][pi][k] = orth[j]
+        return {info.name: results[ji] for ji, (info, _) in enumerate(jobs)}
 
     def _orthogonalize_all(self, groups_refs: list, stack_of, on_cuda: bool) -> Iterable[torch.Tensor]:
         """One NS result per same-shape group, launched as ``MuonSettings.ns_launch`` says.

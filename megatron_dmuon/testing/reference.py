@@ -10,10 +10,17 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..algorithms.adamw import adamw_step_
-from ..algorithms.muon import muon_lr_scale, muon_momentum_
+from ..algorithms.muon import muon_apply_, muon_direction, muon_momentum_
 from ..algorithms.newton_schulz import orthogonalize
 from ..megatron.gpt import causal_batch
-from ..megatron.layout import is_muon_param
+from ..planning.params import is_muon_param
+
+
+def orthogonalize_one(matrix: torch.Tensor, settings) -> torch.Tensor:
+    """NS of one matrix with the settings' method and per-shape schedule (torch path)."""
+    method = "standard" if settings.ns_method == "auto" else settings.ns_method
+    return orthogonalize(matrix, method=method, **settings.ns_schedule(*matrix.shape[-2:]),
+                         compute_dtype=settings.ns_dtype, check_finite=False)
 
 
 def param_weight_decay(name: str, param: torch.Tensor, wd: float) -> float:
@@ -116,29 +123,16 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                 g, st = grads[n], state[n]
                 wd = param_weight_decay(n, p, weight_decay)
                 if is_muon_param(n, p):
-                    shape = (p.shape[0], p[0].numel())
-                    st.setdefault("momentum", torch.zeros(shape, device=p.device))
-                    upd = muon_momentum_(st["momentum"], g.view(shape), s.momentum, s.nesterov)
-                    method = "standard" if s.ns_method == "auto" else s.ns_method
-                    rule = split_rule_for(n, shape) if split_rule_for is not None else None
-
-                    def orth(m):
-                        o = orthogonalize(m, method=method, **s.ns_schedule(*m.shape[-2:]),
-                                          compute_dtype=s.ns_dtype, check_finite=False)
-                        return o, muon_lr_scale(*m.shape[-2:], mode=s.scale_mode, extra=s.extra_scale)
-
-                    p.mul_(1 - lr * wd)
-                    if rule is None:
-                        o, scale = orth(upd)
-                        p.add_(o.view(p.shape).to(p.dtype), alpha=-lr * scale)
-                    else:  # each piece (and each head of a per-head stack) on its own, then reassembled
-                        done = []
-                        for piece in rule.pieces(upd):
-                            mats = [piece] if piece.dim() == 2 else list(piece)
-                            outs = [orth(m) for m in mats]
-                            scaled = [o.to(p.dtype) * sc for o, sc in outs]
-                            done.append(scaled[0] if piece.dim() == 2 else torch.stack(scaled))
-                        p.add_(rule.assemble(done, like=upd).view(p.shape), alpha=-lr)
+                    st.setdefault("momentum", torch.zeros_like(p))
+                    update = muon_momentum_(st["momentum"], g, s.momentum, s.nesterov)
+                    rule = split_rule_for(n, tuple(p.shape)) if split_rule_for is not None else None
+                    pieces = rule.pieces(update) if rule is not None else [update]
+                    # one NS call per matrix (every head of a per-head stack alone): no batching
+                    outs = [orthogonalize_one(m, s) if m.dim() == 2 else torch.stack([orthogonalize_one(h, s) for h in m])
+                            for m in pieces]
+                    direction, scale = muon_direction(outs, rule, shape=p.shape, scale_mode=s.scale_mode,
+                                                      extra_scale=s.extra_scale, dtype=p.dtype)
+                    muon_apply_(p, direction, lr, wd, scale)
                 else:
                     st.setdefault("exp_avg", torch.zeros_like(p))
                     st.setdefault("exp_avg_sq", torch.zeros_like(p))

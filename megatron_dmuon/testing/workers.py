@@ -128,7 +128,7 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
             ns_counts.append(int(n))
     if ddp_config.overlap_param_gather:
         ddp.disable_forward_pre_hook(param_sync=True)
-    from megatron_dmuon.megatron.layout import is_muon_param
+    from megatron_dmuon.planning.params import is_muon_param
 
     out = {
         "losses": losses, "grad_norms": grad_norms, "ns_counts": ns_counts,

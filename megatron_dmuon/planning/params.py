@@ -1,0 +1,43 @@
+"""Which parameters Muon takes, as what matrix, and what orthogonalizing one costs (pure policy).
+
+One rule for the whole package (owner step, planner, references): Muon takes the hidden weight
+matrices, i.e. 2-D parameters with both dims >= 2 that are not the embedding or the output
+head; everything else (embeddings, output layer, norms, biases, vectors, (n, 1) columns and
+N-D tensors) goes to AdamW, as in Megatron's own Muon and Keller's recipe.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..algorithms.flops import newton_schulz_flops
+
+__all__ = ["is_muon_param", "check_muon_matrix_shape", "ns_cost"]
+
+
+def is_muon_param(name: str, param: torch.Tensor) -> bool:
+    """True for the hidden weight matrices (see the module docstring)."""
+    if param.dim() != 2 or min(param.shape) < 2:
+        return False
+    if getattr(param, "is_embedding_or_output_parameter", False) or getattr(param, "shared_embedding", False):
+        return False
+    lowered = name.lower()
+    return not ("embedding" in lowered or "output_layer" in lowered)
+
+
+def check_muon_matrix_shape(name: str, shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, cols)`` of a Muon matrix, or a clear error for shapes Muon refuses."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 2 or min(shape) < 2:
+        raise ValueError(
+            f"Muon orthogonalizes 2-D matrices with both dims >= 2; {name} has shape {shape}. "
+            "Put it in an AdamW param group (vectors, columns and N-D tensors are AdamW's)."
+        )
+    return shape
+
+
+def ns_cost(shape: Sequence[int], steps: int = 5) -> float:
+    """Predicted NS cost of one full matrix: FLOPs of the standard iteration (planner's unit)."""
+    rows, cols = check_muon_matrix_shape("matrix", shape)
+    return float(newton_schulz_flops(rows, cols, steps, method="standard"))
