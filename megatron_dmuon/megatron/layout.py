@@ -90,11 +90,14 @@ def build_dmuon_ddp(config, ddp_config, module, dp_group=None, disable_bucketing
     """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...)).
 
     ranks_per_node > 0 switches grad reduce and param publish to two levels (intra-node, then
-    inter-node; runtime/hierarchy.py) with node-striped owners."""
+    inter-node; megatron/hierarchy.py) with node-striped owners."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
 
+    from .hierarchy import check_two_level_config
+
     dp_group = dp_group or parallel_state.get_data_parallel_group(with_context_parallel=True)
+    check_two_level_config(ddp_config, dp_group.size(), ranks_per_node)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
     bucket_size = default_bucket_size(ddp_config, dp_group.size(), disable_bucketing, pp_rank)
     full_layout, plans, name_of = compute_owner_aligned_layout(module, ddp_config, dp_group, bucket_size, **layout_kwargs)
@@ -103,11 +106,12 @@ def build_dmuon_ddp(config, ddp_config, module, dp_group=None, disable_bucketing
     ddp.dmuon_param_names = name_of
     ddp.dmuon_topology = None
     if ranks_per_node:
-        from ..runtime.hierarchy import build_node_topology, make_hierarchical
+        from ..runtime.hierarchy import build_node_topology
+        from .hierarchy import make_two_level
 
         topo = build_node_topology(dp_group, ranks_per_node)
         for bucket_group in ddp.bucket_groups:
-            make_hierarchical(bucket_group, topo)
+            make_two_level(bucket_group, topo)
         for buffer in ddp.buffers:
             buffer.dmuon_shard_index = topo.shard_index
         ddp.dmuon_topology = topo

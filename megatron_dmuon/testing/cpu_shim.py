@@ -105,6 +105,7 @@ def install() -> None:
     if _INSTALLED:
         return
     cuda = torch.cuda
+    cuda.is_available = lambda: False  # the run is a CPU run even on a machine with a GPU
     cuda.current_device = lambda: 0
     cuda.device_count = lambda: 1
     cuda.set_device = lambda *a, **k: None

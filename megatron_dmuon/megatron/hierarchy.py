@@ -1,0 +1,113 @@
+"""Two-level grad reduce / param publish on Megatron's own bucket groups (`--dmuon-ranks-per-node`).
+
+Megatron's `_ParamAndGradBucketGroup.start_grad_sync` reduce-scatters each bucket over its
+`intra_distributed_optimizer_instance_group`. Pointing that group at the ranks of one node makes
+Megatron's own code (CUDA-graph waits, extra main grads, NaN checks, scaling, averaging,
+coalescing) run the intra-node stage; the subclass below only adds the inter-node
+reduce-scatter of the chunk that stage leaves behind. Param publish is the mirror image: the
+inter-node all-gather of the sub-chunk first, then Megatron's own intra-node all-gather.
+Features whose semantics would change across two stages are refused at start-up
+(`check_two_level_config`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..runtime.hierarchy import NodeTopology, chunk_views
+
+
+def check_two_level_config(ddp_config, dp_size: int, ranks_per_node: int) -> None:
+    """Start-up checks of --dmuon-ranks-per-node; each error names the flag and the fix."""
+    if ranks_per_node < 0:
+        raise ValueError(f"--dmuon-ranks-per-node must be >= 0, got {ranks_per_node}")
+    if not ranks_per_node:
+        return
+    if dp_size % ranks_per_node:
+        raise ValueError(f"--dmuon-ranks-per-node {ranks_per_node} must divide the data-parallel size {dp_size}")
+    if not ddp_config.use_distributed_optimizer:
+        raise ValueError("--dmuon-ranks-per-node needs --use-distributed-optimizer")
+    if ddp_config.num_distributed_optimizer_instances != 1:
+        raise ValueError("--dmuon-ranks-per-node needs --num-distributed-optimizer-instances 1")
+    if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+        raise ValueError(
+            "--dmuon-ranks-per-node cannot keep fp32 accumulation across two reduce-scatter stages: "
+            "drop --reduce-scatter-with-fp32-accumulation (use --grad-reduce-in-fp32) or --dmuon-ranks-per-node"
+        )
+
+
+def make_two_level(bucket_group, topo: NodeTopology) -> None:
+    """Turn one of DDP's (distributed-optimizer) bucket groups into a two-level one."""
+    if isinstance(bucket_group, _TwoLevelBucketGroup):
+        return
+    base = type(bucket_group)
+    bucket_group.__class__ = type("TwoLevel" + base.__name__, (_TwoLevelBucketGroup, base), {})
+    bucket_group.dmuon_topology = topo
+    bucket_group.intra_distributed_optimizer_instance_group = topo.intra_group
+    bucket_group.intra_distributed_optimizer_instance_size = topo.ranks_per_node
+    bucket_group.intra_distributed_optimizer_instance_rank = topo.local_rank
+    bucket_group.cached_grad_buffer_shard_list = [None] * len(bucket_group.buckets)
+    bucket_group.cached_param_buffer_shard_list = [None] * len(bucket_group.buckets)
+
+
+class _Chained:
+    """Handle of a two-stage collective: waits for the second stage."""
+
+    def __init__(self, handles):
+        self.handles = [h for h in handles if h is not None]
+
+    def wait(self):
+        for h in self.handles:
+            h.wait()
+
+
+def _side_stream(bucket_group):
+    """The second stage waits for the first on a side stream, so neither the CPU nor the
+    compute stream blocks (overlap)."""
+    if not (torch.cuda.is_available() and bucket_group.buckets[0].grad_data.is_cuda):
+        return contextlib.nullcontext()
+    stream = getattr(bucket_group, "_dmuon_stream", None)
+    if stream is None:
+        stream = bucket_group._dmuon_stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return torch.cuda.stream(stream)
+
+
+class _TwoLevelBucketGroup:
+    dmuon_topology: NodeTopology
+
+    def start_grad_sync(self, force_all_reduce=False):
+        if force_all_reduce:
+            raise RuntimeError("--dmuon-ranks-per-node: a forced all-reduce of DMuon buckets is not supported")
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return
+        super().start_grad_sync()  # Megatron's intra-node reduce-scatter (chunk l on local rank l)
+        topo = self.dmuon_topology
+        op = (torch.distributed.ReduceOp.AVG if self.ddp_config.average_in_collective
+              else torch.distributed.ReduceOp.SUM)
+        async_op = self.ddp_config.overlap_grad_reduce
+        first = self.grad_reduce_handle
+        with _side_stream(self) if async_op else contextlib.nullcontext():
+            if first is not None:
+                first.wait()
+            second = []
+            for bucket in self.buckets:
+                chunk, sub = chunk_views(bucket.grad_data, topo)
+                second.append(torch.distributed.reduce_scatter_tensor(
+                    sub, chunk, op=op, group=topo.inter_group, async_op=async_op))
+        self.grad_reduce_handle = _Chained(second) if async_op else None
+
+    def start_param_sync(self, force_sync: bool = False):
+        if force_sync and self.param_gather_handle is not None:
+            return super().start_param_sync(force_sync=True)  # waits for the pending publish
+        topo = self.dmuon_topology
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        with _side_stream(self) if async_op else contextlib.nullcontext():
+            first = []
+            for bucket in self.buckets:  # inter-node stage: sub-chunks -> this rank's chunk
+                chunk, sub = chunk_views(bucket.param_data, topo)
+                first.append(torch.distributed.all_gather_into_tensor(
+                    chunk, sub, group=topo.inter_group, async_op=async_op))
+            _Chained(first).wait()
+            super().start_param_sync(force_sync=force_sync)  # Megatron's intra-node all-gather
