@@ -6,6 +6,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..planning.owner_layout import OwnerLayout, ParamItem, plan_owner_layout
+from ..algorithms.tp_shards import tp_full_shape
 from ..planning.params import is_muon_param, ns_cost
 
 
@@ -18,15 +19,38 @@ def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = Fals
     return max(40_000_000, 1_000_000 * dp_size)
 
 
+def full_matrix_shape(param: torch.Tensor, tp_size: int):
+    """Shape of the whole matrix a (possibly TP-sharded) param is part of."""
+    if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+        return tp_full_shape(param.shape, param.partition_dim, tp_size)
+    return tuple(param.shape)
+
+
+def layout_groups(config, ddp_config) -> Dict[str, object]:
+    """The process groups DDP will use for dense and expert buffers (Megatron's own set-up)."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgs = ProcessGroupCollection.setup_process_groups_for_ddp(None, config, ddp_config)
+    return {
+        "dp": pgs["intra_dp_cp_group"], "tp": pgs["tp_group"], "pp": pgs["pp_group"],
+        "expert_dp": pgs["intra_expt_dp_group"],
+        "expert_tp": parallel_state.get_expert_tensor_parallel_group(),
+        # every rank of this pipeline stage (dense and expert owners alike): plans are made once
+        "stage": parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
+    }
+
+
 def compute_owner_aligned_layout(
     module: torch.nn.Module,
     ddp_config,
-    dp_group,
+    groups: Dict[str, object],
     bucket_size: Optional[int],
     cost_fn: Callable = ns_cost,
     max_bucket_padding: float = 0.02,
 ):
-    """Owner plan + FullParamLayout for every buffer of `module`, planned on DP rank 0 and broadcast.
+    """Owner plan + FullParamLayout for every buffer of `module` (dense: DP x TP owners; expert:
+    expert-DP x expert-TP owners), planned on rank 0 of the pipeline stage and broadcast.
 
     Returns (FullParamLayout, {BufferKey: OwnerLayout}, {param: name}).
     """
@@ -40,52 +64,59 @@ def compute_owner_aligned_layout(
         )
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     name_of = {p: n for n, p in named}
-    groups = group_params_for_buffers([p for _, p in named], ddp_config.grad_reduce_in_fp32)
-    dp_size = dp_group.size()
-    plans: Dict = {}
-    rank_cost = [0.0] * dp_size
-    keys = list(groups.keys())
-    for key in keys:
-        params, _ = groups[key]
-        if key.is_expert_parallel:
-            raise NotImplementedError(
-                "DMuon: expert-parallel buffers (EP > 1) are not supported yet; run MoE with "
-                "--expert-model-parallel-size 1 or use --optimizer adam for now"
-            )
-        items = [
+    buffers = group_params_for_buffers([p for _, p in named], ddp_config.grad_reduce_in_fp32)
+    keys = list(buffers.keys())
+
+    def sizes(key):
+        kind = "expert_" if key.is_expert_parallel else ""
+        return groups[kind + "dp"].size(), groups[kind + "tp"].size()
+
+    def items_of(key):
+        params, _ = buffers[key]
+        tp_size = sizes(key)[1]
+        return [
             ParamItem(
                 name=name_of[p],
                 numel=p.numel(),
                 is_matrix=is_muon_param(name_of[p], p),
-                cost=cost_fn(p.shape) if is_muon_param(name_of[p], p) else 0.0,
+                cost=cost_fn(full_matrix_shape(p, tp_size)) if is_muon_param(name_of[p], p) else 0.0,
                 shape_key="x".join(map(str, p.shape)),
                 own_bucket=bool(getattr(p, "shared_embedding", False)),
             )
             for p in params
         ]
-        plans[key] = plan_owner_layout(items, dp_size, bucket_size, max_bucket_padding, rank_cost)
-    # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
-    payload = [{k: plans[k].to_json() for k in keys} if dp_group.rank() == 0 else None]
-    if dp_size > 1:
-        src = torch.distributed.get_global_rank(dp_group, 0)
-        torch.distributed.broadcast_object_list(payload, src=src, group=dp_group)
+
+    stage = groups["stage"]
+    payload = [None]
+    if stage.rank() == 0:
+        rank_cost: Dict[bool, List[float]] = {}
+        plans = {}
+        for key in keys:
+            dp_size, tp_size = sizes(key)
+            cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
+            plans[key] = plan_owner_layout(items_of(key), dp_size, bucket_size, max_bucket_padding, cost, tp_size)
+        # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
+        payload = [{k: plans[k].to_json() for k in keys}]
+    if stage.size() > 1:
+        torch.distributed.broadcast_object_list(payload, src=torch.distributed.get_global_rank(stage, 0), group=stage)
     plans = {k: OwnerLayout.from_json(payload[0][k]) for k in keys}
 
     layouts = {}
     for key in keys:
-        params, param_indices = groups[key]
+        params, param_indices = buffers[key]
         plan = plans[key]
+        plan.validate(items_of(key))  # rank 0's plan fits this rank's params (same names and sizes)
         layouts[key] = PerBufferParamLayout(
             param_index_map={p: plan.param_ranges[name_of[p]] for p in params},
             bucket_indices=[(b.start, b.end) for b in plan.buckets],
             per_bucket_numel_unpadded=[b.numel_unpadded for b in plan.buckets],
             param_indices=param_indices,
-            num_optimizer_shards=dp_size,
+            num_optimizer_shards=sizes(key)[0],
         )
     return FullParamLayout(layouts=layouts), plans, name_of
 
 
-def build_dmuon_ddp(config, ddp_config, module, dp_group=None, disable_bucketing=False,
+def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False,
                     ranks_per_node: int = 0, **layout_kwargs):
     """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...)).
 
@@ -96,11 +127,11 @@ def build_dmuon_ddp(config, ddp_config, module, dp_group=None, disable_bucketing
 
     from .hierarchy import check_two_level_config
 
-    dp_group = dp_group or parallel_state.get_data_parallel_group(with_context_parallel=True)
+    groups = layout_groups(config, ddp_config)
+    dp_group = groups["dp"]
     check_two_level_config(ddp_config, dp_group.size(), ranks_per_node)
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-    bucket_size = default_bucket_size(ddp_config, dp_group.size(), disable_bucketing, pp_rank)
-    full_layout, plans, name_of = compute_owner_aligned_layout(module, ddp_config, dp_group, bucket_size, **layout_kwargs)
+    bucket_size = default_bucket_size(ddp_config, dp_group.size(), disable_bucketing, groups["pp"].rank())
+    full_layout, plans, name_of = compute_owner_aligned_layout(module, ddp_config, groups, bucket_size, **layout_kwargs)
     ddp = DistributedDataParallel(config, ddp_config, module, disable_bucketing=disable_bucketing, full_param_layout=full_layout)
     ddp.dmuon_owner_plans = plans
     ddp.dmuon_param_names = name_of

@@ -13,8 +13,9 @@ from typing import List, Optional
 
 import torch
 
-from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 from ..planning.params import is_muon_param
+from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+from .layout import full_matrix_shape
 
 MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
 
@@ -34,23 +35,24 @@ class DMuonConfig:
         self.muon.validate()
 
 
-def _split_rule(name, param, model_config, cfg: DMuonConfig):
+def _split_rule(name, full_shape, model_config, cfg: DMuonConfig):
+    """Split rule of the full canonical matrix (TP shards are merged before NS)."""
     if not (cfg.split_qkv or cfg.split_glu or cfg.split_per_head):
         return None
     from ..algorithms.splitting import rule_for_megatron_param
 
     return rule_for_megatron_param(
-        name, tuple(param.shape), model_config,
+        name, tuple(full_shape), model_config,
         split_qkv=cfg.split_qkv, split_glu=cfg.split_glu, per_head=cfg.split_per_head,
     )
 
 
-def _muon_adam_groups(param_groups, name_of):
+def _muon_adam_groups(param_groups, infos):
     """Split each Megatron param group (lr/wd multipliers intact) into a Muon and an AdamW group."""
     out = []
     for g in param_groups:
-        muon = [p for p in g["params"] if is_muon_param(name_of[p], p)]
-        adam = [p for p in g["params"] if not is_muon_param(name_of[p], p)]
+        muon = [p for p in g["params"] if p in infos]
+        adam = [p for p in g["params"] if p not in infos]
         for params, use_muon in ((muon, True), (adam, False)):
             out.append({**g, "params": params, "use_muon": use_muon})
     return out
@@ -67,16 +69,36 @@ def _init_state_fn(opt, config=None):
                     opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
-def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, name_of, model_config, cfg):
+def _matrix_infos(model_chunks, cfg: DMuonConfig, tp_sizes) -> dict:
+    """{model param: MatrixInfo} for every Muon matrix of the chunks (full shape, TP shard
+    geometry, TP owner from the plan). Names are unique across chunks (virtual pipeline)."""
+    infos = {}
+    for idx, chunk in enumerate(model_chunks):
+        tp_owner = {n: t for plan in chunk.dmuon_owner_plans.values() for n, t in plan.tp_owners.items()}
+        expert_of = {p: key.is_expert_parallel for key, plan in chunk.dmuon_owner_plans.items()
+                     for p, n in chunk.dmuon_param_names.items() if n in plan.param_ranges}
+        for param, name in chunk.dmuon_param_names.items():
+            if not is_muon_param(name, param):
+                continue
+            tp_size = tp_sizes[expert_of[param]]
+            sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
+            shape = full_matrix_shape(param, tp_size)
+            infos[param] = MatrixInfo(
+                name if len(model_chunks) == 1 else f"chunk{idx}/{name}", shape,
+                _split_rule(name, shape, chunk.module.config if hasattr(chunk, "module") else chunk.config, cfg),
+                local_shape=tuple(param.shape),
+                partition_dim=param.partition_dim if sharded else None,
+                partition_stride=getattr(param, "partition_stride", 1) if sharded else 1,
+                tp_owner=tp_owner.get(name, 0),
+            )
+    return infos
+
+
+def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, infos) -> None:
     for model_group, main_group in zip(model_groups, main_groups):
         for model_param, main_param in zip(model_group, main_group):
-            name = name_of[model_param]
-            if is_muon_param(name, model_param):
-                inner.register_matrix(
-                    main_param,
-                    MatrixInfo(name, (model_param.shape[0], model_param[0].numel()),
-                               _split_rule(name, model_param, model_config, cfg)),
-                )
+            if model_param in infos:
+                inner.register_matrix(main_param, infos[model_param])
 
 
 def _grad_scaler(config):
@@ -87,9 +109,39 @@ def _grad_scaler(config):
     return ConstantGradScaler(config.loss_scale) if config.loss_scale else None
 
 
-def check_dmuon_config(config, ddp_config, cfg: DMuonConfig) -> None:
+def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
+    """Parallel layouts DMuon runs exactly; everything else fails here, before any state exists.
+
+    Supported: TP (owners over the TP x DP grid), PP (each stage plans its own params), EP with
+    expert TP (expert buffers get expert-DP x expert-TP owners), sequence parallelism."""
+    get = lambda name, default=1: getattr(model_config, name, default) or default  # noqa: E731
+    if get("context_parallel_size") > 1:
+        raise ValueError(
+            "--optimizer dmuon does not support --context-parallel-size > 1 yet (its owner plan and "
+            "exactness tests cover TP/PP/EP/DP); use --context-parallel-size 1 or --optimizer adam"
+        )
+    if get("virtual_pipeline_model_parallel_size", None) not in (None, 1):
+        raise ValueError(
+            "--optimizer dmuon does not support the interleaved pipeline schedule yet: drop "
+            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+        )
+    if mode == "gather_then_compute" and (get("tensor_model_parallel_size") > 1
+                                          or get("expert_model_parallel_size") > 1):
+        raise ValueError(
+            "--dmuon-mode gather_then_compute is the DP-only baseline (per-shard NS under TP/EP would not "
+            "be Muon); use --dmuon-mode dmuon with --tensor-model-parallel-size / --expert-model-parallel-size"
+        )
+    if getattr(model_config, "fp8", None) and getattr(model_config, "fp8_param", False):
+        raise ValueError("--optimizer dmuon does not support --fp8-param-gather yet; drop the flag")
+
+
+def check_dmuon_config(config, ddp_config, cfg: DMuonConfig, model_config=None) -> None:
     """Start-up checks; each error names the flag and the fix."""
     cfg.validate()
+    if model_config is not None:
+        check_model_parallel_config(model_config, cfg.mode)
+    if getattr(config, "overlap_param_gather_with_optimizer_step", False):
+        raise ValueError("--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step; drop the flag")
     if config.fp16:
         raise ValueError(
             "--optimizer dmuon does not support --fp16 (Muon's NS on loss-scaled fp16 grads is "
@@ -124,7 +176,9 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
 
     cfg = dmuon or DMuonConfig()
     ddp_config = model_chunks[0].ddp_config
-    check_dmuon_config(config, ddp_config, cfg)
+    check_dmuon_config(config, ddp_config, cfg, model_chunks[0].config)
+    if cfg.mode == "dmuon":
+        DMuonDistributedOptimizer.check_owner_aligned(model_chunks)
     if cfg.mode == "megatron_layerwise":
         try:
             import emerging_optimizers  # noqa: F401
@@ -137,46 +191,77 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
 
         return get_megatron_optimizer(dataclasses.replace(config, optimizer="muon"), model_chunks)
 
-    name_of = {}
-    for chunk in model_chunks:
-        for n, p in chunk.module.named_parameters() if hasattr(chunk, "module") else chunk.named_parameters():
-            name_of[p] = n
-    param_groups, buffers = _get_param_groups_and_buffers(
-        model_chunks, 0, config, get_standard_config_overrides(config), lambda g: True, "buffers"
-    )
-    if any(g["is_expert_parallel"] and g["params"] for g in param_groups):
-        raise NotImplementedError(
-            "DMuon: expert-parallel params (--expert-model-parallel-size > 1) are not supported yet"
+    if cfg.mode == "gather_then_compute":
+        return _gather_then_compute_optimizer(config, model_chunks, cfg)
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, False)
+    tp_groups = {False: parallel_state.get_tensor_model_parallel_group(),
+                 True: parallel_state.get_expert_tensor_parallel_group()}
+    infos = _matrix_infos(model_chunks, cfg, {k: g.size() for k, g in tp_groups.items()})
+    parts = []
+    for expert in (False, True):
+        param_groups, buffers = _get_param_groups_and_buffers(
+            model_chunks, 0, config, get_standard_config_overrides(config),
+            (lambda g, e=expert: g["is_expert_parallel"] == e), "expert_parallel_buffers" if expert else "buffers",
         )
-    inner = OwnerMuonAdamW(
-        _muon_adam_groups(param_groups, name_of),
-        lr=config.lr, weight_decay=config.weight_decay,
-        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
-    )
-    model_config = model_chunks[0].config
-    if cfg.mode == "dmuon":
+        if not any(g["params"] for g in param_groups):
+            continue
+        inner = OwnerMuonAdamW(
+            _muon_adam_groups(param_groups, infos),
+            lr=config.lr, weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
+            tp_group=tp_groups[expert],
+        )
         opt = DMuonDistributedOptimizer(
             inner, config, _grad_scaler(config), _init_state_fn,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
-            data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+            data_parallel_group=pgs["intra_expt_dp_group"] if expert else pgs["intra_dp_cp_group"],
             data_parallel_group_gloo=None,
-            data_parallel_group_idx=parallel_state.get_model_parallel_group().rank(),
+            data_parallel_group_idx=(pgs["expt_tp_pp_with_egtp_remat_group"] if expert else pgs["mp_group"]).rank(),
             distributed_optimizer_instance_id=0,
         )
-        _register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, name_of, model_config, cfg)
-        _register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, name_of, model_config, cfg)
-        opt.grad_stats_parallel_group = parallel_state.get_intra_distributed_optimizer_instance_group()
-    else:  # gather_then_compute: all-reduced grads, every rank orthogonalizes every matrix
-        if config.bf16:
-            opt = Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config), _init_state_fn)
-            _register_matrices(inner, opt.float16_groups, opt.fp32_from_float16_groups, name_of, model_config, cfg)
-            _register_matrices(inner, opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups, name_of, model_config, cfg)
-        else:
-            opt = FP32Optimizer(inner, config, _init_state_fn)
-            groups = [g["params"] for g in inner.param_groups]
-            _register_matrices(inner, groups, groups, name_of, model_config, cfg)
-        opt.grad_stats_parallel_group = parallel_state.get_model_parallel_group()
+        _register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, infos)
+        _register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, infos)
+        opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+        opt.tp_group = tp_groups[False]
+        opt.expert_tp_group = tp_groups[True]
+        opt.dmuon_mode = cfg.mode
+        opt.dmuon_inner = inner
+        opt.dmuon_model_chunks = model_chunks
+        parts.append(opt)
+    return ChainedOptimizer(parts)
+
+
+def _gather_then_compute_optimizer(config, model_chunks, cfg):
+    """Baseline: all-reduced grads, every rank orthogonalizes every matrix (DP only)."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import ChainedOptimizer, _get_param_groups_and_buffers, get_standard_config_overrides
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    infos = {}
+    for chunk in model_chunks:
+        for n, p in (chunk.module if hasattr(chunk, "module") else chunk).named_parameters():
+            if is_muon_param(n, p):
+                infos[p] = MatrixInfo(n, tuple(p.shape), _split_rule(n, p.shape, chunk.config, cfg))
+    param_groups, _ = _get_param_groups_and_buffers(
+        model_chunks, 0, config, get_standard_config_overrides(config), lambda g: True, "buffers")
+    inner = OwnerMuonAdamW(
+        _muon_adam_groups(param_groups, infos),
+        lr=config.lr, weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
+    )
+    if config.bf16:
+        opt = Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config), _init_state_fn)
+        _register_matrices(inner, opt.float16_groups, opt.fp32_from_float16_groups, infos)
+        _register_matrices(inner, opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups, infos)
+    else:
+        opt = FP32Optimizer(inner, config, _init_state_fn)
+        groups = [g["params"] for g in inner.param_groups]
+        _register_matrices(inner, groups, groups, infos)
+    opt.grad_stats_parallel_group = parallel_state.get_model_parallel_group()
     opt.tp_group = parallel_state.get_tensor_model_parallel_group()
     opt.expert_tp_group = opt.tp_group
     opt.dmuon_mode = cfg.mode
@@ -197,8 +282,8 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
     param all-gather, overlap hooks) is inherited unchanged."""
 
     def __init__(self, *args, **kwargs):
+        self.check_owner_aligned(kwargs["model_chunks"])  # before Megatron builds any state
         super().__init__(*args, **kwargs)
-        self._check_owner_aligned()
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer, bucket_index: int):
@@ -229,8 +314,9 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
     get_parameter_state_dp_zero = _checkpoint_not_supported
     get_parameter_state_dp_reshardable = _checkpoint_not_supported
 
-    def _check_owner_aligned(self) -> None:
-        for chunk in self.model_chunks:
+    @staticmethod
+    def check_owner_aligned(model_chunks) -> None:
+        for chunk in model_chunks:
             if getattr(chunk, "dmuon_owner_plans", None) is None:
                 raise ValueError(
                     "DMuon: the model chunk was wrapped with a plain DistributedDataParallel; wrap it "

@@ -9,6 +9,12 @@ keeps padding (and so bytes on the wire) close to AdamW-ZeRO's.
 
 Ownership balances predicted Newton–Schulz cost (not numel) globally across buckets, subject to
 each rank's owned numel in a bucket fitting its shard.
+
+Tensor parallelism: every TP rank has the same buffer layout (its shards of the same matrices,
+same shapes), so one plan serves the whole TP group. A matrix gets a DP owner (where its shards
+sit in the reduce-scatter) and a TP owner (which TP rank at that DP index runs NS on the merged
+full matrix); cost is balanced over all DP x TP cells, so no two ranks orthogonalize the same
+matrix and the heaviest cell is kept light.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ class ParamItem:
     name: str
     numel: int
     is_matrix: bool  # handled by Muon (owned whole by one rank)
-    cost: float = 0.0  # predicted NS cost (FLOPs or seconds); only for matrices
+    cost: float = 0.0  # predicted NS cost (FLOPs or seconds) of the FULL matrix; only for matrices
     shape_key: str = ""  # matrices with equal keys can be batched in one NS call
     own_bucket: bool = False  # e.g. Megatron's shared embedding: bucket of its own
 
@@ -48,11 +54,13 @@ class BucketLayout:
 class OwnerLayout:
     """Where each param sits in the buffer, which rank owns each matrix, and the buckets."""
 
-    world_size: int
+    world_size: int  # DP size (reduce-scatter shards per bucket)
     param_ranges: Dict[str, Tuple[int, int, int]]  # name -> (start, end, bucket_id)
     owners: Dict[str, int]  # matrix name -> owning DP rank
     buckets: List[BucketLayout]
-    rank_cost: List[float]
+    rank_cost: List[float]  # per DP x TP cell, index dp_rank * tp_size + tp_rank
+    tp_size: int = 1
+    tp_owners: Dict[str, int] = dataclasses.field(default_factory=dict)  # matrix name -> TP rank running NS
 
     @property
     def numel(self) -> int:
@@ -62,8 +70,11 @@ class OwnerLayout:
     def numel_unpadded(self) -> int:
         return sum(b.numel_unpadded for b in self.buckets)
 
-    def owned_by(self, rank: int) -> List[str]:
-        return [n for n, r in self.owners.items() if r == rank]
+    def owned_by(self, rank: int, tp_rank: Optional[int] = None) -> List[str]:
+        """Matrices whose shards sit in DP rank ``rank``'s shard (and, with ``tp_rank``, that
+        this TP rank orthogonalizes)."""
+        return [n for n, r in self.owners.items()
+                if r == rank and (tp_rank is None or self.tp_owners.get(n, 0) == tp_rank)]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -77,25 +88,33 @@ class OwnerLayout:
             owners=d["owners"],
             buckets=[BucketLayout(**b) for b in d["buckets"]],
             rank_cost=d["rank_cost"],
+            tp_size=d.get("tp_size", 1),
+            tp_owners=d.get("tp_owners", {}),
         )
 
     def validate(self, items: Sequence[ParamItem]) -> None:
-        """Check the invariants the optimizer relies on; raise AssertionError if broken."""
+        """Check the invariants the optimizer relies on (also under ``python -O``)."""
+
+        def require(ok, msg):
+            if not ok:
+                raise ValueError(f"DMuon owner layout is inconsistent: {msg}")
+
         spans = sorted((s, e, n) for n, (s, e, _) in self.param_ranges.items())
         for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
-            assert e0 <= s1, f"params {n0} and {n1} overlap in the buffer"
+            require(e0 <= s1, f"params {n0} and {n1} overlap in the buffer")
         for it in items:
             s, e, b = self.param_ranges[it.name]
-            assert e - s == it.numel, it.name
+            require(e - s == it.numel, f"{it.name} spans {e - s} elements, has {it.numel}")
             bucket = self.buckets[b]
-            assert bucket.start <= s and e <= bucket.start + bucket.numel_unpadded + (bucket.end - bucket.start), it.name
-            assert e <= bucket.end, f"{it.name} runs past its bucket"
+            require(bucket.start <= s and e <= bucket.end, f"{it.name} runs past its bucket")
             if it.is_matrix:
                 r = self.owners[it.name]
                 lo = bucket.start + r * bucket.shard_size
-                assert lo <= s and e <= lo + bucket.shard_size, f"matrix {it.name} crosses its owner's shard"
+                require(lo <= s and e <= lo + bucket.shard_size, f"matrix {it.name} crosses its owner's shard")
+                require(0 <= self.tp_owners.get(it.name, 0) < self.tp_size, f"TP owner of {it.name} out of range")
         for bucket in self.buckets:
-            assert (bucket.end - bucket.start) == bucket.shard_size * self.world_size
+            require(bucket.end - bucket.start == bucket.shard_size * self.world_size,
+                    f"bucket [{bucket.start}, {bucket.end}) is not {self.world_size} shards of {bucket.shard_size}")
 
 
 def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world_size: int,
@@ -132,25 +151,28 @@ def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world
     return buckets
 
 
-def _assign_owners(items, bucket_members, world_size, rank_cost):
-    """Cost-aware greedy: heaviest matrix first to the least-loaded rank whose shard still fits it."""
+def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1):
+    """Cost-aware greedy: heaviest matrix first to the least-loaded DP x TP cell whose DP
+    shard still fits it. Returns ({name: dp rank}, {name: tp rank})."""
     total = sum(items[i].numel for i in bucket_members)
     mats = sorted((i for i in bucket_members if items[i].is_matrix),
                   key=lambda i: (-items[i].cost, -items[i].numel, items[i].name))
     # shard must hold the biggest matrix and, ideally, 1/D of the bucket
     shard = max(math.ceil(total / world_size), max((items[i].numel for i in mats), default=0))
     owned_numel = [0] * world_size
-    owners = {}
+    owners, tp_owners = {}, {}
+    cells = range(world_size * tp_size)
     for i in mats:
         it = items[i]
-        fits = [r for r in range(world_size) if owned_numel[r] + _align(it.numel) <= shard + PARAM_ALIGN]
-        pool = fits or list(range(world_size))
-        key = (lambda r: (rank_cost[r], owned_numel[r], r)) if fits else (lambda r: (owned_numel[r], rank_cost[r], r))
-        r = min(pool, key=key)
-        owners[it.name] = r
-        owned_numel[r] += _align(it.numel)
-        rank_cost[r] += it.cost
-    return owners
+        fits = [c for c in cells if owned_numel[c // tp_size] + _align(it.numel) <= shard + PARAM_ALIGN]
+        pool = fits or list(cells)
+        key = ((lambda c: (rank_cost[c], owned_numel[c // tp_size], c)) if fits
+               else (lambda c: (owned_numel[c // tp_size], rank_cost[c], c)))
+        c = min(pool, key=key)
+        owners[it.name], tp_owners[it.name] = divmod(c, tp_size)
+        owned_numel[c // tp_size] += _align(it.numel)
+        rank_cost[c] += it.cost
+    return owners, tp_owners
 
 
 def _place_bucket(items, members, owners, world_size, start) -> Tuple[Dict[str, Tuple[int, int]], int]:
@@ -214,33 +236,41 @@ def plan_owner_layout(
     bucket_size: Optional[int] = None,
     max_bucket_padding: float = 0.02,
     rank_cost: Optional[List[float]] = None,
+    tp_size: int = 1,
 ) -> OwnerLayout:
     """Compute the owner plan and owner-aligned layout of one buffer.
 
-    `rank_cost` carries load across buffers (several buffers share the same ranks' NS time).
+    `rank_cost` (one entry per DP x TP cell) carries load across buffers (several buffers share
+    the same ranks' NS time). Items are this TP rank's shards; their `cost` is the full matrix's.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     names = [it.name for it in items]
     if len(set(names)) != len(names):
         raise ValueError("parameter names in a buffer must be unique")
     for it in items:
         if it.numel <= 0:
             raise ValueError(f"parameter {it.name} has numel {it.numel}; expected > 0")
-    rank_cost = rank_cost if rank_cost is not None else [0.0] * world_size
+    rank_cost = rank_cost if rank_cost is not None else [0.0] * (world_size * tp_size)
+    if len(rank_cost) != world_size * tp_size:
+        raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
     buckets: List[BucketLayout] = []
     param_ranges: Dict[str, Tuple[int, int, int]] = {}
     owners: Dict[str, int] = {}
+    tp_owners: Dict[str, int] = {}
     start = 0
     for b, members in enumerate(_split_buckets(items, bucket_size, world_size, max_bucket_padding)):
-        bucket_owners = _assign_owners(items, members, world_size, rank_cost)
+        bucket_owners, bucket_tp_owners = _assign_owners(items, members, world_size, rank_cost, tp_size)
         owners.update(bucket_owners)
+        tp_owners.update(bucket_tp_owners)
         pos, shard = _place_bucket(items, members, bucket_owners, world_size, start)
         for name, (s, e) in pos.items():
             param_ranges[name] = (s, e, b)
         end = start + shard * world_size
         buckets.append(BucketLayout(start=start, end=end, numel_unpadded=sum(items[i].numel for i in members), shard_size=shard))
         start = end
-    layout = OwnerLayout(world_size, param_ranges, owners, buckets, list(rank_cost))
+    layout = OwnerLayout(world_size, param_ranges, owners, buckets, list(rank_cost), tp_size, tp_owners)
     layout.validate(items)
     return layout

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -76,6 +77,13 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="dmuon-mp-")
+    try:
+        return _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # rank results can be hundreds of MB
+
+
+def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[Any]:
     procs, outs = [], []
     child_env = dict(os.environ)
     child_env.update(env or {})
