@@ -23,9 +23,32 @@ class GPTShape:
     seq_length: int = 32
     swiglu: bool = True
     bf16: bool = False
+    fp64: bool = False  # CPU exactness tests: Megatron's fp32 code path carrying float64 (see testing/cpu_shim)
+    num_experts: int = 0  # > 0: MoE MLP in every layer (megatron-core's non-TE SequentialMLP experts)
+    moe_ffn_hidden_size: int = 96
+    moe_router_topk: int = 2
+    sequence_parallel: bool = False
+
+
+def model_dtype(shape: GPTShape) -> torch.dtype:
+    return torch.bfloat16 if shape.bf16 else torch.float64 if shape.fp64 else torch.float32
+
+
+def _parallel_sizes():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {}
+    return dict(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+    )
 
 
 def transformer_config(shape: GPTShape, **overrides):
+    """The model's TransformerConfig; parallel sizes come from Megatron's initialized parallel state."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw = dict(
@@ -48,30 +71,43 @@ def transformer_config(shape: GPTShape, **overrides):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         bf16=shape.bf16,
-        params_dtype=torch.bfloat16 if shape.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if shape.bf16 else torch.float32,
+        params_dtype=model_dtype(shape),
+        pipeline_dtype=model_dtype(shape),
         init_method_std=0.02,
+        sequence_parallel=shape.sequence_parallel,
+        **_parallel_sizes(),
     )
+    if shape.num_experts:
+        kw.update(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+                  moe_router_topk=shape.moe_router_topk, moe_token_dispatcher_type="alltoall",
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
     kw.update(overrides)
     return TransformerConfig(**kw)
 
 
 def build_gpt(shape: GPTShape, config=None):
-    """A megatron-core GPTModel with the local (non-TE) layer spec."""
+    """This pipeline stage's megatron-core GPTModel with the local (non-TE) layer spec."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = config or transformer_config(shape)
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
+                                    normalization="RMSNorm")
+    first = not ps.model_parallel_is_initialized() or ps.is_pipeline_first_stage()
+    last = not ps.model_parallel_is_initialized() or ps.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
+        pre_process=first,
+        post_process=last,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
     )
-    if shape.bf16:
-        model = model.bfloat16()
+    if shape.bf16 or shape.fp64:
+        model = model.to(model_dtype(shape))
     if on_gpu():
         model = model.cuda(torch.cuda.current_device())
     return model
@@ -122,7 +158,7 @@ def _forward_step(data_iterator, model):
     output = model(**batch)
 
     def loss_func(output_tensor):
-        losses = output_tensor.float()
+        losses = output_tensor if output_tensor.dtype == torch.float64 else output_tensor.float()
         loss = torch.sum(losses.view(-1) * loss_mask.view(-1))
         num_tokens = loss_mask.sum().clone().detach().to(torch.int)
         return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
@@ -158,7 +194,10 @@ def train_step(
         forward_only=False,
     )
     update_successful, grad_norm, num_zeros = optimizer.step()
-    tot = torch.stack([x["lm loss"] for x in losses]).sum(0).float()
+    # only the last pipeline stage has losses; every rank joins the sum (TP copies count alike
+    # in tokens and loss, so the ratio is unchanged)
+    tot = (torch.stack([x["lm loss"] for x in losses]).sum(0).double() if losses
+           else torch.zeros(2, dtype=torch.float64, device=device))
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(tot)
     return (tot[0] / tot[1]).item(), grad_norm, num_zeros, update_successful

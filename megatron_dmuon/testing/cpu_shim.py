@@ -42,6 +42,8 @@ class _CpuDeviceMode(TorchFunctionMode):
             args = (args[0], "cpu") + tuple(args[2:])
         if func is torch.Tensor.pin_memory:
             return args[0]
+        if func is torch.Tensor.float and args[0].dtype == torch.float64:
+            return args[0]  # float64 runs stay float64 through Megatron's fp32 casts (see _TYPE_NAMES)
         return func(*args, **kwargs)
 
 
@@ -95,7 +97,10 @@ _TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
     torch.float16: "torch.cuda.HalfTensor",
     torch.bfloat16: "torch.cuda.BFloat16Tensor",
-    torch.float64: "torch.cuda.DoubleTensor",
+    # float64 answers as a float32 tensor: Megatron's "full precision" code path (DDP buffers,
+    # DistributedOptimizer fp32 groups, grad norm) then carries float64, which lets the CPU tests
+    # compare TP/PP/EP runs with the single-process reference far below fp32 reduction-order noise
+    torch.float64: "torch.cuda.FloatTensor",
 }
 
 
@@ -132,6 +137,18 @@ def install() -> None:
     if hasattr(mp_random, "_get_cuda_rng_state"):
         mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
 
+    # MoE token dispatch moves split sizes "from the GPU" to numpy for all_to_all_single; on the
+    # CPU the tensors are already there, so Megatron's helper would hand collectives a tensor
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def _to_host(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = _to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+
     original_type = torch.Tensor.type
 
     def _type(self, dtype=None, non_blocking=False, **kwargs):
@@ -145,6 +162,18 @@ def install() -> None:
     torch.Tensor.type = _type
     _MODE = _CpuDeviceMode()
     _MODE.__enter__()
+
+    # autograd's engine runs custom Functions' backward without the Python mode stack, and
+    # Megatron's backward (e.g. MoE all-to-all) also allocates on "the current CUDA device"
+    from torch.autograd.function import BackwardCFunction
+
+    forward_apply = BackwardCFunction.apply
+
+    def _apply_on_cpu(self, *args):
+        with _CpuDeviceMode():
+            return forward_apply(self, *args)
+
+    BackwardCFunction.apply = _apply_on_cpu
     _INSTALLED = True
 
 

@@ -16,6 +16,11 @@ from ..megatron.gpt import causal_batch
 from ..planning.params import is_muon_param
 
 
+def _grad_dtype(param: torch.Tensor) -> torch.dtype:
+    """Megatron reduces grads in fp32 (grad_reduce_in_fp32), or in float64 for float64 models."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
 def orthogonalize_one(matrix: torch.Tensor, settings) -> torch.Tensor:
     """NS of one matrix with the settings' method and per-shape schedule (torch path)."""
     method = "standard" if settings.ns_method == "auto" else settings.ns_method
@@ -103,12 +108,13 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
             for tokens in rank_micro:
                 batch = causal_batch(tokens.to(device))
                 loss_mask = batch.pop("loss_mask")
-                out = model(**batch).float()
+                out = model(**batch)
+                out = out if out.dtype == torch.float64 else out.float()
                 loss = (out.view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum().clamp(min=1)
                 (loss / len(rank_micro)).backward()
                 total_loss += loss.item()
                 n_micro += 1
-            rank_grads.append({n: p.grad.detach().float() * (1.0 / dp) for n, p in named})
+            rank_grads.append({n: p.grad.detach().to(_grad_dtype(p)) * (1.0 / dp) for n, p in named})
         grads = {n: _sum_over_ranks([g[n] for g in rank_grads], None if reduce_chunk_of is None
                                     else reduce_chunk_of[n], ranks_per_node) for n, _ in named}
         losses.append(total_loss / n_micro)

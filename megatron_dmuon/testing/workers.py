@@ -4,13 +4,14 @@ from __future__ import annotations
 import torch
 
 
-def init_parallel(tp=1, pp=1, seed=1234):
+def init_parallel(tp=1, pp=1, ep=1, seed=1234):
     """Initialise Megatron's parallel state (once per process) and seed every RNG as Megatron does."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -51,10 +52,10 @@ def megatron_adam_dp(rank, world_size, steps=6, grad_accum=2, mbs=2):
 DEFAULTS = dict(lr=2e-2, weight_decay=0.1, clip_grad=0.0, steps=10, grad_accum=2, mbs=2)
 
 
-def _muon_settings(ns_dtype="float32", ns_method="standard", coefficients="keller"):
+def _muon_settings(ns_dtype="float32", ns_method="standard", coefficients="keller", **kw):
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
-    return MuonSettings(ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method, coefficients=coefficients)
+    return MuonSettings(ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method, coefficients=coefficients, **kw)
 
 
 def _shape(**kw):
@@ -70,9 +71,12 @@ def _freeze(model, freeze):
                 p.requires_grad_(False)
 
 
-def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
-             return_params=True, freeze=None, ranks_per_node=0, split=None, coefficients="keller", **kw):
-    """Train the tiny GPT with DMuon (or a baseline mode) at DP=world_size; report everything."""
+def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
+                return_params=True, freeze=None, ranks_per_node=0, split=None, coefficients="keller",
+                tp=1, pp=1, ep=1, muon_kw=None, **kw):
+    """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
+    (experts over ep); report losses, norms, NS counts, plans and every rank's parameter shards."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -80,15 +84,17 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
     from megatron_dmuon.megatron.gpt import build_gpt, on_gpu, train_step, wire_sync_funcs
     from megatron_dmuon.megatron.layout import build_dmuon_ddp
     from megatron_dmuon.megatron.optimizer import DMuonConfig, comm_bytes_per_step, get_dmuon_optimizer
+    from megatron_dmuon.testing.global_params import init_params_by_name, local_shards
 
     o = {**DEFAULTS, **kw}
-    init_parallel()
+    init_parallel(tp, pp, ep)
     shape = _shape(**(shape_kw or {}))
     model = build_gpt(shape)
+    init_params_by_name(model)
     _freeze(model, freeze)
     dist_opt = mode == "dmuon" or mode == "adam"
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=True,
+        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=not shape.fp64,
         overlap_grad_reduce=overlap, overlap_param_gather=overlap and dist_opt,
         bucket_size=o.get("bucket_size"),
     )
@@ -99,30 +105,33 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
     ddp.broadcast_params()
     wire_sync_funcs([ddp], ddp_config)
     opt_config = OptimizerConfig(optimizer="adam", lr=o["lr"], min_lr=o["lr"], weight_decay=o["weight_decay"],
-                                 use_distributed_optimizer=dist_opt, clip_grad=o["clip_grad"])
+                                 use_distributed_optimizer=dist_opt, clip_grad=o["clip_grad"],
+                                 bf16=bool((shape_kw or {}).get("bf16")))
     if mode == "adam":
         from megatron.core.optimizer import get_megatron_optimizer
 
         opt = get_megatron_optimizer(opt_config, [ddp])
     else:
-        muon = _muon_settings(ns_dtype, coefficients=coefficients)
+        muon = _muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {}))
         opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=muon, **_split_kwargs(split)))
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
         lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
         wd_incr_steps=100, wd_incr_style="constant",
     )
+    dp_rank = ps.get_data_parallel_rank()
+    parts = [] if mode == "adam" else opt.chained_optimizers
     losses, ns_counts, grad_norms = [], [], []
     for step in range(o["steps"]):
-        micro = [synthetic_tokens(step, m, rank, o["mbs"], shape.seq_length, shape.vocab_size)
+        micro = [synthetic_tokens(step, m, dp_rank, o["mbs"], shape.seq_length, shape.vocab_size)
                  for m in range(o["grad_accum"])]
         loss, grad_norm, _, ok = train_step([ddp], opt, micro, shape.seq_length, o["mbs"])
         assert ok
         sched.step(increment=1)
         losses.append(loss)
         grad_norms.append(float(grad_norm))
-        if mode != "adam":
-            n = torch.tensor([opt.chained_optimizers[0].dmuon_inner.stats["ns_matrices"]],
+        if parts:  # matrices orthogonalized this step, summed over the whole world
+            n = torch.tensor([sum(p.dmuon_inner.stats["ns_matrices"] for p in parts)],
                              device="cuda" if on_gpu() else "cpu")
             torch.distributed.all_reduce(n)
             ns_counts.append(int(n))
@@ -132,26 +141,39 @@ def dmuon_dp(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dt
 
     out = {
         "losses": losses, "grad_norms": grad_norms, "ns_counts": ns_counts,
-        "num_matrices": sum(is_muon_param(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad),
         "bytes": comm_bytes_per_step([ddp], "gather_then_compute" if mode == "gather_then_compute" else "dmuon"),
+        "ranks": {"dp": dp_rank, "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+                  "ep": ps.get_expert_model_parallel_rank()},
     }
     if return_params:
-        out["params"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters() if p.requires_grad}
+        out["shards"] = local_shards(ddp.module)
+    if parts:
+        out["muon_states"] = sum(1 for part in parts for p in part.dmuon_inner.matrix_info
+                                 if "momentum_buffer" in part.dmuon_inner.state.get(p, {}))
+        out["tp_bytes"] = sum(part.dmuon_inner.stats["tp_bytes"] for part in parts)
     if mode == "dmuon":
         try:
-            opt.chained_optimizers[0].sharded_state_dict({})
+            parts[0].sharded_state_dict({})
             out["checkpoint_error"] = None
         except NotImplementedError as e:
             out["checkpoint_error"] = str(e)
-    if mode != "adam":
-        inner = opt.chained_optimizers[0].dmuon_inner
-        out["muon_states"] = sum(1 for p in inner.matrix_info if "momentum_buffer" in inner.state.get(p, {}))
-    if mode == "dmuon":
         topo = ddp.dmuon_topology
-        my_shard = topo.shard_index if topo is not None else rank
-        out["owned"] = sum(1 for v in ddp.dmuon_owner_plans.values() for s in v.owners.values() if s == my_shard)
-        out["owners"] = {str(k): v.owners for k, v in ddp.dmuon_owner_plans.items()}
-        out["layouts"] = [v.to_json() for v in ddp.dmuon_owner_plans.values()]
+        my_shard = topo.shard_index if topo is not None else None
+        plans = ddp.dmuon_owner_plans
+        # momentum lives with the DP owner: every TP shard of a sharded matrix, a replicated
+        # matrix on its TP owner only
+        expected = 0
+        for key, plan in plans.items():
+            dp_me = (my_shard if (my_shard is not None and not key.is_expert_parallel)
+                     else (ps.get_expert_data_parallel_rank() if key.is_expert_parallel else dp_rank))
+            tp_me = ps.get_expert_tensor_parallel_rank() if key.is_expert_parallel else ps.get_tensor_model_parallel_rank()
+            params = {n: p for p, n in ddp.dmuon_param_names.items()}
+            for name, owner in plan.owners.items():
+                sharded = getattr(params[name], "tensor_model_parallel", False) and plan.tp_size > 1
+                expected += owner == dp_me and (sharded or plan.tp_owners.get(name, 0) == tp_me)
+        out["owned"] = expected
+        out["owners"] = {str(k): v.owners for k, v in plans.items()}
+        out["layouts"] = [v.to_json() for v in plans.values()]
     return out
 
 
@@ -159,17 +181,24 @@ def _split_kwargs(split):
     return {"split_qkv": split in ("qkv", "heads"), "split_per_head": split == "heads", "split_glu": split == "glu"}
 
 
+RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params")  # shape the run, not the math
+
+
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
-              ranks_per_node=0, split=None, coefficients="keller", **kw):
-    """The single-process reference for a DP=`dp` run (world_size must be 1)."""
+              ranks_per_node=0, split=None, coefficients="keller", muon_kw=None, **kw):
+    """The single-process TP=PP=EP=1 reference for a run with `dp` data-parallel ranks (world_size
+    must be 1). Returns losses, grad norms, full params by global name and the matrix count."""
     from megatron_dmuon.megatron.gpt import build_gpt
+    from megatron_dmuon.planning.params import is_muon_param
+    from megatron_dmuon.testing.global_params import init_params_by_name
     from megatron_dmuon.testing.reference import reference_train
 
     assert world_size == 1
-    o = {**DEFAULTS, **kw}
+    o = {**DEFAULTS, **{k: v for k, v in kw.items() if k not in RUN_ONLY}}
     init_parallel()
-    shape = _shape(**(shape_kw or {}))
+    shape = _shape(**{k: v for k, v in (shape_kw or {}).items() if k != "bf16"})
     model = build_gpt(shape)
+    init_params_by_name(model)
     _freeze(model, freeze)
 
     def batches(step):
@@ -183,10 +212,13 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
     if layouts is not None:
         shapes = {n: p.shape for n, p in model.named_parameters()}
         chunks = reduce_chunks_from_layout([OwnerLayout.from_json(j) for j in layouts], shapes)
-    return reference_train(model, batches, o["steps"], lr=o["lr"], weight_decay=o["weight_decay"],
-                           clip_grad=o["clip_grad"], muon_settings=_muon_settings(ns_dtype, coefficients=coefficients),
-                           reduce_chunk_of=chunks, ranks_per_node=ranks_per_node,
-                           split_rule_for=_split_rule_for(model.config, split))
+    out = reference_train(model, batches, o["steps"], lr=o["lr"], weight_decay=o["weight_decay"],
+                          clip_grad=o["clip_grad"],
+                          muon_settings=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
+                          reduce_chunk_of=chunks, ranks_per_node=ranks_per_node,
+                          split_rule_for=_split_rule_for(model.config, split))
+    out["num_matrices"] = sum(is_muon_param(n, p) for n, p in model.named_parameters() if p.requires_grad)
+    return out
 
 
 def _split_rule_for(model_config, split):
