@@ -77,21 +77,87 @@ def reduce_chunks_from_layout(owner_layouts, named_shapes: Dict[str, torch.Size]
     return out
 
 
+class ProjectRules:
+    """The update through the project's rule functions (``algorithms``): the same functions the
+    owner step calls, but one matrix at a time, unbatched, on the unsharded model."""
+
+    def __init__(self, named, *, lr, weight_decay, adam_betas=(0.9, 0.999), adam_eps=1e-8,
+                 muon_settings=None, split_rule_for: Optional[Callable] = None):
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, adam_betas, adam_eps
+        self.s, self.split_rule_for = muon_settings, split_rule_for
+        self.state: Dict[str, dict] = {n: {} for n, _ in named}
+
+    @torch.no_grad()
+    def step(self, named, grads) -> None:
+        s, lr = self.s, self.lr
+        for n, p in named:
+            g, st = grads[n], self.state[n]
+            wd = param_weight_decay(n, p, self.weight_decay)
+            if is_muon_param(n, p):
+                st.setdefault("momentum", torch.zeros_like(p))
+                update = muon_momentum_(st["momentum"], g, s.momentum, s.nesterov)
+                rule = self.split_rule_for(n, tuple(p.shape)) if self.split_rule_for is not None else None
+                pieces = rule.pieces(update) if rule is not None else [update]
+                # one NS call per matrix (every head of a per-head stack alone): no batching
+                outs = [orthogonalize_one(m, s) if m.dim() == 2 else torch.stack([orthogonalize_one(h, s) for h in m])
+                        for m in pieces]
+                direction, scale = muon_direction(outs, rule, shape=p.shape, scale_mode=s.scale_mode,
+                                                  extra_scale=s.extra_scale, dtype=p.dtype)
+                muon_apply_(p, direction, lr, wd, scale)
+            else:
+                st.setdefault("exp_avg", torch.zeros_like(p))
+                st.setdefault("exp_avg_sq", torch.zeros_like(p))
+                st["step"] = st.get("step", 0) + 1
+                adamw_step_(p, g, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=lr,
+                            beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=wd)
+
+
+class TorchOptimRules:
+    """The update through ``torch.optim.Muon`` (hidden matrices) + ``torch.optim.AdamW`` (the rest),
+    with Megatron's no-weight-decay rule for biases and vectors: shares no code with the project.
+    torch.optim.Muon runs Keller's 5-step NS in bf16 with ``adjust_lr_fn='original'``."""
+
+    def __init__(self, named, *, lr, weight_decay, adam_betas=(0.9, 0.999), adam_eps=1e-8,
+                 momentum=0.95, nesterov=True, adjust_lr_fn="original"):
+        muon = [p for n, p in named if is_muon_param(n, p)]
+        decay = [p for n, p in named if not is_muon_param(n, p) and param_weight_decay(n, p, 1.0)]
+        no_decay = [p for n, p in named if not is_muon_param(n, p) and not param_weight_decay(n, p, 1.0)]
+        self.optimizers = [torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                            nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)]
+        adam_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        self.optimizers.append(torch.optim.AdamW(adam_groups, lr=lr, betas=adam_betas, eps=adam_eps))
+
+    @torch.no_grad()
+    def step(self, named, grads) -> None:
+        for n, p in named:
+            p.grad = grads[n].to(p.dtype)
+        for opt in self.optimizers:
+            opt.step()
+
+
 def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]], steps: int, *,
                     lr: float, weight_decay: float, adam_betas=(0.9, 0.999), adam_eps=1e-8,
                     clip_grad: float = 0.0, muon_settings=None,
                     reduce_chunk_of: Optional[Dict[str, torch.Tensor]] = None,
-                    ranks_per_node: int = 0, split_rule_for: Optional[Callable] = None) -> Dict[str, object]:
+                    ranks_per_node: int = 0, split_rule_for: Optional[Callable] = None,
+                    rules: str = "project") -> Dict[str, object]:
     """`batches_per_step(step)` returns the global batch as [dp rank][micro-batch] token blocks.
 
     `reduce_chunk_of[name]` (optional) gives, per element, the reduce-scatter shard it lands in;
     the cross-rank sum then follows gloo's ring order for that shard, so fp32 results can be
-    compared bit-for-bit. Without it ranks are summed in rank order.
+    compared bit-for-bit. Without it ranks are summed in rank order. `rules`: 'project'
+    (ProjectRules) or 'torch_optim' (TorchOptimRules; Muon settings then are torch's defaults).
     """
-    s = muon_settings
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = named[0][1].device
-    state: Dict[str, dict] = {n: {} for n, _ in named}
+    if rules == "project":
+        updater = ProjectRules(named, lr=lr, weight_decay=weight_decay, adam_betas=adam_betas, adam_eps=adam_eps,
+                               muon_settings=muon_settings, split_rule_for=split_rule_for)
+    elif rules == "torch_optim":
+        updater = TorchOptimRules(named, lr=lr, weight_decay=weight_decay, adam_betas=adam_betas, adam_eps=adam_eps)
+    else:
+        raise ValueError(f"rules must be 'project' or 'torch_optim', got {rules!r}")
     losses, grad_norms = [], []
     for step in range(steps):
         for _, p in named:
@@ -124,25 +190,5 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
             coeff = clip_grad / (norm + 1.0e-6)
             if coeff < 1.0:
                 grads = {n: g * coeff for n, g in grads.items()}
-        with torch.no_grad():
-            for n, p in named:
-                g, st = grads[n], state[n]
-                wd = param_weight_decay(n, p, weight_decay)
-                if is_muon_param(n, p):
-                    st.setdefault("momentum", torch.zeros_like(p))
-                    update = muon_momentum_(st["momentum"], g, s.momentum, s.nesterov)
-                    rule = split_rule_for(n, tuple(p.shape)) if split_rule_for is not None else None
-                    pieces = rule.pieces(update) if rule is not None else [update]
-                    # one NS call per matrix (every head of a per-head stack alone): no batching
-                    outs = [orthogonalize_one(m, s) if m.dim() == 2 else torch.stack([orthogonalize_one(h, s) for h in m])
-                            for m in pieces]
-                    direction, scale = muon_direction(outs, rule, shape=p.shape, scale_mode=s.scale_mode,
-                                                      extra_scale=s.extra_scale, dtype=p.dtype)
-                    muon_apply_(p, direction, lr, wd, scale)
-                else:
-                    st.setdefault("exp_avg", torch.zeros_like(p))
-                    st.setdefault("exp_avg_sq", torch.zeros_like(p))
-                    st["step"] = st.get("step", 0) + 1
-                    adamw_step_(p, g, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=lr,
-                                beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps, weight_decay=wd)
+        updater.step(named, grads)
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in named}, "grad_norms": grad_norms}

@@ -73,7 +73,7 @@ def _freeze(model, freeze):
 
 def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
                 return_params=True, freeze=None, ranks_per_node=0, split=None, coefficients="keller",
-                tp=1, pp=1, ep=1, muon_kw=None, **kw):
+                tp=1, pp=1, ep=1, muon_kw=None, blockwise=False, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
     (experts over ep); report losses, norms, NS counts, plans and every rank's parameter shards."""
     from megatron.core import parallel_state as ps
@@ -121,6 +121,14 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
     )
     dp_rank = ps.get_data_parallel_rank()
     parts = [] if mode == "adam" else opt.chained_optimizers
+    if blockwise:  # Megatron's inexact 'blockwise' TP mode, for contrast: every TP shard is its own matrix
+        from megatron_dmuon.runtime.owner_step import MatrixInfo
+        from megatron_dmuon.runtime.tp_exchange import TPExchange
+
+        for part in parts:
+            inner = part.dmuon_inner
+            inner.tp = TPExchange(None)
+            inner.matrix_info = {p: MatrixInfo(i.name, i.local_shape) for p, i in inner.matrix_info.items()}
     losses, ns_counts, grad_norms = [], [], []
     for step in range(o["steps"]):
         micro = [synthetic_tokens(step, m, dp_rank, o["mbs"], shape.seq_length, shape.vocab_size)
@@ -185,7 +193,7 @@ RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params")
 
 
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
-              ranks_per_node=0, split=None, coefficients="keller", muon_kw=None, **kw):
+              ranks_per_node=0, split=None, coefficients="keller", muon_kw=None, rules="project", **kw):
     """The single-process TP=PP=EP=1 reference for a run with `dp` data-parallel ranks (world_size
     must be 1). Returns losses, grad norms, full params by global name and the matrix count."""
     from megatron_dmuon.megatron.gpt import build_gpt
@@ -216,7 +224,7 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
                           clip_grad=o["clip_grad"],
                           muon_settings=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
                           reduce_chunk_of=chunks, ranks_per_node=ranks_per_node,
-                          split_rule_for=_split_rule_for(model.config, split))
+                          split_rule_for=_split_rule_for(model.config, split), rules=rules)
     out["num_matrices"] = sum(is_muon_param(n, p) for n, p in model.named_parameters() if p.requires_grad)
     return out
 
