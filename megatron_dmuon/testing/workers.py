@@ -73,7 +73,7 @@ def _freeze(model, freeze):
 
 def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
                 return_params=True, freeze=None, ranks_per_node=0, split=None, coefficients="keller",
-                tp=1, pp=1, ep=1, muon_kw=None, blockwise=False, **kw):
+                tp=1, pp=1, ep=1, muon_kw=None, blockwise=False, count_bytes=False, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
     (experts over ep); report losses, norms, NS counts, plans and every rank's parameter shards."""
     from megatron.core import parallel_state as ps
@@ -130,10 +130,18 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
             inner.tp = TPExchange(None)
             inner.matrix_info = {p: MatrixInfo(i.name, i.local_shape) for p, i in inner.matrix_info.items()}
     losses, ns_counts, grad_norms = [], [], []
+    counted = {}
     for step in range(o["steps"]):
         micro = [synthetic_tokens(step, m, dp_rank, o["mbs"], shape.seq_length, shape.vocab_size)
                  for m in range(o["grad_accum"])]
-        loss, grad_norm, _, ok = train_step([ddp], opt, micro, shape.seq_length, o["mbs"])
+        if count_bytes and step == o["steps"] - 1:  # the bytes the buffers really moved in one step
+            from megatron_dmuon.testing.comm_counter import count_bucket_bytes
+
+            with count_bucket_bytes([ddp]) as counts:
+                loss, grad_norm, _, ok = train_step([ddp], opt, micro, shape.seq_length, o["mbs"])
+            counted = dict(counts)  # (without overlap the publish runs inside optimizer.step)
+        else:
+            loss, grad_norm, _, ok = train_step([ddp], opt, micro, shape.seq_length, o["mbs"])
         assert ok
         sched.step(increment=1)
         losses.append(loss)
@@ -150,6 +158,7 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
     out = {
         "losses": losses, "grad_norms": grad_norms, "ns_counts": ns_counts,
         "bytes": comm_bytes_per_step([ddp], "gather_then_compute" if mode == "gather_then_compute" else "dmuon"),
+        "counted_bytes": counted,
         "ranks": {"dp": dp_rank, "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
                   "ep": ps.get_expert_model_parallel_rank()},
     }
