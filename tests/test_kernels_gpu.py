@@ -60,7 +60,7 @@ def test_gpu_ill_conditioned_input_is_finite():
 
 
 def test_gpu_autotune_writes_cache_and_reuses_it(tmp_path):
-    from megatron_dmuon.kernels import autotune, gram_newton_schulz_fast
+    from megatron_dmuon.kernels import autotune, gram_newton_schulz_fast, method_tuning
 
     path = tmp_path / "tune.json"
     x = torch.randn(2, 128, 512, device="cuda")
@@ -76,7 +76,7 @@ def test_gpu_autotune_writes_cache_and_reuses_it(tmp_path):
     again = gram_newton_schulz_fast(x, "polar_express", cache_path=path)
     assert path.stat().st_mtime_ns == mtime  # reused, not re-tuned
     assert _rel(again, out) < 1e-6
-    entry = autotune.tune_method(128, 512, 2, torch.float16, x.device, cache_path=path)
+    entry = method_tuning.tune_method(128, 512, 2, torch.float16, x.device, cache_path=path)
     assert entry["method"] in ("gram", "standard") and max(entry["error_vs_torch"].values()) < 0.05
     autotune.clear_memo()
     assert autotune.cached_method(128, 512, 2, torch.float16, x.device, 5, path) == entry["method"]

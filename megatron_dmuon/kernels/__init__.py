@@ -15,9 +15,10 @@ Public API (Triton is imported lazily; everything falls back to torch where it c
   schedules for any step count and the per-shape choice (6 steps for square matrices).
 """
 
-from .autotune import AutotuneCache, default_cache_path, tune_method, tune_op
+from .autotune import AutotuneCache, default_cache_path, tune_op
 from .cuda_graph import GraphedOrthogonalizer, graphed_orthogonalize
 from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched
+from .method_tuning import tune_method
 from .multi_stream import GraphedGroups, orthogonalize_groups
 from .metrics import NONFINITE_METRICS, nonfinite_metrics, reset_nonfinite_metrics
 from ..algorithms.schedules import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
