@@ -9,7 +9,7 @@ fp16), our Gram NS kernels (autotuned), and peers when their code is present und
 (never committed): microsoft/dion's Triton NS and X-Square-Robot/dmuon's Gram NS.
 
 Schedules: every method runs the published 5-step Polar Express schedule, except the
-``*_adaptive`` ones, which take ``kernels.schedule_for_shape``: the same schedule for
+``*_adaptive`` ones, which take ``algorithms.schedules.schedule_for_shape``: the same schedule for
 rectangular shapes and the 6-step ``POLAR_EXPRESS_6`` for square ones (q/o).
 
 Error metric (all tables): relative Frobenius error ``‖NS(X) − P‖_F / ‖P‖_F`` of the output
@@ -41,12 +41,13 @@ from bench.ns import time_calls, warm_up_clocks  # noqa: E402
 from megatron_dmuon.algorithms.flops import newton_schulz_flops  # noqa: E402
 from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz  # noqa: E402
 from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz  # noqa: E402
+from megatron_dmuon.algorithms.schedules import schedule_for_shape  # noqa: E402
 from megatron_dmuon.kernels import (  # noqa: E402
+    GraphedGroups,
     gram_newton_schulz_fast,
-    graphed_orthogonalize,
     nonfinite_metrics,
     orthogonalize_batched,
-    schedule_for_shape,
+    orthogonalize_groups,
 )
 
 PEAK_TFLOPS = 790.0
@@ -118,6 +119,24 @@ def _adaptive(fn):
     return lambda x: fn(x, **schedule_for_shape(x.size(-2), x.size(-1)))
 
 
+def _adaptive_schedules(stacks):
+    return [schedule_for_shape(x.size(-2), x.size(-1)) for x in stacks]
+
+
+def _graphed_groups(**kw):
+    """Run a list of stacks through ``GraphedGroups`` ('auto', adaptive schedules), captured once
+    per list of shapes and replayed after that."""
+    graphs = {}
+
+    def run(stacks):
+        key = tuple(tuple(x.shape) for x in stacks)
+        if key not in graphs:
+            graphs[key] = GraphedGroups(stacks, "auto", per_stack_kwargs=_adaptive_schedules(stacks), **kw)
+        return graphs[key](stacks)
+
+    return run
+
+
 def methods_for(args, device, peers):
     co = args.coefficients
     fast = device.type == "cuda"
@@ -136,8 +155,8 @@ def methods_for(args, device, peers):
             _adaptive(lambda x, **s: gram_newton_schulz_fast(x, **s, **gram_kw, cache_path=cache)), "gram", True)
         methods["ours_auto_fp16_adaptive"] = (
             _adaptive(lambda x, **s: orthogonalize_batched(x, "auto", **s, **gram_kw, cache_path=cache)), "auto", True)
-        methods["ours_auto_fp16_adaptive_graphed"] = (
-            _adaptive(lambda x, **s: graphed_orthogonalize(x, "auto", **s, **gram_kw, cache_path=cache)), "auto", True)
+        graphed = _graphed_groups(**gram_kw, cache_path=cache)
+        methods["ours_auto_fp16_adaptive_graphed"] = (lambda x: graphed([x])[0], "auto", True)
     for name, fn in peers.items():
         if callable(fn):
             methods[f"peer_{name}"] = (fn, "gram" if "gram" in name else "standard", "triton" in name)
@@ -271,25 +290,11 @@ def layer_methods(args, device):
     eager and as one captured graph."""
     if device.type != "cuda":
         return {}
-    from megatron_dmuon.kernels import GraphedGroups, orthogonalize_groups
-
     kw = dict(compute_dtype=torch.float16, check_finite=False, cache_path=args.cache)
-
-    def per_stack(stacks):
-        return [schedule_for_shape(x.size(-2), x.size(-1)) for x in stacks]
-
-    graphs = {}
-
-    def graphed(stacks):
-        key = tuple(tuple(x.shape) for x in stacks)
-        if key not in graphs:
-            graphs[key] = GraphedGroups(stacks, "auto", per_stack_kwargs=per_stack(stacks), **kw)
-        return graphs[key](stacks)
-
     return {
         "ours_auto_fp16_adaptive_streams": lambda stacks: orthogonalize_groups(
-            stacks, "auto", per_stack_kwargs=per_stack(stacks), **kw),
-        "ours_auto_fp16_adaptive_streams_graphed": graphed,
+            stacks, "auto", per_stack_kwargs=_adaptive_schedules(stacks), **kw),
+        "ours_auto_fp16_adaptive_streams_graphed": _graphed_groups(**kw),
     }
 
 

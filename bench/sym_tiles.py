@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.ns import warm_up_clocks  # noqa: E402
 from megatron_dmuon.kernels import symmetric_ops  # noqa: E402
-from megatron_dmuon.kernels.autotune import _op_inputs, _relative_error, time_cuda_ms  # noqa: E402
+from megatron_dmuon.kernels.autotune import _op_inputs, relative_error, time_cuda_ms  # noqa: E402
 from megatron_dmuon.kernels.triton_symmetric import KernelConfig  # noqa: E402
 
 VARIANTS = {
@@ -59,7 +59,7 @@ def run_case(op, m, k, batch, dtype, variants):
             out.fill_(float("nan"))
             fn()
             torch.cuda.synchronize()
-            err = _relative_error(out, reference)
+            err = relative_error(out, reference)
             sym = bool(torch.equal(out, out.mT)) if backend == "triton" else None
             ms = time_cuda_ms(fn)
             row[name] = {"ms": ms, "tflops": sym_flops / ms / 1e9, "err": err, "symmetric": sym}

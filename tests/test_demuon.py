@@ -4,15 +4,15 @@ import math
 import pytest
 import torch
 
-from megatron_dmuon.algorithms.demuon import (
+from megatron_dmuon.decentralized.demuon import (
     DecentralizedAlgorithm,
     DecentralizedConfig,
     FlatLayout,
     consensus_error,
 )
 from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz
-from megatron_dmuon.algorithms.topology import complete_graph, directed_exponential_graph, ring_graph
-from megatron_dmuon.runtime.decentralized_sim import DecentralizedSimulator, StackedMixer
+from megatron_dmuon.decentralized.topology import complete_graph, directed_exponential_graph, ring_graph
+from megatron_dmuon.decentralized.simulator import DecentralizedSimulator, StackedMixer
 
 SHAPES = [("w1", (5, 3)), ("b1", (5,)), ("w2", (2, 5)), ("emb", (1, 4, 3)), ("gain", (1,))]
 

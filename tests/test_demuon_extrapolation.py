@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from megatron_dmuon.algorithms.demuon import DecentralizedConfig, FlatLayout
-from megatron_dmuon.algorithms.extrapolation import extrapolation_scheme, target_moment
-from megatron_dmuon.algorithms.topology import complete_graph
-from megatron_dmuon.runtime.decentralized_sim import DecentralizedSimulator
+from megatron_dmuon.decentralized.demuon import DecentralizedConfig, FlatLayout
+from megatron_dmuon.decentralized.extrapolation import extrapolation_scheme, target_moment
+from megatron_dmuon.decentralized.topology import complete_graph
+from megatron_dmuon.decentralized.simulator import DecentralizedSimulator
 
 D = 6
 GEN = torch.Generator().manual_seed(0)

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from megatron_dmuon.algorithms.demuon import DecentralizedConfig, FlatLayout
-from megatron_dmuon.algorithms.topology import make_topology, ring_graph
-from megatron_dmuon.runtime.decentralized_sim import DecentralizedSimulator, vmapped_loss_and_grad
+from megatron_dmuon.decentralized.demuon import DecentralizedConfig, FlatLayout
+from megatron_dmuon.decentralized.topology import make_topology, ring_graph
+from megatron_dmuon.decentralized.simulator import DecentralizedSimulator, vmapped_loss_and_grad
 from megatron_dmuon.testing.multiproc import run_distributed
 
 HERE = os.path.dirname(__file__)
@@ -52,7 +52,7 @@ def mse(out, target):
 
 # ------------------------------------------------------------------- code run on each rank
 def rank_worker(rank, world_size):
-    from megatron_dmuon.runtime.decentralized import DecentralizedOptimizer
+    from megatron_dmuon.decentralized.agents import DecentralizedOptimizer
 
     out = {"plain": {}}
     for graph in GRAPHS:
@@ -98,7 +98,7 @@ def megatron_worker(rank, world_size):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, causal_batch
-    from megatron_dmuon.runtime.decentralized import DecentralizedOptimizer
+    from megatron_dmuon.decentralized.agents import DecentralizedOptimizer
 
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)

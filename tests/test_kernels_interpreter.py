@@ -291,7 +291,8 @@ def test_child_six_step_square_schedule():
     """Square matrices run standard NS (Gram NS in fp16 loses accuracy on their tiny singular
     values, which is why min_aspect_ratio defaults to 2); the 6-step schedule goes through."""
     from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz
-    from megatron_dmuon.kernels import POLAR_EXPRESS_6, gram_newton_schulz_fast, newton_schulz_fast
+    from megatron_dmuon.algorithms.schedules import POLAR_EXPRESS_6
+    from megatron_dmuon.kernels import gram_newton_schulz_fast, newton_schulz_fast
 
     sq = torch.randn(2, 48, 48, generator=torch.Generator().manual_seed(13))
     std = newton_schulz_fast(sq, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float16, backend="triton")

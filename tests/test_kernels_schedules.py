@@ -1,4 +1,4 @@
-"""Polar Express schedule design (algorithms.schedules, re-exported by kernels): reproduces the published sets, the
+"""Polar Express schedule design (algorithms.schedules): reproduces the published sets, the
 6-step schedule for square matrices, and the per-shape choice."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from megatron_dmuon.algorithms.coefficients import POLAR_EXPRESS, get_coefficients
 from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz
-from megatron_dmuon.kernels import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
+from megatron_dmuon.algorithms.schedules import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
 
 
 def _max_rel_diff(a, b):

@@ -17,8 +17,8 @@ from megatron_dmuon.algorithms.newton_schulz import (
     msgn_svd,
     newton_schulz,
     newton_schulz_reference,
-    orthogonalize,
 )
+from megatron_dmuon.algorithms.ns_dispatch import orthogonalize
 from megatron_dmuon.algorithms.ns_metrics import (
     documented_bound,
     ill_conditioned_matrix,

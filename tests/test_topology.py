@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_dmuon.algorithms.topology import (
+from megatron_dmuon.decentralized.topology import (
     complete_graph,
     directed_exponential_graph,
     from_mixing_matrix,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_dmuon.algorithms.demuon import FlatLayout
+from megatron_dmuon.decentralized.demuon import FlatLayout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from batched_gpt import GPTConfig, init_params, make_layout, per_agent_loss  # noqa: E402
 from stdlib_data import build_corpus, describe, fixed_windows, sample_windows  # noqa: E402
 
-from megatron_dmuon.algorithms.demuon import DecentralizedConfig  # noqa: E402
-from megatron_dmuon.algorithms.topology import make_topology  # noqa: E402
-from megatron_dmuon.runtime.decentralized_sim import DecentralizedSimulator  # noqa: E402
+from megatron_dmuon.decentralized.demuon import DecentralizedConfig  # noqa: E402
+from megatron_dmuon.decentralized.topology import make_topology  # noqa: E402
+from megatron_dmuon.decentralized.simulator import DecentralizedSimulator  # noqa: E402
 
 # Step-size grids (×2 spacing) bracketing each method's usable range for this model.
 DEFAULT_GRIDS = {

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from megatron_dmuon.algorithms.demuon import DecentralizedConfig, FlatLayout  # noqa: E402
-from megatron_dmuon.algorithms.topology import make_topology  # noqa: E402
-from megatron_dmuon.runtime.decentralized_sim import DecentralizedSimulator  # noqa: E402
+from megatron_dmuon.decentralized.demuon import DecentralizedConfig, FlatLayout  # noqa: E402
+from megatron_dmuon.decentralized.topology import make_topology  # noqa: E402
+from megatron_dmuon.decentralized.simulator import DecentralizedSimulator  # noqa: E402
 
 GRIDS = {
     "demuon": [0.05, 0.1, 0.2, 0.4, 0.8, 1.6],

@@ -11,7 +11,8 @@ from .adamw import adamw_step_
 from .coefficients import COEFFICIENT_SETS, get_coefficients
 from .flops import newton_schulz_flops
 from .muon import LR_SCALE_MODES, muon_apply_, muon_lr_scale, muon_momentum_, muon_step_
-from .newton_schulz import ORTHOGONALIZE_METHODS, msgn_svd, newton_schulz_reference, orthogonalize
+from .newton_schulz import msgn_svd, newton_schulz_reference
+from .ns_dispatch import ORTHOGONALIZE_METHODS, orthogonalize
 from .ns_metrics import orthogonalization_errors
 from .schedules import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
 from .splitting import (

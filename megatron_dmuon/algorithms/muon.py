@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .newton_schulz import orthogonalize
+from .ns_dispatch import orthogonalize
 
 __all__ = [
     "muon_momentum_",

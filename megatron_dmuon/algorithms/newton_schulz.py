@@ -66,11 +66,7 @@ __all__ = [
     "newton_schulz",
     "msgn_svd",
     "newton_schulz_reference",
-    "orthogonalize",
-    "ORTHOGONALIZE_METHODS",
 ]
-
-ORTHOGONALIZE_METHODS: tuple[str, ...] = ("standard", "gram")
 
 
 def validate_matrix_input(x: Tensor, check_finite: bool, name: str = "x") -> None:
@@ -229,19 +225,3 @@ def newton_schulz_reference(
         s = s * (a + s2 * (b + c * s2))
     return (U * s.unsqueeze(-2)) @ Vh
 
-
-def orthogonalize(x: Tensor, method: str = "standard", **kwargs) -> Tensor:
-    """Dispatch to ``newton_schulz`` (``'standard'``) or ``gram_newton_schulz`` (``'gram'``).
-
-    ``kwargs`` go to the chosen function (each keeps its own ``compute_dtype`` default:
-    bf16 for standard, fp16 for Gram).
-    """
-    if method == "standard":
-        return newton_schulz(x, **kwargs)
-    if method == "gram":
-        from .gram_newton_schulz import gram_newton_schulz
-
-        return gram_newton_schulz(x, **kwargs)
-    raise ValueError(
-        f"unknown orthogonalization method {method!r}; valid: {', '.join(ORTHOGONALIZE_METHODS)}"
-    )

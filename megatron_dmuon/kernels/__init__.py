@@ -6,39 +6,33 @@ Public API (Triton is imported lazily; everything falls back to torch where it c
   of ``megatron_dmuon.algorithms.gram_newton_schulz`` / ``newton_schulz``.
 * ``orthogonalize_batched(x, method='auto'|'gram'|'standard', **kw)`` – one same-shape stack.
 * ``syrk``, ``sym_poly``, ``sym_axpby``, ``sym_matmul`` – the symmetric-output products.
-* ``graphed_orthogonalize`` / ``GraphedOrthogonalizer`` – CUDA-graph replay for static shapes.
 * ``orthogonalize_groups`` / ``GraphedGroups`` – several shape groups at once, one CUDA stream
   each (an owner's whole Muon step), optionally captured as one graph.
 * ``tune_op``, ``tune_method``, ``AutotuneCache`` – shape-adaptive autotuning (disk cache).
 * ``NONFINITE_METRICS`` – counters of the NaN/Inf → fp32 retry safety net.
-* ``design_polar_express``, ``POLAR_EXPRESS_6``, ``schedule_for_shape`` – Polar Express
-  schedules for any step count and the per-shape choice (6 steps for square matrices).
+
+The Polar Express schedules (``design_polar_express``, ``POLAR_EXPRESS_6``,
+``schedule_for_shape``) are pure math: import them from ``megatron_dmuon.algorithms.schedules``.
 """
 
-from .autotune import AutotuneCache, default_cache_path, tune_method, tune_op
-from .cuda_graph import GraphedOrthogonalizer, graphed_orthogonalize
+from .autotune import AutotuneCache, default_cache_path, tune_op
 from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched
+from .method_tuning import tune_method
 from .multi_stream import GraphedGroups, orthogonalize_groups
 from .metrics import NONFINITE_METRICS, nonfinite_metrics, reset_nonfinite_metrics
-from ..algorithms.schedules import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
 from .symmetric_ops import sym_axpby, sym_matmul, sym_poly, syrk
 
 __all__ = [
     "AutotuneCache",
     "GraphedGroups",
-    "GraphedOrthogonalizer",
     "NONFINITE_METRICS",
-    "POLAR_EXPRESS_6",
     "default_cache_path",
-    "design_polar_express",
-    "graphed_orthogonalize",
     "gram_newton_schulz_fast",
     "newton_schulz_fast",
     "nonfinite_metrics",
     "orthogonalize_batched",
     "orthogonalize_groups",
     "reset_nonfinite_metrics",
-    "schedule_for_shape",
     "sym_axpby",
     "sym_matmul",
     "sym_poly",

@@ -6,8 +6,10 @@ Two kinds of decisions are tuned per (GPU, shape, batch, dtype) and cached:
   ``square``: an m×m·m×m product with an addend), which backend (Triton kernel with which
   BM/BN/BK, warps and stages; cuBLAS; quack) is fastest. Every candidate is checked against the
   float32 torch fallback first and dropped if it disagrees.
-* ``method`` entries – whether Gram or standard NS orthogonalizes a [B, m, n] stack faster
-  (``tune_method``), each checked against the torch reference path of the same method.
+* ``method`` entries – whether Gram or standard NS orthogonalizes a [B, m, n] stack faster,
+  each checked against the torch reference path of the same method. They are measured by
+  ``method_tuning.tune_method`` (it runs the NS drivers of ``gram_ns_triton``, which build on
+  this module) and read here by ``cached_method``.
 
 The cache is a JSON file: ``cache_path`` argument, else ``$DMUON_AUTOTUNE_CACHE``, else
 ``~/.cache/megatron_dmuon/autotune.json``. Writes merge with what is on disk and replace the
@@ -38,8 +40,6 @@ CACHE_VERSION = 2  # 2: Triton configs gained the tma field (TMA kernel candidat
 OPS: tuple[str, ...] = ("syrk", "square")
 # Relative Frobenius tolerance of a candidate kernel vs the float32 torch fallback.
 OP_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
-# Relative Frobenius tolerance of a whole orthogonalization vs the torch path of the same method.
-METHOD_TOLERANCE = 5e-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,12 @@ def default_cache_path() -> Path:
 
 
 class AutotuneCache:
-    """The on-disk JSON cache: ``{"version": 1, "entries": {key: entry}}``."""
+    """The on-disk JSON cache ``{"version": CACHE_VERSION, "entries": {key: entry}}``.
+
+    ``version`` holds ``CACHE_VERSION`` (a file with any other value is ignored and its shapes
+    re-tuned); ``entries`` maps ``op_key`` / ``method_key`` strings (GPU, shape, batch, dtype)
+    to what ``tune_op`` / ``tune_method`` measured.
+    """
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
@@ -246,7 +251,7 @@ def time_cuda_ms(fn, *, target_ms: float = 40.0, min_reps: int = 3, max_reps: in
     return statistics.median(times)
 
 
-def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     ref = reference.double()
     return float((value.double() - ref).norm() / ref.norm().clamp(min=1e-30))
 
@@ -295,7 +300,7 @@ def tune_op(
         try:
             out.fill_(float("nan"))
             run()
-            error = _relative_error(out, reference)
+            error = relative_error(out, reference)
             if not error <= tolerance:
                 results.append({**choice.as_dict(), "rejected": f"relative error {error:.3g} > {tolerance}"})
                 return
@@ -373,41 +378,3 @@ def cached_method(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.
     entry = get_cache(cache_path).get(method_key(device_key(device), m, n, batch, dtype, steps))
     return None if entry is None else entry["method"]
 
-
-def tune_method(
-    m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device, *,
-    coefficients="polar_express", steps: int = 5, cache_path=None, restart_after=(2,),
-) -> dict:
-    """Time Gram vs standard NS on a [batch, m, n] stack, each checked against its torch path.
-
-    Tunes the product kernels first (so they are cached), then stores and returns
-    ``{'method', 'time_ms': {...}, 'error_vs_torch': {...}}``.
-    """
-    from ..algorithms.gram_newton_schulz import gram_newton_schulz
-    from ..algorithms.newton_schulz import newton_schulz
-    from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"tune_method measures on a CUDA device; got {device}")
-    if m > n:
-        m, n = n, m
-    cache = get_cache(cache_path)
-    gen = torch.Generator(device=device).manual_seed(4321)
-    x = torch.randn(batch, m, n, device=device, generator=gen)
-    common = dict(coefficients=coefficients, steps=steps, compute_dtype=dtype, check_finite=False)
-    gram_kw = dict(common, restart_after=restart_after, min_aspect_ratio=1.0)
-    runs = {
-        "gram": (lambda: gram_newton_schulz_fast(x, **gram_kw, cache_path=cache_path), lambda: gram_newton_schulz(x, **gram_kw)),
-        "standard": (lambda: newton_schulz_fast(x, **common, cache_path=cache_path), lambda: newton_schulz(x, **common)),
-    }
-    times, errors = {}, {}
-    for name, (fast, reference) in runs.items():
-        errors[name] = _relative_error(fast(), reference())
-        if errors[name] <= METHOD_TOLERANCE:
-            times[name] = time_cuda_ms(fast, target_ms=100.0, max_reps=20)
-    if not times:
-        raise RuntimeError(f"autotune: neither method matched its torch path for {batch}x{m}x{n}: {errors}")
-    entry = {"method": min(times, key=times.get), "time_ms": times, "error_vs_torch": errors, "tuned_at": time.time()}
-    cache.put(method_key(device_key(device), m, n, batch, dtype, steps), entry)
-    return entry

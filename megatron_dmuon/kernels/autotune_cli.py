@@ -128,7 +128,8 @@ def main(argv=None) -> int:
         print("dmuon autotune: needs a CUDA GPU (the cache is per GPU model); use --dry-run to list the work", file=sys.stderr)
         return 2
 
-    from .autotune import default_cache_path, get_cache, tune_method, tune_op
+    from .autotune import default_cache_path, get_cache, tune_op
+    from .method_tuning import tune_method
 
     dtype = DTYPES[args.dtype]
     device = torch.device("cuda", torch.cuda.current_device())

@@ -26,12 +26,14 @@ counted in ``metrics.NONFINITE_METRICS``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
+from ..algorithms.coefficients import get_coefficients
+from ..algorithms.gram_newton_schulz import gram_newton_schulz, restart_points
+from ..algorithms.newton_schulz import newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input
 from . import symmetric_ops
 from .autotune import ShapePlan, cached_method, shape_plan
 from .metrics import NONFINITE_METRICS
@@ -134,13 +136,6 @@ def standard_core(X: Tensor, schedule, plan: ShapePlan) -> Tensor:
     return X
 
 
-def _algorithms():
-    # The package re-exports functions under the submodules' names: import the modules by path.
-    ns_module = importlib.import_module("megatron_dmuon.algorithms.newton_schulz")
-    gram_module = importlib.import_module("megatron_dmuon.algorithms.gram_newton_schulz")
-    return ns_module, gram_module
-
-
 def _check_backend(backend: str) -> None:
     if backend not in FAST_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(FAST_BACKENDS)}; got {backend!r}")
@@ -184,12 +179,11 @@ def newton_schulz_fast(
     """Standard NS with symmetric kernels for A = X Xᵀ and b A + c A²; contract of
     ``algorithms.newton_schulz`` (its default compute dtype bf16 too). ``cache_path``
     overrides the autotune cache location."""
-    ns_module, _ = _algorithms()
     _check_backend(backend)
-    ns_module.validate_matrix_input(x, check_finite)
-    ns_module.validate_compute_dtype(compute_dtype)
-    ns_module.validate_eps(eps)
-    schedule = ns_module.get_coefficients(coefficients, steps, safety)
+    validate_matrix_input(x, check_finite)
+    validate_compute_dtype(compute_dtype)
+    validate_eps(eps)
+    schedule = get_coefficients(coefficients, steps, safety)
     usable = fast_path_usable(x, compute_dtype)
     if backend == "triton" and not usable:
         raise ValueError(
@@ -198,7 +192,7 @@ def newton_schulz_fast(
         )
     torch_kwargs = dict(coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False)
     if backend == "torch" or not usable or x.numel() == 0:
-        return ns_module.newton_schulz(x, **torch_kwargs)
+        return newton_schulz(x, **torch_kwargs)
 
     stack = x.reshape(-1, x.size(-2), x.size(-1))
     X, transposed = _normalised_wide(stack, compute_dtype, eps)
@@ -209,7 +203,7 @@ def newton_schulz_fast(
     out = _finish(standard_core(X, schedule, plan), transposed, x)
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
-        out = _retry_nonfinite(out, x, lambda sub: ns_module.newton_schulz(sub, **fp32_kwargs))
+        out = _retry_nonfinite(out, x, lambda sub: newton_schulz(sub, **fp32_kwargs))
     return out
 
 
@@ -238,14 +232,13 @@ def gram_newton_schulz_fast(
         cache_path: autotune cache file (default ``$DMUON_AUTOTUNE_CACHE`` or
             ``~/.cache/megatron_dmuon/autotune.json``).
     """
-    ns_module, gram_module = _algorithms()
     _check_backend(backend)
-    ns_module.validate_matrix_input(x, check_finite)
-    ns_module.validate_compute_dtype(compute_dtype)
-    ns_module.validate_eps(eps)
-    schedule = ns_module.get_coefficients(coefficients, steps, safety)
+    validate_matrix_input(x, check_finite)
+    validate_compute_dtype(compute_dtype)
+    validate_eps(eps)
+    schedule = get_coefficients(coefficients, steps, safety)
     restart_after = tuple(restart_after)
-    restarts = gram_module.restart_points(restart_after, steps)
+    restarts = restart_points(restart_after, steps)
     if not (float(min_aspect_ratio) >= 1.0):
         raise ValueError(f"min_aspect_ratio must be >= 1.0, got {min_aspect_ratio!r}")
     usable = fast_path_usable(x, compute_dtype)
@@ -259,7 +252,7 @@ def gram_newton_schulz_fast(
         restart_after=restart_after, min_aspect_ratio=min_aspect_ratio, check_finite=False,
     )
     if backend == "torch" or not usable or x.numel() == 0:
-        return gram_module.gram_newton_schulz(x, **torch_kwargs)
+        return gram_newton_schulz(x, **torch_kwargs)
 
     rows, cols = x.size(-2), x.size(-1)
     if max(rows, cols) / min(rows, cols) < min_aspect_ratio:
@@ -277,7 +270,7 @@ def gram_newton_schulz_fast(
     out = gram_core(X, schedule, restarts, plan, transposed, x.dtype).reshape(x.shape).to(x.dtype)
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
-        out = _retry_nonfinite(out, x, lambda sub: gram_module.gram_newton_schulz(sub, **fp32_kwargs))
+        out = _retry_nonfinite(out, x, lambda sub: gram_newton_schulz(sub, **fp32_kwargs))
     return out
 
 

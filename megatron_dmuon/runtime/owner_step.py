@@ -112,7 +112,7 @@ def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], t
                 orthogonalize_batched = None
             if orthogonalize_batched is not None:
                 return orthogonalize_batched(stack, method=method, **kw)
-        from ..algorithms.newton_schulz import orthogonalize
+        from ..algorithms.ns_dispatch import orthogonalize
 
         return orthogonalize(stack, method="standard" if method == "auto" else method, check_finite=False, **kw)
 

@@ -11,7 +11,7 @@ import torch
 
 from ..algorithms.adamw import adamw_step_
 from ..algorithms.muon import muon_apply_, muon_direction, muon_momentum_
-from ..algorithms.newton_schulz import orthogonalize
+from ..algorithms.ns_dispatch import orthogonalize
 from ..megatron.gpt import causal_batch
 from ..planning.params import is_muon_param
 

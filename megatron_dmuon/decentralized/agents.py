@@ -1,6 +1,6 @@
 """Multi-process decentralized training over torch.distributed: each rank of a group is one agent.
 
-The algorithm is ``algorithms.demuon.DecentralizedAlgorithm`` (the same code the simulator runs);
+The algorithm is ``decentralized.demuon.DecentralizedAlgorithm`` (the same code the simulator runs);
 this module only supplies the gossip round and a torch-optimizer-like wrapper for ``nn.Module``
 parameters:
 
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..algorithms.demuon import DecentralizedAlgorithm, DecentralizedConfig, FlatLayout, default_is_matrix
-from ..algorithms.topology import Topology
+from .demuon import DecentralizedAlgorithm, DecentralizedConfig, FlatLayout, default_is_matrix
+from .topology import Topology
 
 __all__ = [
     "ProcessGroupMixer",

@@ -1,4 +1,4 @@
-"""Single-process N-agent simulator for the decentralized methods of ``algorithms.demuon``.
+"""Single-process N-agent simulator for the decentralized methods of ``decentralized.demuon``.
 
 All agents' parameters are one stacked tensor ``[N, P]``; a gossip round is one matmul
 ``W @ X``. The algorithm code is exactly the one the multi-process runtime runs (only the mixer
@@ -15,14 +15,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..algorithms.demuon import (
+from .demuon import (
     DecentralizedAlgorithm,
     DecentralizedConfig,
     FlatLayout,
     consensus_error,
     stationarity_proxy,
 )
-from ..algorithms.topology import Topology
+from .topology import Topology
 
 __all__ = ["StackedMixer", "DecentralizedSimulator", "vmapped_loss_and_grad"]
 

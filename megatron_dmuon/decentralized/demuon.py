@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ..algorithms.newton_schulz import msgn_svd, newton_schulz
 from .extrapolation import ExtrapolationScheme, extrapolation_scheme
 
 __all__ = [
@@ -317,11 +318,7 @@ class DecentralizedAlgorithm:
 
     def _orthogonalize(self, stack: Tensor) -> Tensor:
         if self.config.orthogonalizer == "svd":
-            from .newton_schulz import msgn_svd
-
             return msgn_svd(stack).to(stack.dtype)
-        from .newton_schulz import newton_schulz
-
         return newton_schulz(
             stack,
             coefficients=self.config.ns_coefficients,
