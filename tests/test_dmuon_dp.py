@@ -41,7 +41,6 @@ def _check_against_reference(results, dp, **kw):
 def test_dmuon_matches_reference_fp32(dp):
     results = _run(dp, steps=10, grad_accum=2)
     _check_against_reference(results, dp, steps=10, grad_accum=2)
-    assert "--no-save-optim" in results[0]["checkpoint_error"]  # clear error, not a KeyError deep in Megatron
     owners = set(next(iter(results[0]["owners"].values())).values())
     assert owners == set(range(min(dp, 8)))  # work spread over ranks (8 matrices)
 

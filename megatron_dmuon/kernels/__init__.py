@@ -19,7 +19,7 @@ from .autotune import AutotuneCache, default_cache_path, tune_op
 from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched
 from .method_tuning import tune_method
 from .multi_stream import GraphedGroups, orthogonalize_groups
-from .metrics import NONFINITE_METRICS, nonfinite_metrics, reset_nonfinite_metrics
+from .metrics import NONFINITE_METRICS, nonfinite_metrics, reset_nonfinite_metrics, retry_nonfinite
 from .symmetric_ops import sym_axpby, sym_matmul, sym_poly, syrk
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "orthogonalize_batched",
     "orthogonalize_groups",
     "reset_nonfinite_metrics",
+    "retry_nonfinite",
     "sym_axpby",
     "sym_matmul",
     "sym_poly",

@@ -36,7 +36,7 @@ from ..algorithms.gram_newton_schulz import gram_newton_schulz, restart_points
 from ..algorithms.newton_schulz import newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input
 from . import symmetric_ops
 from .autotune import ShapePlan, cached_method, shape_plan
-from .metrics import NONFINITE_METRICS
+from .metrics import retry_nonfinite
 
 __all__ = [
     "gram_newton_schulz_fast", "newton_schulz_fast", "orthogonalize_batched", "fast_path_usable",
@@ -141,24 +141,6 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {', '.join(FAST_BACKENDS)}; got {backend!r}")
 
 
-def _retry_nonfinite(result: Tensor, x: Tensor, recompute) -> Tensor:
-    """Replace every matrix of ``result`` that holds NaN/Inf by ``recompute(x_subset)`` (fp32)."""
-    flat = result.reshape(-1, result.size(-2), result.size(-1))
-    finite = torch.isfinite(flat).flatten(1).all(dim=1)
-    NONFINITE_METRICS["outputs_checked"] += flat.size(0)
-    bad = (~finite).nonzero().flatten().tolist()
-    if not bad:
-        return result
-    NONFINITE_METRICS["nonfinite_outputs"] += len(bad)
-    x_flat = x.reshape(-1, x.size(-2), x.size(-1))
-    index = torch.tensor(bad, device=result.device)
-    fixed = recompute(x_flat[index]).to(result.dtype)
-    NONFINITE_METRICS["fp32_retries"] += len(bad)
-    flat = flat.clone()
-    flat[index] = fixed
-    return flat.reshape(result.shape)
-
-
 def _finish(out_wide: Tensor, transposed: bool, x: Tensor) -> Tensor:
     out = out_wide.mT if transposed else out_wide
     return out.reshape(x.shape).to(x.dtype)
@@ -203,7 +185,7 @@ def newton_schulz_fast(
     out = _finish(standard_core(X, schedule, plan), transposed, x)
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
-        out = _retry_nonfinite(out, x, lambda sub: newton_schulz(sub, **fp32_kwargs))
+        out = retry_nonfinite(out, x, lambda sub: newton_schulz(sub, **fp32_kwargs))
     return out
 
 
@@ -270,7 +252,7 @@ def gram_newton_schulz_fast(
     out = gram_core(X, schedule, restarts, plan, transposed, x.dtype).reshape(x.shape).to(x.dtype)
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
-        out = _retry_nonfinite(out, x, lambda sub: gram_newton_schulz(sub, **fp32_kwargs))
+        out = retry_nonfinite(out, x, lambda sub: gram_newton_schulz(sub, **fp32_kwargs))
     return out
 
 

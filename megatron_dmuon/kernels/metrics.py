@@ -11,6 +11,10 @@ Read it directly or through ``nonfinite_metrics()``; ``reset_nonfinite_metrics()
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
+
 NONFINITE_METRICS: dict[str, int] = {"outputs_checked": 0, "nonfinite_outputs": 0, "fp32_retries": 0}
 
 
@@ -22,3 +26,27 @@ def nonfinite_metrics() -> dict[str, int]:
 def reset_nonfinite_metrics() -> None:
     for key in NONFINITE_METRICS:
         NONFINITE_METRICS[key] = 0
+
+
+def retry_nonfinite(result: torch.Tensor, inputs, recompute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Replace every matrix of ``result`` ([..., m, n]) that holds NaN/Inf by ``recompute`` (the
+    caller's float32 path) of the matching input matrices, counting both (one host sync).
+
+    ``inputs`` is the input stack (same leading dims as ``result``) or a callable that returns the
+    input matrices for a list of flat matrix indices (so a caller need not keep the stack alive)."""
+    flat = result.reshape(-1, result.size(-2), result.size(-1))
+    finite = torch.isfinite(flat).flatten(1).all(dim=1)
+    NONFINITE_METRICS["outputs_checked"] += flat.size(0)
+    bad = (~finite).nonzero().flatten().tolist()
+    if not bad:
+        return result
+    NONFINITE_METRICS["nonfinite_outputs"] += len(bad)
+    if callable(inputs):
+        sub = inputs(bad)
+    else:
+        sub = inputs.reshape(-1, inputs.size(-2), inputs.size(-1))[torch.tensor(bad, device=inputs.device)]
+    fixed = recompute(sub).to(result.dtype)
+    NONFINITE_METRICS["fp32_retries"] += len(bad)
+    flat = flat.clone()
+    flat[torch.tensor(bad, device=result.device)] = fixed
+    return flat.reshape(result.shape)

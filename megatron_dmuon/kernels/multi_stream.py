@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .gram_ns_triton import _retry_nonfinite, orthogonalize_batched, resolve_method
+from .gram_ns_triton import orthogonalize_batched, resolve_method
+from .metrics import retry_nonfinite
 
 __all__ = ["GraphedGroups", "orthogonalize_groups"]
 
@@ -134,7 +135,7 @@ class GraphedGroups:
         for i, x in enumerate(stacks):
             if self.check_finite[i]:
                 fp32 = dict(self.options[i], compute_dtype=torch.float32, backend="torch")
-                outputs[i] = _retry_nonfinite(
+                outputs[i] = retry_nonfinite(
                     outputs[i], x, lambda sub, m=self.methods[i], o=fp32: orthogonalize_batched(sub, m, **o)
                 )
         return outputs

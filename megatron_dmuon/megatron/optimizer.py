@@ -9,15 +9,25 @@ Megatron's own (we only swap the inner optimizer and the layout).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import List, Optional
 
 import torch
 
+from . import checkpoint as ckpt
 from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 from .layout import full_matrix_shape
 
+logger = logging.getLogger(__name__)
 MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
+_MISSING = torch.empty(0)
+
+
+def _entry(param_state: dict, pid: str, key: str):
+    """A loaded dist-checkpoint entry as one flat tensor (blocks concatenated), or None."""
+    value = param_state.get(pid, {}).get(key)
+    return None if value is None else ckpt.flat(value)
 
 
 @dataclasses.dataclass
@@ -28,6 +38,8 @@ class DMuonConfig:
     split_per_head: bool = False
     split_glu: bool = False
     ranks_per_node: int = 0  # > 0: two-level (intra-node, inter-node) reduce/publish
+    # a step whose gradients hold NaN/Inf is skipped on every rank (no loss scaler needed, e.g. bf16)
+    skip_nonfinite: bool = True
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -59,14 +71,8 @@ def _muon_adam_groups(param_groups, infos):
 
 
 def _init_state_fn(opt, config=None):
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if len(opt.state[p]) == 0:
-                if group.get("use_muon", False):
-                    opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
-                else:
-                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
-                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+    """Megatron's init_state_fn hook: every state tensor, for every param, now (see init_state)."""
+    opt.init_state()
 
 
 def _matrix_infos(model_chunks, cfg: DMuonConfig, tp_sizes) -> dict:
@@ -167,12 +173,7 @@ def check_dmuon_config(config, ddp_config, cfg: DMuonConfig, model_config=None) 
 def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig] = None):
     """Build the DMuon optimizer for DDP-wrapped model chunks (like get_megatron_optimizer)."""
     from megatron.core import parallel_state
-    from megatron.core.optimizer import (
-        ChainedOptimizer,
-        _get_param_groups_and_buffers,
-        get_standard_config_overrides,
-    )
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+    from megatron.core.optimizer import _get_param_groups_and_buffers, get_standard_config_overrides
 
     cfg = dmuon or DMuonConfig()
     ddp_config = model_chunks[0].ddp_config
@@ -231,14 +232,16 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
         opt.dmuon_mode = cfg.mode
         opt.dmuon_inner = inner
         opt.dmuon_model_chunks = model_chunks
+        opt.dmuon_is_expert = expert
+        inner.init_state()  # after register_matrix: every rank holds every state key from the start
         parts.append(opt)
-    return ChainedOptimizer(parts)
+    return DMuonChainedOptimizer(parts, skip_nonfinite=cfg.skip_nonfinite)
 
 
 def _gather_then_compute_optimizer(config, model_chunks, cfg):
     """Baseline: all-reduced grads, every rank orthogonalizes every matrix (DP only)."""
     from megatron.core import parallel_state
-    from megatron.core.optimizer import ChainedOptimizer, _get_param_groups_and_buffers, get_standard_config_overrides
+    from megatron.core.optimizer import _get_param_groups_and_buffers, get_standard_config_overrides
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     infos = {}
@@ -267,7 +270,8 @@ def _gather_then_compute_optimizer(config, model_chunks, cfg):
     opt.dmuon_mode = cfg.mode
     opt.dmuon_inner = inner
     opt.dmuon_model_chunks = model_chunks
-    return ChainedOptimizer([opt])
+    inner.init_state()
+    return DMuonChainedOptimizer([opt], skip_nonfinite=cfg.skip_nonfinite)
 
 
 def _import_distributed_optimizer():
@@ -276,14 +280,80 @@ def _import_distributed_optimizer():
     return DistributedOptimizer
 
 
+def _import_chained_optimizer():
+    from megatron.core.optimizer import ChainedOptimizer
+
+    return ChainedOptimizer
+
+
+@torch.no_grad()
+def found_nonfinite(grads: List[torch.Tensor], group) -> bool:
+    """Whether any gradient on any rank of ``group`` holds NaN/Inf (the same answer everywhere)."""
+    from .gpt import on_gpu
+
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
+    by_dtype = {}
+    for g in grads:
+        if g is not None and g.numel():
+            by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for (_, dev), gs in by_dtype.items():
+        local = torch.zeros(1, dtype=torch.float32, device=dev)
+        # Megatron's own check (multiplying by exactly 1.0 leaves the grads unchanged)
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, local, torch.ones(1, device=dev))
+        flag += local.to(device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(flag.item() > 0)
+
+
+class DMuonChainedOptimizer(_import_chained_optimizer()):
+    """Megatron's ChainedOptimizer (dense and expert parts) plus the non-finite gradient guard.
+
+    Without a loss scaler (bf16, fp32) Megatron never looks for NaN/Inf: one bad gradient would
+    enter the Muon momentum for good. Here every rank checks its main-grad shards after the
+    reduce-scatter, the flag is all-reduced over the optimizer's whole group, and a step with any
+    non-finite gradient is skipped on every rank before any state changes (params, momentum,
+    AdamW moments and step untouched), exactly as Megatron skips an fp16 overflow step: step()
+    returns ``(False, None, None)`` and ``dmuon_skipped_iterations`` counts it."""
+
+    def __init__(self, chained_optimizers, skip_nonfinite: bool = True):
+        super().__init__(chained_optimizers)
+        self.dmuon_skip_nonfinite = skip_nonfinite
+        self.dmuon_skipped_iterations = 0
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        found = super().prepare_grads()  # main grads copied (and Megatron's check with a loss scaler)
+        if self.dmuon_skip_nonfinite and not any(getattr(o, "grad_scaler", None) for o in self.chained_optimizers):
+            grads = [p.grad for o in self.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
+            found = found_nonfinite(grads, self.get_grad_stats_parallel_group())
+        return found
+
+    @torch.no_grad()
+    def step(self):
+        out = super().step()
+        if not out[0]:
+            self.dmuon_skipped_iterations += 1
+        return out
+
+    def dmuon_stats(self) -> dict:
+        """Counters for the job's log: skipped steps, NS outputs recomputed in fp32."""
+        return {"skipped_iterations": self.dmuon_skipped_iterations,
+                "ns_fp32_retries": sum(o.dmuon_inner.stats["ns_fp32_retries_total"] for o in self.chained_optimizers)}
+
+
 class DMuonDistributedOptimizer(_import_distributed_optimizer()):
     """Megatron's DistributedOptimizer whose shards are owner-aligned and whose inner step is the
     owner step (OwnerMuonAdamW). Everything else (grad copy, norm/clip, zero count, publish via
-    param all-gather, overlap hooks) is inherited unchanged."""
+    param all-gather, overlap hooks) is inherited unchanged; checkpoints use DMuon's per-parameter
+    format (megatron/checkpoint.py)."""
 
     def __init__(self, *args, **kwargs):
         self.check_owner_aligned(kwargs["model_chunks"])  # before Megatron builds any state
         super().__init__(*args, **kwargs)
+        self._dmuon_load_ids = None
+        self._dmuon_current_record = None
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer, bucket_index: int):
@@ -301,18 +371,155 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
         return {"param_map": cls._build_model_gbuf_param_range_map(
             param_and_grad_buffer.param_index_map, local, bucket.offset)}
 
-    def _checkpoint_not_supported(self, *args, **kwargs):
-        raise NotImplementedError(
-            "DMuon optimizer checkpoints are not supported yet (Muon momentum lives whole on its owner "
-            "and Megatron's sharded formats expect Adam state); run without --save/--load of optimizer "
-            "state (e.g. --no-save-optim --no-load-optim) until the checkpoint support lands"
-        )
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        """Megatron's non-parameter state (param groups, grad scaler) plus DMuon's AdamW step and
+        format tag; parameter state: ``sharded_state_dict`` or ``save_parameter_state``."""
+        steps = self.dmuon_inner.adam_steps()
+        if len(steps) > 1:
+            raise ValueError(f"DMuon: AdamW step counts differ between params ({sorted(steps)}); cannot checkpoint one step")
+        state = {"optimizer": {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                for g in self.optimizer.param_groups]},
+                 "dmuon": {"format": ckpt.FORMAT, "adam_step": steps.pop() if steps else None}}
+        if self.grad_scaler:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
 
-    sharded_state_dict = _checkpoint_not_supported
-    save_parameter_state = _checkpoint_not_supported
-    load_parameter_state = _checkpoint_not_supported
-    get_parameter_state_dp_zero = _checkpoint_not_supported
-    get_parameter_state_dp_reshardable = _checkpoint_not_supported
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
+                           sharding_type: Optional[str] = None, metadata: Optional[dict] = None):
+        """Megatron dist_checkpointing entry (see megatron/checkpoint.py for the format)."""
+        requested = sharding_type or (metadata or {}).get("distrib_optim_sharding_type")
+        if requested not in ckpt.SERVED_SHARDING_TYPES:
+            raise ValueError(
+                f"--optimizer dmuon writes its own per-parameter optimizer format; sharding type {requested!r} "
+                "is not supported (drop --ckpt-format fsdp_dtensor / the dp_zero format; torch_dist with "
+                "--dist-ckpt-optim-fully-reshardable or the default works)")
+        if model_sharded_state_dict is None:
+            model_sharded_state_dict = self._dmuon_model_sharded_state_dict()
+        state = self.state_dict()
+        record = ckpt.gather_record(self, model_sharded_state_dict)
+        state["dmuon"] = record
+        state["param_state"] = ckpt.sharded_param_state(self, model_sharded_state_dict, is_loading)
+        state["param_state_sharding_type"] = ckpt.SHARDING_TYPE
+        if is_loading:  # the loaded dict replaces the record by the checkpoint's: keep the current one
+            self._dmuon_current_record = record
+            self._dmuon_load_ids = self._dmuon_param_ids(model_sharded_state_dict)
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Load what ``state_dict()`` (torch format) or ``sharded_state_dict()`` (dist) saved.
+        Every check runs before any state changes; a dist load then publishes the params."""
+        info = state_dict.get("dmuon")
+        param_state = state_dict.get("param_state")
+        if param_state is not None:  # dist_checkpointing: every rank is here, checks agree
+            current = self._dmuon_current_record or ckpt.gather_record(self, self._dmuon_model_sharded_state_dict())
+            ckpt.agree_or_raise(ckpt.check_record(info, current))
+            if state_dict.get("param_state_sharding_type") != ckpt.SHARDING_TYPE:
+                raise ckpt.CheckpointMismatchError(
+                    f"DMuon: optimizer state of sharding type {state_dict.get('param_state_sharding_type')!r}; "
+                    f"expected {ckpt.SHARDING_TYPE}")
+            self._log_reshard(info["parallel"])
+        elif not isinstance(info, dict) or info.get("format") != ckpt.FORMAT:
+            raise ckpt.CheckpointMismatchError(
+                "DMuon: the optimizer state dict was not written by --optimizer dmuon (no DMuon format tag); "
+                "load the model only (--no-load-optim) or save it again with --optimizer dmuon")
+        lookup = None
+        if param_state is not None:
+            ids = self._dmuon_load_ids or self._dmuon_param_ids()
+            lookup = lambda pid, key, piece: _entry(param_state, pid, key)  # noqa: E731
+            ckpt.agree_or_raise(ckpt.check_pieces(self, lookup, ids))
+        self._restore_param_groups(state_dict["optimizer"]["param_groups"])
+        if info.get("adam_step") is not None:
+            self.dmuon_inner.set_adam_step(info["adam_step"])
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        if lookup is not None:
+            ckpt.load_pieces(self, lookup, ids)
+            self._dmuon_publish()
+        self._dmuon_load_ids = self._dmuon_current_record = None
+
+    def get_parameter_state_dp_zero(self, *args, **kwargs):
+        """Torch format: per-parameter state gathered to DP rank 0 (None elsewhere), with the record."""
+        model_sd = self._dmuon_model_sharded_state_dict()
+        record = ckpt.gather_record(self, model_sd, group=self.data_parallel_group)
+        params = ckpt.full_param_state_dp_zero(self, self._dmuon_param_ids(model_sd))
+        return None if params is None else {"dmuon": record, "params": params}
+
+    def save_parameter_state(self, filename: str):
+        state = self.get_parameter_state_dp_zero()
+        if state is not None:
+            torch.save(state, filename)
+
+    def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
+        state = torch.load(filename, weights_only=False) if self.data_parallel_group.rank() == 0 else None
+        self.load_parameter_state_from_dp_zero(state, update_legacy_format=update_legacy_format)
+
+    def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format: bool = False):
+        """DP rank 0's per-parameter state -> every DP rank's pieces (reshards over DP), then publish."""
+        group = self.data_parallel_group
+        box = [state_dict]
+        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, 0), group=group)
+        state_dict = box[0]
+        model_sd = self._dmuon_model_sharded_state_dict()
+        current = ckpt.gather_record(self, model_sd, group=group)
+        info = state_dict.get("dmuon") if isinstance(state_dict, dict) else None
+        ckpt.agree_or_raise(ckpt.check_record(info, current), group)
+        ids = self._dmuon_param_ids(model_sd)
+        params = state_dict["params"]
+        lookup = lambda pid, key, piece: params.get(pid, {}).get(key, _MISSING)[piece.start:piece.end]  # noqa: E731
+        ckpt.agree_or_raise(ckpt.check_pieces(self, lookup, ids), group)
+        ckpt.load_pieces(self, lookup, ids)
+        self._dmuon_publish()
+
+    def _restore_param_groups(self, saved_groups) -> None:
+        """Hyperparameters of each saved group onto the current group with the same identity
+        (Megatron's identifier keys and use_muon); the scheduler sets lr/wd again on its load."""
+        from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+        ident = lambda g: tuple(repr(g.get(k)) for k in (*param_group_identifier_keys, "use_muon"))  # noqa: E731
+        saved = {ident(g): g for g in saved_groups}
+        for group in self.optimizer.param_groups:
+            match = saved.get(ident(group))
+            if match is not None:
+                group.update({k: v for k, v in match.items() if k not in ("params", "step")})
+
+    def _dmuon_model_sharded_state_dict(self) -> dict:
+        return ckpt.model_state(self.dmuon_model_chunks)
+
+    def _dmuon_param_ids(self, model_sharded_state_dict=None) -> dict:
+        meta = ckpt.model_sharded_metadata(model_sharded_state_dict or self._dmuon_model_sharded_state_dict())
+        return {p: ckpt.param_id(sh) for p, sh in meta.items()}
+
+    def _log_reshard(self, saved: dict) -> None:
+        now = ckpt.parallel_sizes()
+        if saved != now and torch.distributed.get_rank() == 0:
+            logger.warning("DMuon: resharding the optimizer checkpoint saved at %s to %s", saved, now)
+
+    @torch.no_grad()
+    def _dmuon_publish(self) -> None:
+        """Masters -> model params -> all-gather of this optimizer's buckets: every DP replica now
+        holds the loaded model, whatever the overlap flags (the next forward would not re-gather
+        without --overlap-param-gather)."""
+        self._copy_main_params_to_model_params()
+        mine = {id(b) for buffer in self.buffers for b in buffer.buckets}
+        for chunk in self.model_chunks:
+            for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+                if any(id(b) in mine for b in bucket_group.buckets):
+                    chunk._start_bucket_group_param_sync(bucket_group, force_sync=True)
+
+    def _megatron_format_not_used(self, *args, **kwargs):
+        raise NotImplementedError(
+            "DMuon optimizer state uses its own per-parameter format: call sharded_state_dict()/load_state_dict() "
+            "(dist_checkpointing) or save_parameter_state()/load_parameter_state() (torch format)")
+
+    get_parameter_state_dp_reshardable = _megatron_format_not_used
+    load_parameter_state_from_dp_reshardable = _megatron_format_not_used
+    load_parameter_state_from_fully_reshardable = _megatron_format_not_used
+    load_parameter_state_from_fs_model_space = _megatron_format_not_used
+    sharded_param_state_dp_reshardable = _megatron_format_not_used
+    sharded_param_state_fully_reshardable = _megatron_format_not_used
+    sharded_param_state_fs_model_space = _megatron_format_not_used
+    sharded_param_state_dp_zero = _megatron_format_not_used
 
     @staticmethod
     def check_owner_aligned(model_chunks) -> None:

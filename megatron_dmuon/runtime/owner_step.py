@@ -41,6 +41,9 @@ class MuonSettings:
     scale_mode: str = "spectral"  # 'spectral' | 'match_rms_adamw' | 'none'
     extra_scale: float = 1.0
     ns_launch: str = "eager"  # NS_LAUNCH_MODES; off CUDA every mode runs eagerly
+    # an NS output holding NaN/Inf (e.g. fp16 Gram overflow) is recomputed in float32 by the torch
+    # path and counted (kernels.metrics.NONFINITE_METRICS, OwnerMuonAdamW.stats['ns_fp32_retries'])
+    retry_nonfinite: bool = True
 
     def validate(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
@@ -99,6 +102,19 @@ class MatrixInfo:
                         self.partition_dim, self.partition_stride)
 
 
+def fp32_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The float32 torch path of the same NS (method, schedule): the retry for non-finite outputs."""
+    method = "standard" if settings.ns_method == "auto" else settings.ns_method
+
+    def orth(stack: torch.Tensor) -> torch.Tensor:
+        from ..algorithms.ns_dispatch import orthogonalize
+
+        kw = settings.ns_schedule(stack.size(-2), stack.size(-1))
+        return orthogonalize(stack.float(), method=method, compute_dtype=torch.float32, check_finite=False, **kw)
+
+    return orth
+
+
 def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
     """Batched NS over a [B, m, n] stack: the kernels' fast path on CUDA, else the torch path."""
     method = settings.ns_method
@@ -136,10 +152,12 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 "wrap a custom orthogonalizer: pass ns_launch='eager' with it"
             )
         self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
+        self._fp32_orthogonalizer = fp32_orthogonalizer(self.muon)
         self.tp = TPExchange(tp_group)
         self._graphs: Dict[tuple, object] = {}  # ns_launch='graph': one GraphedGroups per stack-shape set
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
-        self.stats = defaultdict(int)  # ns_matrices / ns_calls of the last step; ns_matrices_total
+        # ns_matrices / ns_calls / ns_fp32_retries of the last step; ns_matrices_total, ns_fp32_retries_total
+        self.stats = defaultdict(int)
 
     def register_matrix(self, main_param: torch.Tensor, info: MatrixInfo) -> None:
         if main_param.numel() != info.local_shape[0] * info.local_shape[1]:
@@ -154,6 +172,40 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     def holds_momentum(self, info: MatrixInfo) -> bool:
         """Every rank keeps momentum for its shard; a TP-replicated matrix's only on its owner."""
         return info.partition_dim is not None or info.tp_owner == self.tp.rank
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create every state tensor now, for every param (not lazily at the first grad): all
+        ranks then hold the same state keys from the start, whatever gradients they see (an expert
+        without tokens, a TP rank that does not hold a replicated matrix's momentum), which
+        checkpoints need. Values are what the first step would create: zeros and step 0."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if group.get("use_muon", False):
+                    state.setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+                elif len(state) == 0:  # exactly torch.optim.AdamW's lazy initialization
+                    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device)
+                                     if group.get("capturable") or group.get("fused")
+                                     else torch.tensor(0.0, dtype=scalar))
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def adam_steps(self) -> set:
+        """The distinct AdamW step counts of this rank's element-wise params (one value when every
+        param stepped together, as under Megatron's DistributedOptimizer)."""
+        return {float(self.state[p]["step"]) for g in self.param_groups if not g.get("use_muon", False)
+                for p in g["params"] if "step" in self.state.get(p, {})}
+
+    def set_adam_step(self, step: float) -> None:
+        for g in self.param_groups:
+            if not g.get("use_muon", False):
+                for p in g["params"]:
+                    if "step" in self.state.get(p, {}):
+                        self.state[p]["step"].fill_(step)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -231,7 +283,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         results = [[None] * len(p) for p in pieces_of]
         on_cuda = bool(jobs) and jobs[0][1].is_cuda
         self.stats["ns_calls"] = len(groups_refs)
+        self.stats["ns_fp32_retries"] = 0
         for refs, orth in zip(groups_refs, self._orthogonalize_all(groups_refs, stack_of, on_cuda)):
+            if self.muon.retry_nonfinite:
+                orth = self._retry_nonfinite(orth, refs, stack_of)
             for j, (ji, pi, k) in enumerate(refs):
                 if k is None:
                     results[ji][pi] = orth[j]
@@ -240,6 +295,17 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                         results[ji][pi] = orth.new_empty(pieces_of[ji][pi].shape)
                     results[ji][pi][k] = orth[j]
         return {info.name: results[ji] for ji, (info, _) in enumerate(jobs)}
+
+    def _retry_nonfinite(self, orth: torch.Tensor, refs, stack_of) -> torch.Tensor:
+        """Matrices whose NS output holds NaN/Inf are recomputed by the float32 torch path."""
+        from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite
+
+        before = NONFINITE_METRICS["fp32_retries"]
+        orth = retry_nonfinite(orth, lambda index: stack_of([refs[i] for i in index]), self._fp32_orthogonalizer)
+        retried = NONFINITE_METRICS["fp32_retries"] - before
+        self.stats["ns_fp32_retries"] += retried
+        self.stats["ns_fp32_retries_total"] += retried
+        return orth
 
     def _orthogonalize_all(self, groups_refs: list, stack_of, on_cuda: bool) -> Iterable[torch.Tensor]:
         """One NS result per same-shape group, launched as ``MuonSettings.ns_launch`` says.

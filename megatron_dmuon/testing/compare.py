@@ -37,3 +37,59 @@ def rel_diffs(params: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> 
         raise AssertionError(f"parameter names differ: {sorted(set(params) ^ set(ref))[:6]}")
     return {n: float((params[n].double().cpu() - p.double().cpu()).norm() / p.double().norm().clamp(min=1e-300))
             for n, p in ref.items()}
+
+
+def full_optimizer_state(results: List[dict]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """{global name: {state key: full tensor}} merged from every rank's optimizer pieces (DP slices,
+    TP shards, PP stages, EP experts); raises if two holders of one element disagree."""
+    from ..algorithms.tp_shards import merge_tp_shards
+
+    flat: Dict[str, Dict[int, dict]] = {}
+    for result in results:
+        for name, pieces in result["optimizer_state"].items():
+            for piece in pieces:
+                by_tp = flat.setdefault(name, {})
+                slot = by_tp.setdefault(piece["tp_rank"], {"meta": piece, "state": {}, "seen": {}})
+                for key, t in piece["state"].items():
+                    if key == "step":
+                        prev = slot["state"].get(key)
+                        if prev is not None and not torch.equal(prev, t):
+                            raise AssertionError(f"AdamW step of {name} differs between ranks")
+                        slot["state"][key] = t
+                        continue
+                    full = slot["state"].setdefault(key, torch.full((piece["numel"],), float("nan"), dtype=t.dtype))
+                    seen = slot["seen"].setdefault(key, torch.zeros(piece["numel"], dtype=torch.bool))
+                    part = full[piece["start"]:piece["end"]]
+                    overlap = seen[piece["start"]:piece["end"]]
+                    if overlap.any() and not torch.equal(part[overlap], t[overlap]):
+                        raise AssertionError(f"optimizer state {key} of {name}: replicas differ")
+                    part.copy_(t)
+                    overlap.fill_(True)
+    out = {}
+    for name, by_tp in flat.items():
+        first = by_tp[min(by_tp)]["meta"]
+        keys = set.intersection(*(set(v["state"]) for v in by_tp.values()))
+        out[name] = {}
+        for key in keys:
+            if key == "step":
+                out[name][key] = by_tp[min(by_tp)]["state"][key]
+                continue
+            shards = [by_tp[r]["state"][key].view(by_tp[r]["meta"]["shape"]) for r in sorted(by_tp)]
+            if first["tp_size"] == 1 or len(shards) == 1:
+                out[name][key] = shards[0]
+            else:
+                out[name][key] = merge_tp_shards(shards, first["partition_dim"], first["stride"])
+    return out
+
+
+def state_diffs(a: Dict[str, Dict[str, torch.Tensor]], b: Dict[str, Dict[str, torch.Tensor]]) -> Dict[str, float]:
+    """Per (tensor, state key) ||a - b|| / ||b|| (0.0 when bit-identical); raises if the keys differ."""
+    keys_a = {(n, k) for n, s in a.items() for k in s}
+    keys_b = {(n, k) for n, s in b.items() for k in s}
+    if keys_a != keys_b:
+        raise AssertionError(f"optimizer state keys differ: {sorted(keys_a ^ keys_b)[:6]}")
+    out = {}
+    for n, k in sorted(keys_b):
+        x, y = a[n][k].double(), b[n][k].double()
+        out[f"{n}:{k}"] = 0.0 if torch.equal(x, y) else float((x - y).norm() / y.norm().clamp(min=1e-300))
+    return out

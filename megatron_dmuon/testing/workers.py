@@ -71,26 +71,29 @@ def _freeze(model, freeze):
                 p.requires_grad_(False)
 
 
-def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
-                return_params=True, freeze=None, ranks_per_node=0, split=None, coefficients="keller",
-                tp=1, pp=1, ep=1, muon_kw=None, blockwise=False, count_bytes=False, **kw):
-    """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
-    (experts over ep); report losses, norms, NS counts, plans and every rank's parameter shards."""
-    from megatron.core import parallel_state as ps
+def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
+           split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, **kw):
+    """Model, DDP, optimizer and scheduler of one run (parallel state already initialized).
+    ``perturb``: scale the weights (a 'fresh' model that differs from the saved one)."""
+    from types import SimpleNamespace
+
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_dmuon.megatron.gpt import build_gpt, on_gpu, train_step, wire_sync_funcs
+    from megatron_dmuon.megatron.gpt import build_gpt, wire_sync_funcs
     from megatron_dmuon.megatron.layout import build_dmuon_ddp
-    from megatron_dmuon.megatron.optimizer import DMuonConfig, comm_bytes_per_step, get_dmuon_optimizer
-    from megatron_dmuon.testing.global_params import init_params_by_name, local_shards
+    from megatron_dmuon.megatron.optimizer import DMuonConfig, get_dmuon_optimizer
+    from megatron_dmuon.testing.global_params import init_params_by_name
 
     o = {**DEFAULTS, **kw}
-    init_parallel(tp, pp, ep)
     shape = _shape(**(shape_kw or {}))
     model = build_gpt(shape)
     init_params_by_name(model)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5).add_(0.01)
     _freeze(model, freeze)
     dist_opt = mode == "dmuon" or mode == "adam"
     ddp_config = DistributedDataParallelConfig(
@@ -119,7 +122,6 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
         lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
         wd_incr_steps=100, wd_incr_style="constant",
     )
-    dp_rank = ps.get_data_parallel_rank()
     parts = [] if mode == "adam" else opt.chained_optimizers
     if blockwise:  # Megatron's inexact 'blockwise' TP mode, for contrast: every TP shard is its own matrix
         from megatron_dmuon.runtime.owner_step import MatrixInfo
@@ -129,36 +131,105 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
             inner = part.dmuon_inner
             inner.tp = TPExchange(None)
             inner.matrix_info = {p: MatrixInfo(i.name, i.local_shape) for p, i in inner.matrix_info.items()}
-    losses, ns_counts, grad_norms = [], [], []
-    counted = {}
-    for step in range(o["steps"]):
-        micro = [synthetic_tokens(step, m, dp_rank, o["mbs"], shape.seq_length, shape.vocab_size)
-                 for m in range(o["grad_accum"])]
-        if count_bytes and step == o["steps"] - 1:  # the bytes the buffers really moved in one step
+    return SimpleNamespace(model=model, ddp=ddp, ddp_config=ddp_config, opt=opt, sched=sched, parts=parts,
+                           shape=shape, mode=mode, o=o)
+
+
+def _micro_batches(run, step, data_dp=None, nan=False):
+    """This rank's micro-batches of a step. The global batch is data_dp x grad_accum micro-batches
+    (data_dp: the DP size the data stream is defined for, default this run's): every DP rank takes a
+    contiguous share, so runs at other DP sizes (resharded resumes) see the same global batch."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    data_dp = data_dp or dp
+    ga, mbs, shape = run.o["grad_accum"], run.o["mbs"], run.shape
+    total = data_dp * ga
+    if total % dp:
+        raise ValueError(f"the global batch of {total} micro-batches does not split over DP={dp}")
+    share = total // dp
+    return [synthetic_tokens(step, i % ga, i // ga, mbs, shape.seq_length, shape.vocab_size)
+            for i in range(dp_rank * share, (dp_rank + 1) * share)]
+
+
+def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_steps=(), ns_counts=None):
+    """Train ``steps`` (an iterable of step numbers). ``nan_at=(step, rank)``: that rank's gradient
+    of one matrix is NaN at that step; ``skip_steps``: steps whose batch is never seen."""
+    from megatron_dmuon.megatron.gpt import on_gpu, train_step
+
+    losses, grad_norms, updated, counted = [], [], [], {}
+    for step in steps:
+        if step in skip_steps:
+            continue
+        micro = _micro_batches(run, step, data_dp)
+        hook = None
+        if nan_at is not None and step == nan_at[0] and torch.distributed.get_rank() == nan_at[1]:
+            target = next(p for n, p in run.ddp.module.named_parameters() if n.endswith("linear_fc2.weight"))
+            hook = target.register_hook(lambda g: torch.full_like(g, float("nan")))
+        if step == count_bytes_at:  # the bytes the buffers really moved in one step
             from megatron_dmuon.testing.comm_counter import count_bucket_bytes
 
-            with count_bucket_bytes([ddp]) as counts:
-                loss, grad_norm, _, ok = train_step([ddp], opt, micro, shape.seq_length, o["mbs"])
+            with count_bucket_bytes([run.ddp]) as counts:
+                loss, grad_norm, _, ok = train_step([run.ddp], run.opt, micro, run.shape.seq_length, run.o["mbs"])
             counted = dict(counts)  # (without overlap the publish runs inside optimizer.step)
         else:
-            loss, grad_norm, _, ok = train_step([ddp], opt, micro, shape.seq_length, o["mbs"])
-        assert ok
-        sched.step(increment=1)
+            loss, grad_norm, _, ok = train_step([run.ddp], run.opt, micro, run.shape.seq_length, run.o["mbs"])
+        if hook is not None:
+            hook.remove()
+        if ok:
+            run.sched.step(increment=1)
         losses.append(loss)
-        grad_norms.append(float(grad_norm))
-        if parts:  # matrices orthogonalized this step, summed over the whole world
-            n = torch.tensor([sum(p.dmuon_inner.stats["ns_matrices"] for p in parts)],
+        grad_norms.append(float(grad_norm) if grad_norm is not None else None)
+        updated.append(bool(ok))
+        if run.parts and ns_counts is not None:  # matrices orthogonalized this step, summed over the world
+            n = torch.tensor([sum(p.dmuon_inner.stats["ns_matrices"] for p in run.parts) if ok else 0],
                              device="cuda" if on_gpu() else "cpu")
             torch.distributed.all_reduce(n)
             ns_counts.append(int(n))
-    if ddp_config.overlap_param_gather:
-        ddp.disable_forward_pre_hook(param_sync=True)
-    from megatron_dmuon.planning.params import is_muon_param
+    return {"losses": losses, "grad_norms": grad_norms, "updated": updated, "counted_bytes": counted}
 
+
+def _finish_overlap(run):
+    if run.ddp_config.overlap_param_gather:  # the last publish is still pending in the forward hooks
+        run.ddp.disable_forward_pre_hook(param_sync=True)
+
+
+def optimizer_state_shards(run) -> dict:
+    """{global name: {'numel', 'start', 'end', 'tp_rank', 'tp_size', 'partition_dim', 'stride',
+    'state': {key: 1-D tensor}}} of this rank's optimizer pieces (fp32 master 'param', momentum or
+    AdamW moments, and 'step'); a TP-replicated matrix's momentum only from its TP owner."""
+    from megatron_dmuon.megatron.checkpoint import local_pieces
+    from megatron_dmuon.testing.global_params import _tp_of, global_names
+
+    names = global_names(run.ddp.module)
+    local_name = {p: n for n, p in run.ddp.module.named_parameters()}
+    out = {}
+    for part in run.parts:
+        for piece in local_pieces(part):
+            p = piece.model_param
+            state = {k: t.detach().double().cpu().clone() for k, t in piece.tensors.items()
+                     if k != "momentum_buffer" or piece.holds_momentum}
+            main = piece.tensors["param"]
+            if not piece.muon:
+                state["step"] = part.dmuon_inner.state[main]["step"].detach().double().reshape(1).cpu().clone()
+            tp_size, tp_rank = _tp_of(p)
+            out.setdefault(names[local_name[p]], []).append({
+                "numel": p.numel(), "start": piece.start, "end": piece.end, "shape": tuple(p.shape),
+                "tp_rank": tp_rank, "tp_size": tp_size, "partition_dim": getattr(p, "partition_dim", 0),
+                "stride": getattr(p, "partition_stride", 1), "state": state})
+    return out
+
+
+def _report(run, rank, trained, ns_counts, return_params=True):
+    from megatron.core import parallel_state as ps
+
+    from megatron_dmuon.megatron.optimizer import comm_bytes_per_step
+    from megatron_dmuon.testing.global_params import local_shards
+
+    ddp, parts, dp_rank = run.ddp, run.parts, ps.get_data_parallel_rank()
     out = {
-        "losses": losses, "grad_norms": grad_norms, "ns_counts": ns_counts,
-        "bytes": comm_bytes_per_step([ddp], "gather_then_compute" if mode == "gather_then_compute" else "dmuon"),
-        "counted_bytes": counted,
+        **trained, "ns_counts": ns_counts,
+        "bytes": comm_bytes_per_step([ddp], "gather_then_compute" if run.mode == "gather_then_compute" else "dmuon"),
         "ranks": {"dp": dp_rank, "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
                   "ep": ps.get_expert_model_parallel_rank()},
     }
@@ -166,14 +237,11 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
         out["shards"] = local_shards(ddp.module)
     if parts:
         out["muon_states"] = sum(1 for part in parts for p in part.dmuon_inner.matrix_info
-                                 if "momentum_buffer" in part.dmuon_inner.state.get(p, {}))
+                                 if part.dmuon_inner.holds_momentum(part.dmuon_inner.matrix_info[p]))
         out["tp_bytes"] = sum(part.dmuon_inner.stats["tp_bytes"] for part in parts)
-    if mode == "dmuon":
-        try:
-            parts[0].sharded_state_dict({})
-            out["checkpoint_error"] = None
-        except NotImplementedError as e:
-            out["checkpoint_error"] = str(e)
+        out["skipped_iterations"] = run.opt.dmuon_stats()["skipped_iterations"]
+    if run.mode == "dmuon":
+        out["optimizer_state"] = optimizer_state_shards(run)
         topo = ddp.dmuon_topology
         my_shard = topo.shard_index if topo is not None else None
         plans = ddp.dmuon_owner_plans
@@ -194,11 +262,136 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
     return out
 
 
+def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, return_params=True, count_bytes=False, nan_at=None,
+                skip_steps=(), data_dp=None, **kw):
+    """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
+    (experts over ep); report losses, norms, NS counts, plans, every rank's parameter shards and
+    optimizer state pieces."""
+    init_parallel(tp, pp, ep)
+    run = _build(**kw)
+    steps = run.o["steps"]
+    ns_counts = []
+    trained = _train(run, range(steps), data_dp, steps - 1 if count_bytes else None, nan_at, skip_steps, ns_counts)
+    _finish_overlap(run)
+    return _report(run, rank, trained, ns_counts, return_params)
+
+
+def dmuon_resume(rank, world_size, resume_at, tp=1, pp=1, ep=1, fmt="dist", save_dir=None, load_dir=None,
+                 load_tp=None, optimizer_only=False, data_dp=None, **kw):
+    """Save/load through the optimizer's checkpoint entry points.
+
+    * ``load_dir`` unset: train ``resume_at`` steps, save (``fmt``: 'dist' = dist_checkpointing
+      torch_dist, 'torch' = state_dict() + save_parameter_state()), train on to the end: the
+      uninterrupted run; then build a fresh (perturbed) model and optimizer, load, train
+      ``resume_at``.. the end: the resumed run. Returns both reports ('uninterrupted', 'resumed').
+      With ``save_dir`` the checkpoint stays there (for a resume at another layout), else a
+      temporary directory is removed.
+    * ``load_dir`` set: only the resumed run, from that checkpoint (any DP/TP layout).
+    ``optimizer_only``: load only the optimizer (the publish must then bring every replica the
+    loaded weights)."""
+    import shutil
+    import tempfile
+
+    init_parallel(tp, pp, ep)
+    steps = {**DEFAULTS, **kw}["steps"]
+    out = {}
+    if load_dir is None:
+        root = save_dir
+        if rank == 0 and root is None:
+            root = tempfile.mkdtemp(prefix="dmuon-ckpt-")
+        box = [root]
+        torch.distributed.broadcast_object_list(box, src=0)
+        root = box[0]
+        try:
+            run = _build(**kw)
+            first = _train(run, range(resume_at), data_dp)
+            _save(run, root, resume_at, fmt)
+            rest = _train(run, range(resume_at, steps), data_dp)
+            _finish_overlap(run)
+            out["uninterrupted"] = _report(run, rank, _concat(first, rest), [])
+            out["uninterrupted"]["checkpoint"] = root
+            resumed = _build(perturb=True, **kw)
+            _load(resumed, root, resume_at, fmt, optimizer_only)
+            rest = _train(resumed, range(resume_at, steps), data_dp)
+            _finish_overlap(resumed)
+            out["resumed"] = _report(resumed, rank, rest, [])
+        finally:
+            torch.distributed.barrier()
+            if rank == 0 and save_dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+        return out
+    resumed = _build(perturb=True, **kw)
+    _load(resumed, load_dir, resume_at, fmt, optimizer_only)
+    rest = _train(resumed, range(resume_at, steps), data_dp)
+    _finish_overlap(resumed)
+    return {"resumed": _report(resumed, rank, rest, [])}
+
+
+def _concat(a, b):
+    return {k: (a[k] + b[k]) if isinstance(a[k], list) else b[k] for k in a}
+
+
+def _save(run, root, iteration, fmt):
+    import os
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_dmuon.megatron.checkpoint import save_checkpoint
+
+    if fmt == "dist":
+        save_checkpoint(root, iteration, [run.ddp], run.opt, extra={"scheduler": run.sched.state_dict()})
+        return
+    # torch format as Megatron-LM writes it: DP rank 0 of each model-parallel rank writes the
+    # model + optimizer.state_dict(); every rank joins save_parameter_state (gathered to DP rank 0)
+    mp = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
+    path = os.path.join(root, f"iter_{iteration:07d}", mp)
+    if ps.get_data_parallel_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        torch.save({"model": run.ddp.state_dict(), "optimizer": run.opt.state_dict(),
+                    "scheduler": run.sched.state_dict()}, os.path.join(path, "model_optim_rng.pt"))
+    torch.distributed.barrier()
+    run.opt.save_parameter_state(os.path.join(path, "distrib_optim.pt"))
+    torch.distributed.barrier()
+
+
+def _load(run, root, iteration, fmt, optimizer_only=False):
+    import os
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_dmuon.megatron.checkpoint import checkpoint_dir, load_checkpoint
+
+    if fmt == "dist":
+        if optimizer_only:  # the masters alone: the publish must reach every replica
+            from megatron.core import dist_checkpointing
+
+            from megatron_dmuon.megatron.checkpoint import _content_metadata, model_state
+
+            state = model_state([run.ddp])
+            state["optimizer"] = run.opt.sharded_state_dict(state, is_loading=True,
+                                                            metadata=_content_metadata("fully_reshardable"))
+            state.pop("model")
+            loaded = dist_checkpointing.load(state, checkpoint_dir(root, iteration))
+            run.opt.load_state_dict(loaded["optimizer"])
+            return
+        common = load_checkpoint(checkpoint_dir(root, iteration), [run.ddp], run.opt)
+        run.sched.load_state_dict(common["scheduler"])
+        return
+    mp = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
+    path = os.path.join(root, f"iter_{iteration:07d}", mp)
+    saved = torch.load(os.path.join(path, "model_optim_rng.pt"), weights_only=False)
+    if not optimizer_only:
+        run.ddp.load_state_dict(saved["model"])
+    run.opt.load_state_dict(saved["optimizer"])
+    run.opt.load_parameter_state(os.path.join(path, "distrib_optim.pt"))
+    run.sched.load_state_dict(saved["scheduler"])
+
+
 def _split_kwargs(split):
     return {"split_qkv": split in ("qkv", "heads"), "split_per_head": split == "heads", "split_glu": split == "glu"}
 
 
-RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params")  # shape the run, not the math
+RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "nan_at", "data_dp")  # shape the run, not the math
 
 
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
