@@ -201,9 +201,8 @@ def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid):
     return blocks
 
 
-def sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> dict:
-    """{param id: {state key: ShardedTensor or [ShardedTensor blocks]}} of this rank's pieces."""
-    meta = model_sharded_metadata(model_sharded_state_dict)
+def _sharded_param_state(opt, meta: dict, is_loading: bool) -> dict:
+    """{param id: {state key: ShardedTensor or [ShardedTensor blocks]}} of one part's pieces."""
     tp_rank = opt.dmuon_inner.tp.rank
     out = {}
     for piece in local_pieces(opt):
@@ -211,7 +210,7 @@ def sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> dict
         if sh is None:
             raise ValueError(
                 "DMuon checkpoint: a parameter of the optimizer is not in the model's sharded state dict "
-                "(build it with the model chunks' sharded_state_dict(), which keeps the param tensors)")
+                "(build it with the unwrapped model chunks' sharded_state_dict(), which keeps the param tensors)")
         entry = {}
         for key, t in piece.tensors.items():
             data = torch.empty_like(t.detach()) if is_loading else t.detach()
@@ -221,29 +220,30 @@ def sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> dict
 
 
 def flat(value) -> torch.Tensor:
+    """A loaded entry (one tensor, or the blocks of an element-wise param's slice) as 1-D."""
     if isinstance(value, (list, tuple)):
         return torch.cat([v.reshape(-1) for v in value])
     return value.reshape(-1)
 
 
 # ------------------------------------------------------------------------------------------ record
-def local_record(opt, model_sharded_state_dict=None) -> dict:
+def _local_record(parts, meta: Optional[dict]) -> dict:
     """This rank's part of the record: params (id -> [global shape, kind]), plans, AdamW steps."""
     from megatron.core import parallel_state as ps
 
-    params = {}
-    if model_sharded_state_dict is not None:
-        meta = model_sharded_metadata(model_sharded_state_dict)
-        for piece in local_pieces(opt):
-            sh = meta[piece.model_param]
-            params[param_id(sh)] = [list(_global_shape(sh)), "muon" if piece.muon else "adamw"]
-    plans = {}
+    params, plans, steps = {}, {}, set()
     pp = ps.get_pipeline_model_parallel_rank()
-    for i, chunk in enumerate(opt.dmuon_model_chunks):
-        for key, plan in (getattr(chunk, "dmuon_owner_plans", None) or {}).items():
-            if key.is_expert_parallel == opt.dmuon_is_expert:
-                plans[f"pp{pp}/chunk{i}/{'expert' if key.is_expert_parallel else 'dense'}/{key.param_dtype}"] = plan.to_json()
-    return {"params": params, "plans": plans, "adam_steps": sorted(opt.dmuon_inner.adam_steps())}
+    for opt in parts:
+        if meta is not None:
+            for piece in local_pieces(opt):
+                sh = meta[piece.model_param]
+                params[param_id(sh)] = [list(_global_shape(sh)), "muon" if piece.muon else "adamw"]
+        for i, chunk in enumerate(opt.dmuon_model_chunks):
+            for key, plan in (getattr(chunk, "dmuon_owner_plans", None) or {}).items():
+                kind = "expert" if key.is_expert_parallel else "dense"
+                plans[f"pp{pp}/chunk{i}/{kind}/{key.param_dtype}"] = plan.to_json()
+        steps |= opt.dmuon_inner.adam_steps()
+    return {"params": params, "plans": plans, "adam_steps": sorted(steps)}
 
 
 def parallel_sizes() -> dict:
@@ -254,12 +254,11 @@ def parallel_sizes() -> dict:
             "world": torch.distributed.get_world_size()}
 
 
-def gather_record(opt, model_sharded_state_dict=None, group=None) -> dict:
+def gather_record(parts, meta: Optional[dict], group=None) -> dict:
     """The record of every param of ``group``'s ranks (default: the world, i.e. the whole model),
     identical on each of them."""
-    mine = local_record(opt, model_sharded_state_dict)
     everyone = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(everyone, mine, group=group)
+    torch.distributed.all_gather_object(everyone, _local_record(parts, meta), group=group)
     params, plans, steps = {}, {}, set()
     for r in everyone:
         params.update(r["params"])
@@ -316,9 +315,125 @@ def agree_or_raise(error: Optional[str], group=None) -> None:
         raise CheckpointMismatchError(f"DMuon: cannot load this optimizer checkpoint: {first}")
 
 
+# ------------------------------------------------------------- the optimizer's entry points (parts)
+def _check_sharding_type(metadata, sharding_type=None) -> None:
+    requested = sharding_type or (metadata or {}).get("distrib_optim_sharding_type")
+    if requested not in SERVED_SHARDING_TYPES:
+        raise ValueError(
+            f"--optimizer dmuon writes its own per-parameter optimizer format; sharding type {requested!r} "
+            "is not supported (use --ckpt-format torch_dist, with or without --dist-ckpt-optim-fully-reshardable, "
+            "or --ckpt-format torch)")
+
+
+def _chunks(parts) -> list:
+    return parts[0].dmuon_model_chunks
+
+
+def optimizer_state_dict(parts) -> dict:
+    """Megatron's non-parameter optimizer state (param groups of every part, grad scaler) plus the
+    DMuon format tag and this rank's AdamW step. Not collective (Megatron-LM's torch format calls
+    it on some ranks only)."""
+    steps = set().union(*(p.dmuon_inner.adam_steps() for p in parts))
+    if len(steps) > 1:
+        raise ValueError(f"DMuon: AdamW step counts differ between params ({sorted(steps)}); cannot checkpoint one step")
+    groups = [{k: v for k, v in g.items() if k != "params"} for p in parts for g in p.optimizer.param_groups]
+    state = {"optimizer": {"param_groups": groups},
+             "dmuon": {"format": FORMAT, "adam_step": steps.pop() if steps else None}}
+    scaler = parts[0].grad_scaler
+    if scaler:
+        state["grad_scaler"] = scaler.state_dict()
+    return state
+
+
+def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=False, metadata=None,
+                            sharding_type=None) -> dict:
+    """dist_checkpointing state of the whole optimizer (collective): one structure whatever the
+    number of chained parts (dense/expert), so a load may split the params differently."""
+    _check_sharding_type(metadata, sharding_type)
+    if model_sharded_state_dict is None:
+        model_sharded_state_dict = model_state(_chunks(parts))
+    meta = model_sharded_metadata(model_sharded_state_dict)
+    state = optimizer_state_dict(parts)
+    state["dmuon"] = gather_record(parts, meta)
+    state["param_state"] = {}
+    for opt in parts:
+        state["param_state"].update(_sharded_param_state(opt, meta, is_loading))
+    state["param_state_sharding_type"] = SHARDING_TYPE
+    if is_loading:  # the loaded dict carries the checkpoint's record: keep the current one
+        parts[0]._dmuon_pending_load = (state["dmuon"], {p: param_id(sh) for p, sh in meta.items()})
+    return state
+
+
+def load_optimizer_state(parts, state_dict) -> None:
+    """Load what ``optimizer_state_dict`` (torch format: then ``load_param_state_file``) or
+    ``sharded_optimizer_state`` (dist) saved. Every check runs on every rank before any state
+    changes; a dist load ends with the publish."""
+    info = state_dict.get("dmuon") if isinstance(state_dict, dict) else None
+    param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
+    pending = getattr(parts[0], "_dmuon_pending_load", None)
+    parts[0]._dmuon_pending_load = None
+    if param_state is not None:  # dist_checkpointing: every rank is here
+        if pending is None:
+            meta = model_sharded_metadata(model_state(_chunks(parts)))
+            pending = (gather_record(parts, meta), {p: param_id(sh) for p, sh in meta.items()})
+        current, ids = pending
+        error = check_record(info, current)
+        if error is None and state_dict.get("param_state_sharding_type") != SHARDING_TYPE:
+            error = f"optimizer state of sharding type {state_dict.get('param_state_sharding_type')!r}"
+        lookup = lambda pid, key, piece: flat(param_state[pid][key]) if key in param_state.get(pid, {}) else None  # noqa: E731
+        agree_or_raise(error or next((e for e in (check_pieces(o, lookup, ids) for o in parts) if e), None))
+        _log_reshard(info["parallel"])
+    elif not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CheckpointMismatchError(
+            "DMuon: the optimizer state dict was not written by --optimizer dmuon (no DMuon format tag); "
+            "load the model only (--no-load-optim) or save it again with --optimizer dmuon")
+    for opt in parts:
+        _restore_param_groups(opt, state_dict["optimizer"]["param_groups"])
+        if info.get("adam_step") is not None:
+            opt.dmuon_inner.set_adam_step(info["adam_step"])
+        if opt.grad_scaler and "grad_scaler" in state_dict:
+            opt.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+    if param_state is not None:
+        for opt in parts:
+            load_pieces(opt, lookup, ids)
+            publish(opt)
+
+
+def _restore_param_groups(opt, saved_groups) -> None:
+    """Hyperparameters of each saved group onto the current group with the same identity
+    (Megatron's identifier keys and use_muon); the scheduler sets lr/wd again on its load."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    ident = lambda g: tuple(repr(g.get(k)) for k in (*param_group_identifier_keys, "use_muon"))  # noqa: E731
+    saved = {ident(g): g for g in saved_groups}
+    for group in opt.optimizer.param_groups:
+        match = saved.get(ident(group))
+        if match is not None:
+            group.update({k: v for k, v in match.items() if k not in ("params", "step")})
+
+
+def _log_reshard(saved: dict) -> None:
+    now = parallel_sizes()
+    if saved != now and torch.distributed.get_rank() == 0:
+        logger.warning("DMuon: resharding the optimizer checkpoint saved at %s to %s", saved, now)
+
+
+@torch.no_grad()
+def publish(opt) -> None:
+    """Masters -> model params -> all-gather of this part's buckets: every DP replica then holds the
+    loaded model, whatever the overlap flags (without --overlap-param-gather the next forward
+    would not gather; Megatron PR #6920's resume skipped exactly this)."""
+    opt._copy_main_params_to_model_params()
+    mine = {id(b) for buffer in opt.buffers for b in buffer.buckets}
+    for chunk in opt.model_chunks:
+        for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            if any(id(b) in mine for b in bucket_group.buckets):
+                chunk._start_bucket_group_param_sync(bucket_group, force_sync=True)
+
+
 # ---------------------------------------------------------------------------------------- loading
 def check_pieces(opt, lookup, ids: dict) -> Optional[str]:
-    """Why ``lookup(param_id, key, piece) -> 1-D tensor`` cannot fill this rank's pieces (or None)."""
+    """Why ``lookup(param_id, key, piece) -> 1-D tensor`` cannot fill this part's pieces (or None)."""
     for piece in local_pieces(opt):
         pid = ids[piece.model_param]
         for key, dst in piece.tensors.items():
@@ -340,14 +455,27 @@ def load_pieces(opt, lookup, ids: dict) -> None:
             dst.copy_(lookup(pid, key, piece).reshape(dst.shape))
 
 
-def full_param_state_dp_zero(opt, ids: dict) -> Optional[dict]:
-    """Torch format: {param id: {key: full flattened TP-local tensor}} on DP rank 0 (None elsewhere),
-    gathered over the optimizer's DP group (as Megatron's dp_zero format does)."""
-    mine = [(ids[p.model_param], p.start, p.end, p.model_param.numel(),
-             {k: t.detach().cpu().clone() for k, t in p.tensors.items()}) for p in local_pieces(opt)]
-    group = opt.data_parallel_group
+# -------------------------------------------------------------------------------- torch format
+def _dp_root(parts):
+    """The DP group and its rank 0 (global) shared by every part; torch format needs one."""
+    roots = {torch.distributed.get_global_rank(p.data_parallel_group, 0) for p in parts}
+    if len(roots) != 1 or len({p.data_parallel_group.size() for p in parts}) != 1:
+        raise NotImplementedError(
+            "DMuon: the torch checkpoint format gathers to DP rank 0, which differs between the dense and "
+            "expert optimizers here (expert parallelism); use --ckpt-format torch_dist")
+    return parts[0].data_parallel_group, roots.pop()
+
+
+def param_state_dp_zero(parts) -> Optional[dict]:
+    """Torch format: {'dmuon': record over the DP group, 'params': {param id: {key: full flattened
+    TP-local tensor}}} on DP rank 0 (None elsewhere), gathered like Megatron's dp_zero format."""
+    group, root = _dp_root(parts)
+    meta = model_sharded_metadata(model_state(_chunks(parts)))
+    record = gather_record(parts, meta, group=group)
+    mine = [(param_id(meta[p.model_param]), p.start, p.end, p.model_param.numel(),
+             {k: t.detach().cpu().clone() for k, t in p.tensors.items()}) for opt in parts for p in local_pieces(opt)]
     gathered = [None] * group.size() if group.rank() == 0 else None
-    torch.distributed.gather_object(mine, gathered, dst=torch.distributed.get_global_rank(group, 0), group=group)
+    torch.distributed.gather_object(mine, gathered, dst=root, group=group)
     if group.rank() != 0:
         return None
     full: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -356,7 +484,39 @@ def full_param_state_dp_zero(opt, ids: dict) -> Optional[dict]:
             slot = full.setdefault(pid, {k: torch.zeros(numel, dtype=t.dtype) for k, t in tensors.items()})
             for k, t in tensors.items():
                 slot[k][start:end] = t
-    return full
+    return {"dmuon": record, "params": full}
+
+
+def save_param_state_file(parts, filename: str) -> None:
+    state = param_state_dp_zero(parts)
+    if state is not None:
+        torch.save(state, filename)
+
+
+def load_param_state_dp_zero(parts, state) -> None:
+    """DP rank 0's ``param_state_dp_zero`` dict -> every DP rank's pieces (reshards over DP), then
+    the publish. Checks first, on every rank of the DP group."""
+    group, root = _dp_root(parts)
+    box = [state]
+    torch.distributed.broadcast_object_list(box, src=root, group=group)
+    state = box[0]
+    meta = model_sharded_metadata(model_state(_chunks(parts)))
+    current = gather_record(parts, meta, group=group)
+    ids = {p: param_id(sh) for p, sh in meta.items()}
+    error = check_record(state.get("dmuon") if isinstance(state, dict) else None, current)
+    params = state.get("params", {}) if isinstance(state, dict) else {}
+    lookup = lambda pid, key, piece: (params[pid][key][piece.start:piece.end]  # noqa: E731
+                                      if key in params.get(pid, {}) else None)
+    agree_or_raise(error or next((e for e in (check_pieces(o, lookup, ids) for o in parts) if e), None), group)
+    for opt in parts:
+        load_pieces(opt, lookup, ids)
+        publish(opt)
+
+
+def load_param_state_file(parts, filename: str) -> None:
+    group, _ = _dp_root(parts)
+    state = torch.load(filename, weights_only=False) if group.rank() == 0 else None
+    load_param_state_dp_zero(parts, state)
 
 
 # ------------------------------------------------------------------- job-level save / load (torch_dist)
@@ -435,15 +595,6 @@ def latest_iteration(root: str) -> Optional[int]:
         raise CheckpointMismatchError(f"{tracker} is corrupt: {text[:40]!r} is not an iteration number") from None
 
 
-def _optimizer_records(common) -> list:
-    opt = common.get("optimizer") if isinstance(common, dict) else None
-    if isinstance(opt, dict) and "dmuon" in opt:
-        return [opt["dmuon"]]
-    if isinstance(opt, dict) and opt and all(isinstance(k, int) for k in opt):
-        return [opt[k].get("dmuon") if isinstance(opt[k], dict) else None for k in sorted(opt)]
-    return [None]
-
-
 def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = True) -> dict:
     """Load a ``save_checkpoint`` directory into built model chunks and optimizer; returns the
     loaded common entries (iteration, ``extra``). The optimizer record is checked on every rank
@@ -455,16 +606,13 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (no metadata.json)")
     metadata = dist_checkpointing.load_content_metadata(path) or _content_metadata("fully_reshardable")
-    common = dist_checkpointing.load_common_state_dict(path)
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
     if load_optimizer:
-        records = _optimizer_records(common)
-        if len(records) != len(parts):
-            records = [None] * len(parts)
-        errors = None
-        for part, record in zip(parts, records):
-            errors = errors or check_record(record, gather_record(part, model_state(part.dmuon_model_chunks, metadata)))
-        agree_or_raise(errors)
+        common = dist_checkpointing.load_common_state_dict(path)
+        saved = common.get("optimizer") if isinstance(common, dict) else None
+        parts = getattr(optimizer, "chained_optimizers", [optimizer])
+        meta = model_sharded_metadata(model_state(_chunks(parts)))
+        agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
+                                    gather_record(parts, meta)))
     state = model_state(model_chunks, metadata)
     if load_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)

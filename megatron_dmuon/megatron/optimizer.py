@@ -21,13 +21,7 @@ from .layout import full_matrix_shape
 
 logger = logging.getLogger(__name__)
 MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
-_MISSING = torch.empty(0)
 
-
-def _entry(param_state: dict, pid: str, key: str):
-    """A loaded dist-checkpoint entry as one flat tensor (blocks concatenated), or None."""
-    value = param_state.get(pid, {}).get(key)
-    return None if value is None else ckpt.flat(value)
 
 
 @dataclasses.dataclass
@@ -337,6 +331,37 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
             self.dmuon_skipped_iterations += 1
         return out
 
+    # Checkpoints: one structure for all parts (a load may split dense/expert params differently).
+    # The gather_then_compute baseline (not a DistributedOptimizer) keeps Megatron's own code.
+    def _dmuon_parts(self):
+        parts = self.chained_optimizers
+        return parts if all(isinstance(p, DMuonDistributedOptimizer) for p in parts) else None
+
+    def state_dict(self):
+        parts = self._dmuon_parts()
+        return ckpt.optimizer_state_dict(parts) if parts else super().state_dict()
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, **kwargs):
+        parts = self._dmuon_parts()
+        if not parts:
+            return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        return ckpt.sharded_optimizer_state(parts, model_sharded_state_dict, is_loading,
+                                            kwargs.get("metadata"), kwargs.get("sharding_type"))
+
+    def load_state_dict(self, state_dict):
+        parts = self._dmuon_parts()
+        return ckpt.load_optimizer_state(parts, state_dict) if parts else super().load_state_dict(state_dict)
+
+    def save_parameter_state(self, filename: str):
+        parts = self._dmuon_parts()
+        return ckpt.save_param_state_file(parts, filename) if parts else super().save_parameter_state(filename)
+
+    def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
+        parts = self._dmuon_parts()
+        if not parts:
+            return super().load_parameter_state(filename, update_legacy_format=update_legacy_format)
+        return ckpt.load_param_state_file(parts, filename)
+
     def dmuon_stats(self) -> dict:
         """Counters for the job's log: skipped steps, NS outputs recomputed in fp32."""
         return {"skipped_iterations": self.dmuon_skipped_iterations,
@@ -352,8 +377,7 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
     def __init__(self, *args, **kwargs):
         self.check_owner_aligned(kwargs["model_chunks"])  # before Megatron builds any state
         super().__init__(*args, **kwargs)
-        self._dmuon_load_ids = None
-        self._dmuon_current_record = None
+        self._dmuon_pending_load = None
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer, bucket_index: int):
@@ -372,140 +396,28 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
             param_and_grad_buffer.param_index_map, local, bucket.offset)}
 
     # ------------------------------------------------------------------------------ checkpoints
+    # One part's entry points; DMuonChainedOptimizer calls the same functions with all its parts.
     def state_dict(self):
-        """Megatron's non-parameter state (param groups, grad scaler) plus DMuon's AdamW step and
-        format tag; parameter state: ``sharded_state_dict`` or ``save_parameter_state``."""
-        steps = self.dmuon_inner.adam_steps()
-        if len(steps) > 1:
-            raise ValueError(f"DMuon: AdamW step counts differ between params ({sorted(steps)}); cannot checkpoint one step")
-        state = {"optimizer": {"param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                for g in self.optimizer.param_groups]},
-                 "dmuon": {"format": ckpt.FORMAT, "adam_step": steps.pop() if steps else None}}
-        if self.grad_scaler:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
+        return ckpt.optimizer_state_dict([self])
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
                            sharding_type: Optional[str] = None, metadata: Optional[dict] = None):
-        """Megatron dist_checkpointing entry (see megatron/checkpoint.py for the format)."""
-        requested = sharding_type or (metadata or {}).get("distrib_optim_sharding_type")
-        if requested not in ckpt.SERVED_SHARDING_TYPES:
-            raise ValueError(
-                f"--optimizer dmuon writes its own per-parameter optimizer format; sharding type {requested!r} "
-                "is not supported (drop --ckpt-format fsdp_dtensor / the dp_zero format; torch_dist with "
-                "--dist-ckpt-optim-fully-reshardable or the default works)")
-        if model_sharded_state_dict is None:
-            model_sharded_state_dict = self._dmuon_model_sharded_state_dict()
-        state = self.state_dict()
-        record = ckpt.gather_record(self, model_sharded_state_dict)
-        state["dmuon"] = record
-        state["param_state"] = ckpt.sharded_param_state(self, model_sharded_state_dict, is_loading)
-        state["param_state_sharding_type"] = ckpt.SHARDING_TYPE
-        if is_loading:  # the loaded dict replaces the record by the checkpoint's: keep the current one
-            self._dmuon_current_record = record
-            self._dmuon_load_ids = self._dmuon_param_ids(model_sharded_state_dict)
-        return state
+        return ckpt.sharded_optimizer_state([self], model_sharded_state_dict, is_loading, metadata, sharding_type)
 
     def load_state_dict(self, state_dict):
-        """Load what ``state_dict()`` (torch format) or ``sharded_state_dict()`` (dist) saved.
-        Every check runs before any state changes; a dist load then publishes the params."""
-        info = state_dict.get("dmuon")
-        param_state = state_dict.get("param_state")
-        if param_state is not None:  # dist_checkpointing: every rank is here, checks agree
-            current = self._dmuon_current_record or ckpt.gather_record(self, self._dmuon_model_sharded_state_dict())
-            ckpt.agree_or_raise(ckpt.check_record(info, current))
-            if state_dict.get("param_state_sharding_type") != ckpt.SHARDING_TYPE:
-                raise ckpt.CheckpointMismatchError(
-                    f"DMuon: optimizer state of sharding type {state_dict.get('param_state_sharding_type')!r}; "
-                    f"expected {ckpt.SHARDING_TYPE}")
-            self._log_reshard(info["parallel"])
-        elif not isinstance(info, dict) or info.get("format") != ckpt.FORMAT:
-            raise ckpt.CheckpointMismatchError(
-                "DMuon: the optimizer state dict was not written by --optimizer dmuon (no DMuon format tag); "
-                "load the model only (--no-load-optim) or save it again with --optimizer dmuon")
-        lookup = None
-        if param_state is not None:
-            ids = self._dmuon_load_ids or self._dmuon_param_ids()
-            lookup = lambda pid, key, piece: _entry(param_state, pid, key)  # noqa: E731
-            ckpt.agree_or_raise(ckpt.check_pieces(self, lookup, ids))
-        self._restore_param_groups(state_dict["optimizer"]["param_groups"])
-        if info.get("adam_step") is not None:
-            self.dmuon_inner.set_adam_step(info["adam_step"])
-        if self.grad_scaler and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        if lookup is not None:
-            ckpt.load_pieces(self, lookup, ids)
-            self._dmuon_publish()
-        self._dmuon_load_ids = self._dmuon_current_record = None
+        ckpt.load_optimizer_state([self], state_dict)
 
     def get_parameter_state_dp_zero(self, *args, **kwargs):
-        """Torch format: per-parameter state gathered to DP rank 0 (None elsewhere), with the record."""
-        model_sd = self._dmuon_model_sharded_state_dict()
-        record = ckpt.gather_record(self, model_sd, group=self.data_parallel_group)
-        params = ckpt.full_param_state_dp_zero(self, self._dmuon_param_ids(model_sd))
-        return None if params is None else {"dmuon": record, "params": params}
+        return ckpt.param_state_dp_zero([self])
 
     def save_parameter_state(self, filename: str):
-        state = self.get_parameter_state_dp_zero()
-        if state is not None:
-            torch.save(state, filename)
+        ckpt.save_param_state_file([self], filename)
 
     def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
-        state = torch.load(filename, weights_only=False) if self.data_parallel_group.rank() == 0 else None
-        self.load_parameter_state_from_dp_zero(state, update_legacy_format=update_legacy_format)
+        ckpt.load_param_state_file([self], filename)
 
     def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format: bool = False):
-        """DP rank 0's per-parameter state -> every DP rank's pieces (reshards over DP), then publish."""
-        group = self.data_parallel_group
-        box = [state_dict]
-        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(group, 0), group=group)
-        state_dict = box[0]
-        model_sd = self._dmuon_model_sharded_state_dict()
-        current = ckpt.gather_record(self, model_sd, group=group)
-        info = state_dict.get("dmuon") if isinstance(state_dict, dict) else None
-        ckpt.agree_or_raise(ckpt.check_record(info, current), group)
-        ids = self._dmuon_param_ids(model_sd)
-        params = state_dict["params"]
-        lookup = lambda pid, key, piece: params.get(pid, {}).get(key, _MISSING)[piece.start:piece.end]  # noqa: E731
-        ckpt.agree_or_raise(ckpt.check_pieces(self, lookup, ids), group)
-        ckpt.load_pieces(self, lookup, ids)
-        self._dmuon_publish()
-
-    def _restore_param_groups(self, saved_groups) -> None:
-        """Hyperparameters of each saved group onto the current group with the same identity
-        (Megatron's identifier keys and use_muon); the scheduler sets lr/wd again on its load."""
-        from megatron.core.optimizer.optimizer import param_group_identifier_keys
-
-        ident = lambda g: tuple(repr(g.get(k)) for k in (*param_group_identifier_keys, "use_muon"))  # noqa: E731
-        saved = {ident(g): g for g in saved_groups}
-        for group in self.optimizer.param_groups:
-            match = saved.get(ident(group))
-            if match is not None:
-                group.update({k: v for k, v in match.items() if k not in ("params", "step")})
-
-    def _dmuon_model_sharded_state_dict(self) -> dict:
-        return ckpt.model_state(self.dmuon_model_chunks)
-
-    def _dmuon_param_ids(self, model_sharded_state_dict=None) -> dict:
-        meta = ckpt.model_sharded_metadata(model_sharded_state_dict or self._dmuon_model_sharded_state_dict())
-        return {p: ckpt.param_id(sh) for p, sh in meta.items()}
-
-    def _log_reshard(self, saved: dict) -> None:
-        now = ckpt.parallel_sizes()
-        if saved != now and torch.distributed.get_rank() == 0:
-            logger.warning("DMuon: resharding the optimizer checkpoint saved at %s to %s", saved, now)
-
-    @torch.no_grad()
-    def _dmuon_publish(self) -> None:
-        """Masters -> model params -> all-gather of this optimizer's buckets: every DP replica now
-        holds the loaded model, whatever the overlap flags (the next forward would not re-gather
-        without --overlap-param-gather)."""
-        self._copy_main_params_to_model_params()
-        mine = {id(b) for buffer in self.buffers for b in buffer.buckets}
-        for chunk in self.model_chunks:
-            for bucket_group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
-                if any(id(b) in mine for b in bucket_group.buckets):
-                    chunk._start_bucket_group_param_sync(bucket_group, force_sync=True)
+        ckpt.load_param_state_dp_zero([self], state_dict)
 
     def _megatron_format_not_used(self, *args, **kwargs):
         raise NotImplementedError(

@@ -277,15 +277,15 @@ def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, return_params=True, count_by
 
 
 def dmuon_resume(rank, world_size, resume_at, tp=1, pp=1, ep=1, fmt="dist", save_dir=None, load_dir=None,
-                 load_tp=None, optimizer_only=False, data_dp=None, **kw):
+                 resume_here=True, optimizer_only=False, data_dp=None, **kw):
     """Save/load through the optimizer's checkpoint entry points.
 
     * ``load_dir`` unset: train ``resume_at`` steps, save (``fmt``: 'dist' = dist_checkpointing
       torch_dist, 'torch' = state_dict() + save_parameter_state()), train on to the end: the
       uninterrupted run; then build a fresh (perturbed) model and optimizer, load, train
       ``resume_at``.. the end: the resumed run. Returns both reports ('uninterrupted', 'resumed').
-      With ``save_dir`` the checkpoint stays there (for a resume at another layout), else a
-      temporary directory is removed.
+      With ``save_dir`` the checkpoint stays there (for a resume at another layout; with
+      ``resume_here=False`` no resumed run here), else a temporary directory is removed.
     * ``load_dir`` set: only the resumed run, from that checkpoint (any DP/TP layout).
     ``optimizer_only``: load only the optimizer (the publish must then bring every replica the
     loaded weights)."""
@@ -310,6 +310,8 @@ def dmuon_resume(rank, world_size, resume_at, tp=1, pp=1, ep=1, fmt="dist", save
             _finish_overlap(run)
             out["uninterrupted"] = _report(run, rank, _concat(first, rest), [])
             out["uninterrupted"]["checkpoint"] = root
+            if not resume_here:
+                return out
             resumed = _build(perturb=True, **kw)
             _load(resumed, root, resume_at, fmt, optimizer_only)
             rest = _train(resumed, range(resume_at, steps), data_dp)
