@@ -7,6 +7,14 @@ NCCL, rank 0 then runs the reference on its GPU. Prints the max relative paramet
 tensor (parameters merged over TP shards, PP stages and EP experts); exits 1 above the tolerance
 or if a matrix was not orthogonalized exactly once per step.
 
+Resume (--resume-at K): train K steps, save the model and the optimizer (dist_checkpointing
+torch_dist, or the torch format with --resume-format torch), train on to --steps: the
+uninterrupted run; then build a fresh (perturbed) model and optimizer, load, train K..--steps and
+compare parameters AND optimizer state (fp32 masters, momentum, AdamW moments and step) with the
+uninterrupted run: bit-identical at the same layout. --resume-dp / --resume-tp resume at another
+layout (the checkpoint is resharded; float64 on CPU, compared within the tolerance). The
+checkpoint lives in a temporary directory that is removed afterwards.
+
 Precision: fp32 with --tp/--pp/--ep 1 is bit-exact (the reference reproduces the reduce-scatter's
 summation order). A TP/EP forward sums in a different order than TP=1, and NS amplifies that fp32
 noise to ~1e-5 in 10 steps (Megatron's own AdamW differs by 1.3e-6 after one step), so on CPU
@@ -48,6 +56,12 @@ def _parser():
     p.add_argument("--overlap", action="store_true", help="overlap_grad_reduce + overlap_param_gather")
     p.add_argument("--split", choices=("qkv", "heads", "glu"), default=None, help="orthogonalize split pieces")
     p.add_argument("--tol", type=float, default=None, help="max relative difference allowed per tensor")
+    p.add_argument("--resume-at", type=int, default=None, metavar="K",
+                   help="save after K steps, resume a fresh model and optimizer from it, compare with the uninterrupted run")
+    p.add_argument("--resume-format", choices=("dist", "torch"), default="dist",
+                   help="dist: dist_checkpointing torch_dist (default); torch: state_dict() + save_parameter_state()")
+    p.add_argument("--resume-dp", type=int, default=None, help="resume at this DP size (resharding; default --dp)")
+    p.add_argument("--resume-tp", type=int, default=None, help="resume at this TP size (resharding; default --tp)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -58,12 +72,29 @@ def _check(args, p):
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)}); --steps 0 would check nothing")
     if args.bf16:
         args.precision = "bf16"
+    if args.resume_at is not None and not 1 <= args.resume_at < args.steps:
+        p.error(f"--resume-at must be in [1, --steps) = [1, {args.steps}) (got {args.resume_at})")
+    if args.resume_at is None and (args.resume_dp or args.resume_tp):
+        p.error("--resume-dp / --resume-tp need --resume-at K")
+    for name in ("resume_dp", "resume_tp"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.resume_dp and (args.dp * args.grad_accum) % args.resume_dp:
+        p.error(f"--resume-dp {args.resume_dp} must divide the global batch of --dp x --grad-accum = "
+                f"{args.dp * args.grad_accum} micro-batches")
+    if args.resume_format == "torch" and (args.resume_tp or args.resume_dp) and args.resume_tp not in (None, args.tp):
+        p.error("--resume-format torch keeps one file per TP/PP rank: it reshards over DP only")
+
+
+def _reshards(args) -> bool:
+    return (args.resume_dp or args.dp) != args.dp or (args.resume_tp or args.tp) != args.tp
 
 
 def _precision(args, on_gpu: bool) -> str:
     if args.precision != "auto":
         return args.precision
-    return "fp32" if on_gpu or (args.tp, args.pp, args.ep) == (1, 1, 1) else "fp64"
+    exact = (args.tp, args.pp, args.ep) == (1, 1, 1) and not _reshards(args)
+    return "fp32" if on_gpu or exact else "fp64"
 
 
 def _run_kwargs(args, precision):
@@ -115,6 +146,8 @@ def main(argv=None) -> int:
 
     precision = _precision(args, on_gpu=False)
     kw = _run_kwargs(args, precision)
+    if args.resume_at is not None:
+        return _resume_spawned(args, kw, precision)
     results = run_dmuon(args.dp * args.tp * args.pp, **kw)
     exact_order = precision == "fp32" and (args.tp, args.pp, args.ep) == (1, 1, 1)
     ref = run_reference(args.dp, layouts=results[0]["layouts"] if exact_order else None,
@@ -122,6 +155,58 @@ def main(argv=None) -> int:
     meta = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "ep": args.ep, "backend": "gloo", "precision": precision,
             "each_matrix_once": results[0]["ns_counts"] == [ref["num_matrices"]] * args.steps}
     return _report(rel_diffs(full_params(results), ref["params"]), _tolerance(args, precision), args.json, meta)
+
+
+def _resume_report(args, uninterrupted, resumed, precision, backend):
+    """Resumed vs uninterrupted: parameters and optimizer state (bit-identical at one layout)."""
+    from .testing.compare import full_optimizer_state, full_params, rel_diffs, state_diffs
+
+    params = rel_diffs(full_params(resumed), full_params(uninterrupted))
+    state = state_diffs(full_optimizer_state(resumed), full_optimizer_state(uninterrupted))
+    tol = args.tol
+    if tol is None:  # one layout: bit-identical; resharded: the summation order changes
+        tol = (FP32_REORDERED_TOL if precision == "fp32" else _tolerance(args, precision)) if _reshards(args) else 0.0
+    worst_p, worst_s = max(params.values()), max(state.values())
+    ok = worst_p <= tol and worst_s <= tol
+    meta = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "ep": args.ep, "resume_at": args.resume_at,
+            "resume_dp": args.resume_dp or args.dp, "resume_tp": args.resume_tp or args.tp,
+            "format": args.resume_format, "backend": backend, "precision": precision,
+            "params": len(params), "state_tensors": len(state), "max_param_diff": worst_p,
+            "max_state_diff": worst_s, "tolerance": tol, "ok": ok}
+    if args.json:
+        print(json.dumps(meta))
+    else:
+        word = "bit-identical" if tol == 0.0 else f"within {tol:.0e}"
+        for what, diffs in (("parameters", params), ("optimizer state", state)):
+            bad = [n for n, d in diffs.items() if d > tol]
+            print(f"{what}: {len(diffs)} tensors, worst {max(diffs.values()):.3e}"
+                  + (f"; first beyond tolerance: {bad[0]}" if bad else ""))
+        print(f"resume at step {args.resume_at} ({args.resume_format} format, DP {args.dp}->{meta['resume_dp']}, "
+              f"TP {args.tp}->{meta['resume_tp']}) vs the uninterrupted run, {word}: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+def _resume_spawned(args, kw, precision):
+    import shutil
+    import tempfile
+
+    from .testing.multiproc import run_distributed
+
+    target = "megatron_dmuon.testing.workers:dmuon_resume"
+    kw = dict(kw, resume_at=args.resume_at, fmt=args.resume_format)
+    if not _reshards(args):
+        out = run_distributed(target, args.dp * args.tp * args.pp, kwargs=kw)
+        return _resume_report(args, [r["uninterrupted"] for r in out], [r["resumed"] for r in out], precision, "gloo")
+    root = tempfile.mkdtemp(prefix="dmuon-verify-ckpt-")
+    try:
+        saved = run_distributed(target, args.dp * args.tp * args.pp,
+                                kwargs=dict(kw, save_dir=root, resume_here=False))
+        dp2, tp2 = args.resume_dp or args.dp, args.resume_tp or args.tp
+        resumed = run_distributed(target, dp2 * tp2 * args.pp,
+                                  kwargs=dict(kw, tp=tp2, load_dir=root, data_dp=args.dp))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return _resume_report(args, [r["uninterrupted"] for r in saved], [r["resumed"] for r in resumed], precision, "gloo")
 
 
 def _main_torchrun(args):
@@ -145,6 +230,20 @@ def _main_torchrun(args):
     precision = _precision(args, on_gpu=backend == "nccl")
     kw = _run_kwargs(args, precision)
     torch.distributed.init_process_group(backend)
+    if args.resume_at is not None:
+        if _reshards(args):
+            print("dmuon verify: --resume-dp/--resume-tp run in CPU spawn mode (not under torchrun)", file=sys.stderr)
+            return 2
+        out = workers.dmuon_resume(rank, world, resume_at=args.resume_at, fmt=args.resume_format, **kw)
+        everyone = [None] * world
+        torch.distributed.gather_object(out, everyone if rank == 0 else None, dst=0)
+        code = 0
+        if rank == 0:
+            code = _resume_report(args, [r["uninterrupted"] for r in everyone], [r["resumed"] for r in everyone],
+                                  precision, backend)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return code
     res = workers.dmuon_train(rank, world, **kw)
     shards = [None] * world
     torch.distributed.gather_object(res["shards"], shards if rank == 0 else None, dst=0)
