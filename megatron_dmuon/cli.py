@@ -1,7 +1,7 @@
-"""`dmuon` console script: `dmuon verify ...`, `dmuon autotune ...`."""
+"""`dmuon` console script: `dmuon verify ...`, `dmuon check ...`, `dmuon autotune ...`."""
 import sys
 
-USAGE = "usage: dmuon {verify,autotune} [options]   (dmuon <command> --help for details)"
+USAGE = "usage: dmuon {verify,check,autotune} [options]   (dmuon <command> --help for details)"
 
 
 def main(argv=None) -> int:
@@ -14,6 +14,10 @@ def main(argv=None) -> int:
         from .verify import main as verify_main
 
         return verify_main(rest)
+    if cmd == "check":
+        from .check import main as check_main
+
+        return check_main(rest)
     if cmd == "autotune":
         from .kernels.autotune_cli import main as autotune_main
 

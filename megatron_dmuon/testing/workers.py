@@ -441,3 +441,21 @@ def _split_rule_for(model_config, split):
     k = _split_kwargs(split)
     return lambda name, shape: rule_for_megatron_param(name, shape, model_config, split_qkv=k["split_qkv"],
                                                        per_head=k["split_per_head"], split_glu=k["split_glu"])
+
+
+def replica_check(rank, world_size, tp=1, pp=1, ep=1, corrupt_rank=None, **kw):
+    """Train, optionally perturb one element of one parameter on ``corrupt_rank`` (to show that a
+    divergent replica is found), then run the per-bucket replica check; returns its report."""
+    import dataclasses
+
+    from megatron_dmuon.megatron.replicas import check_replicas
+
+    init_parallel(tp, pp, ep)
+    run = _build(**kw)
+    _train(run, range(run.o["steps"]))
+    _finish_overlap(run)
+    if corrupt_rank is not None and torch.distributed.get_rank() == corrupt_rank:
+        with torch.no_grad():
+            target = next(p for n, p in run.ddp.module.named_parameters() if n.endswith("linear_qkv.weight"))
+            target.view(-1)[0] += 1e-3
+    return dataclasses.asdict(check_replicas([run.ddp]))
