@@ -15,6 +15,7 @@ import torch
 
 from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+from ..planning.tp_cost import choose_tp_method
 from .layout import full_matrix_shape
 
 MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
@@ -83,13 +84,16 @@ def _matrix_infos(model_chunks, cfg: DMuonConfig, tp_sizes) -> dict:
             tp_size = tp_sizes[expert_of[param]]
             sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
             shape = full_matrix_shape(param, tp_size)
+            split = _split_rule(name, shape, chunk.config, cfg)
+            partition_dim = param.partition_dim if sharded else None
             infos[param] = MatrixInfo(
-                name if len(model_chunks) == 1 else f"chunk{idx}/{name}", shape,
-                _split_rule(name, shape, chunk.module.config if hasattr(chunk, "module") else chunk.config, cfg),
+                name if len(model_chunks) == 1 else f"chunk{idx}/{name}", shape, split,
                 local_shape=tuple(param.shape),
-                partition_dim=param.partition_dim if sharded else None,
+                partition_dim=partition_dim,
                 partition_stride=getattr(param, "partition_stride", 1) if sharded else 1,
                 tp_owner=tp_owner.get(name, 0),
+                tp_method=choose_tp_method(shape, tp_size, partition_dim, split, cfg.muon.ns_method,
+                                           cfg.muon.tp_method, cfg.muon.ns_steps),
             )
     return infos
 
