@@ -73,7 +73,8 @@ def _freeze(model, freeze):
 
 def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32",
                 return_params=True, freeze=None, ranks_per_node=0, split=None, coefficients="keller",
-                tp=1, pp=1, ep=1, muon_kw=None, blockwise=False, count_bytes=False, **kw):
+                tp=1, pp=1, ep=1, muon_kw=None, blockwise=False, count_bytes=False, balance="cost",
+                record_grads=False, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
     (experts over ep); report losses, norms, NS counts, plans and every rank's parameter shards."""
     from megatron.core import parallel_state as ps
@@ -99,7 +100,7 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
         bucket_size=o.get("bucket_size"),
     )
     if mode == "dmuon":
-        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node)
+        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node, balance=balance)
     else:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
@@ -131,6 +132,7 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
             inner.matrix_info = {p: MatrixInfo(i.name, i.local_shape) for p, i in inner.matrix_info.items()}
     losses, ns_counts, grad_norms = [], [], []
     counted = {}
+    recorded = _record_reduced_grads(parts, ddp) if record_grads else None
     for step in range(o["steps"]):
         micro = [synthetic_tokens(step, m, dp_rank, o["mbs"], shape.seq_length, shape.vocab_size)
                  for m in range(o["grad_accum"])]
@@ -164,6 +166,8 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
     }
     if return_params:
         out["shards"] = local_shards(ddp.module)
+    if recorded is not None:
+        out["reduced_grads"] = recorded
     if parts:
         out["muon_states"] = sum(1 for part in parts for p in part.dmuon_inner.matrix_info
                                  if "momentum_buffer" in part.dmuon_inner.state.get(p, {}))
@@ -194,15 +198,44 @@ def dmuon_train(rank, world_size, mode="dmuon", overlap=False, shape_kw=None, ns
     return out
 
 
+def _record_reduced_grads(parts, ddp):
+    """Per step, this rank's pieces of the reduced gradients the optimizer steps with (DP only):
+    [{global name: [(flat start, flat end, values)]}] (the replay oracle's input)."""
+    from megatron_dmuon.testing.global_params import global_names
+
+    names = global_names(ddp.module)
+    local_name = {p: n for n, p in ddp.module.named_parameters()}
+    steps = []
+    for part in parts:
+        pairs = [(m, s) for mg, sg in ((part.model_float16_groups, part.shard_fp32_from_float16_groups),
+                                        (part.model_fp32_groups, part.shard_fp32_groups))
+                 for gm, gs in zip(mg, sg) for m, s in zip(gm, gs)]
+        inner_step = part.dmuon_inner.step
+
+        def step(*a, _pairs=pairs, _part=part, _inner=inner_step, **k):
+            if not steps or _part is parts[0]:
+                steps.append({})
+            for model_param, main_param in _pairs:
+                r = _part._get_model_param_range_map(model_param)["param"]
+                steps[-1].setdefault(names[local_name[model_param]], []).append(
+                    (r.start, r.end, main_param.grad.detach().clone().view(-1)))
+            return _inner(*a, **k)
+
+        part.dmuon_inner.step = step
+    return steps
+
+
 def _split_kwargs(split):
     return {"split_qkv": split in ("qkv", "heads"), "split_per_head": split == "heads", "split_glu": split == "glu"}
 
 
-RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params")  # shape the run, not the math
+RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes",
+            "blockwise")  # shape the run, not the math
 
 
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
-              ranks_per_node=0, split=None, coefficients="keller", muon_kw=None, rules="project", **kw):
+              ranks_per_node=0, split=None, coefficients="keller", muon_kw=None, rules="project",
+              replay_grads=None, **kw):
     """The single-process TP=PP=EP=1 reference for a run with `dp` data-parallel ranks (world_size
     must be 1). Returns losses, grad norms, full params by global name and the matrix count."""
     from megatron_dmuon.megatron.gpt import build_gpt
@@ -233,7 +266,8 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
                           clip_grad=o["clip_grad"],
                           muon_settings=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
                           reduce_chunk_of=chunks, ranks_per_node=ranks_per_node,
-                          split_rule_for=_split_rule_for(model.config, split), rules=rules)
+                          split_rule_for=_split_rule_for(model.config, split), rules=rules,
+                          replay_grads=replay_grads)
     out["num_matrices"] = sum(is_muon_param(n, p) for n, p in model.named_parameters() if p.requires_grad)
     return out
 
