@@ -22,6 +22,9 @@ import sys
 
 import torch
 
+from .planning.tp_cost import TP_METHODS
+from .runtime.owner_step import NS_METHODS
+
 # bf16 params (rounding 2^-8 per update), bf16 grads and bf16 NS against the fp32 reference after
 # 10 steps at lr 2e-2: measured 8.7e-2 worst tensor on CPU/gloo DP=2; bound with margin.
 BF16_TOL = 1.5e-1
@@ -47,6 +50,9 @@ def _parser():
     p.add_argument("--bf16", action="store_true", help="bf16 params and bf16 NS (tolerance %g)" % BF16_TOL)
     p.add_argument("--overlap", action="store_true", help="overlap_grad_reduce + overlap_param_gather")
     p.add_argument("--split", choices=("qkv", "heads", "glu"), default=None, help="orthogonalize split pieces")
+    p.add_argument("--ns-method", choices=NS_METHODS, default="standard", help="NS variant (the reference uses the same)")
+    p.add_argument("--tp-method", choices=TP_METHODS, default="auto",
+                   help="TP matrices: gather to the owner, distributed Gram (needs --ns-method gram/auto), or auto")
     p.add_argument("--tol", type=float, default=None, help="max relative difference allowed per tensor")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
@@ -72,7 +78,8 @@ def _run_kwargs(args, precision):
         shape["num_experts"] = 4
     ns_dtype = {"bf16": "bfloat16", "fp64": "float64"}.get(precision, "float32")
     return dict(steps=args.steps, grad_accum=args.grad_accum, overlap=args.overlap, tp=args.tp, pp=args.pp,
-                ep=args.ep, shape_kw=shape, ns_dtype=ns_dtype, split=args.split)
+                ep=args.ep, shape_kw=shape, ns_dtype=ns_dtype, split=args.split,
+                muon_kw=dict(ns_method=args.ns_method, tp_method=args.tp_method))
 
 
 def _reference_kwargs(kw, precision):
