@@ -128,7 +128,7 @@ def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False,
     from megatron.core.distributed import DistributedDataParallel
 
     from .hierarchy import check_two_level_config
-    from .optimizer import check_model_parallel_config
+    from .checks import check_model_parallel_config
 
     check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
     groups = layout_groups(config, ddp_config)
