@@ -3,7 +3,7 @@
 CPU (default): spawns dp x tp x pp gloo ranks with the CPU test shim and runs the TP=PP=EP=1
 reference in one process. GPU: launch under torchrun
 (`torchrun --nproc-per-node N -m megatron_dmuon.cli verify --tp 2 --bf16`); every rank trains on
-NCCL, rank 0 then runs the reference on its GPU. Prints the max relative parameter difference per
+NCCL, rank 0 then runs the reference in a fresh single-rank CPU process. Prints the max relative parameter difference per
 tensor (parameters merged over TP shards, PP stages and EP experts); exits 1 above the tolerance
 or if a matrix was not orthogonalized exactly once per step.
 
@@ -156,10 +156,14 @@ def _main_torchrun(args):
     shards = [None] * world
     torch.distributed.gather_object(res["shards"], shards if rank == 0 else None, dst=0)
     code = 0
-    if rank == 0:  # the reference needs no collectives: run it here while the others wait
+    if rank == 0:
+        # the TP=PP=EP=1 reference runs in a fresh single-rank CPU process: this process's Megatron
+        # parallel state (and its collectives) belong to the distributed run
+        from .testing.compare import run_reference
+
         exact_order = precision == "fp32" and (args.tp, args.pp, args.ep) == (1, 1, 1) and backend == "gloo"
-        ref = workers.reference(0, 1, dp=args.dp, layouts=res["layouts"] if exact_order else None,
-                                **_reference_kwargs(kw, precision))
+        ref = run_reference(args.dp, layouts=res["layouts"] if exact_order else None,
+                            **_reference_kwargs(kw, precision))
         meta = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "ep": args.ep, "backend": backend,
                 "precision": precision, "each_matrix_once": res["ns_counts"] == [ref["num_matrices"]] * args.steps}
         code = _report(rel_diffs(merge_ranks(shards), ref["params"]), _tolerance(args, precision), args.json, meta)

@@ -158,17 +158,19 @@ def test_adaptive_schedule_per_shape_matches_reference():
     assert results[0]["losses"][-1] != keller[0]["losses"][-1]  # the schedule is really used
 
 
-def test_dmuon_verify_under_torchrun():
-    # the launcher path used on GPUs (torchrun; NCCL there, gloo + shim on this CPU machine)
+@pytest.mark.parametrize("nproc,extra", [(3, []), (2, ["--tp", "2"])], ids=["dp3", "tp2"])
+def test_dmuon_verify_under_torchrun(nproc, extra):
+    # the launcher path used on GPUs (torchrun; NCCL there, gloo + shim on this CPU machine); the
+    # reference runs in a fresh process, outside the run's parallel state
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "-m", "megatron_dmuon.cli", "verify", "--steps", "4", "--json"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "megatron_dmuon.cli", "verify", "--steps", "4", "--json", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
-    assert report["ok"] and report["dp"] == 3 and report["max_rel_diff"] <= 1e-6
+    assert report["ok"] and report["dp"] * report["tp"] == nproc and report["each_matrix_once"]
 
 
 UNEVEN = dict(hidden_size=48, num_attention_heads=3, num_query_groups=1, ffn_hidden_size=100, vocab_size=203,
