@@ -30,15 +30,20 @@ def main():
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--modes", nargs="+", default=["adam", "dmuon"])
+    p.add_argument("--modes", nargs="+", default=["adam", "dmuon"],
+                   help="adam, dmuon, gather_then_compute, megatron_layerwise; ':gram'/':standard' picks the NS "
+                        "method, megatron_layerwise@duplicated the TP mode of Megatron's own Muon")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
     rows = []
     for mode in args.modes:
         out = tempfile.mktemp(suffix=".json")
-        opt = ["--optimizer", "adam"] if mode == "adam" else ["--optimizer", "dmuon", "--dmuon-mode", mode.split(":")[0]]
-        if ":" in mode:
-            opt += ["--dmuon-ns-method", mode.split(":")[1]]
+        name, _, tp_mode = mode.partition("@")
+        opt = ["--optimizer", "adam"] if name == "adam" else ["--optimizer", "dmuon", "--dmuon-mode", name.split(":")[0]]
+        if ":" in name:
+            opt += ["--dmuon-ns-method", name.split(":")[1]]
+        if tp_mode:
+            opt += ["--muon-tp-mode", tp_mode]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
                os.path.join(ROOT, "examples", "pretrain_gpt.py"), *PRESETS[args.preset], *opt,
                "--train-iters", str(args.iters), "--log-interval", "4", "--timing-json", out, *args.extra]

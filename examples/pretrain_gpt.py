@@ -57,6 +57,10 @@ def parse_args(argv=None):
     a("--clip-grad", type=float, default=1.0)
     a("--adam-beta1", type=float, default=0.9)
     a("--adam-beta2", type=float, default=0.95)
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--muon-tp-mode", default="blockwise", choices=["blockwise", "duplicated", "distributed"],
+      help="--dmuon-mode megatron_layerwise only: Megatron's own Muon TP mode")
     a("--bf16", action="store_true")
     a("--overlap-grad-reduce", action="store_true")
     a("--overlap-param-gather", action="store_true")
@@ -135,13 +139,14 @@ def main(argv=None):
     from megatron_dmuon.megatron.optimizer import DMuonConfig, comm_bytes_per_step, get_dmuon_optimizer
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     torch.manual_seed(args.seed)  # CPU-side init (use_cpu_initialization), as Megatron's _set_random_seed
     model_parallel_cuda_manual_seed(args.seed)
-    if args.global_batch_size % (args.micro_batch_size * world):
+    if args.global_batch_size % (args.micro_batch_size * dp_size):
         raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of "
-                         f"--micro-batch-size x DP = {args.micro_batch_size * world}")
-    grad_accum = args.global_batch_size // (args.micro_batch_size * world)
+                         f"--micro-batch-size x DP = {args.micro_batch_size * dp_size}")
+    grad_accum = args.global_batch_size // (args.micro_batch_size * dp_size)
     shape = GPTShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                      ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
@@ -155,7 +160,7 @@ def main(argv=None):
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
         bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        use_distributed_optimizer=not gtc)
+        use_distributed_optimizer=not gtc, muon_tp_mode=args.muon_tp_mode)
     if args.optimizer == "dmuon" and not gtc:
         ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=args.dmuon_ranks_per_node)
     else:
@@ -196,14 +201,15 @@ def main(argv=None):
     nparams = sum(p.numel() for p in model.parameters())
     if rank == 0:
         mode = args.optimizer if args.optimizer == "adam" else f"dmuon/{args.dmuon_mode}"
-        print(f"> {mode} | backend {backend} | DP {world} | grad accum {grad_accum} | params {nparams/1e6:.2f}M | "
+        print(f"> {mode} | backend {backend} | DP {dp_size} TP {args.tensor_model_parallel_size} "
+              f"PP {args.pipeline_model_parallel_size} | grad accum {grad_accum} | params {nparams/1e6:.2f}M | "
               f"bytes/step {json.dumps(comm_bytes_per_step([ddp], 'gather_then_compute' if gtc else 'dmuon'))}",
               flush=True)
     timings, first_loss, last_loss = [], None, None
     for it in range(1, args.train_iters + 1):
         sync()
         t0 = time.perf_counter()
-        micro = [data.batch(it, rank, m, args.micro_batch_size) for m in range(grad_accum)]
+        micro = [data.batch(it, dp_rank, m, args.micro_batch_size) for m in range(grad_accum)]
         loss, grad_norm, _, ok = train_step([ddp], opt, micro, args.seq_length, args.micro_batch_size)
         sync()
         step_ms = (time.perf_counter() - t0) * 1e3
@@ -221,7 +227,8 @@ def main(argv=None):
     if rank == 0:
         steady = timings[len(timings) // 2:] or timings
         summary = {"optimizer": args.optimizer, "mode": args.dmuon_mode if args.optimizer == "dmuon" else "adam",
-                   "dp": world, "first_loss": first_loss, "last_loss": last_loss,
+                   "dp": dp_size, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+                   "first_loss": first_loss, "last_loss": last_loss,
                    "median_step_ms": sorted(t["step_ms"] for t in steady)[len(steady) // 2],
                    "median_optimizer_ms": sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2]}
         print("> summary " + json.dumps(summary), flush=True)

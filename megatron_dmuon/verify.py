@@ -3,7 +3,7 @@
 CPU (default): spawns dp x tp x pp gloo ranks with the CPU test shim and runs the TP=PP=EP=1
 reference in one process. GPU: launch under torchrun
 (`torchrun --nproc-per-node N -m megatron_dmuon.cli verify --tp 2 --bf16`); every rank trains on
-NCCL, rank 0 then runs the reference on its GPU. Prints the max relative parameter difference per
+NCCL, rank 0 then runs the reference in a fresh single-rank CPU process. Prints the max relative parameter difference per
 tensor (parameters merged over TP shards, PP stages and EP experts); exits 1 above the tolerance
 or if a matrix was not orthogonalized exactly once per step.
 
@@ -30,6 +30,9 @@ import sys
 
 import torch
 
+from .planning.tp_cost import TP_METHODS
+from .runtime.owner_step import NS_METHODS
+
 # bf16 params (rounding 2^-8 per update), bf16 grads and bf16 NS against the fp32 reference after
 # 10 steps at lr 2e-2: measured 8.7e-2 worst tensor on CPU/gloo DP=2; bound with margin.
 BF16_TOL = 1.5e-1
@@ -55,6 +58,9 @@ def _parser():
     p.add_argument("--bf16", action="store_true", help="bf16 params and bf16 NS (tolerance %g)" % BF16_TOL)
     p.add_argument("--overlap", action="store_true", help="overlap_grad_reduce + overlap_param_gather")
     p.add_argument("--split", choices=("qkv", "heads", "glu"), default=None, help="orthogonalize split pieces")
+    p.add_argument("--ns-method", choices=NS_METHODS, default="standard", help="NS variant (the reference uses the same)")
+    p.add_argument("--tp-method", choices=TP_METHODS, default="auto",
+                   help="TP matrices: gather to the owner, distributed Gram (needs --ns-method gram/auto), or auto")
     p.add_argument("--tol", type=float, default=None, help="max relative difference allowed per tensor")
     p.add_argument("--resume-at", type=int, default=None, metavar="K",
                    help="save after K steps, resume a fresh model and optimizer from it, compare with the uninterrupted run")
@@ -103,7 +109,8 @@ def _run_kwargs(args, precision):
         shape["num_experts"] = 4
     ns_dtype = {"bf16": "bfloat16", "fp64": "float64"}.get(precision, "float32")
     return dict(steps=args.steps, grad_accum=args.grad_accum, overlap=args.overlap, tp=args.tp, pp=args.pp,
-                ep=args.ep, shape_kw=shape, ns_dtype=ns_dtype, split=args.split)
+                ep=args.ep, shape_kw=shape, ns_dtype=ns_dtype, split=args.split,
+                muon_kw=dict(ns_method=args.ns_method, tp_method=args.tp_method))
 
 
 def _reference_kwargs(kw, precision):
@@ -248,10 +255,14 @@ def _main_torchrun(args):
     shards = [None] * world
     torch.distributed.gather_object(res["shards"], shards if rank == 0 else None, dst=0)
     code = 0
-    if rank == 0:  # the reference needs no collectives: run it here while the others wait
+    if rank == 0:
+        # the TP=PP=EP=1 reference runs in a fresh single-rank CPU process: this process's Megatron
+        # parallel state (and its collectives) belong to the distributed run
+        from .testing.compare import run_reference
+
         exact_order = precision == "fp32" and (args.tp, args.pp, args.ep) == (1, 1, 1) and backend == "gloo"
-        ref = workers.reference(0, 1, dp=args.dp, layouts=res["layouts"] if exact_order else None,
-                                **_reference_kwargs(kw, precision))
+        ref = run_reference(args.dp, layouts=res["layouts"] if exact_order else None,
+                            **_reference_kwargs(kw, precision))
         meta = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "ep": args.ep, "backend": backend,
                 "precision": precision, "each_matrix_once": res["ns_counts"] == [ref["num_matrices"]] * args.steps}
         code = _report(rel_diffs(merge_ranks(shards), ref["params"]), _tolerance(args, precision), args.json, meta)

@@ -163,3 +163,28 @@ def test_flop_argument_errors():
         newton_schulz_flops(0, 4, 5)
     with pytest.raises(ValueError, match="restarts"):
         newton_schulz_flops(4, 40, 5, "gram", restarts=-1)
+
+
+def test_sharded_gram_with_one_shard_equals_gram_newton_schulz():
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
+
+    x = torch.randn(3, 16, 80, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    local = gram_newton_schulz_sharded(x, lambda t: t, gram_space_polynomial, compute_dtype=torch.float64)
+    full = gram_newton_schulz(x, compute_dtype=torch.float64)
+    assert float((local - full).abs().max()) <= 1e-12
+
+
+def test_sharded_gram_over_column_blocks_equals_the_whole_matrix():
+    # t = 4 "ranks" simulated in one process with one segment (no restart): the collectives are
+    # sums over the column blocks of the normalised matrix
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
+
+    x = torch.randn(2, 24, 96, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    blocks = list(x.chunk(4, dim=-1))
+    norm2 = sum(b.square().sum(dim=(-2, -1), keepdim=True) for b in blocks)
+    gram = sum(b @ b.mT for b in blocks) / norm2
+
+    out = [gram_newton_schulz_sharded(b, lambda t: norm2.clone(), lambda partial, seg: gram_space_polynomial(gram.clone(), seg),
+                                      compute_dtype=torch.float64, restart_after=()) for b in blocks]
+    full = gram_newton_schulz(x, compute_dtype=torch.float64, restart_after=(), min_aspect_ratio=1.0)
+    assert float((torch.cat(out, dim=-1) - full).abs().max()) <= 1e-12

@@ -26,7 +26,7 @@ than fp16 (0.14 / 0.34). Table and bounds: docs/algorithms.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -41,7 +41,8 @@ from .newton_schulz import (
     validate_matrix_input,
 )
 
-__all__ = ["gram_newton_schulz", "restart_points"]
+__all__ = ["gram_newton_schulz", "gram_newton_schulz_sharded", "gram_segments", "gram_space_polynomial",
+           "restart_points"]
 
 
 def restart_points(restart_after: Iterable[int], steps: int) -> frozenset[int]:
@@ -56,6 +57,73 @@ def restart_points(restart_after: Iterable[int], steps: int) -> frozenset[int]:
         if p < steps:
             points.add(p)
     return frozenset(points)
+
+
+def gram_segments(schedule, restarts: frozenset[int]) -> list[list[tuple[float, float, float]]]:
+    """The schedule cut into segments: a segment ends after each restart position."""
+    segments, current = [], []
+    for t, abc in enumerate(schedule, start=1):
+        current.append(tuple(abc))
+        if t in restarts:
+            segments.append(current)
+            current = []
+    if current:
+        segments.append(current)
+    return segments
+
+
+def gram_space_polynomial(R: Tensor, segment) -> Tensor:
+    """``Q`` of one segment (``X <- Q X``) from ``R = X Xᵀ`` alone: m×m work only.
+
+    Each step: ``Z' = b R + c R²``, ``Q <- a Q + Q Z'`` (``Q = a I + Z'`` first), and except on
+    the segment's last step ``R <- Z R Z`` (symmetrised). ``R`` is a [B, m, m] stack."""
+    Q = None  # None stands for the identity at the start of a segment
+    for i, (a, b, c) in enumerate(segment):
+        Z_rest = torch.baddbmm(R, R, R, beta=b, alpha=c)  # Z' = b R + c R^2
+        if i < len(segment) - 1:
+            RZ = torch.baddbmm(R, R, Z_rest, beta=a)  # R Z = a R + R Z'
+            R = torch.baddbmm(RZ, Z_rest, RZ, beta=a)  # Z R Z = a RZ + Z' RZ
+            R = (R + R.mT).mul_(0.5)  # rounding breaks symmetry; keep R symmetric
+        if Q is None:
+            Q = _add_identity_(Z_rest, a)  # Q = a I + Z' (Z_rest is not needed any more)
+        else:
+            Q = torch.baddbmm(Q, Q, Z_rest, beta=a)  # Q Z = a Q + Q Z'
+    return Q
+
+
+def gram_newton_schulz_sharded(
+    x: Tensor,
+    sum_over_shards: Callable[[Tensor], Tensor],
+    gram_to_q: Callable[[Tensor, list], Tensor],
+    coefficients: CoefficientSpec = "keller",
+    steps: int = 5,
+    compute_dtype: torch.dtype = torch.float16,
+    eps: float = 1e-7,
+    safety: float = 1.01,
+    restart_after: Iterable[int] = (2,),
+) -> Tensor:
+    """Gram NS of a wide matrix ``W = [x_0 x_1 ... x_{t-1}]`` whose column blocks live on t ranks:
+    this rank passes its block ``x`` ([B, m, n_i] or [m, n_i]; m <= the full n) and gets back
+    its block of the result. Only m×m Gram matrices (and one norm) cross ranks:
+
+    * ``sum_over_shards(t)``: the sum of ``t`` over all ranks (an all-reduce; for the norm);
+    * ``gram_to_q(partial_R, segment)``: from this rank's ``x_i x_iᵀ``, the segment's ``Q`` on
+      every rank (e.g. reduce to one owner, ``gram_space_polynomial`` there, broadcast ``Q``).
+
+    With one shard and local callbacks this is ``gram_newton_schulz`` (same op order for the
+    m×m part; the norm is taken as sqrt(sum of squares))."""
+    validate_compute_dtype(compute_dtype)
+    validate_eps(eps)
+    schedule = get_coefficients(coefficients, steps, safety)
+    segments = gram_segments(schedule, restart_points(restart_after, steps))
+    stack = x if x.ndim == 3 else x.unsqueeze(0)
+    stage_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
+    X = stack.to(stage_dtype)
+    norm = sum_over_shards(X.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
+    X = (X / norm.clamp(min=eps)).to(compute_dtype)
+    for segment in segments:
+        X = gram_to_q(X @ X.mT, segment) @ X
+    return X.reshape(x.shape).to(x.dtype)
 
 
 def _add_identity_(m: Tensor, alpha: float) -> Tensor:
@@ -101,24 +169,12 @@ def gram_newton_schulz(
 
     stack = _as_stack(x)
     X, transposed = normalised_wide(stack if stack.ndim == 3 else stack.unsqueeze(0), compute_dtype, eps)
+    segments = gram_segments(schedule, restarts)
     R = X @ X.mT
-    Q = None  # None stands for the identity at the start of a segment
-    for t, (a, b, c) in enumerate(schedule, start=1):
-        Z_rest = torch.baddbmm(R, R, R, beta=b, alpha=c)  # Z' = b R + c R^2
-        segment_ends = t in restarts or t == steps
-        if not segment_ends:
-            RZ = torch.baddbmm(R, R, Z_rest, beta=a)  # R Z = a R + R Z'
-            R = torch.baddbmm(RZ, Z_rest, RZ, beta=a)  # Z R Z = a RZ + Z' RZ
-            R = (R + R.mT).mul_(0.5)  # rounding breaks symmetry; keep R symmetric
-        if Q is None:
-            Q = _add_identity_(Z_rest, a)  # Q = a I + Z' (Z_rest is not needed any more)
-        else:
-            Q = torch.baddbmm(Q, Q, Z_rest, beta=a)  # Q Z = a Q + Q Z'
-        if t in restarts:
-            X = Q @ X
+    for i, segment in enumerate(segments):
+        X = gram_space_polynomial(R, segment) @ X
+        if i < len(segments) - 1:  # restart: rebuild R from the iterate
             R = X @ X.mT
-            Q = None
-    X = Q @ X
     if transposed:
         X = X.mT
     return X.reshape(x.shape).to(x.dtype)

@@ -48,6 +48,7 @@ def compute_owner_aligned_layout(
     bucket_size: Optional[int],
     cost_fn: Callable = ns_cost,
     max_bucket_padding: float = 0.02,
+    balance: str = "cost",
 ):
     """Owner plan + FullParamLayout for every buffer of `module` (dense: DP x TP owners; expert:
     expert-DP x expert-TP owners), planned on rank 0 of the pipeline stage and broadcast.
@@ -94,7 +95,8 @@ def compute_owner_aligned_layout(
         for key in keys:
             dp_size, tp_size = sizes(key)
             cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
-            plans[key] = plan_owner_layout(items_of(key), dp_size, bucket_size, max_bucket_padding, cost, tp_size)
+            plans[key] = plan_owner_layout(items_of(key), dp_size, bucket_size, max_bucket_padding, cost, tp_size,
+                                           balance)
         # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
         payload = [{k: plans[k].to_json() for k in keys}]
     if stage.size() > 1:
@@ -126,7 +128,9 @@ def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False,
     from megatron.core.distributed import DistributedDataParallel
 
     from .hierarchy import check_two_level_config
+    from .checks import check_model_parallel_config
 
+    check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
     groups = layout_groups(config, ddp_config)
     dp_group = groups["dp"]
     check_two_level_config(ddp_config, dp_group.size(), ranks_per_node)

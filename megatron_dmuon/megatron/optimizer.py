@@ -17,6 +17,8 @@ import torch
 from . import checkpoint as ckpt
 from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+from ..planning.tp_cost import choose_tp_method
+from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .layout import full_matrix_shape
 
 logger = logging.getLogger(__name__)
@@ -83,13 +85,16 @@ def _matrix_infos(model_chunks, cfg: DMuonConfig, tp_sizes) -> dict:
             tp_size = tp_sizes[expert_of[param]]
             sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
             shape = full_matrix_shape(param, tp_size)
+            split = _split_rule(name, shape, chunk.config, cfg)
+            partition_dim = param.partition_dim if sharded else None
             infos[param] = MatrixInfo(
-                name if len(model_chunks) == 1 else f"chunk{idx}/{name}", shape,
-                _split_rule(name, shape, chunk.module.config if hasattr(chunk, "module") else chunk.config, cfg),
+                name if len(model_chunks) == 1 else f"chunk{idx}/{name}", shape, split,
                 local_shape=tuple(param.shape),
-                partition_dim=param.partition_dim if sharded else None,
+                partition_dim=partition_dim,
                 partition_stride=getattr(param, "partition_stride", 1) if sharded else 1,
                 tp_owner=tp_owner.get(name, 0),
+                tp_method=choose_tp_method(shape, tp_size, partition_dim, split, cfg.muon.ns_method,
+                                           cfg.muon.tp_method, cfg.muon.ns_steps),
             )
     return infos
 
@@ -107,61 +112,6 @@ def _grad_scaler(config):
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler
 
     return ConstantGradScaler(config.loss_scale) if config.loss_scale else None
-
-
-def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
-    """Parallel layouts DMuon runs exactly; everything else fails here, before any state exists.
-
-    Supported: TP (owners over the TP x DP grid), PP (each stage plans its own params), EP with
-    expert TP (expert buffers get expert-DP x expert-TP owners), sequence parallelism."""
-    get = lambda name, default=1: getattr(model_config, name, default) or default  # noqa: E731
-    if get("context_parallel_size") > 1:
-        raise ValueError(
-            "--optimizer dmuon does not support --context-parallel-size > 1 yet (its owner plan and "
-            "exactness tests cover TP/PP/EP/DP); use --context-parallel-size 1 or --optimizer adam"
-        )
-    if get("virtual_pipeline_model_parallel_size", None) not in (None, 1):
-        raise ValueError(
-            "--optimizer dmuon does not support the interleaved pipeline schedule yet: drop "
-            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
-        )
-    if mode == "gather_then_compute" and (get("tensor_model_parallel_size") > 1
-                                          or get("expert_model_parallel_size") > 1):
-        raise ValueError(
-            "--dmuon-mode gather_then_compute is the DP-only baseline (per-shard NS under TP/EP would not "
-            "be Muon); use --dmuon-mode dmuon with --tensor-model-parallel-size / --expert-model-parallel-size"
-        )
-    if getattr(model_config, "fp8", None) and getattr(model_config, "fp8_param", False):
-        raise ValueError("--optimizer dmuon does not support --fp8-param-gather yet; drop the flag")
-
-
-def check_dmuon_config(config, ddp_config, cfg: DMuonConfig, model_config=None) -> None:
-    """Start-up checks; each error names the flag and the fix."""
-    cfg.validate()
-    if model_config is not None:
-        check_model_parallel_config(model_config, cfg.mode)
-    if getattr(config, "overlap_param_gather_with_optimizer_step", False):
-        raise ValueError("--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step; drop the flag")
-    if config.fp16:
-        raise ValueError(
-            "--optimizer dmuon does not support --fp16 (Muon's NS on loss-scaled fp16 grads is "
-            "unsupported); use --bf16"
-        )
-    if config.optimizer_cpu_offload:
-        raise ValueError("--optimizer dmuon does not support --optimizer-cpu-offload; drop the flag")
-    if config.use_precision_aware_optimizer:
-        raise ValueError("--optimizer dmuon does not support --use-precision-aware-optimizer; drop the flag")
-    if cfg.mode == "dmuon":
-        if not (config.use_distributed_optimizer and ddp_config.use_distributed_optimizer):
-            raise ValueError(
-                "--optimizer dmuon needs --use-distributed-optimizer (OptimizerConfig and "
-                "DistributedDataParallelConfig use_distributed_optimizer=True); or pick "
-                "--dmuon-mode gather_then_compute"
-            )
-        if ddp_config.num_distributed_optimizer_instances != 1:
-            raise ValueError("--optimizer dmuon needs --num-distributed-optimizer-instances 1")
-    elif cfg.mode == "gather_then_compute" and ddp_config.use_distributed_optimizer:
-        raise ValueError("--dmuon-mode gather_then_compute all-reduces grads: drop --use-distributed-optimizer")
 
 
 def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig] = None):

@@ -151,10 +151,22 @@ def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world
     return buckets
 
 
-def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1):
+BALANCE = ("cost", "round_robin")  # round_robin: a baseline for comparisons and plan-change tests
+
+
+def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, balance="cost", assigned=0):
     """Cost-aware greedy: heaviest matrix first to the least-loaded DP x TP cell whose DP
-    shard still fits it. Returns ({name: dp rank}, {name: tp rank})."""
+    shard still fits it. 'round_robin': matrices in buffer order to the cells in turn (the
+    turn continues from the ``assigned`` matrices of earlier buckets).
+    Returns ({name: dp rank}, {name: tp rank})."""
     total = sum(items[i].numel for i in bucket_members)
+    if balance == "round_robin":
+        owners, tp_owners = {}, {}
+        for k, i in enumerate(i for i in bucket_members if items[i].is_matrix):
+            c = (assigned + k) % (world_size * tp_size)
+            owners[items[i].name], tp_owners[items[i].name] = divmod(c, tp_size)
+            rank_cost[c] += items[i].cost
+        return owners, tp_owners
     mats = sorted((i for i in bucket_members if items[i].is_matrix),
                   key=lambda i: (-items[i].cost, -items[i].numel, items[i].name))
     # shard must hold the biggest matrix and, ideally, 1/D of the bucket
@@ -237,6 +249,7 @@ def plan_owner_layout(
     max_bucket_padding: float = 0.02,
     rank_cost: Optional[List[float]] = None,
     tp_size: int = 1,
+    balance: str = "cost",
 ) -> OwnerLayout:
     """Compute the owner plan and owner-aligned layout of one buffer.
 
@@ -247,6 +260,8 @@ def plan_owner_layout(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if balance not in BALANCE:
+        raise ValueError(f"balance {balance!r} unknown; valid: {', '.join(BALANCE)}")
     names = [it.name for it in items]
     if len(set(names)) != len(names):
         raise ValueError("parameter names in a buffer must be unique")
@@ -262,7 +277,8 @@ def plan_owner_layout(
     tp_owners: Dict[str, int] = {}
     start = 0
     for b, members in enumerate(_split_buckets(items, bucket_size, world_size, max_bucket_padding)):
-        bucket_owners, bucket_tp_owners = _assign_owners(items, members, world_size, rank_cost, tp_size)
+        bucket_owners, bucket_tp_owners = _assign_owners(items, members, world_size, rank_cost, tp_size,
+                                                         balance, assigned=len(owners))
         owners.update(bucket_owners)
         tp_owners.update(bucket_tp_owners)
         pos, shard = _place_bucket(items, members, bucket_owners, world_size, start)

@@ -16,6 +16,7 @@ import torch
 
 from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale, muon_momentum_
 from ..planning.params import check_muon_matrix_shape
+from ..planning.tp_cost import TP_METHODS
 from .tp_exchange import TPExchange, TPMatrix
 
 NS_METHODS = ("standard", "gram", "auto")
@@ -44,6 +45,9 @@ class MuonSettings:
     # an NS output holding NaN/Inf (e.g. fp16 Gram overflow) is recomputed in float32 by the torch
     # path and counted (kernels.metrics.NONFINITE_METRICS, OwnerMuonAdamW.stats['ns_fp32_retries'])
     retry_nonfinite: bool = True
+    # TP-sharded matrices: 'gather' to the TP owner, 'distributed_gram' where it applies, or 'auto'
+    # (planning/tp_cost.py's time model picks per shape)
+    tp_method: str = "auto"
 
     def validate(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
@@ -54,6 +58,8 @@ class MuonSettings:
             raise ValueError(f"dmuon ns_steps must be >= 1, got {self.ns_steps}")
         if self.ns_launch not in NS_LAUNCH_MODES:
             raise ValueError(f"dmuon ns_launch {self.ns_launch!r} unknown (--dmuon-ns-launch); valid: {NS_LAUNCH_MODES}")
+        if self.tp_method not in TP_METHODS:
+            raise ValueError(f"dmuon tp_method {self.tp_method!r} unknown (--dmuon-tp-method); valid: {TP_METHODS}")
         if self.ns_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"dmuon ns_dtype must be a float dtype, got {self.ns_dtype}")
         if self.coefficients == ADAPTIVE_SCHEDULE:
@@ -92,6 +98,7 @@ class MatrixInfo:
     partition_dim: Optional[int] = None  # TP: 0 rows split, 1 cols split, None: whole on every TP rank
     partition_stride: int = 1
     tp_owner: int = 0  # TP rank that orthogonalizes this matrix
+    tp_method: str = "gather"  # 'gather' to the TP owner, or 'distributed_gram' (planning/tp_cost.py)
 
     def __post_init__(self):
         self.shape = check_muon_matrix_shape(self.name, self.shape)
@@ -244,8 +251,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             updates[info.name] = muon_momentum_(state["momentum_buffer"].view(info.local_shape),
                                                 grad.view(info.local_shape), s.momentum, s.nesterov)
-        tp_mats = [info.tp_matrix() for _, _, info in entries]
-        info_of = {info.name: (p, info) for p, _, info in entries}
+        local = self._distributed_gram_step([e for e in entries if e[2].tp_method == "distributed_gram"], updates)
+        entries_gather = [e for e in entries if e[2].tp_method != "distributed_gram"]
+        tp_mats = [info.tp_matrix() for _, _, info in entries_gather]
+        info_of = {info.name: (p, info) for p, _, info in entries_gather}
         full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()})
         owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
         orthogonalized = self._orthogonalize_owned([(info, full[info.name]) for _, info in owned])
@@ -255,13 +264,35 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             for p, info in owned
         }
         like = entries[0][0] if entries else None
-        local = self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, (_, i) in info_of.items()}, like)
+        local.update(self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, (_, i) in info_of.items()}, like))
         for p, group, info in entries:
             scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
             muon_apply_(p, local[info.name], group["lr"], group["weight_decay"], scale)
-        self.stats["ns_matrices"] = len(owned)
-        self.stats["ns_matrices_total"] += len(owned)
+        self.stats["ns_matrices"] = len(owned) + self.stats["gram_owned"]
+        self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
         self.stats["tp_bytes"] = self.tp.bytes_sent
+
+    def _distributed_gram_step(self, entries, updates) -> Dict[str, torch.Tensor]:
+        """Directions (this rank's shards) of matrices orthogonalized by distributed Gram NS across
+        the TP group: one stack per (local shape, TP owner), in the same order on every TP rank."""
+        s = self.muon
+        self.tp.bytes_sent = 0
+        self.stats["gram_owned"] = 0
+        groups: Dict[tuple, list] = defaultdict(list)
+        for p, _, info in entries:
+            groups[(info.local_shape, info.shape, info.tp_owner)].append((p, info))
+        out = {}
+        for (local_shape, shape, owner), members in sorted(groups.items()):
+            tall = shape[0] >= shape[1]  # shards are column blocks of the wide orientation
+            stack = torch.stack([updates[info.name].mT if tall else updates[info.name] for _, info in members])
+            kw = dict(s.ns_schedule(*shape), compute_dtype=s.ns_dtype)
+            result = self.tp.gram_orthogonalize(stack, owner, **kw)
+            for (p, info), o in zip(members, result):
+                out[info.name] = muon_direction([o.mT if tall else o], None, shape=info.shape, scale_mode=s.scale_mode,
+                                                extra_scale=s.extra_scale, dtype=p.dtype)[0]
+            if owner == self.tp.rank:
+                self.stats["gram_owned"] += len(members)
+        return out
 
     def _orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:
         """NS outputs of every (info, full update) job, one batched call per distinct piece shape;

@@ -9,6 +9,11 @@ once, and returns each rank its shard of the direction. A matrix replicated on e
 (``partition_dim=None``, e.g. a router) is orthogonalized by its owner alone and the full
 direction is sent to the others. All ranks of the group see the same matrix list (one plan),
 so message sizes are known everywhere without a handshake.
+
+The alternative for matrices sharded along their long dim is distributed Gram NS
+(``gram_orthogonalize``): every rank keeps its shard, the m x m Gram matrix is reduced to the
+matrix's TP owner once per restart segment, the owner runs the Gram-space iteration alone and
+broadcasts Q, and each rank multiplies its own shard (planning/tp_cost.py chooses per shape).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
 from ..algorithms.tp_shards import merge_tp_shards, split_tp_shards
 
 __all__ = ["TPMatrix", "TPExchange"]
@@ -42,7 +48,7 @@ class TPExchange:
         self.group = group
         self.size = 1 if group is None else torch.distributed.get_world_size(group)
         self.rank = 0 if group is None else torch.distributed.get_rank(group)
-        self.bytes_sent = 0  # of the last step, both directions
+        self.bytes_sent = 0  # of the last step, all TP traffic (reset by the owner step)
 
     def owned(self, mats: Sequence[TPMatrix]) -> List[TPMatrix]:
         return [m for m in mats if m.owner == self.rank]
@@ -112,3 +118,25 @@ class TPExchange:
             for m, flat in zip(others[src], received[src].split([numel_from(m) for m in others[src]])):
                 out[m.key] = flat.view(local_shapes[m.key])
         return out
+
+    def gram_orthogonalize(self, local: torch.Tensor, owner: int, **gram_kwargs) -> torch.Tensor:
+        """Distributed Gram NS of a stack of matrices whose column blocks (wide orientation) are
+        spread over the TP group; ``owner`` runs the m x m iteration. Returns this rank's block."""
+        group = self.group
+        owner_global = torch.distributed.get_global_rank(group, owner)
+
+        def sum_over_shards(t):
+            torch.distributed.all_reduce(t, group=group)
+            self.bytes_sent += t.numel() * t.element_size()
+            return t
+
+        def gram_to_q(partial, segment):
+            partial = partial.contiguous()
+            torch.distributed.reduce(partial, dst=owner_global, group=group)
+            q = gram_space_polynomial(partial, segment).contiguous() if self.rank == owner else torch.empty_like(partial)
+            torch.distributed.broadcast(q, src=owner_global, group=group)
+            nbytes = partial.numel() * partial.element_size()
+            self.bytes_sent += nbytes * ((self.size - 1) if self.rank == owner else 1)
+            return q
+
+        return gram_newton_schulz_sharded(local, sum_over_shards, gram_to_q, **gram_kwargs)

@@ -93,3 +93,23 @@ def state_diffs(a: Dict[str, Dict[str, torch.Tensor]], b: Dict[str, Dict[str, to
         x, y = a[n][k].double(), b[n][k].double()
         out[f"{n}:{k}"] = 0.0 if torch.equal(x, y) else float((x - y).norm() / y.norm().clamp(min=1e-300))
     return out
+
+
+def merge_reduced_grads(results: List[dict], shapes: Dict[str, torch.Size]) -> List[Dict[str, torch.Tensor]]:
+    """Full reduced gradients per step from every rank's ``reduced_grads`` pieces; raises if the
+    pieces do not cover a parameter exactly once."""
+    steps = len(results[0]["reduced_grads"])
+    out = []
+    for step in range(steps):
+        full = {n: torch.full((int(torch.Size(s).numel()),), float("nan"), dtype=torch.float64) for n, s in shapes.items()}
+        covered = {n: 0 for n in shapes}
+        for r in results:
+            for name, pieces in r["reduced_grads"][step].items():
+                for start, end, values in pieces:
+                    full[name][start:end] = values.double()
+                    covered[name] += end - start
+        for n, s in shapes.items():
+            if covered[n] != int(torch.Size(s).numel()):
+                raise AssertionError(f"step {step}: reduced grad of {n} covered {covered[n]} of {torch.Size(s).numel()} elements")
+        out.append({n: v.view(shapes[n]) for n, v in full.items()})
+    return out

@@ -85,7 +85,11 @@ def run_distributed(
 
 def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[Any]:
     procs, outs = [], []
-    child_env = dict(os.environ)
+    # children are their own gloo world: drop a surrounding torchrun's rendezvous variables
+    # (TORCHELASTIC_USE_AGENT_STORE etc. would point their init at the launcher's store)
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    child_env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
     child_env.update(env or {})
     child_env.setdefault("PYTHONWARNINGS", "ignore")
     child_env.setdefault("OMP_NUM_THREADS", "1")

@@ -141,13 +141,19 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                     clip_grad: float = 0.0, muon_settings=None,
                     reduce_chunk_of: Optional[Dict[str, torch.Tensor]] = None,
                     ranks_per_node: int = 0, split_rule_for: Optional[Callable] = None,
-                    rules: str = "project") -> Dict[str, object]:
+                    rules: str = "project", replay_grads: Optional[List[Dict[str, torch.Tensor]]] = None,
+                    ) -> Dict[str, object]:
     """`batches_per_step(step)` returns the global batch as [dp rank][micro-batch] token blocks.
 
     `reduce_chunk_of[name]` (optional) gives, per element, the reduce-scatter shard it lands in;
     the cross-rank sum then follows gloo's ring order for that shard, so fp32 results can be
     compared bit-for-bit. Without it ranks are summed in rank order. `rules`: 'project'
     (ProjectRules) or 'torch_optim' (TorchOptimRules; Muon settings then are torch's defaults).
+
+    `replay_grads[step][name]` (the replay oracle): step with the distributed run's reduced
+    gradients instead of this run's own sums; the largest relative gap between the two is
+    returned as `max_grad_gap`. Summation-order rounding then cannot fail the parameter check
+    (which stays bitwise), while a wrong reduction still shows as a large gap.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = named[0][1].device
@@ -158,7 +164,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
         updater = TorchOptimRules(named, lr=lr, weight_decay=weight_decay, adam_betas=adam_betas, adam_eps=adam_eps)
     else:
         raise ValueError(f"rules must be 'project' or 'torch_optim', got {rules!r}")
-    losses, grad_norms = [], []
+    losses, grad_norms, grad_gap = [], [], 0.0
     for step in range(steps):
         for _, p in named:
             p.grad = None
@@ -183,6 +189,11 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
             rank_grads.append({n: p.grad.detach().to(_grad_dtype(p)) * (1.0 / dp) for n, p in named})
         grads = {n: _sum_over_ranks([g[n] for g in rank_grads], None if reduce_chunk_of is None
                                     else reduce_chunk_of[n], ranks_per_node) for n, _ in named}
+        if replay_grads is not None:
+            replayed = {n: replay_grads[step][n].view_as(grads[n]).to(grads[n].dtype) for n, _ in named}
+            grad_gap = max([grad_gap] + [float((replayed[n] - grads[n]).norm() / grads[n].norm().clamp(min=1e-30))
+                                         for n, _ in named])
+            grads = replayed
         losses.append(total_loss / n_micro)
         norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
         grad_norms.append(norm)
@@ -191,4 +202,5 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
             if coeff < 1.0:
                 grads = {n: g * coeff for n, g in grads.items()}
         updater.step(named, grads)
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in named}, "grad_norms": grad_norms}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in named}, "grad_norms": grad_norms,
+            "max_grad_gap": grad_gap}

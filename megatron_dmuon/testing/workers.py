@@ -72,7 +72,7 @@ def _freeze(model, freeze):
 
 
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
-           split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, **kw):
+           split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost", **kw):
     """Model, DDP, optimizer and scheduler of one run (parallel state already initialized).
     ``perturb``: scale the weights (a 'fresh' model that differs from the saved one)."""
     from types import SimpleNamespace
@@ -102,7 +102,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         bucket_size=o.get("bucket_size"),
     )
     if mode == "dmuon":
-        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node)
+        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node, balance=balance)
     else:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
@@ -235,6 +235,8 @@ def _report(run, rank, trained, ns_counts, return_params=True):
     }
     if return_params:
         out["shards"] = local_shards(ddp.module)
+    if recorded is not None:
+        out["reduced_grads"] = recorded
     if parts:
         out["muon_states"] = sum(1 for part in parts for p in part.dmuon_inner.matrix_info
                                  if part.dmuon_inner.holds_momentum(part.dmuon_inner.matrix_info[p]))
@@ -263,7 +265,7 @@ def _report(run, rank, trained, ns_counts, return_params=True):
 
 
 def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, return_params=True, count_bytes=False, nan_at=None,
-                skip_steps=(), data_dp=None, **kw):
+                skip_steps=(), data_dp=None, record_grads=False, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
     (experts over ep); report losses, norms, NS counts, plans, every rank's parameter shards and
     optimizer state pieces."""
@@ -271,9 +273,13 @@ def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, return_params=True, count_by
     run = _build(**kw)
     steps = run.o["steps"]
     ns_counts = []
+    recorded = _record_reduced_grads(run.parts, run.ddp) if record_grads else None
     trained = _train(run, range(steps), data_dp, steps - 1 if count_bytes else None, nan_at, skip_steps, ns_counts)
     _finish_overlap(run)
-    return _report(run, rank, trained, ns_counts, return_params)
+    out = _report(run, rank, trained, ns_counts, return_params)
+    if recorded is not None:
+        out["reduced_grads"] = recorded
+    return out
 
 
 def dmuon_resume(rank, world_size, resume_at, tp=1, pp=1, ep=1, fmt="dist", save_dir=None, load_dir=None,
@@ -389,15 +395,44 @@ def _load(run, root, iteration, fmt, optimizer_only=False):
     run.sched.load_state_dict(saved["scheduler"])
 
 
+def _record_reduced_grads(parts, ddp):
+    """Per step, this rank's pieces of the reduced gradients the optimizer steps with (DP only):
+    [{global name: [(flat start, flat end, values)]}] (the replay oracle's input)."""
+    from megatron_dmuon.testing.global_params import global_names
+
+    names = global_names(ddp.module)
+    local_name = {p: n for n, p in ddp.module.named_parameters()}
+    steps = []
+    for part in parts:
+        pairs = [(m, s) for mg, sg in ((part.model_float16_groups, part.shard_fp32_from_float16_groups),
+                                        (part.model_fp32_groups, part.shard_fp32_groups))
+                 for gm, gs in zip(mg, sg) for m, s in zip(gm, gs)]
+        inner_step = part.dmuon_inner.step
+
+        def step(*a, _pairs=pairs, _part=part, _inner=inner_step, **k):
+            if not steps or _part is parts[0]:
+                steps.append({})
+            for model_param, main_param in _pairs:
+                r = _part._get_model_param_range_map(model_param)["param"]
+                steps[-1].setdefault(names[local_name[model_param]], []).append(
+                    (r.start, r.end, main_param.grad.detach().clone().view(-1)))
+            return _inner(*a, **k)
+
+        part.dmuon_inner.step = step
+    return steps
+
+
 def _split_kwargs(split):
     return {"split_qkv": split in ("qkv", "heads"), "split_per_head": split == "heads", "split_glu": split == "glu"}
 
 
-RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "nan_at", "data_dp")  # shape the run, not the math
+RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes",
+            "blockwise", "nan_at", "data_dp")  # shape the run, not the math
 
 
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
-              ranks_per_node=0, split=None, coefficients="keller", muon_kw=None, rules="project", **kw):
+              ranks_per_node=0, split=None, coefficients="keller", muon_kw=None, rules="project",
+              replay_grads=None, **kw):
     """The single-process TP=PP=EP=1 reference for a run with `dp` data-parallel ranks (world_size
     must be 1). Returns losses, grad norms, full params by global name and the matrix count."""
     from megatron_dmuon.megatron.gpt import build_gpt
@@ -428,7 +463,8 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
                           clip_grad=o["clip_grad"],
                           muon_settings=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
                           reduce_chunk_of=chunks, ranks_per_node=ranks_per_node,
-                          split_rule_for=_split_rule_for(model.config, split), rules=rules)
+                          split_rule_for=_split_rule_for(model.config, split), rules=rules,
+                          replay_grads=replay_grads)
     out["num_matrices"] = sum(is_muon_param(n, p) for n, p in model.named_parameters() if p.requires_grad)
     return out
 

@@ -1,0 +1,58 @@
+"""Start-up checks of a DMuon configuration: every error names the flag and the fix, and fires
+before any buffer or optimizer state exists."""
+from __future__ import annotations
+
+
+def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
+    """Parallel layouts DMuon runs exactly; everything else fails here, before any state exists.
+
+    Supported: TP (owners over the TP x DP grid), PP (each stage plans its own params), EP with
+    expert TP (expert buffers get expert-DP x expert-TP owners), sequence parallelism."""
+    get = lambda name, default=1: getattr(model_config, name, default) or default  # noqa: E731
+    if get("context_parallel_size") > 1:
+        raise ValueError(
+            "--optimizer dmuon does not support --context-parallel-size > 1 yet (its owner plan and "
+            "exactness tests cover TP/PP/EP/DP); use --context-parallel-size 1 or --optimizer adam"
+        )
+    if get("virtual_pipeline_model_parallel_size", None) not in (None, 1):
+        raise ValueError(
+            "--optimizer dmuon does not support the interleaved pipeline schedule yet: drop "
+            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+        )
+    if mode == "gather_then_compute" and (get("tensor_model_parallel_size") > 1
+                                          or get("expert_model_parallel_size") > 1):
+        raise ValueError(
+            "--dmuon-mode gather_then_compute is the DP-only baseline (per-shard NS under TP/EP would not "
+            "be Muon); use --dmuon-mode dmuon with --tensor-model-parallel-size / --expert-model-parallel-size"
+        )
+    if getattr(model_config, "fp8", None) and getattr(model_config, "fp8_param", False):
+        raise ValueError("--optimizer dmuon does not support --fp8-param-gather yet; drop the flag")
+
+
+def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
+    """Start-up checks of (OptimizerConfig, DistributedDataParallelConfig, DMuonConfig[, model config])."""
+    cfg.validate()
+    if model_config is not None:
+        check_model_parallel_config(model_config, cfg.mode)
+    if getattr(config, "overlap_param_gather_with_optimizer_step", False):
+        raise ValueError("--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step; drop the flag")
+    if config.fp16:
+        raise ValueError(
+            "--optimizer dmuon does not support --fp16 (Muon's NS on loss-scaled fp16 grads is "
+            "unsupported); use --bf16"
+        )
+    if config.optimizer_cpu_offload:
+        raise ValueError("--optimizer dmuon does not support --optimizer-cpu-offload; drop the flag")
+    if config.use_precision_aware_optimizer:
+        raise ValueError("--optimizer dmuon does not support --use-precision-aware-optimizer; drop the flag")
+    if cfg.mode == "dmuon":
+        if not (config.use_distributed_optimizer and ddp_config.use_distributed_optimizer):
+            raise ValueError(
+                "--optimizer dmuon needs --use-distributed-optimizer (OptimizerConfig and "
+                "DistributedDataParallelConfig use_distributed_optimizer=True); or pick "
+                "--dmuon-mode gather_then_compute"
+            )
+        if ddp_config.num_distributed_optimizer_instances != 1:
+            raise ValueError("--optimizer dmuon needs --num-distributed-optimizer-instances 1")
+    elif cfg.mode == "gather_then_compute" and ddp_config.use_distributed_optimizer:
+        raise ValueError("--dmuon-mode gather_then_compute all-reduces grads: drop --use-distributed-optimizer")
