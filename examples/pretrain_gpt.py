@@ -5,6 +5,11 @@
 
 Data: byte-level tokens of the Python standard library's source (on every machine), or a Megatron
 indexed dataset with --data-path PREFIX (the .bin/.idx pair). Prints Megatron-style progress lines.
+
+Checkpoints as Megatron-LM's: --save DIR --save-interval N writes DIR/iter_NNNNNNN (torch_dist:
+model, DMuon's per-parameter optimizer state, scheduler) and DIR/latest_checkpointed_iteration.txt;
+--load DIR resumes from the latest one (and starts fresh if DIR holds none, so one command line
+serves a first run and its restarts under `torchrun --max-restarts`).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import argparse
 import glob
 import json
 import os
+import signal
 import sys
 import sysconfig
 import time
@@ -68,10 +74,100 @@ def parse_args(argv=None):
     a("--seed", type=int, default=1234)
     a("--log-interval", type=int, default=10)
     a("--timing-json", default=None, help="write per-iteration timings here (rank 0)")
+    add_checkpoint_args(p)
     args = p.parse_args(argv)
+    validate_args(p, args)
+    return args
+
+
+def add_checkpoint_args(p):
+    a = p.add_argument
+    a("--save", default=None, help="checkpoint directory (Megatron-LM torch_dist layout)")
+    a("--save-interval", type=int, default=None, help="save every N iterations (and after the last one)")
+    a("--load", default=None, help="resume from the latest checkpoint in this directory (none there: start fresh)")
+    a("--fail-at-iteration", type=int, default=None,
+      help="fault injection: SIGKILL --fail-rank at the start of this iteration, on the first torchrun attempt only")
+    a("--fail-rank", type=int, default=-1, help="global rank --fail-at-iteration kills (-1: the last)")
+
+
+def validate_args(p, args):
+    """Every argument checked before anything is built; errors name the flag (argparse exit 2)."""
+    positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+                "tensor_model_parallel_size", "pipeline_model_parallel_size", "dmuon_ns_steps")
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    for name in ("lr_warmup_iters", "weight_decay", "clip_grad", "min_lr", "dmuon_ranks_per_node"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)}); "
+                    + ("--clip-grad 0 turns clipping off" if name == "clip_grad" else ""))
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0 (got {args.lr})")
+    if args.min_lr > args.lr:
+        p.error(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
+    for name in ("adam_beta1", "adam_beta2", "dmuon_momentum"):
+        if not 0 <= getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(args, name)})")
     if args.lr_warmup_iters >= args.train_iters:
         p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters ({args.train_iters})")
-    return args
+    if args.hidden_size % args.num_attention_heads:
+        p.error(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads {args.num_attention_heads}")
+    if args.num_attention_heads % args.num_query_groups:
+        p.error(f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups "
+                f"{args.num_query_groups}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for name in ("num_query_groups", "num_attention_heads", "ffn_hidden_size"):
+        if getattr(args, name) % tp:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be divisible by --tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        p.error(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp}")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world % (tp * pp):
+        p.error(f"the world size {world} must be a multiple of --tensor-model-parallel-size x "
+                f"--pipeline-model-parallel-size = {tp * pp}")
+    dp = world // (tp * pp)
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        p.error(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x DP = "
+                f"{args.micro_batch_size} x {dp}")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        p.error("--save-interval needs --save DIR and must be >= 1")
+    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+        p.error(f"--save {args.save} exists and is not a directory")
+    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
+        p.error(f"--load {args.load} is not a directory")
+    if (args.save or args.load) and args.optimizer == "dmuon" and args.dmuon_mode != "dmuon":
+        p.error(f"--save/--load support --dmuon-mode dmuon (and --optimizer adam); --dmuon-mode {args.dmuon_mode} "
+                "is a comparison baseline without checkpoints")
+    if args.fail_at_iteration is not None and not 1 <= args.fail_at_iteration <= args.train_iters:
+        p.error(f"--fail-at-iteration must be in [1, --train-iters] (got {args.fail_at_iteration})")
+    if args.data_path:
+        try:
+            check_indexed_dataset(args.data_path)
+        except ValueError as e:
+            p.error(str(e))
+    elif args.vocab_size < 256:
+        p.error("--vocab-size must be >= 256 for the byte-level default data")
+
+
+def check_indexed_dataset(prefix: str) -> None:
+    """The .bin/.idx pair exists, the index reads, and the .bin holds every token the index lists."""
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise ValueError(f"--data-path {prefix}: {prefix + ext} does not exist")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    try:
+        ds = IndexedDataset(prefix)
+    except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable index
+        raise ValueError(f"--data-path {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e})") from None
+    index = ds.index
+    if len(index.sequence_lengths) == 0:
+        raise ValueError(f"--data-path {prefix}: {prefix}.idx lists no documents")
+    need = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+    have = os.path.getsize(prefix + ".bin")
+    if have < need:
+        raise ValueError(f"--data-path {prefix}: {prefix}.bin is truncated ({have} bytes; {prefix}.idx needs {need})")
 
 
 def stdlib_bytes() -> torch.Tensor:
@@ -121,8 +217,59 @@ def setup_distributed():
         backend = "gloo"
     if "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+    else:  # under torchrun: a restarted attempt must not read the previous attempt's keys (gloo
+        # addresses of dead ranks) from torchrun's store, which outlives the workers
+        from torch.distributed.rendezvous import rendezvous
+
+        store, rank, world = next(rendezvous("env://"))
+        store = torch.distributed.PrefixStore(f"dmuon_attempt_{attempt}", store)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world)
     return rank, world, backend
+
+
+def load_if_requested(args, ddp, opt, sched, rank) -> int:
+    """Resume from --load's latest checkpoint; the iteration to continue after (0: fresh start)."""
+    from megatron_dmuon.megatron.checkpoint import checkpoint_dir, latest_iteration, load_checkpoint
+
+    if not args.load:
+        return 0
+    iteration = latest_iteration(args.load)
+    if iteration is None:
+        if rank == 0:
+            print(f"> no checkpoint in {args.load}: starting from scratch", flush=True)
+        return 0
+    common = load_checkpoint(checkpoint_dir(args.load, iteration), [ddp], opt)
+    sched.load_state_dict(common["opt_param_scheduler"])
+    if rank == 0:
+        print(f"> loaded checkpoint {checkpoint_dir(args.load, iteration)} at iteration {iteration}", flush=True)
+    if hasattr(ddp, "dmuon_owner_plans"):
+        from megatron_dmuon.megatron.replicas import check_replicas
+
+        report = check_replicas([ddp])
+        if rank == 0:
+            print(f"> {report}", flush=True)
+        if not report.ok:
+            raise RuntimeError(f"after loading {args.load}: {report}")
+    return int(common["iteration"])
+
+
+def save(args, iteration, ddp, opt, sched, rank) -> None:
+    from megatron_dmuon.megatron.checkpoint import save_checkpoint
+
+    path = save_checkpoint(args.save, iteration, [ddp], opt, extra={"opt_param_scheduler": sched.state_dict()})
+    if rank == 0:
+        print(f"> saved checkpoint {path}", flush=True)
+
+
+def maybe_fail(args, iteration, rank, world) -> None:
+    """--fail-at-iteration: the chosen rank dies as a crashed node would (first attempt only)."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if args.fail_at_iteration == iteration and first_attempt and rank == args.fail_rank % world:
+        print(f"> fault injection: SIGKILL rank {rank} at iteration {iteration}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv=None):
@@ -205,8 +352,10 @@ def main(argv=None):
               f"PP {args.pipeline_model_parallel_size} | grad accum {grad_accum} | params {nparams/1e6:.2f}M | "
               f"bytes/step {json.dumps(comm_bytes_per_step([ddp], 'gather_then_compute' if gtc else 'dmuon'))}",
               flush=True)
-    timings, first_loss, last_loss = [], None, None
-    for it in range(1, args.train_iters + 1):
+    timings, first_loss, last_loss, skipped = [], None, None, 0
+    start = load_if_requested(args, ddp, opt, sched, rank)
+    for it in range(start + 1, args.train_iters + 1):
+        maybe_fail(args, it, rank, world)
         sync()
         t0 = time.perf_counter()
         micro = [data.batch(it, dp_rank, m, args.micro_batch_size) for m in range(grad_accum)]
@@ -215,6 +364,9 @@ def main(argv=None):
         step_ms = (time.perf_counter() - t0) * 1e3
         if ok:
             sched.step(increment=args.global_batch_size)  # Megatron counts samples
+        skipped += not ok  # a non-finite gradient: skipped on every rank, nothing changed
+        if args.save and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
+            save(args, it, ddp, opt, sched, rank)
         timings.append({"iteration": it, "step_ms": step_ms, "optimizer_ms": opt_ms[-1], "loss": loss})
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
@@ -223,12 +375,14 @@ def main(argv=None):
             print(f" iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * args.global_batch_size:10d} | "
                   f"elapsed time per iteration (ms): {step_ms:.1f} | optimizer (ms): {opt_ms[-1]:.1f} | "
                   f"learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} | "
-                  f"lm loss: {loss:.6E} | grad norm: {float(grad_norm):.3f} |", flush=True)
-    if rank == 0:
+                  f"lm loss: {loss:.6E} | grad norm: {float('nan') if grad_norm is None else float(grad_norm):.3f} | "
+                  f"number of skipped iterations: {skipped:3d} |", flush=True)
+    if rank == 0 and timings:
         steady = timings[len(timings) // 2:] or timings
         summary = {"optimizer": args.optimizer, "mode": args.dmuon_mode if args.optimizer == "dmuon" else "adam",
                    "dp": dp_size, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-                   "first_loss": first_loss, "last_loss": last_loss,
+                   "first_loss": first_loss, "last_loss": last_loss, "skipped_iterations": skipped,
+                   **({"ns_fp32_retries": opt.dmuon_stats()["ns_fp32_retries"]} if hasattr(opt, "dmuon_stats") else {}),
                    "median_step_ms": sorted(t["step_ms"] for t in steady)[len(steady) // 2],
                    "median_optimizer_ms": sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2]}
         print("> summary " + json.dumps(summary), flush=True)
