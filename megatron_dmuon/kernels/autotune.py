@@ -12,13 +12,18 @@ Two kinds of decisions are tuned per (GPU, shape, batch, dtype) and cached:
   this module) and read here by ``cached_method``.
 
 The cache is a JSON file: ``cache_path`` argument, else ``$DMUON_AUTOTUNE_CACHE``, else
-``~/.cache/megatron_dmuon/autotune.json``. Writes merge with what is on disk and replace the
-file atomically, so concurrent ranks do not corrupt it (the last writer of a key wins).
-Lookups are memoised in-process.
+``~/.cache/megatron_dmuon/autotune.json``. Keys hold the GPU (name, compute capability) and the
+software that compiled the kernels (torch and Triton versions): an upgrade re-tunes instead of
+reusing a choice that may no longer compile. A write takes an exclusive lock on a side file,
+re-reads the file, merges and replaces it atomically, so concurrent ranks neither corrupt it
+nor drop each other's keys. Lookups are memoised in-process. A cached kernel choice that fails
+when it runs is reported once (warning), counted (``metrics.NONFINITE_METRICS
+['kernel_fallbacks']``) and that shape runs the torch path from then on (gram_ns_triton).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -36,7 +41,7 @@ from . import symmetric_ops
 from .symmetric_ops import quack_usable, triton_usable
 
 CACHE_ENV = "DMUON_AUTOTUNE_CACHE"
-CACHE_VERSION = 2  # 2: Triton configs gained the tma field (TMA kernel candidates)
+CACHE_VERSION = 3  # 2: Triton configs gained the tma field; 3: keys hold the torch/Triton versions
 OPS: tuple[str, ...] = ("syrk", "square")
 # Relative Frobenius tolerance of a candidate kernel vs the float32 torch fallback.
 OP_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -120,14 +125,31 @@ class AutotuneCache:
             self.save()
 
     def save(self) -> None:
-        merged = self._read_file()
-        merged.update(self.entries)
-        self._entries = merged
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".autotune.", suffix=".json", dir=self.path.parent)
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"version": CACHE_VERSION, "entries": merged}, fh, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        with _exclusive_lock(self.path.with_name(self.path.name + ".lock")):
+            merged = self._read_file()  # under the lock: every other writer's keys are in it
+            merged.update(self.entries)
+            self._entries = merged
+            fd, tmp = tempfile.mkstemp(prefix=".autotune.", suffix=".json", dir=self.path.parent)
+            with os.fdopen(fd, "w") as fh:
+                json.dump({"version": CACHE_VERSION, "entries": merged}, fh, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path):
+    """An advisory exclusive lock (fcntl) held for the block; a no-op where fcntl is missing."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: atomic replace alone (a concurrent writer's key may be lost)
+        yield
+        return
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 _CACHES: dict[Path, AutotuneCache] = {}
@@ -149,17 +171,30 @@ def clear_memo() -> None:
 
 
 def device_key(device: torch.device) -> str:
-    """GPU name and compute capability, e.g. 'NVIDIA H200|sm90'; 'cpu' for CPU tensors."""
+    """GPU name, compute capability and the compiling software, e.g.
+    'NVIDIA H200|sm90|torch2.11.0|triton3.6.0'; 'cpu|torch...|triton...' for CPU tensors."""
     device = torch.device(device)
     if device.type != "cuda":
-        return device.type
+        return f"{device.type}|{software_key()}"
     return _cuda_device_key(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def software_key() -> str:
+    """The versions that decide whether a cached kernel still compiles: torch and Triton."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return f"torch{torch.__version__}|triton{triton_version}"
 
 
 @functools.lru_cache(maxsize=None)
 def _cuda_device_key(index: int) -> str:  # queried once per GPU: this sits on every call's path
     major, minor = torch.cuda.get_device_capability(index)
-    return f"{torch.cuda.get_device_name(index)}|sm{major}{minor}"
+    return f"{torch.cuda.get_device_name(index)}|sm{major}{minor}|{software_key()}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -27,6 +27,7 @@ counted in ``metrics.NONFINITE_METRICS``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+import warnings
 
 import torch
 from torch import Tensor
@@ -35,8 +36,8 @@ from ..algorithms.coefficients import get_coefficients
 from ..algorithms.gram_newton_schulz import gram_newton_schulz, restart_points
 from ..algorithms.newton_schulz import newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input
 from . import symmetric_ops
-from .autotune import ShapePlan, cached_method, shape_plan
-from .metrics import retry_nonfinite
+from .autotune import CACHE_ENV, ShapePlan, cached_method, shape_plan
+from .metrics import NONFINITE_METRICS, retry_nonfinite
 
 __all__ = [
     "gram_newton_schulz_fast", "newton_schulz_fast", "orthogonalize_batched", "fast_path_usable",
@@ -141,6 +142,31 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {', '.join(FAST_BACKENDS)}; got {backend!r}")
 
 
+_FAILED: dict[tuple, str] = {}  # (method, shape, dtype, device) whose kernel choice failed -> why
+
+
+def _fast_or_torch(key: tuple, fast, torch_path, forced: bool) -> Tensor:
+    """The kernel path, or the torch path when this shape's (cached) kernel choice fails to
+    compile or launch: warned once per shape, counted in NONFINITE_METRICS['kernel_fallbacks'].
+    backend='triton' (forced) re-raises."""
+    if key in _FAILED and not forced:
+        NONFINITE_METRICS["kernel_fallbacks"] += 1
+        return torch_path()
+    try:
+        return fast()
+    except Exception as exc:  # noqa: BLE001 - any compile/launch failure of a kernel choice
+        if forced:
+            raise
+        _FAILED[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        warnings.warn(
+            f"DMuon kernels: the kernel choice for {key[0]} NS of shape {key[1]} ({key[2]}) failed "
+            f"({_FAILED[key]}); this shape runs the torch path from now on. The autotune cache may hold a "
+            f"choice made by other software: re-tune (dmuon autotune) or remove {CACHE_ENV} / the cache file",
+            RuntimeWarning)
+        NONFINITE_METRICS["kernel_fallbacks"] += 1
+        return torch_path()
+
+
 def _finish(out_wide: Tensor, transposed: bool, x: Tensor) -> Tensor:
     out = out_wide.mT if transposed else out_wide
     return out.reshape(x.shape).to(x.dtype)
@@ -176,13 +202,17 @@ def newton_schulz_fast(
     if backend == "torch" or not usable or x.numel() == 0:
         return newton_schulz(x, **torch_kwargs)
 
-    stack = x.reshape(-1, x.size(-2), x.size(-1))
-    X, transposed = _normalised_wide(stack, compute_dtype, eps)
-    plan = shape_plan(
-        X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
-        autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
-    )
-    out = _finish(standard_core(X, schedule, plan), transposed, x)
+    def fast():
+        stack = x.reshape(-1, x.size(-2), x.size(-1))
+        X, transposed = _normalised_wide(stack, compute_dtype, eps)
+        plan = shape_plan(
+            X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
+            autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
+        )
+        return _finish(standard_core(X, schedule, plan), transposed, x)
+
+    out = _fast_or_torch(("standard", tuple(x.shape), compute_dtype, str(x.device)), fast,
+                         lambda: newton_schulz(x, **torch_kwargs), forced=backend == "triton")
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
         out = retry_nonfinite(out, x, lambda sub: newton_schulz(sub, **fp32_kwargs))
@@ -243,13 +273,17 @@ def gram_newton_schulz_fast(
             x, schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=check_finite,
             backend=backend, autotune=autotune, cache_path=cache_path,
         )
-    stack = x.reshape(-1, rows, cols)
-    X, transposed = _normalised_wide(stack, compute_dtype, eps)
-    plan = shape_plan(
-        X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
-        autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
-    )
-    out = gram_core(X, schedule, restarts, plan, transposed, x.dtype).reshape(x.shape).to(x.dtype)
+    def fast():
+        stack = x.reshape(-1, rows, cols)
+        X, transposed = _normalised_wide(stack, compute_dtype, eps)
+        plan = shape_plan(
+            X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
+            autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
+        )
+        return gram_core(X, schedule, restarts, plan, transposed, x.dtype).reshape(x.shape).to(x.dtype)
+
+    out = _fast_or_torch(("gram", tuple(x.shape), compute_dtype, str(x.device)), fast,
+                         lambda: gram_newton_schulz(x, **torch_kwargs), forced=backend == "triton")
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
         out = retry_nonfinite(out, x, lambda sub: gram_newton_schulz(sub, **fp32_kwargs))

@@ -4,7 +4,9 @@
 
 * ``outputs_checked``   – matrices whose fast-path result was checked for NaN/Inf,
 * ``nonfinite_outputs`` – matrices whose fast-path result held NaN/Inf,
-* ``fp32_retries``      – matrices recomputed by the float32 torch path because of that.
+* ``fp32_retries``      – matrices recomputed by the float32 torch path because of that,
+* ``kernel_fallbacks``  – NS calls that ran the torch path because their cached kernel choice
+  failed (does not compile or launch with this GPU/software; warned once per shape).
 
 Read it directly or through ``nonfinite_metrics()``; ``reset_nonfinite_metrics()`` zeroes it.
 """
@@ -15,7 +17,8 @@ from typing import Callable
 
 import torch
 
-NONFINITE_METRICS: dict[str, int] = {"outputs_checked": 0, "nonfinite_outputs": 0, "fp32_retries": 0}
+NONFINITE_METRICS: dict[str, int] = {"outputs_checked": 0, "nonfinite_outputs": 0, "fp32_retries": 0,
+                                     "kernel_fallbacks": 0}
 
 
 def nonfinite_metrics() -> dict[str, int]:

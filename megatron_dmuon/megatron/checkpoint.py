@@ -595,6 +595,23 @@ def latest_iteration(root: str) -> Optional[int]:
         raise CheckpointMismatchError(f"{tracker} is corrupt: {text[:40]!r} is not an iteration number") from None
 
 
+def _fresh_data(state) -> None:
+    """Point every model ShardedTensor / factory at an empty tensor of its shape (in place)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def visit(d):
+        items = d.items() if isinstance(d, dict) else enumerate(d)
+        for k, v in list(items):
+            if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and v.data is not None:
+                d[k] = replace(v, data=torch.empty_like(v.data))
+            elif isinstance(v, (dict, list)):
+                visit(v)
+
+    for key, value in state.items():
+        if key.startswith("model"):
+            visit(value)
+
+
 def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = True) -> dict:
     """Load a ``save_checkpoint`` directory into built model chunks and optimizer; returns the
     loaded common entries (iteration, ``extra``). The optimizer record is checked on every rank
@@ -616,7 +633,17 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
     state = model_state(model_chunks, metadata)
     if load_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
-    loaded = dist_checkpointing.load(state, path)
+    # read into fresh tensors: a load that fails midway (truncated or missing files) leaves the
+    # model as it was (the optimizer part is fresh already); copied in once everything is read
+    _fresh_data(state)
+    try:
+        loaded = dist_checkpointing.load(state, path)
+    except Exception:
+        raise
+    except BaseException as e:  # torch DCP's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise RuntimeError(f"reading the checkpoint {path} failed (nothing was loaded): {e}") from e
     for i, chunk in enumerate(model_chunks):
         unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
     if load_optimizer:

@@ -235,8 +235,6 @@ def _report(run, rank, trained, ns_counts, return_params=True):
     }
     if return_params:
         out["shards"] = local_shards(ddp.module)
-    if recorded is not None:
-        out["reduced_grads"] = recorded
     if parts:
         out["muon_states"] = sum(1 for part in parts for p in part.dmuon_inner.matrix_info
                                  if part.dmuon_inner.holds_momentum(part.dmuon_inner.matrix_info[p]))
@@ -495,3 +493,78 @@ def replica_check(rank, world_size, tp=1, pp=1, ep=1, corrupt_rank=None, **kw):
             target = next(p for n, p in run.ddp.module.named_parameters() if n.endswith("linear_qkv.weight"))
             target.view(-1)[0] += 1e-3
     return dataclasses.asdict(check_replicas([run.ddp]))
+
+
+def nan_vs_never_seen(rank, world_size, nan_at=(3, 1), **kw):
+    """Two runs in one process group: one whose rank ``nan_at[1]`` gets a NaN gradient at step
+    ``nan_at[0]``, one that never sees that step's batch. Returns both reports."""
+    init_parallel()
+    out = {}
+    for name, extra in (("nan", dict(nan_at=nan_at)), ("never_seen", dict(skip_steps=(nan_at[0],)))):
+        run = _build(**kw)
+        trained = _train(run, range(run.o["steps"]), **extra)
+        _finish_overlap(run)
+        out[name] = _report(run, rank, trained, [])
+    return out
+
+
+def _snapshot(run) -> dict:
+    from megatron_dmuon.testing.global_params import local_shards
+
+    return {"params": local_shards(run.ddp.module), "state": optimizer_state_shards(run)}
+
+
+def _same(a: dict, b: dict) -> bool:
+    def flat(x):
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, dict):
+            return [t for k in sorted(x, key=str) for t in flat(x[k])]
+        if isinstance(x, (list, tuple)):
+            return [t for v in x for t in flat(v)]
+        return []
+
+    fa, fb = flat(a), flat(b)
+    return len(fa) == len(fb) and all(torch.equal(x, y) for x, y in zip(fa, fb))
+
+
+def checkpoint_bad_loads(rank, world_size, root, **kw):
+    """Loads that must fail loudly on every rank and leave the model and optimizer untouched:
+    a checkpoint of another model, of Megatron's own Adam optimizer, with a truncated data file.
+    Returns {case: (error message, state untouched)}."""
+    import os
+    import shutil
+
+    from megatron_dmuon.megatron.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+
+    init_parallel()
+    good = _build(**kw)
+    _train(good, range(2))
+    save_checkpoint(os.path.join(root, "dmuon"), 2, [good.ddp], good.opt)
+    adam = _build(mode="adam", **kw)
+    _train(adam, range(1))
+    save_checkpoint(os.path.join(root, "adam"), 1, [adam.ddp], adam.opt)
+    corrupt = os.path.join(root, "corrupt")
+    if rank == 0:  # the same checkpoint with its data files cut short (a crash while copying it)
+        shutil.copytree(os.path.join(root, "dmuon"), corrupt)
+        for data_file in (f for f in os.listdir(checkpoint_dir(corrupt, 2)) if f.endswith(".distcp")):
+            with open(os.path.join(checkpoint_dir(corrupt, 2), data_file), "r+b") as f:
+                f.truncate(os.path.getsize(f.name) // 2)
+    torch.distributed.barrier()
+    cases = {
+        "other_model": (dict(shape_kw={**(kw.get("shape_kw") or {}), "num_layers": 3}), checkpoint_dir(os.path.join(root, "dmuon"), 2)),
+        "adam_checkpoint": ({}, checkpoint_dir(os.path.join(root, "adam"), 1)),
+        "truncated_file": ({}, checkpoint_dir(corrupt, 2)),
+    }
+    out = {}
+    for case, (extra, path) in cases.items():
+        run = _build(**{**kw, **extra})
+        _train(run, range(1))
+        before = _snapshot(run)
+        try:
+            load_checkpoint(path, [run.ddp], run.opt)
+            message = None
+        except BaseException as e:  # noqa: BLE001 - the test inspects the type and message
+            message = f"{type(e).__name__}: {e}"
+        out[case] = (message, _same(before, _snapshot(run)))
+    return out
