@@ -41,6 +41,19 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
             "--optimizer dmuon does not support --fp16 (Muon's NS on loss-scaled fp16 grads is "
             "unsupported); use --bf16"
         )
+    optimizer = getattr(config, "optimizer", "adam")
+    if optimizer not in ("adam", "dmuon", "muon"):
+        raise ValueError(
+            f"--optimizer dmuon runs AdamW on the element-wise params; OptimizerConfig.optimizer={optimizer!r} "
+            "would be ignored: set optimizer='adam' (or build Megatron's own optimizer)")
+    if optimizer == "muon" and getattr(config, "muon_scalar_optimizer", "adam") != "adam":
+        raise ValueError(
+            f"--optimizer dmuon runs AdamW on the element-wise params; --muon-scalar-optimizer "
+            f"{config.muon_scalar_optimizer} is not supported: drop the flag")
+    if not getattr(config, "decoupled_weight_decay", True):
+        raise ValueError(
+            "--optimizer dmuon applies decoupled weight decay (W <- W(1 - lr*wd), AdamW's and Muon's rule); "
+            "decoupled_weight_decay=False would be silently replaced: drop it")
     if config.optimizer_cpu_offload:
         raise ValueError("--optimizer dmuon does not support --optimizer-cpu-offload; drop the flag")
     if config.use_precision_aware_optimizer:
