@@ -259,3 +259,20 @@ def test_cli_flags_are_validated(capsys, cli, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         dmuon_cli.main([cli, *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_row_of_the_bad_input_table_names_existing_tests():
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "bad_input.md")).read()
+    rows = [line for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(rows) >= 15
+    for row in rows:
+        test_cell = row.rstrip(" |").rsplit("|", 1)[1]
+        current_file = None
+        refs = re.findall(r"`(?:(test_\w+\.py))?::(test_\w+)", test_cell)
+        assert refs, row
+        for file, name in refs:
+            current_file = file or current_file
+            source = open(os.path.join(ROOT, "tests", current_file)).read()
+            assert f"def {name}(" in source, (current_file, name)

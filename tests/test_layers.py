@@ -26,10 +26,10 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 LAYERS = ("algorithms", "kernels", "planning", "runtime", "megatron")
-TOOLS = (f"{PACKAGE}.cli", f"{PACKAGE}.verify")
+TOOLS = (f"{PACKAGE}.cli", f"{PACKAGE}.verify", f"{PACKAGE}.check")
 MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.testing", *TOOLS)
 TESTING = f"{PACKAGE}.testing"
-TESTING_IMPORTERS = (TESTING, f"{PACKAGE}.verify")
+TESTING_IMPORTERS = (TESTING, f"{PACKAGE}.verify", f"{PACKAGE}.check")  # the diagnostic CLIs run the harness
 DECENTRALIZED = f"{PACKAGE}.decentralized"
 DECENTRALIZED_MAY_IMPORT = (DECENTRALIZED, f"{PACKAGE}.algorithms")
 
