@@ -5,17 +5,15 @@ ranks (NCCL on GPUs). In a job: ``megatron_dmuon.megatron.replicas.check_replica
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="dmuon check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dp", type=int, default=2, help="data-parallel size (CPU spawn mode)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    from .verify import layout_parser
+
+    p = layout_parser("dmuon check", __doc__)
     p.add_argument("--steps", type=int, default=3, help="training steps before the check")
     p.add_argument("--overlap", action="store_true", help="overlap_grad_reduce + overlap_param_gather")
     p.add_argument("--corrupt-rank", type=int, default=None,
@@ -55,17 +53,10 @@ def _main_torchrun(args, kw) -> int:
     import torch
 
     from .testing import workers
+    from .verify import torchrun_backend
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        backend = "nccl"
-    else:
-        from .testing import cpu_shim
-
-        cpu_shim.install()
-        backend = "gloo"
-    torch.distributed.init_process_group(backend)
+    torch.distributed.init_process_group(torchrun_backend())
     report = workers.replica_check(rank, world, **kw)
     code = _print(report, args.json) if rank == 0 else (0 if report["ok"] else 1)
     torch.distributed.barrier()

@@ -44,11 +44,28 @@ FP32_REORDERED_TOL = 5e-4
 PRECISIONS = ("auto", "fp32", "fp64", "bf16")
 
 
-def _parser():
-    p = argparse.ArgumentParser(prog="dmuon verify", description=__doc__,
+def layout_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser shared by the diagnostic CLIs (verify, check): --dp and --tp."""
+    p = argparse.ArgumentParser(prog=prog, description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=int, default=2, help="data-parallel size (CPU spawn mode; world = dp x tp x pp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    return p
+
+
+def torchrun_backend() -> str:
+    """Under torchrun: NCCL on this rank's GPU, else gloo through the CPU test shim."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        return "nccl"
+    from .testing import cpu_shim
+
+    cpu_shim.install()
+    return "gloo"
+
+
+def _parser():
+    p = layout_parser("dmuon verify", __doc__)
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE GPT with 4 experts per layer)")
     p.add_argument("--steps", type=int, default=10)
@@ -222,14 +239,7 @@ def _main_torchrun(args):
     from .testing.global_params import merge_ranks
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        backend = "nccl"
-    else:  # torchrun on a CPU machine: gloo through the test shim
-        from .testing import cpu_shim
-
-        cpu_shim.install()
-        backend = "gloo"
+    backend = torchrun_backend()
     if world % (args.tp * args.pp):
         print(f"dmuon verify: world size {world} is not a multiple of --tp x --pp", file=sys.stderr)
         return 2

@@ -4,7 +4,6 @@ non-finite NS output is recomputed in fp32 and counted, all-zero gradients stay 
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from megatron_dmuon.kernels import metrics

@@ -353,8 +353,9 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
     if model_sharded_state_dict is None:
         model_sharded_state_dict = model_state(_chunks(parts))
     meta = model_sharded_metadata(model_sharded_state_dict)
+    record = gather_record(parts, meta)  # first: its checks fail on every rank at once
     state = optimizer_state_dict(parts)
-    state["dmuon"] = gather_record(parts, meta)
+    state["dmuon"] = record
     state["param_state"] = {}
     for opt in parts:
         state["param_state"].update(_sharded_param_state(opt, meta, is_loading))

@@ -10,7 +10,7 @@ first parameter that differs, on every rank.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
