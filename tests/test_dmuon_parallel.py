@@ -88,3 +88,11 @@ def test_tp_methods_both_exact(tp_method):
     results_gather = run_dmuon(2, **_kw(dict(tp=2), steps=1, muon_kw=dict(ns_method="gram", tp_method="gather")))
     if tp_method == "distributed_gram":
         assert results[0]["tp_bytes"] < results_gather[0]["tp_bytes"] / 4
+
+
+@pytest.mark.parametrize("split", ["glu", "heads"])
+def test_split_rules_on_merged_tp_shards(split):
+    # GLU fc1 (stride-2 shards [gate_i; up_i]) and per-head QKV pieces are cut from the merged
+    # canonical matrix on the TP owner, whatever the TP size
+    kw = _kw(dict(tp=2, split=split), steps=6)
+    _check(run_dmuon(2, **kw), kw, 2)
