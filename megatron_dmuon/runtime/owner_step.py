@@ -203,7 +203,8 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         entries_gather = [e for e in entries if e[2].tp_method != "distributed_gram"]
         tp_mats = [info.tp_matrix() for _, _, info in entries_gather]
         info_of = {info.name: (p, info) for p, _, info in entries_gather}
-        full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()})
+        like = entries[0][0] if entries else None
+        full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()}, like)
         owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
         orthogonalized = self._orthogonalize_owned([(info, full[info.name]) for _, info in owned])
         directions = {
@@ -211,7 +212,6 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                                       scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)[0]
             for p, info in owned
         }
-        like = entries[0][0] if entries else None
         local.update(self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, (_, i) in info_of.items()}, like))
         for p, group, info in entries:
             scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
