@@ -39,7 +39,9 @@ class MuonSettings:
     coefficients: str = "keller"
     ns_steps: int = 5
     ns_dtype: torch.dtype = torch.bfloat16
-    scale_mode: str = "spectral"  # 'spectral' | 'match_rms_adamw' | 'none'
+    # algorithms.muon.LR_SCALE_MODES (Megatron's --muon-scale-mode names). MuonSettings() is
+    # torch.optim.Muon's rule; megatron/config.py's DMuonConfig() carries Megatron-LM's defaults.
+    scale_mode: str = "shape_scaling"
     extra_scale: float = 1.0
     ns_launch: str = "eager"  # NS_LAUNCH_MODES; off CUDA every mode runs eagerly
     # TP-sharded matrices: 'gather' to the TP owner, 'distributed_gram' where it applies, or 'auto'
