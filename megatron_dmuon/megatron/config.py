@@ -175,6 +175,14 @@ def ddp_options_from_args(args) -> dict:
     return dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
 
 
+def config_from_args(cls, args, **overrides):
+    """A megatron-core config dataclass (OptimizerConfig, DistributedDataParallelConfig) from parsed
+    flags, field by field as Megatron-LM builds its own, then `overrides`."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kw.update(overrides)
+    return cls(**kw)
+
+
 # ----------------------------------------------------------------------------------------- flags
 def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
     return flag in parser._option_string_actions

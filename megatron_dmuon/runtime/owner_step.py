@@ -65,7 +65,7 @@ class MuonSettings:
             if self.ns_steps != 5:
                 raise ValueError(
                     f"dmuon coefficients 'adaptive' choose the step count per shape (5, or 6 for square "
-                    f"matrices); ns_steps={self.ns_steps} would be ignored: leave --dmuon-ns-steps at 5"
+                    f"matrices); ns_steps={self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
                 )
         else:
             from ..algorithms.coefficients import get_coefficients
