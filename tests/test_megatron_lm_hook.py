@@ -413,3 +413,36 @@ def test_install_on_a_real_megatron_lm_checkout():
     assert bad.returncode == 2 and "needs --use-distributed-optimizer" in bad.stderr
     muon = run("--optimizer", "muon", "--use-distributed-optimizer")
     assert muon.returncode == 0 and muon.stdout.split()[-6:-3] == ["muon", "False", "True"], muon.stderr[-2000:]
+
+
+def _built_checkout():
+    checkout = _megatron_lm_checkout()
+    helpers = checkout and any(f.startswith("helpers_cpp") for f in os.listdir(
+        os.path.join(checkout, "megatron", "core", "datasets")))
+    return checkout if helpers else None
+
+
+@pytest.mark.skipif(_built_checkout() is None,
+                    reason="needs a Megatron-LM checkout with megatron/core/datasets/helpers_cpp built (make -C there)")
+def test_real_megatron_lm_training_step_with_the_hook_on_cpu():
+    """Megatron-LM's own setup_model_and_optimizer + train_step (pretrain_gpt's forward_step, --mock-data) on
+    2 gloo ranks: --optimizer dmuon builds DMuon there, --optimizer adam stays Megatron's."""
+    checkout = _built_checkout()
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+            "--micro-batch-size 2 --global-batch-size 8 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type "
+            "NullTokenizer --vocab-size 1000 --transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion "
+            "--no-bias-dropout-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion "
+            "--no-masked-softmax-fusion --attention-backend unfused --swiglu --normalization RMSNorm "
+            "--position-embedding-type rope --disable-bias-linear --use-cpu-initialization --eval-iters 0 "
+            "--eval-interval 1000 --use-distributed-optimizer --muon-momentum 0.95 --muon-nesterov").split()
+    env = {"PYTHONPATH": os.pathsep.join([checkout, ROOT, HERE])}
+    runs = {}
+    for optimizer in ("dmuon", "adam"):
+        out = run_distributed("megatron_lm_workers:megatron_train_step", 2, timeout=900, env=env,
+                              kwargs={"argv": argv + ["--optimizer", optimizer]}, sys_path=[HERE, checkout])
+        assert out[0] == out[1]
+        runs[optimizer] = out[0]
+    assert runs["dmuon"]["ddp"] == ["MegatronLMDMuonDDP"] and runs["dmuon"]["optimizers"] == ["DMuonDistributedOptimizer"]
+    assert runs["adam"]["ddp"] == ["DistributedDataParallel"] and "DMuon" not in str(runs["adam"]["optimizers"])
+    for r in runs.values():
+        assert r["losses"][-1] < r["losses"][0], r
