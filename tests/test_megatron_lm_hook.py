@@ -163,7 +163,9 @@ def train_from_argv(rank, world_size, argv, iters=6):
     inner = getattr(parts[0], "dmuon_inner", None)
     return {"losses": losses, "ddp": type(ddp).__mro__[1].__name__ if ddp_class is not DistributedDataParallel
             else "DistributedDataParallel", "parts": [type(p).__name__ for p in parts],
-            "muon": None if inner is None else inner.muon}
+            "muon": None if inner is None else inner.muon,
+            "splits": {} if inner is None else {i.name: getattr(i.split, "kind", "none")
+                                                for p in parts for i in p.dmuon_inner.matrix_info.values()}}
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +183,11 @@ def test_megatron_lm_argv_trains_a_gpt_with_dmuon_on_two_ranks(trained):
     muon = a["muon"]
     assert (muon.momentum, muon.nesterov, muon.scale_mode, muon.coefficients, muon.ns_dtype) == \
         (0.9, True, "shape_scaling", "keller", torch.float32)
+    # Megatron's default QKV split: Q, K and V orthogonalized apart (every rank holds what it owns)
+    splits = {**a["splits"], **b["splits"]}
+    assert {k for k, v in splits.items() if v == "qkv"} == {f"decoder.layers.{i}.self_attention.linear_qkv.weight"
+                                                           for i in range(2)}
+    assert set(splits.values()) == {"qkv", "none"} and len(splits) == 8  # 4 matrices per layer
 
 
 def test_fp16_with_a_constant_loss_scale_trains_like_fp32():
