@@ -163,6 +163,22 @@ class DMuonDDP(_import_distributed_data_parallel()):
                 buffer.dmuon_shard_index = topo.shard_index
             self.dmuon_topology = topo
 
+    # Whether this step's grads reached their owners: a hand-written loop that skips
+    # finish_grad_sync() would otherwise step every owner on its own unreduced grads, silently.
+    dmuon_grads_reduced = False
+
+    def zero_grad_buffer(self):
+        super().zero_grad_buffer()
+        self.dmuon_grads_reduced = False
+
+    def start_grad_sync(self, *unused):
+        super().start_grad_sync(*unused)
+        self.dmuon_grads_reduced = not self.ddp_config.overlap_grad_reduce  # synchronous without overlap
+
+    def finish_grad_sync(self, *args, **kwargs):
+        super().finish_grad_sync(*args, **kwargs)
+        self.dmuon_grads_reduced = True
+
 
 def _check_same_group(pg_collection, dp_group) -> None:
     group = getattr(pg_collection, "intra_dp_cp", None) or getattr(pg_collection, "dp_cp", None)

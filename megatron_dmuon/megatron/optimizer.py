@@ -236,6 +236,16 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
         return {"param_map": cls._build_model_gbuf_param_range_map(
             param_and_grad_buffer.param_index_map, local, bucket.offset)}
 
+    def prepare_grads(self) -> bool:
+        for chunk in self.model_chunks:
+            if not getattr(chunk, "dmuon_grads_reduced", True):
+                raise RuntimeError(
+                    "DMuon: optimizer.step() before the gradients were reduced to their owners: call "
+                    "ddp.finish_grad_sync() after backward (Megatron's schedules do it through "
+                    "config.finalize_model_grads_func = finalize_model_grads)"
+                )
+        return super().prepare_grads()
+
     def _checkpoint_not_supported(self, *args, **kwargs):
         raise NotImplementedError(
             "DMuon optimizer checkpoints are not supported yet (Muon momentum lives whole on its owner "
