@@ -255,6 +255,9 @@ def test_hierarchy_must_divide_the_data_parallel_size_known_under_torchrun(capsy
     ["--optimizer", "dmuon", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
      "--muon-tp-mode", "duplicated"],
     ["--optimizer", "dmuon", "--dmuon-mode", "gather_then_compute"],
+    # the megatron_layerwise baseline hands --muon-tp-mode to Megatron's own Muon, blockwise included
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-mode", "megatron_layerwise",
+     "--tensor-model-parallel-size", "2"],
     # PP with one virtual stage per rank is the plain 1F1B schedule (Megatron: no interleaving)
     ["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
      "--num-layers-per-virtual-pipeline-stage", "1"],

@@ -59,7 +59,8 @@ MEGATRON_MUON_FLAGS = (
     ("--muon-num-ns-steps", dict(type=int, default=5, help="Newton-Schulz steps")),
     ("--muon-tp-mode", dict(type=str, default="blockwise", choices=MUON_TP_MODES,
                             help="TP-sharded matrices: DMuon always orthogonalizes the whole matrix "
-                                 "(duplicated/distributed); blockwise is refused under TP > 1")),
+                                 "(duplicated/distributed); blockwise is refused under TP > 1 except for "
+                                 "--dmuon-mode megatron_layerwise, which hands it to Megatron's own Muon")),
     ("--muon-extra-scale-factor", dict(type=float, default=1.0, help="extra factor on the Muon update")),
     ("--muon-scalar-optimizer", dict(type=str, default="adam", choices=MUON_SCALAR_OPTIMIZERS,
                                      help="optimizer of embeddings, output layer, norms, biases")),
@@ -109,7 +110,7 @@ class DMuonConfig:
                  getattr(args, "expert_tensor_parallel_size", 1) or 1)
         if args.muon_tp_mode not in MUON_TP_MODES:
             raise ValueError(f"--muon-tp-mode {args.muon_tp_mode!r} unknown; valid: {', '.join(MUON_TP_MODES)}")
-        if args.muon_tp_mode == "blockwise" and tp > 1:
+        if args.muon_tp_mode == "blockwise" and tp > 1 and args.dmuon_mode != "megatron_layerwise":
             raise ValueError(
                 "--muon-tp-mode blockwise (Megatron's default) orthogonalizes every TP shard on its own, so "
                 "the update depends on the TP size (it is not Muon); --optimizer dmuon orthogonalizes whole "
@@ -151,9 +152,10 @@ def _coefficients_for(coefficient_type: str, steps: int):
         f"{{{','.join(COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,))}}}")
 
 
-def megatron_muon_fields(cfg: DMuonConfig) -> dict:
+def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
     """OptimizerConfig `muon_*` fields under which Megatron's own Muon runs the rule of `cfg`
-    (the `megatron_layerwise` baseline): the inverse of `DMuonConfig.from_args`."""
+    (the `megatron_layerwise` baseline; `tp_mode` is Megatron's --muon-tp-mode, which DMuon itself
+    does not need): the inverse of `DMuonConfig.from_args`."""
     m = cfg.muon
     names = {"keller": "simple", "you": "quintic", "polar_express": "polar_express"}
     cycled = tuple(YOU[i % len(YOU)] for i in range(m.ns_steps))
@@ -167,7 +169,7 @@ def megatron_muon_fields(cfg: DMuonConfig) -> dict:
     return dict(muon_momentum=m.momentum, muon_nesterov=m.nesterov, muon_split_qkv=cfg.split_qkv,
                 muon_scale_mode=m.scale_mode, muon_extra_scale_factor=m.extra_scale,
                 muon_coefficient_type=coefficient_type, muon_num_ns_steps=m.ns_steps,
-                muon_fp32_matmul_prec=precision, muon_tp_mode="duplicated", muon_scalar_optimizer="adam")
+                muon_fp32_matmul_prec=precision, muon_tp_mode=tp_mode, muon_scalar_optimizer="adam")
 
 
 def ddp_options_from_args(args) -> dict:

@@ -124,7 +124,9 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
         from megatron.core.optimizer import get_megatron_optimizer
 
         return get_megatron_optimizer(
-            dataclasses.replace(config, optimizer="muon", **megatron_muon_fields(cfg)), model_chunks)
+            dataclasses.replace(config, optimizer="muon",
+                                **megatron_muon_fields(cfg, getattr(config, "muon_tp_mode", "duplicated"))),
+            model_chunks)
 
     if cfg.mode == "gather_then_compute":
         return _gather_then_compute_optimizer(config, model_chunks, cfg)
