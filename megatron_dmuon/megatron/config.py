@@ -229,7 +229,7 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     g.add_argument("--dmuon-split-heads", action="store_true", help="orthogonalize every attention head apart")
     g.add_argument("--dmuon-split-glu", action="store_true", help="orthogonalize SwiGLU gate and up apart")
     g.add_argument("--dmuon-autotune-cache", default=None, metavar="PATH",
-                   help=f"the kernels' autotune cache file (default ${CACHE_ENV} or ~/.cache/megatron_dmuon)")
+                   help=f"the kernels' autotune cache file (default ${CACHE_ENV}, else ~/.cache/megatron_dmuon/autotune.json)")
     parser._dmuon_args_added = True
     if validate:
         _validate_on_parse(parser)
