@@ -3,7 +3,8 @@
 # `pretrain_gpt.py --optimizer dmuon` launch shares. Needs RECIPE (a file of launch/recipes/) and
 # MEGATRON_LM (a Megatron-LM checkout, tag core_v0.19.0). Optional: DATA_PATH (+ TOKENIZER_MODEL,
 # TOKENIZER_TYPE) for real data instead of --mock-data; NO_TE=1 for a machine without Transformer
-# Engine (local layers, fusions off). Defines MEGATRON_ARGS (recipe, data, optimizer flags).
+# Engine (local layers, fusions off). Defines MEGATRON_ARGS (shared training flags, recipe, data,
+# optimizer flags).
 DMUON_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (git clone NVIDIA/Megatron-LM; git checkout core_v0.19.0)}"
 : "${RECIPE:?set RECIPE to one of: $(cd "$DMUON_REPO/launch/recipes" && ls ./*.sh | sed 's#^\./##; s/\.sh$//' | tr '\n' ' ')}"
@@ -33,5 +34,12 @@ if [ "${NO_TE:-0}" = 1 ]; then
               --no-bias-dropout-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion
               --no-masked-softmax-fusion)
 fi
+# shared by the recipes (which may override any of it): bf16, no dropout, AdamW hyperparameters, and
+# Muon with --muon-scale-mode spectral x --muon-extra-scale-factor 0.2, which gives Muon updates the
+# RMS of AdamW's (Moonlight), so one learning rate serves both
+TRAINING_ARGS=(--bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
+               --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
+               --muon-momentum 0.95 --muon-nesterov --muon-scale-mode spectral --muon-extra-scale-factor 0.2
+               --log-interval 10 --log-throughput --eval-interval 1000 --eval-iters 10)
 OPTIMIZER_ARGS=(--optimizer dmuon --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
-MEGATRON_ARGS=("${RECIPE_ARGS[@]}" "${DATA_ARGS[@]}" "${LOCAL_ARGS[@]}" "${OPTIMIZER_ARGS[@]}")
+MEGATRON_ARGS=("${TRAINING_ARGS[@]}" "${RECIPE_ARGS[@]}" "${DATA_ARGS[@]}" "${LOCAL_ARGS[@]}" "${OPTIMIZER_ARGS[@]}")

@@ -23,7 +23,7 @@ TREE="$(cd "$1" 2>/dev/null && pwd)" || die "no such directory: $1"
 version="unknown"
 info="$TREE/megatron/core/package_info.py"
 if [ -f "$info" ]; then
-  v() { sed -n "s/^$1 *= *\([0-9][0-9]*\).*/\1/p" "$info" | head -n1; }
+  v() { sed -n "s/^$1 *= *\([0-9][0-9]*\).*/\1/p" "$info" | sed -n 1p; }
   version="$(v MAJOR).$(v MINOR).$(v PATCH)"
 fi
 

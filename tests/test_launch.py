@@ -232,14 +232,13 @@ def _checkout():
 @pytest.mark.skipif(_checkout() is None, reason="no Megatron-LM checkout ($DMUON_MEGATRON_LM or .mlm/)")
 @pytest.mark.parametrize("recipe,world", [("gpt_small", 8), ("qwen2.5_7b", 16)])
 def test_recipes_pass_megatron_lms_own_parser(recipe, world, tmp_path):
-    """Every recipe flag exists in Megatron-LM core_v0.19.0 and the launch validates there, hook installed."""
-    recipe_args = subprocess.run(
-        ["bash", "-c", f'source {ROOT}/launch/recipes/{recipe}.sh; printf "%s\\n" "${{RECIPE_ARGS[@]}}"; '
-                       'echo "$RECIPE_VOCAB"'], capture_output=True, text=True, check=True).stdout.split("\n")[:-1]
-    vocab = recipe_args.pop()
-    argv = recipe_args + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", vocab,
-                          "--optimizer", "dmuon", "--use-distributed-optimizer", "--overlap-grad-reduce",
-                          "--overlap-param-gather", "--dmuon-ranks-per-node", "8"]
+    """Every launch flag (shared, recipe, data, optimizer) exists in Megatron-LM core_v0.19.0, and
+    the launch validates there with the hook installed."""
+    tree = make_tree(tmp_path / "Megatron-LM")  # the launch files patch it; the real checkout parses
+    printed = subprocess.run(
+        ["bash", "-c", f'source {ROOT}/launch/megatron_lm_common.sh && printf "%s\\n" "${{MEGATRON_ARGS[@]}}"'],
+        capture_output=True, text=True, check=True, env=dict(os.environ, RECIPE=recipe, MEGATRON_LM=tree))
+    argv = printed.stdout.split("\n")[:-1] + ["--dmuon-ranks-per-node", "8"]
     script = ("import sys, typing\ntyping.override = getattr(typing, 'override', lambda f: f)\n"
               "import megatron_dmuon.megatron as dm; dm.install()\n"
               "from megatron.training.arguments import parse_and_validate_args\n"

@@ -34,47 +34,26 @@ def megatron_lm_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
     a = p.add_argument
     a("--optimizer", type=str, default="adam", choices=MEGATRON_OPTIMIZERS)
-    a("--use-distributed-optimizer", action="store_true")
-    a("--fp16", action="store_true")
-    a("--bf16", action="store_true")
-    a("--loss-scale", type=float, default=None)
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--pipeline-model-parallel-size", type=int, default=1)
-    a("--context-parallel-size", type=int, default=1)
-    a("--expert-model-parallel-size", type=int, default=1)
-    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    a("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
-    a("--num-distributed-optimizer-instances", type=int, default=1)
-    a("--overlap-grad-reduce", action="store_true")
-    a("--overlap-param-gather", action="store_true")
-    a("--overlap-param-gather-with-optimizer-step", action="store_true")
-    a("--optimizer-cpu-offload", action="store_true")
-    a("--use-precision-aware-optimizer", action="store_true")
-    a("--fp8-param-gather", action="store_true")
-    a("--use-torch-fsdp2", action="store_true")
-    a("--use-megatron-fsdp", action="store_true")
-    a("--lr", type=float, default=None)
-    a("--weight-decay", type=float, default=0.01)
-    a("--clip-grad", type=float, default=1.0)
-    a("--adam-beta1", type=float, default=0.9)
-    a("--adam-beta2", type=float, default=0.999)
-    a("--num-layers", type=int, default=None)
-    a("--hidden-size", type=int, default=None)
-    a("--ffn-hidden-size", type=int, default=None)
-    a("--num-attention-heads", type=int, default=None)
-    a("--num-query-groups", type=int, default=1)
-    a("--seq-length", type=int, default=None)
-    a("--micro-batch-size", type=int, default=None)
-    a("--global-batch-size", type=int, default=None)
-    a("--muon-momentum", type=float, default=0.9)
+    for flag in ("use-distributed-optimizer", "fp16", "bf16", "overlap-grad-reduce", "overlap-param-gather",
+                 "overlap-param-gather-with-optimizer-step", "optimizer-cpu-offload", "use-precision-aware-optimizer",
+                 "fp8-param-gather", "use-torch-fsdp2", "use-megatron-fsdp", "muon-nesterov"):
+        a(f"--{flag}", action="store_true")
+    for flag, kind, default in (
+            ("loss-scale", float, None), ("lr", float, None), ("weight-decay", float, 0.01), ("clip-grad", float, 1.0),
+            ("adam-beta1", float, 0.9), ("adam-beta2", float, 0.999), ("muon-momentum", float, 0.9),
+            ("muon-extra-scale-factor", float, 1.0), ("muon-num-ns-steps", int, 5), ("num-query-groups", int, 1),
+            ("tensor-model-parallel-size", int, 1), ("pipeline-model-parallel-size", int, 1),
+            ("context-parallel-size", int, 1), ("expert-model-parallel-size", int, 1),
+            ("num-distributed-optimizer-instances", int, 1), ("num-layers-per-virtual-pipeline-stage", int, None),
+            ("num-virtual-stages-per-pipeline-rank", int, None), ("num-layers", int, None), ("hidden-size", int, None),
+            ("ffn-hidden-size", int, None), ("num-attention-heads", int, None), ("seq-length", int, None),
+            ("micro-batch-size", int, None), ("global-batch-size", int, None)):
+        a(f"--{flag}", type=kind, default=default)
     a("--muon-no-split-qkv", action="store_false", default=True, dest="muon_split_qkv")
-    a("--muon-nesterov", action="store_true")
     a("--muon-scale-mode", type=str, default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"])
     a("--muon-fp32-matmul-prec", type=str, default="medium", choices=["low", "medium", "high"])
     a("--muon-coefficient-type", type=str, default="quintic")
-    a("--muon-num-ns-steps", type=int, default=5)
     a("--muon-tp-mode", type=str, default="blockwise", choices=["blockwise", "duplicated", "distributed"])
-    a("--muon-extra-scale-factor", type=float, default=1.0)
     a("--muon-scalar-optimizer", type=str, default="adam", choices=["adam", "lion"])
     return add_dmuon_args(p)  # the hook's registration
 

@@ -8,10 +8,6 @@ RECIPE_ARGS=(
   --seq-length 2048 --max-position-embeddings 2048
   --swiglu --normalization RMSNorm --position-embedding-type rope
   --disable-bias-linear --untie-embeddings-and-output-weights
-  --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
   --micro-batch-size 4 --global-batch-size 256 --train-iters 20000
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 500
-  --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
-  --muon-momentum 0.95 --muon-nesterov --muon-scale-mode spectral --muon-extra-scale-factor 0.2
-  --bf16 --log-interval 10 --eval-interval 1000 --eval-iters 10
+  --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 500
 )

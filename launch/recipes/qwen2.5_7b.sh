@@ -3,8 +3,6 @@
 # SwiGLU, RMSNorm (eps 1e-6), RoPE (base 1e6), seq 4096, 152,064 embedding rows (Qwen2.5-7B's).
 # Sourced by launch/megatron_lm_common.sh; usual Megatron-LM flags, later flags override (e.g.
 # --tensor-model-parallel-size 2 --sequence-parallel --muon-tp-mode duplicated).
-# Muon lr: --muon-scale-mode spectral x --muon-extra-scale-factor 0.2 gives Muon updates the RMS of
-# AdamW's (Moonlight), so the AdamW learning rate below serves both.
 RECIPE_VOCAB=152064  # NullTokenizer vocabulary of --mock-data runs (real data: the tokenizer's, padded)
 RECIPE_ARGS=(
   --num-layers 28 --hidden-size 3584 --ffn-hidden-size 18944
@@ -13,10 +11,6 @@ RECIPE_ARGS=(
   --swiglu --normalization RMSNorm --norm-epsilon 1e-6
   --position-embedding-type rope --rotary-base 1000000
   --disable-bias-linear --add-qkv-bias --untie-embeddings-and-output-weights
-  --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
   --micro-batch-size 1 --global-batch-size 512 --train-iters 50000
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000
-  --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
-  --muon-momentum 0.95 --muon-nesterov --muon-scale-mode spectral --muon-extra-scale-factor 0.2
-  --bf16 --log-interval 10 --eval-interval 1000 --eval-iters 10
+  --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 2000
 )
