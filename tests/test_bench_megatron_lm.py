@@ -61,3 +61,23 @@ def test_every_run_parses_with_megatron_lm(run):
     assert optimizer == bench.RUNS[run][1] and throughput == "True"
     # Megatron turns --use-distributed-optimizer into its layer-wise Muon; DMuon and Adam keep it
     assert distributed == ("False" if optimizer == "muon" else "True")
+
+
+def test_report_from_runs(tmp_path, monkeypatch, capsys):
+    """The summary the GPU run prints: speed-up and loss gaps against Megatron's Muon, the noise band."""
+    def fake_run(name, args, megatron_lm, log_dir):
+        ms, shift = {"muon": (600.0, 0.0), "muon_fp32ns": (650.0, 0.01), "dmuon": (480.0, 0.004),
+                     "dmuon_standard": (500.0, 0.002)}[name]
+        rows = [{"iteration": i + 1, "ms": ms, "loss": 10.0 - i * 0.1 + shift * (i % 2), "grad_norm": 1.0,
+                 "tflops": 100.0, "skipped": 0.0, "nan": 0.0} for i in range(args.iters)]
+        return {"run": name, "iterations": rows, "median_ms": ms, "median_tflops": 100.0, "first_loss": rows[0]["loss"],
+                "last_loss": rows[-1]["loss"], "skipped": 0, "nan": 0}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)  # patches/apply.sh
+    assert bench.main(["--megatron-lm", str(tmp_path), "--iters", "6", "--out", str(tmp_path / "out")]) == 0
+    table = (tmp_path / "out" / "megatron_lm_compare.md").read_text()
+    assert "| dmuon | 480.0 | 100.0 | 1.250 |" in table and "| 0.0040 |" in table
+    assert "dmuon vs muon: max loss gap 0.0040 (bf16 noise band, muon fp32-NS vs bf16-NS: 0.0100); dmuon 1.25x" in table
+    summary = __import__("json").loads((tmp_path / "out" / "megatron_lm_compare.json").read_text())["summary"]
+    assert summary["runs"]["dmuon_standard"]["loss_gap_to_muon"]["max_abs"] == pytest.approx(0.002)
