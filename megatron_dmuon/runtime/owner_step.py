@@ -39,7 +39,9 @@ class MuonSettings:
     coefficients: str = "keller"
     ns_steps: int = 5
     ns_dtype: torch.dtype = torch.bfloat16
-    scale_mode: str = "spectral"  # 'spectral' | 'match_rms_adamw' | 'none'
+    # algorithms.muon.LR_SCALE_MODES (Megatron's --muon-scale-mode names). MuonSettings() is
+    # torch.optim.Muon's rule; megatron/config.py's DMuonConfig() carries Megatron-LM's defaults.
+    scale_mode: str = "shape_scaling"
     extra_scale: float = 1.0
     ns_launch: str = "eager"  # NS_LAUNCH_MODES; off CUDA every mode runs eagerly
     # TP-sharded matrices: 'gather' to the TP owner, 'distributed_gram' where it applies, or 'auto'
@@ -63,7 +65,7 @@ class MuonSettings:
             if self.ns_steps != 5:
                 raise ValueError(
                     f"dmuon coefficients 'adaptive' choose the step count per shape (5, or 6 for square "
-                    f"matrices); ns_steps={self.ns_steps} would be ignored: leave --dmuon-ns-steps at 5"
+                    f"matrices); ns_steps={self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
                 )
         else:
             from ..algorithms.coefficients import get_coefficients
