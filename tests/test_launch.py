@@ -253,3 +253,30 @@ def test_recipes_pass_megatron_lms_own_parser(recipe, world, tmp_path):
     assert ok[0] == "dmuon" and int(ok[2]) == world
     if recipe == "qwen2.5_7b":
         assert ok[1:] == ["28", "16", "152064"]
+
+
+@pytest.mark.skipif(_checkout() is None, reason="no Megatron-LM checkout ($DMUON_MEGATRON_LM or .mlm/)")
+def test_patched_pretrain_gpt_main_parses_dmuon(tmp_path):
+    """The real __main__ block: the in-process-restart wrapper parses the arguments before
+    parse_and_validate_args, so install() must run before it (found on the H200: the first patch
+    placed it after, and --optimizer dmuon was an invalid choice). On CPU the run gets past
+    argument parsing and stops at Megatron's CUDA assertion."""
+    import shutil
+
+    tree = tmp_path / "Megatron-LM"
+    shutil.copytree(_checkout(), tree, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    subprocess.run(["git", "-C", str(tree), "init", "-q"], check=True)
+    pristine = subprocess.run(["bash", APPLY, str(tree)], capture_output=True, text=True)
+    assert pristine.returncode == 0, pristine.stderr
+    script = ("import sys, typing, runpy\ntyping.override = getattr(typing, 'override', lambda f: f)\n"
+              "runpy.run_path('pretrain_gpt.py', run_name='__main__')\n")
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "256", "--optimizer", "dmuon", "--use-distributed-optimizer", "--transformer-impl", "local"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), ROOT]), WORLD_SIZE="1", RANK="0",
+               PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env,
+                          cwd=tree, timeout=300)
+    assert "invalid choice" not in proc.stderr, proc.stderr[-2000:]
+    assert "optimizer ....................................... dmuon" in proc.stdout or "Megatron requires CUDA" in proc.stderr
