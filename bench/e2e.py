@@ -54,7 +54,7 @@ def main():
         if proc.returncode != 0 or not os.path.exists(out):
             rows.append({"mode": mode, "error": (proc.stdout + proc.stderr)[-3000:]})
             continue
-        rows.append({"mode": mode, **json.load(open(out))["summary"]})
+        rows.append({**json.load(open(out))["summary"], "mode": mode})
     base = next((r for r in rows if r["mode"] == "adam" and "error" not in r), None)
     for r in rows:
         if base and "error" not in r:

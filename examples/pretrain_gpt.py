@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import signal
 import sys
@@ -28,24 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):
+    from megatron_dmuon.megatron.config import add_dmuon_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--optimizer", default="dmuon", choices=["dmuon", "adam"])
-    a("--dmuon-mode", default="dmuon", choices=["dmuon", "gather_then_compute", "megatron_layerwise"])
-    a("--dmuon-ns-method", default="auto", choices=["standard", "gram", "auto"])
-    a("--dmuon-ns-steps", type=int, default=5)
-    a("--dmuon-coefficients", default="keller",
-      help="keller | polar_express | you | adaptive (per shape: 5-step Polar Express, 6 steps for square)")
-    a("--dmuon-ns-launch", default="eager", choices=["eager", "streams", "graph"],
-      help="GPU: the owner's per-shape NS calls one by one, on concurrent streams, or as one CUDA graph")
-    a("--dmuon-momentum", type=float, default=0.95)
-    a("--dmuon-no-nesterov", action="store_true")
-    a("--dmuon-ranks-per-node", type=int, default=0,
-      help="> 0: two-level (intra-node, inter-node) reduce/publish with this many ranks per node")
-    a("--dmuon-split-qkv", action="store_true", help="orthogonalize Q, K, V separately (Megatron's Muon default)")
-    a("--dmuon-split-heads", action="store_true", help="orthogonalize every attention head separately")
-    a("--dmuon-split-glu", action="store_true", help="orthogonalize SwiGLU gate and up separately")
-    a("--dmuon-scale-mode", default="match_rms_adamw", choices=["spectral", "match_rms_adamw", "none"])
+    add_dmuon_args(p)  # Megatron's --muon-* flags and DMuon's --dmuon-* flags, with the library's defaults
     a("--num-layers", type=int, default=2)
     a("--hidden-size", type=int, default=128)
     a("--ffn-hidden-size", type=int, default=352)
@@ -65,8 +54,6 @@ def parse_args(argv=None):
     a("--adam-beta2", type=float, default=0.95)
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
-    a("--muon-tp-mode", default="blockwise", choices=["blockwise", "duplicated", "distributed"],
-      help="--dmuon-mode megatron_layerwise only: Megatron's own Muon TP mode")
     a("--bf16", action="store_true")
     a("--overlap-grad-reduce", action="store_true")
     a("--overlap-param-gather", action="store_true")
@@ -77,6 +64,9 @@ def parse_args(argv=None):
     add_checkpoint_args(p)
     args = p.parse_args(argv)
     validate_args(p, args)
+    # what Megatron-LM reads from --use-distributed-optimizer: DMuon's owners need it, the
+    # all-reduce baseline must not have it
+    args.use_distributed_optimizer = not (args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute")
     return args
 
 
@@ -94,7 +84,7 @@ def validate_args(p, args):
     """Every argument checked before anything is built; errors name the flag (argparse exit 2)."""
     positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
-                "tensor_model_parallel_size", "pipeline_model_parallel_size", "dmuon_ns_steps")
+                "tensor_model_parallel_size", "pipeline_model_parallel_size")
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
@@ -106,7 +96,7 @@ def validate_args(p, args):
         p.error(f"--lr must be > 0 (got {args.lr})")
     if args.min_lr > args.lr:
         p.error(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
-    for name in ("adam_beta1", "adam_beta2", "dmuon_momentum"):
+    for name in ("adam_beta1", "adam_beta2"):  # the --muon-*/--dmuon-* flags: add_dmuon_args checks them
         if not 0 <= getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(args, name)})")
     if args.lr_warmup_iters >= args.train_iters:
@@ -272,6 +262,44 @@ def maybe_fail(args, iteration, rank, world) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class IntervalLog:
+    """Megatron-style progress line: averages over the log interval, throughput per GPU, and the
+    interval's skipped (update not applied) and NaN/Inf-loss iteration counts."""
+
+    def __init__(self, args, world: int, flops_per_iter: float):
+        self.args, self.world, self.flops = args, world, flops_per_iter
+        self.tokens = args.global_batch_size * args.seq_length
+        self._reset()
+
+    def _reset(self):
+        self.n = self.skipped = self.nan = self.finite = 0
+        self.step_ms = self.opt_ms = self.loss = 0.0
+
+    def add(self, step_ms, opt_ms, loss, ok):
+        self.n += 1
+        self.step_ms += step_ms
+        self.opt_ms += opt_ms
+        self.skipped += int(not ok)
+        if math.isfinite(loss):
+            self.loss += loss
+            self.finite += 1
+        else:
+            self.nan += 1
+
+    def line(self, it, lr, grad_norm) -> str:
+        a, ms = self.args, self.step_ms / self.n
+        loss = self.loss / self.finite if self.finite else float("nan")
+        out = (f" iteration {it:8d}/{a.train_iters:8d} | consumed samples: {it * a.global_batch_size:10d} | "
+               f"elapsed time per iteration (ms): {ms:.1f} | optimizer (ms): {self.opt_ms / self.n:.1f} | "
+               f"throughput per GPU (TFLOP/s/GPU): {self.flops / (ms / 1e3) / self.world / 1e12:.2f} | "
+               f"tokens per second per GPU: {self.tokens / (ms / 1e3) / self.world:.0f} | "
+               f"learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} | "
+               f"lm loss: {loss:.6E} | grad norm: {float('nan') if grad_norm is None else float(grad_norm):.3f} | "
+               f"number of skipped iterations: {self.skipped:3d} | number of nan iterations: {self.nan:3d} |")
+        self._reset()
+        return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank, world, backend = setup_distributed()
@@ -281,10 +309,10 @@ def main(argv=None):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, on_gpu, train_step, wire_sync_funcs
-    from megatron_dmuon.megatron.layout import build_dmuon_ddp
-    from megatron_dmuon.megatron.optimizer import DMuonConfig, comm_bytes_per_step, get_dmuon_optimizer
-    from megatron_dmuon.runtime.owner_step import MuonSettings
+    from megatron_dmuon.megatron.config import config_from_args
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, gpt_training_flops, on_gpu, train_step, wire_sync_funcs
+    from megatron_dmuon.megatron.megatron_lm import ddp_class_for, optimizer_factory_for
+    from megatron_dmuon.megatron.optimizer import comm_bytes_per_step
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -299,31 +327,15 @@ def main(argv=None):
                      ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
                      seq_length=args.seq_length, bf16=args.bf16)
     model = build_gpt(shape)
-    gtc = args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute"
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=not gtc, grad_reduce_in_fp32=True,
-        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather and not gtc)
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-        bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        use_distributed_optimizer=not gtc, muon_tp_mode=args.muon_tp_mode)
-    if args.optimizer == "dmuon" and not gtc:
-        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=args.dmuon_ranks_per_node)
-    else:
-        ddp = DistributedDataParallel(model.config, ddp_config, model)
+    # the same construction Megatron-LM's hook wires: DDP class and optimizer factory from the flags
+    ddp_config = config_from_args(DistributedDataParallelConfig, args, grad_reduce_in_fp32=True)
+    ddp_config.overlap_param_gather = args.overlap_param_gather and args.use_distributed_optimizer
+    ddp = (ddp_class_for(args) or DistributedDataParallel)(config=model.config, ddp_config=ddp_config, module=model)
     ddp.broadcast_params()
     wire_sync_funcs([ddp], ddp_config)
-    if args.optimizer == "dmuon":
-        muon = MuonSettings(momentum=args.dmuon_momentum, nesterov=not args.dmuon_no_nesterov,
-                            ns_method=args.dmuon_ns_method, coefficients=args.dmuon_coefficients,
-                            ns_steps=args.dmuon_ns_steps, scale_mode=args.dmuon_scale_mode,
-                            ns_launch=args.dmuon_ns_launch)
-        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(
-            mode=args.dmuon_mode, muon=muon, split_qkv=args.dmuon_split_qkv or args.dmuon_split_heads,
-            split_per_head=args.dmuon_split_heads, split_glu=args.dmuon_split_glu))
-    else:
-        opt = get_megatron_optimizer(opt_config, [ddp])
+    opt_config = config_from_args(OptimizerConfig, args,
+                                  params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    opt = optimizer_factory_for(args, get_megatron_optimizer)(opt_config, [ddp])
     sched = OptimizerParamScheduler(
         opt, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,  # Megatron counts samples
@@ -346,6 +358,8 @@ def main(argv=None):
 
     opt.step = timed_step
     nparams = sum(p.numel() for p in model.parameters())
+    gtc = not args.use_distributed_optimizer
+    log = IntervalLog(args, world, gpt_training_flops(shape, args.global_batch_size))
     if rank == 0:
         mode = args.optimizer if args.optimizer == "adam" else f"dmuon/{args.dmuon_mode}"
         print(f"> {mode} | backend {backend} | DP {dp_size} TP {args.tensor_model_parallel_size} "
@@ -368,15 +382,13 @@ def main(argv=None):
         if args.save and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
             save(args, it, ddp, opt, sched, rank)
         timings.append({"iteration": it, "step_ms": step_ms, "optimizer_ms": opt_ms[-1], "loss": loss})
+        log.add(step_ms, opt_ms[-1], loss, ok)
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
-        if rank == 0 and (it % args.log_interval == 0 or it == 1):
-            lr = opt.param_groups[0]["lr"]
-            print(f" iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * args.global_batch_size:10d} | "
-                  f"elapsed time per iteration (ms): {step_ms:.1f} | optimizer (ms): {opt_ms[-1]:.1f} | "
-                  f"learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} | "
-                  f"lm loss: {loss:.6E} | grad norm: {float('nan') if grad_norm is None else float(grad_norm):.3f} | "
-                  f"number of skipped iterations: {skipped:3d} |", flush=True)
+        if it % args.log_interval == 0 or it == 1:
+            line = log.line(it, opt.param_groups[0]["lr"], grad_norm)
+            if rank == 0 and timings:
+                print(line, flush=True)
     if rank == 0 and timings:
         steady = timings[len(timings) // 2:] or timings
         summary = {"optimizer": args.optimizer, "mode": args.dmuon_mode if args.optimizer == "dmuon" else "adam",

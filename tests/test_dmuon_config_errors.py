@@ -81,7 +81,7 @@ def test_adaptive_schedule_settings():
     wide = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(1))
     assert torch.equal(orth(square), newton_schulz(square, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float32))
     assert torch.equal(orth(wide), newton_schulz(wide, "polar_express", steps=5, compute_dtype=torch.float32))
-    with pytest.raises(ValueError, match="leave --dmuon-ns-steps at 5"):
+    with pytest.raises(ValueError, match="leave --muon-num-ns-steps at 5"):
         MuonSettings(coefficients="adaptive", ns_steps=7).validate()
     with pytest.raises(ValueError, match="unknown Newton-Schulz coefficient set"):
         MuonSettings(coefficients="adaptve").validate()

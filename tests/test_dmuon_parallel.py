@@ -32,12 +32,12 @@ def _kw(spec, overlap=False, **extra):
     return kw
 
 
-def _check(results, kw, world):
+def _check(results, kw, world, tol=TOL):
     dp = world // (kw.get("tp", 1) * kw.get("pp", 1))
     ref = run_reference(dp, **kw)
     diffs = rel_diffs(full_params(results), ref["params"])
-    assert max(diffs.values()) <= TOL, sorted(diffs.items(), key=lambda x: -x[1])[:3]
-    assert results[0]["losses"] == pytest.approx(ref["losses"], rel=1e-10)
+    assert max(diffs.values()) <= tol, sorted(diffs.items(), key=lambda x: -x[1])[:3]
+    assert results[0]["losses"] == pytest.approx(ref["losses"], rel=max(tol, 1e-10))
     # every logical matrix orthogonalized exactly once per step across the whole world
     assert results[0]["ns_counts"] == [ref["num_matrices"]] * kw["steps"]
     # Muon momentum only where the plan puts it (DP owner: every TP shard; replicated: TP owner)
@@ -88,3 +88,22 @@ def test_tp_methods_both_exact(tp_method):
     results_gather = run_dmuon(2, **_kw(dict(tp=2), steps=1, muon_kw=dict(ns_method="gram", tp_method="gather")))
     if tp_method == "distributed_gram":
         assert results[0]["tp_bytes"] < results_gather[0]["tp_bytes"] / 4
+
+
+@pytest.mark.parametrize("split", ["glu", "heads"])
+def test_split_rules_on_merged_tp_shards(split):
+    # GLU fc1 (stride-2 shards [gate_i; up_i]) and per-head QKV pieces are cut from the merged
+    # canonical matrix on the TP owner, whatever the TP size
+    kw = _kw(dict(tp=2, split=split), steps=6)
+    _check(run_dmuon(2, **kw), kw, 2)
+
+
+def test_pipeline_grad_norm_and_clipping_span_all_stages():
+    # Megatron's grad norm sums over every stage; clipping then scales both stages alike. Megatron
+    # reduces the norm in fp32 even here (its multi-tensor l2norm), so the clip coefficient carries
+    # fp32 rounding (~1e-7) into the float64 run: parameters agree to that, not to 1e-10
+    kw = _kw(dict(pp=2), steps=4, clip_grad=0.5)
+    results = run_dmuon(2, **kw)
+    ref, _ = _check(results, kw, 2, tol=1e-7)
+    assert results[0]["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-6)
+    assert max(ref["grad_norms"]) > 0.5  # clipping really happened

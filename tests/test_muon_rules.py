@@ -75,12 +75,21 @@ def test_momentum_rule():
 
 
 def test_lr_scale_modes():
-    assert muon_lr_scale(256, 64) == 2.0
+    assert muon_lr_scale(256, 64) == 2.0  # default: shape_scaling, as torch.optim.Muon's default
     assert muon_lr_scale(64, 256) == 1.0
     assert muon_lr_scale(64, 256, "original") == 1.0
     assert muon_lr_scale(100, 400, "match_rms_adamw") == pytest.approx(0.2 * 20)
     assert muon_lr_scale(100, 400, "none", extra=3.0) == 3.0
-    assert muon_lr_scale(256, 64, "spectral", extra=0.5) == 1.0
+    assert muon_lr_scale(256, 64, "shape_scaling", extra=0.5) == 1.0
+    # Megatron-core / Emerging-Optimizers get_muon_scale_factor(size_out, size_in, mode), written out:
+    # spectral = sqrt(max(out, in)), shape_scaling = sqrt(max(1, out/in)), unit_rms_norm = sqrt(out/in)
+    for rows, cols in ((256, 64), (64, 256), (96, 96)):
+        assert muon_lr_scale(rows, cols, "spectral") == pytest.approx(max(rows, cols) ** 0.5)
+        assert muon_lr_scale(rows, cols, "shape_scaling") == pytest.approx(max(1, rows / cols) ** 0.5)
+        assert muon_lr_scale(rows, cols, "unit_rms_norm", extra=2.0) == pytest.approx(2.0 * (rows / cols) ** 0.5)
+    assert muon_lr_scale(64, 256, "unit_rms_norm") == 0.5  # below 1 for wide matrices, unlike shape_scaling
+    # torch's match_rms_adamw is Megatron's spectral with --muon-extra-scale-factor 0.2
+    assert muon_lr_scale(300, 700, "match_rms_adamw") == pytest.approx(muon_lr_scale(300, 700, "spectral", extra=0.2))
     with pytest.raises(ValueError) as e:
         muon_lr_scale(4, 4, "rms")
     assert all(mode in str(e.value) for mode in LR_SCALE_MODES)

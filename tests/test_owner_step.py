@@ -26,7 +26,7 @@ def _owner(params, settings, lr=0.02, wd=0.1, adam=()):
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("scale_mode,torch_fn", [("spectral", "original"), ("match_rms_adamw", "match_rms_adamw")])
+@pytest.mark.parametrize("scale_mode,torch_fn", [("shape_scaling", "original"), ("match_rms_adamw", "match_rms_adamw")])
 def test_owner_step_equals_torch_optim_muon_and_adamw(nesterov, scale_mode, torch_fn):
     starts = [_rand(*s, seed=i) for i, s in enumerate(SHAPES)]
     vec = _rand(32, seed=99)

@@ -12,9 +12,11 @@ These functions are THE rule: ``muon_step_`` (checked bitwise against torch.opti
 distributed owner step and the single-process reference all call them, and only the NS call in
 between differs (batched by shape on owners, one matrix at a time in the reference).
 
-``scale`` comes from ``muon_lr_scale``: ``'spectral'`` = sqrt(max(1, rows/cols)) (Keller;
-torch's ``adjust_lr_fn='original'``), ``'match_rms_adamw'`` = 0.2·sqrt(max(rows, cols))
-(Moonlight), ``'none'`` = 1. Weight decay is decoupled and uses the *base* lr.
+``scale`` comes from ``muon_lr_scale``, whose mode names are Megatron-core's / Emerging-Optimizers'
+(``--muon-scale-mode``) where they exist: ``'spectral'`` = sqrt(max(rows, cols)),
+``'shape_scaling'`` = sqrt(max(1, rows/cols)) (Keller; torch's ``adjust_lr_fn='original'``),
+``'unit_rms_norm'`` = sqrt(rows/cols); plus torch's ``'match_rms_adamw'`` = 0.2·sqrt(max(rows,
+cols)) (Moonlight) and ``'none'`` = 1. Weight decay is decoupled and uses the *base* lr.
 
 Everything works on a single matrix or on a stack ``[..., rows, cols]`` (rows/cols = last two
 dims), so same-shape matrices can be stepped as one batch.
@@ -40,9 +42,10 @@ __all__ = [
     "LR_SCALE_MODES",
 ]
 
-LR_SCALE_MODES: tuple[str, ...] = ("spectral", "match_rms_adamw", "none")
-# torch.optim.Muon's name for 'spectral'
-_LR_SCALE_ALIASES = {"original": "spectral"}
+# The first three are Megatron's --muon-scale-mode choices with Megatron's meaning (rows = fan-out).
+LR_SCALE_MODES: tuple[str, ...] = ("spectral", "shape_scaling", "unit_rms_norm", "match_rms_adamw", "none")
+# torch.optim.Muon's name for 'shape_scaling'
+_LR_SCALE_ALIASES = {"original": "shape_scaling"}
 
 
 def muon_momentum_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool) -> Tensor:
@@ -59,15 +62,20 @@ def muon_momentum_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool) 
     return grad.lerp(momentum, beta) if nesterov else momentum
 
 
-def muon_lr_scale(rows: int, cols: int, mode: str = "spectral", extra: float = 1.0) -> float:
+def muon_lr_scale(rows: int, cols: int, mode: str = "shape_scaling", extra: float = 1.0) -> float:
     """Per-matrix multiplier of the lr for the orthogonalized update (times ``extra``).
 
-    Modes: ``'spectral'`` (alias ``'original'``) sqrt(max(1, rows/cols));
-    ``'match_rms_adamw'`` 0.2·sqrt(max(rows, cols)); ``'none'`` 1.
+    Modes: ``'spectral'`` sqrt(max(rows, cols)); ``'shape_scaling'`` (alias ``'original'``)
+    sqrt(max(1, rows/cols)); ``'unit_rms_norm'`` sqrt(rows/cols); ``'match_rms_adamw'``
+    0.2·sqrt(max(rows, cols)); ``'none'`` 1.
     """
     mode = _LR_SCALE_ALIASES.get(mode, mode)
     if mode == "spectral":
+        ratio = math.sqrt(max(rows, cols))
+    elif mode == "shape_scaling":
         ratio = math.sqrt(max(1, rows / cols))
+    elif mode == "unit_rms_norm":
+        ratio = math.sqrt(rows / cols)
     elif mode == "match_rms_adamw":
         ratio = 0.2 * math.sqrt(max(rows, cols))
     elif mode == "none":
@@ -75,12 +83,12 @@ def muon_lr_scale(rows: int, cols: int, mode: str = "spectral", extra: float = 1
     else:
         raise ValueError(
             f"unknown Muon lr scale mode {mode!r}; valid: {', '.join(LR_SCALE_MODES)} "
-            "('original' is accepted as torch.optim.Muon's name for 'spectral')"
+            "('original' is accepted as torch.optim.Muon's name for 'shape_scaling')"
         )
     return ratio * extra
 
 
-def muon_direction_scale(split, shape: Sequence[int], scale_mode: str = "spectral",
+def muon_direction_scale(split, shape: Sequence[int], scale_mode: str = "shape_scaling",
                          extra_scale: float = 1.0) -> float:
     """The lr multiplier ``muon_direction`` returns, from the shape alone (ranks that only
     receive a direction, e.g. the other TP ranks of a matrix, need it too)."""
@@ -94,7 +102,7 @@ def muon_direction(
     split=None,
     *,
     shape: Sequence[int],
-    scale_mode: str = "spectral",
+    scale_mode: str = "shape_scaling",
     extra_scale: float = 1.0,
     dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, float]:
@@ -139,7 +147,7 @@ def muon_step_(
     beta: float = 0.95,
     nesterov: bool = True,
     weight_decay: float = 0.0,
-    scale_mode: str = "spectral",
+    scale_mode: str = "shape_scaling",
     extra_scale: float = 1.0,
     ns_method: str = "standard",
     **ns_kwargs,
@@ -151,7 +159,7 @@ def muon_step_(
     ``compute_dtype``). All input checks run before any tensor is modified; with the
     default ``check_finite=True`` a NaN/Inf gradient raises and leaves the state untouched.
     With ``ns_method='standard'`` and defaults this equals torch.optim.Muon's step
-    (``scale_mode='spectral'`` ↔ ``adjust_lr_fn='original'``).
+    (``scale_mode='shape_scaling'`` ↔ ``adjust_lr_fn='original'``).
     """
     if param.ndim < 2:
         raise ValueError(

@@ -36,10 +36,10 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
         check_model_parallel_config(model_config, cfg.mode)
     if getattr(config, "overlap_param_gather_with_optimizer_step", False):
         raise ValueError("--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step; drop the flag")
-    if config.fp16:
+    if config.fp16 and not getattr(config, "loss_scale", None):
         raise ValueError(
-            "--optimizer dmuon does not support --fp16 (Muon's NS on loss-scaled fp16 grads is "
-            "unsupported); use --bf16"
+            "--optimizer dmuon with --fp16 needs a constant --loss-scale (dynamic loss scaling is not "
+            "supported); add --loss-scale, or use --bf16"
         )
     optimizer = getattr(config, "optimizer", "adam")
     if optimizer not in ("adam", "dmuon", "muon"):
@@ -50,14 +50,12 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
         raise ValueError(
             f"--optimizer dmuon runs AdamW on the element-wise params; --muon-scalar-optimizer "
             f"{config.muon_scalar_optimizer} is not supported: drop the flag")
-    if not getattr(config, "decoupled_weight_decay", True):
-        raise ValueError(
-            "--optimizer dmuon applies decoupled weight decay (W <- W(1 - lr*wd), AdamW's and Muon's rule); "
-            "decoupled_weight_decay=False would be silently replaced: drop it")
     if config.optimizer_cpu_offload:
         raise ValueError("--optimizer dmuon does not support --optimizer-cpu-offload; drop the flag")
     if config.use_precision_aware_optimizer:
         raise ValueError("--optimizer dmuon does not support --use-precision-aware-optimizer; drop the flag")
+    if not getattr(config, "decoupled_weight_decay", True):
+        raise ValueError("--optimizer dmuon applies decoupled weight decay only; drop decoupled_weight_decay=False")
     if cfg.mode == "dmuon":
         if not (config.use_distributed_optimizer and ddp_config.use_distributed_optimizer):
             raise ValueError(

@@ -113,6 +113,21 @@ def build_gpt(shape: GPTShape, config=None):
     return model
 
 
+def gpt_training_flops(shape: GPTShape, batch_size: int) -> float:
+    """FLOPs of one training iteration on `batch_size` sequences, counted the way Megatron-LM's
+    `num_floating_point_operations` counts a GPT (so TFLOP/s compare with its logs): every GEMM
+    three times (forward, weight grad, input grad) at 2 FLOPs per multiply-add; causal attention
+    counts half of QK^T and of its product with V; the logit GEMM included; no recomputation."""
+    s, h, layers = shape.seq_length, shape.hidden_size, shape.num_layers
+    head_dim = h // shape.num_attention_heads
+    q, kv = head_dim * shape.num_attention_heads, head_dim * shape.num_query_groups
+    mlp_width = shape.moe_ffn_hidden_size * shape.moe_router_topk if shape.num_experts else shape.ffn_hidden_size
+    mlp = h * mlp_width * (3 if shape.swiglu else 2)
+    attention_proj = h * (q + 2 * kv) + q * h
+    per_token = 6 * (layers * (mlp + attention_proj) + h * shape.vocab_size) + 6 * layers * q * s
+    return float(batch_size * s * per_token)
+
+
 def on_gpu() -> bool:
     """True on a real CUDA run (the CPU test shim makes ``torch.cuda.is_available()`` False)."""
     return torch.cuda.is_available()

@@ -118,36 +118,82 @@ def compute_owner_aligned_layout(
     return FullParamLayout(layouts=layouts), plans, name_of
 
 
-def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False,
-                    ranks_per_node: int = 0, **layout_kwargs):
-    """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...)).
-
-    ranks_per_node > 0 switches grad reduce and param publish to two levels (intra-node, then
-    inter-node; megatron/hierarchy.py) with node-striped owners."""
-    from megatron.core import parallel_state
+def _import_distributed_data_parallel():
     from megatron.core.distributed import DistributedDataParallel
 
-    from .hierarchy import check_two_level_config
-    from .checks import check_model_parallel_config
+    return DistributedDataParallel
 
-    check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
-    groups = layout_groups(config, ddp_config)
-    dp_group = groups["dp"]
-    check_two_level_config(ddp_config, dp_group.size(), ranks_per_node)
-    bucket_size = default_bucket_size(ddp_config, dp_group.size(), disable_bucketing, groups["pp"].rank())
-    full_layout, plans, name_of = compute_owner_aligned_layout(module, ddp_config, groups, bucket_size, **layout_kwargs)
-    ddp = DistributedDataParallel(config, ddp_config, module, disable_bucketing=disable_bucketing, full_param_layout=full_layout)
-    ddp.dmuon_owner_plans = plans
-    ddp.dmuon_param_names = name_of
-    ddp.dmuon_topology = None
-    if ranks_per_node:
-        from ..runtime.hierarchy import build_node_topology
-        from .hierarchy import make_two_level
 
-        topo = build_node_topology(dp_group, ranks_per_node)
-        for bucket_group in ddp.bucket_groups:
-            make_two_level(bucket_group, topo)
-        for buffer in ddp.buffers:
-            buffer.dmuon_shard_index = topo.shard_index
-        ddp.dmuon_topology = topo
-    return ddp
+class DMuonDDP(_import_distributed_data_parallel()):
+    """Megatron's DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for
+    DDP(...)); constructible exactly as Megatron constructs its DDP.
+
+    `full_param_layout` (Megatron's own layout, which Megatron-LM computes before it calls its DDP
+    class) is replaced by the owner-aligned one. `pg_collection` must hold Megatron's global
+    data-parallel group: owners are planned over the global parallel state.
+    ranks_per_node > 0 switches grad reduce and param publish to two levels (intra-node, then
+    inter-node; megatron/hierarchy.py) with node-striped owners."""
+
+    def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
+                 full_param_layout=None, *, ranks_per_node: int = 0, **layout_kwargs):
+        from .checks import check_model_parallel_config
+        from .hierarchy import check_two_level_config
+
+        check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
+        groups = layout_groups(config, ddp_config)
+        dp_group = groups["dp"]
+        _check_same_group(pg_collection, dp_group)
+        check_two_level_config(ddp_config, dp_group.size(), ranks_per_node)
+        bucket_size = default_bucket_size(ddp_config, dp_group.size(), disable_bucketing, groups["pp"].rank())
+        full_layout, plans, name_of = compute_owner_aligned_layout(module, ddp_config, groups, bucket_size,
+                                                                   **layout_kwargs)
+        super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
+                         full_param_layout=full_layout)
+        self.dmuon_owner_plans = plans
+        self.dmuon_param_names = name_of
+        self.dmuon_topology = None
+        if ranks_per_node:
+            from ..runtime.hierarchy import build_node_topology
+            from .hierarchy import make_two_level
+
+            topo = build_node_topology(dp_group, ranks_per_node)
+            for bucket_group in self.bucket_groups:
+                make_two_level(bucket_group, topo)
+            for buffer in self.buffers:
+                buffer.dmuon_shard_index = topo.shard_index
+            self.dmuon_topology = topo
+
+    # Whether this step's grads reached their owners: a hand-written loop that skips
+    # finish_grad_sync() would otherwise step every owner on its own unreduced grads, silently.
+    dmuon_grads_reduced = False
+
+    def zero_grad_buffer(self):
+        super().zero_grad_buffer()
+        self.dmuon_grads_reduced = False
+
+    def start_grad_sync(self, *unused):
+        super().start_grad_sync(*unused)
+        self.dmuon_grads_reduced = not self.ddp_config.overlap_grad_reduce  # synchronous without overlap
+
+    def finish_grad_sync(self, *args, **kwargs):
+        super().finish_grad_sync(*args, **kwargs)
+        self.dmuon_grads_reduced = True
+
+
+def _check_same_group(pg_collection, dp_group) -> None:
+    group = getattr(pg_collection, "intra_dp_cp", None) or getattr(pg_collection, "dp_cp", None)
+    if group is None:
+        return
+    ranks = torch.distributed.get_process_group_ranks
+    if ranks(group) != ranks(dp_group):
+        raise ValueError(
+            "DMuon plans owners over Megatron's global data-parallel group; this DDP was given a "
+            "pg_collection with another one (custom process groups are not supported yet)"
+        )
+
+
+def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False,
+                    ranks_per_node: int = 0, **layout_kwargs) -> DMuonDDP:
+    """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...))."""
+    return DMuonDDP(config, ddp_config, module, disable_bucketing=disable_bucketing,
+                    ranks_per_node=ranks_per_node, **layout_kwargs)

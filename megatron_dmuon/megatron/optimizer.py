@@ -19,29 +19,8 @@ from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 from ..planning.tp_cost import choose_tp_method
 from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
+from .config import MODES, DMuonConfig, megatron_muon_fields  # noqa: F401 (MODES: public API)
 from .layout import full_matrix_shape
-
-logger = logging.getLogger(__name__)
-MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
-
-
-
-@dataclasses.dataclass
-class DMuonConfig:
-    mode: str = "dmuon"
-    muon: MuonSettings = dataclasses.field(default_factory=MuonSettings)
-    split_qkv: bool = False
-    split_per_head: bool = False
-    split_glu: bool = False
-    ranks_per_node: int = 0  # > 0: two-level (intra-node, inter-node) reduce/publish
-    # a step whose gradients hold NaN/Inf is skipped on every rank (no loss scaler needed, e.g. bf16)
-    skip_nonfinite: bool = True
-
-    def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"--dmuon-mode {self.mode!r} unknown; valid: {', '.join(MODES)}")
-        self.muon.validate()
-
 
 def _split_rule(name, full_shape, model_config, cfg: DMuonConfig):
     """Split rule of the full canonical matrix (TP shards are merged before NS)."""
@@ -107,8 +86,8 @@ def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, infos) 
 
 
 def _grad_scaler(config):
-    """bf16/fp32 need no scaler; a constant --loss-scale is honoured as Megatron does (fp16,
-    the only user of a dynamic scaler, is rejected by check_dmuon_config)."""
+    """bf16/fp32 need no scaler; a constant --loss-scale is honoured as Megatron does (fp16 needs
+    one: check_dmuon_config rejects fp16 with Megatron's dynamic scaler)."""
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler
 
     return ConstantGradScaler(config.loss_scale) if config.loss_scale else None
@@ -122,6 +101,7 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
     cfg = dmuon or DMuonConfig()
     ddp_config = model_chunks[0].ddp_config
     check_dmuon_config(config, ddp_config, cfg, model_chunks[0].config)
+    cfg.apply_environment()
     if cfg.mode == "dmuon":
         DMuonDistributedOptimizer.check_owner_aligned(model_chunks)
     if cfg.mode == "megatron_layerwise":
@@ -134,7 +114,10 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
             ) from e
         from megatron.core.optimizer import get_megatron_optimizer
 
-        return get_megatron_optimizer(dataclasses.replace(config, optimizer="muon"), model_chunks)
+        return get_megatron_optimizer(
+            dataclasses.replace(config, optimizer="muon",
+                                **megatron_muon_fields(cfg, getattr(config, "muon_tp_mode", "duplicated"))),
+            model_chunks)
 
     if cfg.mode == "gather_then_compute":
         return _gather_then_compute_optimizer(config, model_chunks, cfg)
@@ -200,7 +183,7 @@ def _gather_then_compute_optimizer(config, model_chunks, cfg):
         lr=config.lr, weight_decay=config.weight_decay,
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
     )
-    if config.bf16:
+    if config.bf16 or config.fp16:
         opt = Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config), _init_state_fn)
         _register_matrices(inner, opt.float16_groups, opt.fp32_from_float16_groups, infos)
         _register_matrices(inner, opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups, infos)
@@ -344,6 +327,16 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
         local = Range(bucket.offset + shard * size, bucket.offset + (shard + 1) * size)
         return {"param_map": cls._build_model_gbuf_param_range_map(
             param_and_grad_buffer.param_index_map, local, bucket.offset)}
+
+    def prepare_grads(self) -> bool:
+        for chunk in self.model_chunks:
+            if not getattr(chunk, "dmuon_grads_reduced", True):
+                raise RuntimeError(
+                    "DMuon: optimizer.step() before the gradients were reduced to their owners: call "
+                    "ddp.finish_grad_sync() after backward (Megatron's schedules do it through "
+                    "config.finalize_model_grads_func = finalize_model_grads)"
+                )
+        return super().prepare_grads()
 
     # ------------------------------------------------------------------------------ checkpoints
     # One part's entry points; DMuonChainedOptimizer calls the same functions with all its parts.

@@ -39,7 +39,9 @@ class MuonSettings:
     coefficients: str = "keller"
     ns_steps: int = 5
     ns_dtype: torch.dtype = torch.bfloat16
-    scale_mode: str = "spectral"  # 'spectral' | 'match_rms_adamw' | 'none'
+    # algorithms.muon.LR_SCALE_MODES (Megatron's --muon-scale-mode names). MuonSettings() is
+    # torch.optim.Muon's rule; megatron/config.py's DMuonConfig() carries Megatron-LM's defaults.
+    scale_mode: str = "shape_scaling"
     extra_scale: float = 1.0
     ns_launch: str = "eager"  # NS_LAUNCH_MODES; off CUDA every mode runs eagerly
     # an NS output holding NaN/Inf (e.g. fp16 Gram overflow) is recomputed in float32 by the torch
@@ -66,7 +68,7 @@ class MuonSettings:
             if self.ns_steps != 5:
                 raise ValueError(
                     f"dmuon coefficients 'adaptive' choose the step count per shape (5, or 6 for square "
-                    f"matrices); ns_steps={self.ns_steps} would be ignored: leave --dmuon-ns-steps at 5"
+                    f"matrices); ns_steps={self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
                 )
         else:
             from ..algorithms.coefficients import get_coefficients
@@ -251,11 +253,25 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             updates[info.name] = muon_momentum_(state["momentum_buffer"].view(info.local_shape),
                                                 grad.view(info.local_shape), s.momentum, s.nesterov)
-        local = self._distributed_gram_step([e for e in entries if e[2].tp_method == "distributed_gram"], updates)
-        entries_gather = [e for e in entries if e[2].tp_method != "distributed_gram"]
-        tp_mats = [info.tp_matrix() for _, _, info in entries_gather]
-        info_of = {info.name: (p, info) for p, _, info in entries_gather}
-        full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()})
+        self.tp.bytes_sent = 0
+        self.stats["ns_matrices"] = 0
+        gram = [e for e in entries if e[2].tp_method == "distributed_gram"]
+        local = self._distributed_gram_step(gram, updates)
+        local.update(self._gather_step([e for e in entries if e[2].tp_method != "distributed_gram"], updates,
+                                       like=entries[0][0] if entries else None))
+        for p, group, info in entries:  # every rank: decay and lr-scaled direction on its own shard
+            scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
+            muon_apply_(p, local[info.name], group["lr"], group["weight_decay"], scale)
+        self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
+        self.stats["tp_bytes"] = self.tp.bytes_sent
+
+    def _gather_step(self, entries, updates, like) -> Dict[str, torch.Tensor]:
+        """Directions (this rank's shards) of matrices gathered whole to their TP owner (without TP:
+        every matrix this rank holds), orthogonalized there in batched NS calls."""
+        s = self.muon
+        tp_mats = [info.tp_matrix() for _, _, info in entries]
+        info_of = {info.name: (p, info) for p, _, info in entries}
+        full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()}, like)
         owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
         orthogonalized = self._orthogonalize_owned([(info, full[info.name]) for _, info in owned])
         directions = {
@@ -263,21 +279,13 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                                       scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)[0]
             for p, info in owned
         }
-        like = entries[0][0] if entries else None
-        local.update(self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, (_, i) in info_of.items()}, like))
-        for p, group, info in entries:
-            scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
-            muon_apply_(p, local[info.name], group["lr"], group["weight_decay"], scale)
-        self.stats["ns_matrices"] = len(owned) + self.stats["gram_owned"]
-        self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
-        self.stats["tp_bytes"] = self.tp.bytes_sent
+        self.stats["ns_matrices"] += len(owned)
+        return self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, (_, i) in info_of.items()}, like)
 
     def _distributed_gram_step(self, entries, updates) -> Dict[str, torch.Tensor]:
         """Directions (this rank's shards) of matrices orthogonalized by distributed Gram NS across
         the TP group: one stack per (local shape, TP owner), in the same order on every TP rank."""
         s = self.muon
-        self.tp.bytes_sent = 0
-        self.stats["gram_owned"] = 0
         groups: Dict[tuple, list] = defaultdict(list)
         for p, _, info in entries:
             groups[(info.local_shape, info.shape, info.tp_owner)].append((p, info))
@@ -290,8 +298,8 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             for (p, info), o in zip(members, result):
                 out[info.name] = muon_direction([o.mT if tall else o], None, shape=info.shape, scale_mode=s.scale_mode,
                                                 extra_scale=s.extra_scale, dtype=p.dtype)[0]
-            if owner == self.tp.rank:
-                self.stats["gram_owned"] += len(members)
+            if owner == self.tp.rank:  # the owner ran the Gram-space iteration: its NS
+                self.stats["ns_matrices"] += len(members)
         return out
 
     def _orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:

@@ -63,14 +63,14 @@ class TPExchange:
         return list(out.split(recv_numel))
 
     def to_owners(self, mats: Sequence[TPMatrix], local: Dict[str, torch.Tensor],
-                  full_shapes: Dict[str, Sequence[int]]) -> Dict[str, torch.Tensor]:
+                  full_shapes: Dict[str, Sequence[int]], like: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         """Full canonical update of every matrix this rank owns (``local``: this rank's shard
         of every sharded matrix, and of every replicated matrix it owns)."""
         self.bytes_sent = 0
         mine = self.owned(mats)
         if self.size == 1 or not mats:
             return {m.key: local[m.key].reshape(full_shapes[m.key]) for m in mine}
-        like = next(iter(local.values())) if local else torch.empty(0)
+        like = like if like is not None else next(iter(local.values()))  # dtype/device of the messages
         send = [[local[m.key] for m in mats if m.sharded and m.owner == dst and dst != self.rank]
                 for dst in range(self.size)]
         per_source = sum(m.local_numel for m in mine if m.sharded)

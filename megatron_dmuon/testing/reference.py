@@ -202,5 +202,6 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
             if coeff < 1.0:
                 grads = {n: g * coeff for n, g in grads.items()}
         updater.step(named, grads)
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in named}, "grad_norms": grad_norms,
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},  # frozen too
+            "grad_norms": grad_norms,
             "max_grad_gap": grad_gap}

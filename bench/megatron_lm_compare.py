@@ -1,0 +1,183 @@
+"""Megatron-LM's own `--optimizer muon` against `--optimizer dmuon`, same model, same `--muon-*` flags.
+
+    python bench/megatron_lm_compare.py --megatron-lm .mlm --nproc 1 --iters 30 --out "$OUT"
+
+Patches the Megatron-LM checkout (patches/apply.sh, idempotent), then runs its `pretrain_gpt.py`
+under torchrun once per optimizer with `--mock-data` and identical flags, and reads Megatron's own
+progress lines (`--log-interval 1`). Runs (`--runs`):
+
+* `muon`           Megatron's Muon (emerging_optimizers; with --use-distributed-optimizer its
+                   LayerWiseDistributedOptimizer), bf16 Newton-Schulz (`--muon-fp32-matmul-prec medium`);
+* `muon_fp32ns`    the same with fp32 Newton-Schulz (`high`): how far bf16 rounding alone moves the
+                   loss curve — the noise band DMuon's curve is judged against;
+* `dmuon`          DMuon through the hook, same flags (`--dmuon-ns-method auto` by default);
+* `dmuon_standard` DMuon with `--dmuon-ns-method standard` (the NS iteration Megatron runs);
+* `adam`           Megatron's distributed Adam, for the step-time baseline (not in the default set).
+
+Prints (and writes under --out) JSON with every iteration's loss and time, and a markdown table:
+median ms/iteration over the second half, loss gap to `muon` (max |Δ| over iterations, and the
+last iteration), and the bf16 noise band (`muon_fp32ns` vs `muon`). Needs a GPU; Megatron-LM
+without Transformer Engine runs with `--transformer-impl local` and the fusions off (as here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A Qwen2.5-7B-shaped GPT cut to 4 layers (+32k vocab), as in docs/dmuon_dp.md's measurements
+MODELS = {
+    "qwen7b-4l": ["--num-layers", "4", "--hidden-size", "3584", "--ffn-hidden-size", "18944",
+                  "--num-attention-heads", "28", "--group-query-attention", "--num-query-groups", "4",
+                  "--kv-channels", "128", "--seq-length", "4096", "--max-position-embeddings", "4096",
+                  "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
+                  "--position-embedding-type", "rope", "--rotary-base", "1000000", "--disable-bias-linear",
+                  "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--vocab-size", "32000",
+                  "--micro-batch-size", "1", "--global-batch-size", "8"],
+    "small": ["--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
+              "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4",
+              "--seq-length", "1024", "--max-position-embeddings", "1024", "--swiglu", "--normalization", "RMSNorm",
+              "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+              "--vocab-size", "32000", "--micro-batch-size", "2", "--global-batch-size", "16"],
+}
+COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--bf16", "--seed", "1234",
+          "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+          "--weight-decay", "0.1", "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+          "--init-method-std", "0.02", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+          "--log-interval", "1", "--log-throughput", "--eval-iters", "0", "--eval-interval", "1000000",
+          "--use-distributed-optimizer"]
+# Megatron-LM without Transformer Engine (docs: FACTS)
+NO_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+         "--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+         "--attention-backend", "unfused"]
+# the same Muon flags for Megatron's Muon and for DMuon (Moonlight's AdamW-matched update RMS)
+MUON = ["--muon-momentum", "0.95", "--muon-nesterov", "--muon-scale-mode", "spectral",
+        "--muon-extra-scale-factor", "0.2", "--muon-coefficient-type", "quintic", "--muon-num-ns-steps", "5",
+        "--muon-tp-mode", "duplicated"]
+RUNS = {
+    "muon": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "medium"],
+    "muon_fp32ns": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "high"],
+    "dmuon": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium"],
+    "dmuon_standard": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium",
+                       "--dmuon-ns-method", "standard"],
+    "adam": ["--optimizer", "adam"],
+}
+LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|")
+FIELDS = {"loss": r"lm loss: ([-\d.E+na]+) \|", "grad_norm": r"grad norm: ([\d.E+na]+) \|",
+          "tflops": r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \|",
+          "skipped": r"number of skipped iterations:\s+(\d+) \|", "nan": r"number of nan iterations:\s+(\d+) \|"}
+
+
+def parse_log(text: str) -> list:
+    rows = []
+    for line in text.splitlines():
+        m = LINE.search(line)
+        if not m:
+            continue
+        row = {"iteration": int(m.group(1)), "ms": float(m.group(2))}
+        for key, pattern in FIELDS.items():
+            f = re.search(pattern, line)
+            row[key] = float(f.group(1)) if f else None
+        rows.append(row)
+    return rows
+
+
+def run(name, args, megatron_lm, log_dir) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           os.path.join(megatron_lm, "pretrain_gpt.py"), *MODELS[args.model], *COMMON, *NO_TE,
+           "--train-iters", str(args.iters), *RUNS[name], *args.extra]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([ROOT, megatron_lm] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    print("$", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=megatron_lm, timeout=args.timeout)
+    log = proc.stdout + proc.stderr
+    if log_dir:
+        with open(os.path.join(log_dir, f"{name}.log"), "w") as f:
+            f.write(log)
+    rows = parse_log(log)
+    shown = [l for l in log.splitlines() if LINE.search(l)]
+    print("\n".join(shown[:2] + (["..."] if len(shown) > 4 else []) + shown[-2:]), flush=True)
+    if proc.returncode != 0 or len(rows) < args.iters:
+        tail = "\n".join(log.splitlines()[-40:])
+        print(f"[{name}] failed (rc {proc.returncode}, {len(rows)} iterations logged):\n{tail}", flush=True)
+        return {"run": name, "error": tail, "iterations": rows}
+    steady = [r["ms"] for r in rows[len(rows) // 2:]]
+    return {"run": name, "iterations": rows, "median_ms": statistics.median(steady),
+            "median_tflops": statistics.median([r["tflops"] for r in rows[len(rows) // 2:] if r["tflops"]] or [0]),
+            "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
+            "skipped": sum(int(r["skipped"] or 0) for r in rows), "nan": sum(int(r["nan"] or 0) for r in rows)}
+
+
+def loss_gap(a: dict, b: dict) -> dict:
+    pairs = [(x["loss"], y["loss"]) for x, y in zip(a["iterations"], b["iterations"])
+             if x["loss"] is not None and y["loss"] is not None]
+    return {"max_abs": max(abs(x - y) for x, y in pairs), "last_abs": abs(pairs[-1][0] - pairs[-1][1])}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--megatron-lm", default=os.path.join(ROOT, ".mlm"), help="Megatron-LM checkout (core_v0.19.0)")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (data-parallel ranks)")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--model", default="qwen7b-4l", choices=sorted(MODELS))
+    p.add_argument("--runs", nargs="+", default=["muon", "muon_fp32ns", "dmuon", "dmuon_standard"],
+                   choices=sorted(RUNS))
+    p.add_argument("--timeout", type=int, default=200, help="seconds per run")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON, table and logs")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more Megatron-LM flags for every run")
+    args = p.parse_args(argv)
+    megatron_lm = os.path.abspath(args.megatron_lm)
+    subprocess.run(["bash", os.path.join(ROOT, "patches", "apply.sh"), megatron_lm], check=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    results = {name: run(name, args, megatron_lm, args.out) for name in args.runs}
+    ok = {k: v for k, v in results.items() if "error" not in v}
+    summary = {"model": args.model, "gpus": args.nproc, "iters": args.iters, "runs": {}}
+    base = ok.get("muon")
+    for name, r in results.items():
+        row = {k: r.get(k) for k in ("median_ms", "median_tflops", "first_loss", "last_loss", "skipped", "nan")}
+        if "error" in r:
+            row["error"] = True
+        elif base is not None and name != "muon":
+            row["loss_gap_to_muon"] = loss_gap(r, base)
+            row["speedup_vs_muon"] = base["median_ms"] / r["median_ms"]
+        summary["runs"][name] = row
+    print(json.dumps({"summary": summary, "iterations": {k: v["iterations"] for k, v in results.items()}}))
+    table = ["| run | ms/iter (median, 2nd half) | TFLOP/s/GPU | speed-up vs muon | first loss | last loss | "
+             "max abs loss gap to muon | last-iteration gap | skipped / nan |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, row in summary["runs"].items():
+        if row.get("error"):
+            table.append(f"| {name} | failed | | | | | | | |")
+            continue
+        gap = row.get("loss_gap_to_muon") or {}
+        table.append(f"| {name} | {row['median_ms']:.1f} | {row['median_tflops']:.1f} | "
+                     f"{row.get('speedup_vs_muon', 1.0):.3f} | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
+                     f"{gap.get('max_abs', 0.0):.4f} | {gap.get('last_abs', 0.0):.4f} | {row['skipped']} / {row['nan']} |")
+    noise = summary["runs"].get("muon_fp32ns", {}).get("loss_gap_to_muon")
+    verdict = []
+    if noise and "dmuon" in ok and base:
+        gap = summary["runs"]["dmuon"]["loss_gap_to_muon"]
+        verdict.append(f"dmuon vs muon: max loss gap {gap['max_abs']:.4f} (bf16 noise band, muon fp32-NS vs "
+                       f"bf16-NS: {noise['max_abs']:.4f}); dmuon {summary['runs']['dmuon']['speedup_vs_muon']:.2f}x "
+                       f"muon's iteration speed")
+    text = "\n".join(table + [""] + verdict)
+    print("\n" + text, flush=True)
+    if args.out:
+        with open(os.path.join(args.out, "megatron_lm_compare.json"), "w") as f:
+            json.dump({"summary": summary, "iterations": {k: v["iterations"] for k, v in results.items()},
+                       "flags": {"model": MODELS[args.model], "common": COMMON + NO_TE, "runs": RUNS,
+                                 "extra": args.extra}}, f, indent=1)
+        with open(os.path.join(args.out, "megatron_lm_compare.md"), "w") as f:
+            f.write(text + "\n")
+    return 0 if len(ok) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+# shellcheck shell=bash
+# Sourced by launch/torchrun_megatron_lm.sh and the Slurm scripts: everything a Megatron-LM
+# `pretrain_gpt.py --optimizer dmuon` launch shares. Needs RECIPE (a file of launch/recipes/) and
+# MEGATRON_LM (a Megatron-LM checkout, tag core_v0.19.0). Optional: DATA_PATH (+ TOKENIZER_MODEL,
+# TOKENIZER_TYPE) for real data instead of --mock-data; NO_TE=1 for a machine without Transformer
+# Engine (local layers, fusions off). Defines MEGATRON_ARGS (shared training flags, recipe, data,
+# optimizer flags).
+DMUON_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (git clone NVIDIA/Megatron-LM; git checkout core_v0.19.0)}"
+: "${RECIPE:?set RECIPE to one of: $(cd "$DMUON_REPO/launch/recipes" && ls ./*.sh | sed 's#^\./##; s/\.sh$//' | tr '\n' ' ')}"
+recipe_file="$DMUON_REPO/launch/recipes/$RECIPE.sh"
+[ -f "$recipe_file" ] || { echo "unknown RECIPE '$RECIPE' (no $recipe_file)" >&2; exit 1; }
+# shellcheck disable=SC1090
+source "$recipe_file"
+
+bash "$DMUON_REPO/patches/apply.sh" "$MEGATRON_LM" >&2  # idempotent: pretrain_gpt.py calls the hook
+export PYTHONPATH="$DMUON_REPO:$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+# NCCL: keep NVLink multicast (NVLS) off; the rest are the usual Megatron settings, override per site
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+
+if [ -n "${DATA_PATH:-}" ]; then
+  DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0
+             --tokenizer-type "${TOKENIZER_TYPE:-HuggingFaceTokenizer}"
+             --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL (e.g. Qwen/Qwen2.5-7B) with DATA_PATH}")
+else
+  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$RECIPE_VOCAB")
+fi
+LOCAL_ARGS=()
+if [ "${NO_TE:-0}" = 1 ]; then
+  LOCAL_ARGS=(--transformer-impl local --attention-backend unfused --no-rope-fusion --no-bias-swiglu-fusion
+              --no-bias-dropout-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion
+              --no-masked-softmax-fusion)
+fi
+# shared by the recipes (which may override any of it): bf16, no dropout, AdamW hyperparameters, and
+# Muon with --muon-scale-mode spectral x --muon-extra-scale-factor 0.2, which gives Muon updates the
+# RMS of AdamW's (Moonlight), so one learning rate serves both
+TRAINING_ARGS=(--bf16 --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
+               --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
+               --muon-momentum 0.95 --muon-nesterov --muon-scale-mode spectral --muon-extra-scale-factor 0.2
+               --log-interval 10 --log-throughput --eval-interval 1000 --eval-iters 10)
+OPTIMIZER_ARGS=(--optimizer dmuon --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
+MEGATRON_ARGS=("${TRAINING_ARGS[@]}" "${RECIPE_ARGS[@]}" "${DATA_ARGS[@]}" "${LOCAL_ARGS[@]}" "${OPTIMIZER_ARGS[@]}")

@@ -1,0 +1,310 @@
+"""One source of DMuon configuration: `DMuonConfig`, its command-line flags and their checks.
+
+`add_dmuon_args(parser)` registers the flags on any argparse parser (our example's, or
+Megatron-LM's through `megatron_dmuon.megatron.install()`); `DMuonConfig.from_args(args)` turns
+parsed flags into the config; `validate_dmuon_args(args)` rejects every combination DMuon cannot
+run, at parse time, naming the flag and the fix. `DMuonConfig()` equals what an empty command
+line gives, so the Python API, our example and a Megatron-LM launch share one set of defaults.
+
+Megatron-LM's own Muon flags (core_v0.19.0, `--muon-*`) keep their meaning under
+`--optimizer dmuon`: a launch that switches `--optimizer muon` to `--optimizer dmuon` gets the
+same update rule (`docs/megatron_lm.md` has the flag-by-flag table). Where the parser lacks
+them (our example), `add_dmuon_args` registers them with Megatron's defaults. `--dmuon-*` flags
+add only what is DMuon's own.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+
+from ..algorithms.coefficients import COEFFICIENT_SETS, YOU
+from ..algorithms.muon import LR_SCALE_MODES
+from ..kernels.autotune import CACHE_ENV
+from ..planning.owner_layout import BALANCE
+from ..planning.tp_cost import TP_METHODS
+from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, NS_METHODS, MuonSettings
+from .checks import check_dmuon_config
+from .hierarchy import check_two_level_config
+
+MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
+
+# --- Megatron-LM core_v0.19.0's Muon flags (megatron/training/arguments.py) and what they map to ---
+# --muon-coefficient-type -> our schedule. Emerging-Optimizers 0.3: 'simple' = Keller's
+# (3.4445, -4.7750, 2.0315) every step (ours 'keller'); 'quintic' = modded-nanogpt's 5 per-step sets
+# (ours 'you'), cycled from the first set after step 5; 'polar_express' = the Polar Express
+# polynomials (ours 'polar_express', up to 5 steps; see docs/megatron_lm.md for the rounding).
+MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express")
+# --muon-fp32-matmul-prec -> NS compute dtype. Megatron's 'medium' casts the normalized matrix to
+# bf16 for the iterations; 'high' keeps fp32 (TF32 matmuls there; full fp32 here).
+MUON_FP32_MATMUL_PREC = {"medium": torch.bfloat16, "high": torch.float32}
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+MUON_SCALAR_OPTIMIZERS = ("adam",)
+# (flag, argparse kwargs) with Megatron's defaults; registered only where a parser lacks them.
+MEGATRON_MUON_FLAGS = (
+    ("--muon-momentum", dict(type=float, default=0.9, help="Muon momentum (Megatron's flag)")),
+    ("--muon-no-split-qkv", dict(action="store_false", default=True, dest="muon_split_qkv",
+                                 help="orthogonalize the fused QKV weight as one matrix (default: Q, K, V apart)")),
+    ("--muon-nesterov", dict(action="store_true", help="Nesterov momentum")),
+    ("--muon-scale-mode", dict(type=str, default="spectral", choices=LR_SCALE_MODES,
+                               help="per-matrix lr scale: spectral sqrt(max(r,c)), shape_scaling "
+                                    "sqrt(max(1,r/c)), unit_rms_norm sqrt(r/c), match_rms_adamw, none")),
+    ("--muon-fp32-matmul-prec", dict(type=str, default="medium", choices=tuple(MUON_FP32_MATMUL_PREC),
+                                     help="NS precision: medium = bf16, high = fp32")),
+    ("--muon-coefficient-type", dict(type=str, default="quintic", choices=MUON_COEFFICIENT_TYPES,
+                                     help="Newton-Schulz coefficients")),
+    ("--muon-num-ns-steps", dict(type=int, default=5, help="Newton-Schulz steps")),
+    ("--muon-tp-mode", dict(type=str, default="blockwise", choices=MUON_TP_MODES,
+                            help="TP-sharded matrices: DMuon always orthogonalizes the whole matrix "
+                                 "(duplicated/distributed); blockwise is refused under TP > 1 except for "
+                                 "--dmuon-mode megatron_layerwise, which hands it to Megatron's own Muon")),
+    ("--muon-extra-scale-factor", dict(type=float, default=1.0, help="extra factor on the Muon update")),
+    ("--muon-scalar-optimizer", dict(type=str, default="adam", choices=MUON_SCALAR_OPTIMIZERS,
+                                     help="optimizer of embeddings, output layer, norms, biases")),
+)
+
+
+def megatron_muon_settings(**overrides) -> MuonSettings:
+    """MuonSettings of Megatron-LM's `--optimizer muon` defaults (what an empty command line gives)."""
+    kw = dict(momentum=0.9, nesterov=False, coefficients="you", ns_steps=5, ns_dtype=torch.bfloat16,
+              scale_mode="spectral", extra_scale=1.0, ns_method="auto")
+    kw.update(overrides)
+    return MuonSettings(**kw)
+
+
+@dataclasses.dataclass
+class DMuonConfig:
+    """Everything DMuon's optimizer reads. Defaults = Megatron-LM's Muon defaults + DMuon's own
+    (`--dmuon-ns-method auto`: the kernels' measured fastest NS per shape)."""
+
+    mode: str = "dmuon"
+    muon: MuonSettings = dataclasses.field(default_factory=megatron_muon_settings)
+    split_qkv: bool = True  # Megatron's default (--muon-no-split-qkv turns it off)
+    split_per_head: bool = False
+    split_glu: bool = False
+    autotune_cache: Optional[str] = None  # the kernels' autotune JSON (else $DMUON_AUTOTUNE_CACHE)
+    # a step whose gradients hold NaN/Inf is skipped on every rank (no loss scaler needed, e.g. bf16)
+    skip_nonfinite: bool = True
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--dmuon-mode {self.mode!r} unknown; valid: {', '.join(MODES)}")
+        self.muon.validate()
+
+    @classmethod
+    def from_args(cls, args) -> "DMuonConfig":
+        """The config of parsed `add_dmuon_args` flags; a value DMuon cannot honour raises a
+        ValueError naming the flag and the fix."""
+        steps = args.muon_num_ns_steps
+        coefficients = args.dmuon_coefficients or _coefficients_for(args.muon_coefficient_type, steps)
+        if args.muon_fp32_matmul_prec not in MUON_FP32_MATMUL_PREC:
+            raise ValueError(
+                f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec!r} is not a torch matmul precision "
+                "(torch ignores it); pass medium (bf16 Newton-Schulz, the default) or high (fp32)")
+        if args.muon_scalar_optimizer not in MUON_SCALAR_OPTIMIZERS:
+            raise ValueError(
+                f"--muon-scalar-optimizer {args.muon_scalar_optimizer} is not supported by --optimizer dmuon "
+                "(its element-wise params take AdamW on their owner shard); drop the flag or pass adam")
+        tp = max(getattr(args, "tensor_model_parallel_size", 1) or 1,
+                 getattr(args, "expert_tensor_parallel_size", 1) or 1)
+        if args.muon_tp_mode not in MUON_TP_MODES:
+            raise ValueError(f"--muon-tp-mode {args.muon_tp_mode!r} unknown; valid: {', '.join(MUON_TP_MODES)}")
+        if args.muon_tp_mode == "blockwise" and tp > 1 and args.dmuon_mode != "megatron_layerwise":
+            raise ValueError(
+                "--muon-tp-mode blockwise (Megatron's default) orthogonalizes every TP shard on its own, so "
+                "the update depends on the TP size (it is not Muon); --optimizer dmuon orthogonalizes whole "
+                "matrices: pass --muon-tp-mode duplicated (same math as Megatron's duplicated/distributed)")
+        muon = megatron_muon_settings(
+            momentum=args.muon_momentum, nesterov=args.muon_nesterov, coefficients=coefficients,
+            ns_steps=steps, ns_dtype=MUON_FP32_MATMUL_PREC[args.muon_fp32_matmul_prec],
+            scale_mode=args.muon_scale_mode, extra_scale=args.muon_extra_scale_factor,
+            ns_method=args.dmuon_ns_method, ns_launch=args.dmuon_ns_launch, tp_method=args.dmuon_tp_method)
+        cfg = cls(mode=args.dmuon_mode, muon=muon,
+                  split_qkv=args.muon_split_qkv or args.dmuon_split_heads,
+                  split_per_head=args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
+                  autotune_cache=args.dmuon_autotune_cache,
+                  skip_nonfinite=not getattr(args, "dmuon_no_skip_nonfinite", False))
+        cfg.validate()
+        return cfg
+
+    def apply_environment(self) -> None:
+        """Process-wide settings the config implies (the autotune cache location)."""
+        if self.autotune_cache:
+            os.environ[CACHE_ENV] = self.autotune_cache
+
+
+def _coefficients_for(coefficient_type: str, steps: int):
+    if coefficient_type == "simple":
+        return "keller"
+    if coefficient_type == "quintic":
+        # Emerging-Optimizers cycles its 5 sets; ours ('you') would repeat the last one
+        return "you" if steps <= len(YOU) else tuple(YOU[i % len(YOU)] for i in range(steps))
+    if coefficient_type == "polar_express":
+        if steps > 5:
+            raise ValueError(
+                f"--muon-coefficient-type polar_express with --muon-num-ns-steps {steps}: Megatron continues "
+                "with three further Polar Express sets that DMuon does not have; use <= 5 steps, or "
+                "--dmuon-coefficients polar_express (ours: the fifth set repeats)")
+        return "polar_express"
+    raise ValueError(
+        f"--muon-coefficient-type {coefficient_type!r} is not available under --optimizer dmuon; valid: "
+        f"{', '.join(MUON_COEFFICIENT_TYPES)}, or DMuon's own --dmuon-coefficients "
+        f"{{{','.join(COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,))}}}")
+
+
+def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
+    """OptimizerConfig `muon_*` fields under which Megatron's own Muon runs the rule of `cfg`
+    (the `megatron_layerwise` baseline; `tp_mode` is Megatron's --muon-tp-mode, which DMuon itself
+    does not need): the inverse of `DMuonConfig.from_args`."""
+    m = cfg.muon
+    names = {"keller": "simple", "you": "quintic", "polar_express": "polar_express"}
+    cycled = tuple(YOU[i % len(YOU)] for i in range(m.ns_steps))
+    coefficient_type = "quintic" if m.coefficients == cycled else names.get(m.coefficients) \
+        if isinstance(m.coefficients, str) else None
+    precision = {dtype: name for name, dtype in MUON_FP32_MATMUL_PREC.items()}.get(m.ns_dtype)
+    if coefficient_type is None or precision is None or cfg.split_per_head or cfg.split_glu:
+        raise ValueError(
+            "--dmuon-mode megatron_layerwise runs Megatron's own Muon, which has no equivalent of "
+            f"coefficients={m.coefficients!r}, ns_dtype={m.ns_dtype}, --dmuon-split-heads or --dmuon-split-glu")
+    return dict(muon_momentum=m.momentum, muon_nesterov=m.nesterov, muon_split_qkv=cfg.split_qkv,
+                muon_scale_mode=m.scale_mode, muon_extra_scale_factor=m.extra_scale,
+                muon_coefficient_type=coefficient_type, muon_num_ns_steps=m.ns_steps,
+                muon_fp32_matmul_prec=precision, muon_tp_mode=tp_mode, muon_scalar_optimizer="adam")
+
+
+def ddp_options_from_args(args) -> dict:
+    """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
+    return dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
+
+
+def config_from_args(cls, args, **overrides):
+    """A megatron-core config dataclass (OptimizerConfig, DistributedDataParallelConfig) from parsed
+    flags, field by field as Megatron-LM builds its own, then `overrides`."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kw.update(overrides)
+    return cls(**kw)
+
+
+# ----------------------------------------------------------------------------------------- flags
+def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in parser._option_string_actions
+
+
+def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> argparse.ArgumentParser:
+    """Register DMuon's flags on `parser` (idempotent) and return it.
+
+    An existing `--optimizer` gains the choice `dmuon`; Megatron's `--muon-*` flags are added only
+    where the parser lacks them (with Megatron's defaults). With `validate`, parsing itself
+    rejects bad combinations for `--optimizer dmuon` (`validate_dmuon_args`) via `parser.error`.
+    """
+    if getattr(parser, "_dmuon_args_added", False):
+        return parser
+    optimizer = parser._option_string_actions.get("--optimizer")
+    if optimizer is not None and optimizer.choices is not None and "dmuon" not in optimizer.choices:
+        optimizer.choices = list(optimizer.choices) + ["dmuon"]
+    missing = [(flag, kw) for flag, kw in MEGATRON_MUON_FLAGS if not _has(parser, flag)]
+    if missing:
+        group = parser.add_argument_group("Muon (Megatron-LM's flags; same meaning under --optimizer dmuon)")
+        for flag, kw in missing:
+            group.add_argument(flag, **kw)
+    g = parser.add_argument_group("DMuon (owner-centric distributed Muon; docs/megatron_lm.md)")
+    g.add_argument("--dmuon-mode", default="dmuon", choices=MODES,
+                   help="dmuon: owners (needs --use-distributed-optimizer); gather_then_compute: the "
+                        "all-reduce baseline; megatron_layerwise: Megatron's own LayerWise Muon")
+    g.add_argument("--dmuon-ns-method", default="auto", choices=NS_METHODS,
+                   help="Newton-Schulz variant: standard, gram (in the small Gram space), auto (the "
+                        "kernels' measured fastest per shape; standard off CUDA)")
+    g.add_argument("--dmuon-coefficients", default=None, choices=COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,),
+                   help="DMuon's NS schedule instead of --muon-coefficient-type (adaptive: per shape, "
+                        "5-step Polar Express, 6 steps for square matrices)")
+    g.add_argument("--dmuon-ns-launch", default="eager", choices=NS_LAUNCH_MODES,
+                   help="GPU: the owner's per-shape NS calls one by one, on concurrent streams, or as one CUDA graph")
+    g.add_argument("--dmuon-tp-method", default="auto", choices=TP_METHODS,
+                   help="TP-sharded matrices: gather to the TP owner, distributed Gram NS, or auto (cost model)")
+    g.add_argument("--dmuon-balance", default="cost", choices=BALANCE,
+                   help="owner assignment: cost (predicted NS time) or round_robin (baseline)")
+    g.add_argument("--dmuon-ranks-per-node", type=int, default=0,
+                   help="> 0: two-level (intra-node, then inter-node) grad reduce / param publish with "
+                        "this many ranks per node (pass the GPUs per node)")
+    g.add_argument("--dmuon-split-heads", action="store_true", help="orthogonalize every attention head apart")
+    g.add_argument("--dmuon-split-glu", action="store_true", help="orthogonalize SwiGLU gate and up apart")
+    g.add_argument("--dmuon-autotune-cache", default=None, metavar="PATH",
+                   help=f"the kernels' autotune cache file (default ${CACHE_ENV}, else ~/.cache/megatron_dmuon/autotune.json)")
+    g.add_argument("--dmuon-no-skip-nonfinite", action="store_true",
+                   help="do not skip a step whose gradients hold NaN/Inf (skipped on every rank by default)")
+    parser._dmuon_args_added = True
+    if validate:
+        _validate_on_parse(parser)
+    return parser
+
+
+def _validate_on_parse(parser: argparse.ArgumentParser) -> None:
+    parse_known_args = parser.parse_known_args  # argparse's parse_args goes through this one
+
+    def checked(*a, **kw):
+        args, rest = parse_known_args(*a, **kw)
+        try:
+            validate_dmuon_args(args)
+        except ValueError as e:
+            parser.error(str(e))
+        return args, rest
+
+    parser.parse_known_args = checked
+
+
+# ---------------------------------------------------------------------------------------- checks
+class _ArgsView:
+    """Parsed args seen as OptimizerConfig / DDP config / model config (Megatron-LM's flags have
+    those fields' names). A flag the parser does not have reads as the value DMuon needs: the
+    program sets it itself, as our example does; other missing flags read as None (off)."""
+
+    def __init__(self, args, cfg: DMuonConfig):
+        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+        virtual = get("num_virtual_stages_per_pipeline_rank")
+        layers_per_stage = get("num_layers_per_virtual_pipeline_stage")
+        if virtual is None and layers_per_stage:  # Megatron: num_layers / (PP x layers per virtual stage)
+            virtual = (get("num_layers") or 0) // (layers_per_stage * (get("pipeline_model_parallel_size") or 1)) or 2
+        self._args = args
+        self._derived = dict(
+            use_distributed_optimizer=get("use_distributed_optimizer", cfg.mode != "gather_then_compute"),
+            num_distributed_optimizer_instances=get("num_distributed_optimizer_instances", 1),
+            virtual_pipeline_model_parallel_size=get("virtual_pipeline_model_parallel_size") or virtual,
+            fp8_param=get("fp8_param_gather", False),
+            decoupled_weight_decay=get("decoupled_weight_decay", True),
+        )
+
+    def __getattr__(self, name):
+        if name in self._derived:
+            return self._derived[name]
+        return getattr(self._args, name, None)
+
+
+def _data_parallel_size(args) -> Optional[int]:
+    if getattr(args, "data_parallel_size", None):
+        return args.data_parallel_size
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    model = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        model *= getattr(args, name, 1) or 1
+    return world // model if world and world % model == 0 else None
+
+
+def validate_dmuon_args(args) -> Optional[DMuonConfig]:
+    """Parse-time checks of `--optimizer dmuon` (nothing for other optimizers): the flags map onto
+    a valid DMuonConfig and the parallel / precision / optimizer combination is one DMuon runs.
+    Returns the config; raises ValueError naming the flag and the fix."""
+    if getattr(args, "optimizer", "dmuon") != "dmuon":
+        return None
+    cfg = DMuonConfig.from_args(args)
+    view = _ArgsView(args, cfg)
+    check_dmuon_config(view, view, cfg, model_config=view)
+    for flag in ("use_torch_fsdp2", "use_megatron_fsdp", "use_mup"):
+        if getattr(args, flag, False):
+            raise ValueError(f"--optimizer dmuon does not support --{flag.replace('_', '-')}; drop the flag")
+    # the data-parallel size is known here under torchrun (WORLD_SIZE); else only at DDP build
+    check_two_level_config(view, _data_parallel_size(args) or max(args.dmuon_ranks_per_node, 1),
+                           args.dmuon_ranks_per_node)
+    return cfg

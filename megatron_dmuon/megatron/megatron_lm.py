@@ -1,0 +1,123 @@
+"""`--optimizer dmuon` inside Megatron-LM's own entry scripts (`pretrain_gpt.py`, core_v0.19.0).
+
+Two plain factories hold everything DMuon-specific; the example, the CI test and the Megatron-LM
+hook all build through them:
+
+* `ddp_class_for(args)` — the class to construct instead of Megatron's DistributedDataParallel
+  (`DMuonDDP` with this run's `--dmuon-*` layout options; called as Megatron calls its DDP).
+* `optimizer_factory_for(args, fallback)` — a drop-in `get_megatron_optimizer` that builds DMuon for
+  `OptimizerConfig(optimizer='dmuon')` and hands every other optimizer to `fallback` untouched.
+
+`install()` is the thin Megatron-LM layer on top. Its whole contact surface with
+`megatron.training` (listed in docs/megatron_lm.md) is five module attributes, replaced by
+wrappers that pass everything but `--optimizer dmuon` through unchanged:
+
+1. `megatron.training.arguments.add_megatron_arguments` — also registers DMuon's flags
+   (`dmuon` becomes an `--optimizer` choice; combinations are checked while parsing).
+2. `megatron.training.arguments.validate_args` — for `--optimizer dmuon`, Megatron validates the run
+   as the distributed Adam run it is built on (`args.optimizer` reads `adam` during Megatron's own
+   checks, so `--use-distributed-optimizer` is not diverted to the layer-wise Muon path), then
+   `args.optimizer` reads `dmuon` again and the three routes below are set.
+3. `megatron.training.training.DDP` and 4. `megatron.training.models.dist_utils.DistributedDataParallel`
+   — the DDP class of both model-building paths (`get_model` and the model-config builders) becomes
+   `ddp_class_for(args)`.
+5. `megatron.training.training.get_megatron_optimizer` — becomes `optimizer_factory_for(args, original)`.
+
+Nothing is copied from Megatron-LM; importing this module imports nothing from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable, Optional
+
+from .config import DMuonConfig, add_dmuon_args, ddp_options_from_args
+
+_ORIGINALS: dict = {}
+
+
+def ddp_class_for(args) -> Optional[type]:
+    """The DDP class for this run: DMuonDDP bound to the `--dmuon-*` layout options, or None where
+    Megatron's own DistributedDataParallel is right (another optimizer, or the all-reduce baseline
+    `--dmuon-mode gather_then_compute`)."""
+    if args.optimizer != "dmuon" or args.dmuon_mode == "gather_then_compute":
+        return None
+    from .layout import DMuonDDP
+
+    options = ddp_options_from_args(args)
+
+    class MegatronLMDMuonDDP(DMuonDDP):
+        def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
+                     full_param_layout=None):
+            super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
+                             pg_collection=pg_collection, full_param_layout=full_param_layout, **options)
+
+    return MegatronLMDMuonDDP
+
+
+def optimizer_factory_for(args, fallback: Callable) -> Callable:
+    """`get_megatron_optimizer(config, model_chunks, ...)` for this run: DMuon (configured by
+    `DMuonConfig.from_args(args)`) for `config.optimizer == 'dmuon'`, else `fallback(...)`.
+
+    DMuon builds its param groups with Megatron's standard overrides (no weight decay on biases and
+    norms), as Megatron-LM's default `config_overrides` do; `--use-mup` is refused at parse time."""
+
+    def get_megatron_optimizer(config, model_chunks, *extra, **kwargs):
+        if config.optimizer != "dmuon":
+            return fallback(config, model_chunks, *extra, **kwargs)
+        from .optimizer import get_dmuon_optimizer
+
+        return get_dmuon_optimizer(dataclasses.replace(config, optimizer="adam"), model_chunks,
+                                   DMuonConfig.from_args(args))
+
+    return get_megatron_optimizer
+
+
+def install() -> None:
+    """Make `--optimizer dmuon` available to a Megatron-LM entry script. Call it before the script
+    parses its arguments (patches/pretrain_gpt.patch does). Idempotent."""
+    import megatron.training.arguments as arguments
+
+    if _ORIGINALS:
+        return
+    _ORIGINALS["add_megatron_arguments"] = arguments.add_megatron_arguments
+    _ORIGINALS["validate_args"] = arguments.validate_args
+
+    def add_megatron_arguments(parser):
+        return add_dmuon_args(_ORIGINALS["add_megatron_arguments"](parser))
+
+    def validate_args(args, defaults={}):  # noqa: B006 (Megatron's signature)
+        if getattr(args, "optimizer", None) != "dmuon":
+            return _ORIGINALS["validate_args"](args, defaults)
+        if args.dmuon_mode == "megatron_layerwise" or getattr(args, "yaml_cfg", None):
+            _fail("--dmuon-mode megatron_layerwise and --yaml-cfg are not available through the Megatron-LM "
+                  "hook; for Megatron's own distributed Muon run --optimizer muon --use-distributed-optimizer")
+        args.optimizer = "adam"  # Megatron validates the distributed-Adam run DMuon is built on
+        try:
+            out = _ORIGINALS["validate_args"](args, defaults)
+        finally:
+            args.optimizer = "dmuon"
+        _route(args)
+        return out
+
+    arguments.add_megatron_arguments = add_megatron_arguments
+    arguments.validate_args = validate_args
+
+
+def _route(args) -> None:
+    """Point Megatron-LM's DDP class and optimizer factory at DMuon for this run."""
+    import megatron.training.models.dist_utils as dist_utils
+    import megatron.training.training as training
+
+    if "get_megatron_optimizer" not in _ORIGINALS:
+        _ORIGINALS["get_megatron_optimizer"] = training.get_megatron_optimizer
+    training.get_megatron_optimizer = optimizer_factory_for(args, _ORIGINALS["get_megatron_optimizer"])
+    ddp_class = ddp_class_for(args)
+    if ddp_class is not None:
+        training.DDP = ddp_class
+        dist_utils.DistributedDataParallel = ddp_class
+
+
+def _fail(message: str) -> None:
+    print(f"{sys.argv[0]}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,51 @@
+"""Rank workers that run a real Megatron-LM checkout's training code on CPU (gloo + the CPU shim):
+parse with the hook installed, `setup_model_and_optimizer` through the model-config builder path
+`pretrain_gpt.py` takes, then Megatron's own `train_step` with `pretrain_gpt.forward_step` on
+`--mock-data`. Used by tests/test_megatron_lm_hook.py when a checkout is around."""
+from __future__ import annotations
+
+import os
+import sys
+import typing
+
+typing.override = getattr(typing, "override", lambda f: f)  # Megatron-LM needs Python 3.12's typing.override
+
+
+def megatron_train_step(rank, world_size, argv, iters=4):
+    import megatron_dmuon.megatron as dm
+
+    dm.install()
+    sys.argv = ["pretrain_gpt.py", *argv]
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank))
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.utils import get_model_config
+    from megatron.training import training
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    model_parallel_cuda_manual_seed(args.seed)
+    import pretrain_gpt
+
+    setattr(pretrain_gpt.train_valid_test_datasets_provider, "is_distributed", True)
+    container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    model, optimizer, scheduler = training.setup_model_and_optimizer(
+        ModelType.encoder_or_decoder, pretrain_gpt.model_provider, cfg_container=container,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    config = get_model_config(model[0])  # what Megatron-LM's train() sets before its loop
+    config.grad_scale_func, config.finalize_model_grads_func = optimizer.scale_loss, finalize_model_grads
+    data, _, _ = training.build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
+    losses = []
+    for it in range(iters):
+        loss, skipped, *_ = training.train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler, config,
+                                                get_forward_backward_func(), iteration=it)
+        assert not skipped
+        losses.append(float(loss["lm loss"]))
+    return {"losses": losses, "ddp": [type(m).__name__ for m in model],
+            "optimizers": [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])]}

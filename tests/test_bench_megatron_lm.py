@@ -1,0 +1,83 @@
+"""bench/megatron_lm_compare.py (a GPU benchmark): its log parser on Megatron-LM's progress-line
+format, and (with a Megatron-LM checkout around) every run's command line through Megatron-LM's own
+parser with the hook installed, so the GPU run cannot die on a flag."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import megatron_lm_compare as bench  # noqa: E402
+
+sys.path.pop(0)
+
+# Megatron-LM core_v0.19.0 training_log's line (one logged iteration), with and without extras
+LOG = """\
+ [2026-11-30 20:01:02.123456] iteration        1/      30 | consumed samples:            8 | elapsed time per iteration (ms): 31234.5 | throughput per GPU (TFLOP/s/GPU): 12.5 | learning rate: 1.500000E-04 | global batch size:     8 | lm loss: 1.037812E+01 | loss scale: 1.0 | grad norm: 4.211 | number of skipped iterations:   0 | number of nan iterations:   0 |
+some other output
+ [2026-11-30 20:01:03.123456] iteration        2/      30 | consumed samples:           16 | elapsed time per iteration (ms): 512.3 | throughput per GPU (TFLOP/s/GPU): 455.0 | learning rate: 3.000000E-04 | global batch size:     8 | lm loss: 9.912001E+00 | loss scale: 1.0 | grad norm: 3.100 | number of skipped iterations:   1 | number of nan iterations:   0 |
+"""
+
+
+def test_parse_log_reads_megatrons_progress_lines():
+    rows = bench.parse_log(LOG)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[1] == {"iteration": 2, "ms": 512.3, "loss": 9.912001, "grad_norm": 3.1, "tflops": 455.0,
+                       "skipped": 1.0, "nan": 0.0}
+
+
+def test_loss_gap():
+    a = {"iterations": [{"loss": 10.0}, {"loss": 9.0}]}
+    b = {"iterations": [{"loss": 10.1}, {"loss": 8.95}]}
+    gap = bench.loss_gap(a, b)
+    assert gap["max_abs"] == pytest.approx(0.1) and gap["last_abs"] == pytest.approx(0.05)
+
+
+def _checkout():
+    path = os.environ.get("DMUON_MEGATRON_LM") or os.path.join(ROOT, ".mlm")
+    return path if os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")) else None
+
+
+@pytest.mark.skipif(_checkout() is None, reason="no Megatron-LM checkout ($DMUON_MEGATRON_LM or .mlm/)")
+@pytest.mark.parametrize("run", sorted(bench.RUNS))
+def test_every_run_parses_with_megatron_lm(run):
+    argv = [*bench.MODELS["qwen7b-4l"], *bench.COMMON, *bench.NO_TE, "--train-iters", "30", *bench.RUNS[run]]
+    script = ("import sys, typing\ntyping.override = getattr(typing, 'override', lambda f: f)\n"
+              "import megatron_dmuon.megatron as dm; dm.install()\n"
+              "from megatron.training.arguments import parse_and_validate_args\n"
+              "args = parse_and_validate_args(args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})\n"
+              "print('OK', args.optimizer, args.use_distributed_optimizer, args.log_throughput)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_checkout(), ROOT]), WORLD_SIZE="2", RANK="0",
+               PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env,
+                          cwd=_checkout(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    optimizer, distributed, throughput = proc.stdout.split("OK ")[-1].split()
+    assert optimizer == bench.RUNS[run][1] and throughput == "True"
+    # Megatron turns --use-distributed-optimizer into its layer-wise Muon; DMuon and Adam keep it
+    assert distributed == ("False" if optimizer == "muon" else "True")
+
+
+def test_report_from_runs(tmp_path, monkeypatch, capsys):
+    """The summary the GPU run prints: speed-up and loss gaps against Megatron's Muon, the noise band."""
+    def fake_run(name, args, megatron_lm, log_dir):
+        ms, shift = {"muon": (600.0, 0.0), "muon_fp32ns": (650.0, 0.01), "dmuon": (480.0, 0.004),
+                     "dmuon_standard": (500.0, 0.002)}[name]
+        rows = [{"iteration": i + 1, "ms": ms, "loss": 10.0 - i * 0.1 + shift * (i % 2), "grad_norm": 1.0,
+                 "tflops": 100.0, "skipped": 0.0, "nan": 0.0} for i in range(args.iters)]
+        return {"run": name, "iterations": rows, "median_ms": ms, "median_tflops": 100.0, "first_loss": rows[0]["loss"],
+                "last_loss": rows[-1]["loss"], "skipped": 0, "nan": 0}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)  # patches/apply.sh
+    assert bench.main(["--megatron-lm", str(tmp_path), "--iters", "6", "--out", str(tmp_path / "out")]) == 0
+    table = (tmp_path / "out" / "megatron_lm_compare.md").read_text()
+    assert "| dmuon | 480.0 | 100.0 | 1.250 |" in table and "| 0.0040 |" in table
+    assert "dmuon vs muon: max loss gap 0.0040 (bf16 noise band, muon fp32-NS vs bf16-NS: 0.0100); dmuon 1.25x" in table
+    summary = __import__("json").loads((tmp_path / "out" / "megatron_lm_compare.json").read_text())["summary"]
+    assert summary["runs"]["dmuon_standard"]["loss_gap_to_muon"]["max_abs"] == pytest.approx(0.002)

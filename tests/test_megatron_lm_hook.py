@@ -1,0 +1,437 @@
+"""`--optimizer dmuon` as a Megatron-LM user launches it, without a Megatron-LM checkout (CI).
+
+The parser below has Megatron-LM core_v0.19.0's real `--optimizer` choices and the Megatron flags
+DMuon reads, with Megatron's defaults; the hook's registration (`add_dmuon_args`, what the wrapped
+`add_megatron_arguments` calls) runs on it, a user's argv is parsed, and a tiny megatron-core GPT is
+trained on 2 gloo ranks through the factories the hook puts into Megatron-LM
+(`ddp_class_for`, `optimizer_factory_for`). The thin patching layer (`install()`) is checked on
+stand-in `megatron.training` modules; `test_install_on_a_real_megatron_lm_checkout` runs it on a
+real checkout when one is around (`$DMUON_MEGATRON_LM`, or the ignored `.mlm/`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_dmuon.megatron.config import (
+    DMuonConfig, add_dmuon_args, config_from_args, megatron_muon_fields, validate_dmuon_args,
+)
+from megatron_dmuon.testing.multiproc import run_distributed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MEGATRON_OPTIMIZERS = ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
+
+
+def megatron_lm_parser() -> argparse.ArgumentParser:
+    """The part of Megatron-LM core_v0.19.0's parser that DMuon reads (names, choices, defaults)."""
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    a = p.add_argument
+    a("--optimizer", type=str, default="adam", choices=MEGATRON_OPTIMIZERS)
+    for flag in ("use-distributed-optimizer", "fp16", "bf16", "overlap-grad-reduce", "overlap-param-gather",
+                 "overlap-param-gather-with-optimizer-step", "optimizer-cpu-offload", "use-precision-aware-optimizer",
+                 "fp8-param-gather", "use-torch-fsdp2", "use-megatron-fsdp", "muon-nesterov"):
+        a(f"--{flag}", action="store_true")
+    for flag, kind, default in (
+            ("loss-scale", float, None), ("lr", float, None), ("weight-decay", float, 0.01), ("clip-grad", float, 1.0),
+            ("adam-beta1", float, 0.9), ("adam-beta2", float, 0.999), ("muon-momentum", float, 0.9),
+            ("muon-extra-scale-factor", float, 1.0), ("muon-num-ns-steps", int, 5), ("num-query-groups", int, 1),
+            ("tensor-model-parallel-size", int, 1), ("pipeline-model-parallel-size", int, 1),
+            ("context-parallel-size", int, 1), ("expert-model-parallel-size", int, 1),
+            ("num-distributed-optimizer-instances", int, 1), ("num-layers-per-virtual-pipeline-stage", int, None),
+            ("num-virtual-stages-per-pipeline-rank", int, None), ("num-layers", int, None), ("hidden-size", int, None),
+            ("ffn-hidden-size", int, None), ("num-attention-heads", int, None), ("seq-length", int, None),
+            ("micro-batch-size", int, None), ("global-batch-size", int, None)):
+        a(f"--{flag}", type=kind, default=default)
+    a("--muon-no-split-qkv", action="store_false", default=True, dest="muon_split_qkv")
+    a("--muon-scale-mode", type=str, default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    a("--muon-fp32-matmul-prec", type=str, default="medium", choices=["low", "medium", "high"])
+    a("--muon-coefficient-type", type=str, default="quintic")
+    a("--muon-tp-mode", type=str, default="blockwise", choices=["blockwise", "duplicated", "distributed"])
+    a("--muon-scalar-optimizer", type=str, default="adam", choices=["adam", "lion"])
+    return add_dmuon_args(p)  # the hook's registration
+
+
+MODEL = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --num-query-groups 2 "
+         "--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 2e-3 --weight-decay 0.1").split()
+USER_ARGV = ("--optimizer dmuon --use-distributed-optimizer --muon-momentum 0.9 --muon-nesterov "
+             "--muon-scale-mode shape_scaling --muon-coefficient-type simple --muon-fp32-matmul-prec high "
+             "--overlap-grad-reduce --overlap-param-gather").split()
+
+
+def parse(argv, env=None):
+    saved = dict(os.environ)
+    os.environ.pop("WORLD_SIZE", None)
+    os.environ.update(env or {})
+    try:
+        return megatron_lm_parser().parse_args(MODEL + list(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def parse_error(argv, capsys, env=None) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse(argv, env)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------- training, 2 ranks
+def counting_tokens(it, micro, rank, mbs, seq, period=50):
+    """Learnable sequences: counting mod `period` from a random start."""
+    g = torch.Generator().manual_seed(it * 1009 + micro * 31 + rank * 7)
+    starts = torch.randint(0, period, (mbs, 1), generator=g)
+    return (starts + torch.arange(seq + 1)) % period
+
+
+def train_from_argv(rank, world_size, argv, iters=6):
+    """What Megatron-LM does with these flags once the hook is installed, on a tiny GPT."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, wire_sync_funcs
+    from megatron_dmuon.megatron.megatron_lm import ddp_class_for, optimizer_factory_for
+
+    args = parse(argv)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(7)
+    shape = GPTShape(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                     num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                     seq_length=args.seq_length, bf16=args.bf16)
+    if args.fp16:
+        from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+        from megatron.core.transformer.module import Float16Module
+
+        from megatron_dmuon.megatron.gpt import transformer_config
+
+        # the CPU shim keeps Tensor.float() of float64 in float64 (its fp64 mode); the scaler's
+        # inv_scale goes through .double().float(), so give the CPU run the fp32 value directly
+        MegatronGradScaler.inv_scale = property(lambda self: (1.0 / self._scale.double()).to(torch.float32))
+        config = transformer_config(shape, fp16=True, params_dtype=torch.float16, pipeline_dtype=torch.float16)
+        model = Float16Module(config, build_gpt(shape, config))  # as Megatron-LM's get_model wraps fp16
+    else:
+        model = build_gpt(shape)
+    ddp_config = config_from_args(DistributedDataParallelConfig, args, grad_reduce_in_fp32=True)
+    ddp_class = ddp_class_for(args) or DistributedDataParallel
+    # called as Megatron-LM's get_model / _ddp_wrap call their DDP class
+    ddp = ddp_class(config=model.config, ddp_config=ddp_config, module=model, disable_bucketing=False)
+    ddp.broadcast_params()
+    wire_sync_funcs([ddp], ddp_config)
+    opt = optimizer_factory_for(args, get_megatron_optimizer)(config_from_args(OptimizerConfig, args), [ddp])
+    ddp.config.grad_scale_func = opt.scale_loss  # as Megatron-LM's train() sets it
+    dp = parallel_state.get_data_parallel_world_size()
+    accum = args.global_batch_size // (args.micro_batch_size * dp)
+    losses = []
+    for it in range(iters):
+        micro = [counting_tokens(it, m, parallel_state.get_data_parallel_rank(), args.micro_batch_size,
+                                 shape.seq_length) for m in range(accum)]
+        loss, _, _, ok = train_step([ddp], opt, micro, shape.seq_length, args.micro_batch_size)
+        assert ok
+        losses.append(loss)
+    parts = getattr(opt, "chained_optimizers", [opt])
+    inner = getattr(parts[0], "dmuon_inner", None)
+    return {"losses": losses, "ddp": type(ddp).__mro__[1].__name__ if ddp_class is not DistributedDataParallel
+            else "DistributedDataParallel", "parts": [type(p).__name__ for p in parts],
+            "muon": None if inner is None else inner.muon,
+            "splits": {} if inner is None else {i.name: getattr(i.split, "kind", "none")
+                                                for p in parts for i in p.dmuon_inner.matrix_info.values()}}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return run_distributed("test_megatron_lm_hook:train_from_argv", 2, kwargs={"argv": USER_ARGV},
+                           sys_path=[HERE], timeout=600)
+
+
+def test_megatron_lm_argv_trains_a_gpt_with_dmuon_on_two_ranks(trained):
+    a, b = trained
+    assert a["losses"] == b["losses"]  # one loss per iteration, reduced over DP
+    assert a["ddp"] == "DMuonDDP" and set(a["parts"]) == {"DMuonDistributedOptimizer"}
+    assert a["losses"][-1] < a["losses"][0] - 0.3, a["losses"]
+    # Megatron's flags arrived as Megatron means them
+    muon = a["muon"]
+    assert (muon.momentum, muon.nesterov, muon.scale_mode, muon.coefficients, muon.ns_dtype) == \
+        (0.9, True, "shape_scaling", "keller", torch.float32)
+    # Megatron's default QKV split: Q, K and V orthogonalized apart (every rank holds what it owns)
+    splits = {**a["splits"], **b["splits"]}
+    assert {k for k, v in splits.items() if v == "qkv"} == {f"decoder.layers.{i}.self_attention.linear_qkv.weight"
+                                                           for i in range(2)}
+    assert set(splits.values()) == {"qkv", "none"} and len(splits) == 8  # 4 matrices per layer
+
+
+def test_fp16_with_a_constant_loss_scale_trains_like_fp32():
+    base = ["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-fp32-matmul-prec", "high"]
+    fp32 = run_distributed("test_megatron_lm_hook:train_from_argv", 2, kwargs={"argv": base, "iters": 4},
+                           sys_path=[HERE], timeout=600)[0]["losses"]
+    fp16 = run_distributed("test_megatron_lm_hook:train_from_argv", 2,
+                           kwargs={"argv": base + ["--fp16", "--loss-scale", "1024"], "iters": 4},
+                           sys_path=[HERE], timeout=600)[0]["losses"]
+    assert fp16[-1] < fp16[0] - 0.3, fp16
+    assert max(abs(a - b) for a, b in zip(fp16, fp32)) < 0.05, (fp16, fp32)
+
+
+def test_every_other_optimizer_is_untouched():
+    out = run_distributed("test_megatron_lm_hook:train_from_argv", 2,
+                          kwargs={"argv": ["--optimizer", "adam", "--use-distributed-optimizer"], "iters": 2},
+                          sys_path=[HERE], timeout=600)
+    assert out[0]["ddp"] == "DistributedDataParallel"
+    assert "DMuonDistributedOptimizer" not in out[0]["parts"] and out[0]["muon"] is None
+
+
+# ----------------------------------------------------------------------------------- parse time
+@pytest.mark.parametrize("argv,flag", [
+    (["--optimizer", "dmuon"], "--use-distributed-optimizer"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--fp16"], "--loss-scale"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--context-parallel-size", "2"], "--context-parallel-size"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+      "--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
+      "--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], "--muon-tp-mode"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-scalar-optimizer", "lion"],
+     "--muon-scalar-optimizer"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-fp32-matmul-prec", "low"],
+     "--muon-fp32-matmul-prec"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-coefficient-type", "aol"],
+     "--muon-coefficient-type"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-coefficient-type", "polar_express",
+      "--muon-num-ns-steps", "8"], "--dmuon-coefficients polar_express"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--use-precision-aware-optimizer"],
+     "--use-precision-aware-optimizer"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--overlap-param-gather-with-optimizer-step"],
+     "--overlap-param-gather-with-optimizer-step"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--use-megatron-fsdp"], "--use-megatron-fsdp"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     "--num-distributed-optimizer-instances"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-mode", "gather_then_compute"],
+     "--use-distributed-optimizer"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-ranks-per-node", "-1"], "--dmuon-ranks-per-node"),
+])
+def test_invalid_combinations_fail_at_parse_time_naming_the_flag(argv, flag, capsys):
+    message = parse_error(argv, capsys)
+    assert message.startswith("pretrain_gpt.py: error:") and flag in message, message
+
+
+def test_hierarchy_must_divide_the_data_parallel_size_known_under_torchrun(capsys):
+    argv = ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-ranks-per-node", "3"]
+    assert "must divide the data-parallel size 4" in parse_error(argv, capsys, env={"WORLD_SIZE": "4"})
+    assert parse(argv + ["--dmuon-ranks-per-node", "2"], env={"WORLD_SIZE": "4"}).dmuon_ranks_per_node == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--fp16", "--loss-scale", "1024"],
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
+     "--muon-tp-mode", "duplicated"],
+    ["--optimizer", "dmuon", "--dmuon-mode", "gather_then_compute"],
+    # the megatron_layerwise baseline hands --muon-tp-mode to Megatron's own Muon, blockwise included
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-mode", "megatron_layerwise",
+     "--tensor-model-parallel-size", "2"],
+    # PP with one virtual stage per rank is the plain 1F1B schedule (Megatron: no interleaving)
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
+     "--num-layers-per-virtual-pipeline-stage", "1"],
+    # other optimizers keep every combination Megatron allows, dmuon flags or not
+    ["--optimizer", "muon", "--tensor-model-parallel-size", "2", "--muon-fp32-matmul-prec", "low"],
+    ["--optimizer", "adam", "--fp16", "--dmuon-ranks-per-node", "3"],
+])
+def test_valid_combinations_parse(argv):
+    assert parse(argv).optimizer == argv[1]
+
+
+def test_optimizer_choices_gain_dmuon_only():
+    choices = megatron_lm_parser()._option_string_actions["--optimizer"].choices
+    assert list(choices) == MEGATRON_OPTIMIZERS + ["dmuon"]
+
+
+def test_defaults_agree_everywhere():
+    """DMuonConfig() (the Python API) = an empty command line on Megatron-LM's parser = on our
+    example's parser (which registers Megatron's --muon-* flags itself)."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import pretrain_gpt as example
+    finally:
+        sys.path.pop(0)
+    megatron_args = parse(["--optimizer", "dmuon", "--use-distributed-optimizer"])
+    example_args = example.parse_args([])
+    assert DMuonConfig.from_args(megatron_args) == DMuonConfig.from_args(example_args) == DMuonConfig()
+    assert validate_dmuon_args(example_args) == DMuonConfig()
+
+
+def test_flag_mapping_round_trips_to_megatrons_own_fields():
+    args = parse(["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-momentum", "0.95", "--muon-nesterov",
+                  "--muon-no-split-qkv", "--muon-scale-mode", "unit_rms_norm", "--muon-extra-scale-factor", "0.2",
+                  "--muon-num-ns-steps", "4", "--muon-fp32-matmul-prec", "high"])
+    fields = megatron_muon_fields(DMuonConfig.from_args(args))
+    for name, value in fields.items():
+        if name != "muon_tp_mode":
+            assert getattr(args, name) == value, name
+
+
+def test_quintic_cycles_its_sets_past_five_steps_as_megatron_does():
+    from megatron_dmuon.algorithms.coefficients import YOU, get_coefficients
+
+    cfg = DMuonConfig.from_args(parse(["--optimizer", "dmuon", "--use-distributed-optimizer",
+                                       "--muon-num-ns-steps", "7"]))
+    assert get_coefficients(cfg.muon.coefficients, 7) == list(YOU) + list(YOU[:2])
+    assert DMuonConfig().muon.coefficients == "you"
+    assert megatron_muon_fields(cfg)["muon_coefficient_type"] == "quintic"
+
+
+# ------------------------------------------------------------------------- install(), thin layer
+@pytest.fixture
+def stand_in_megatron_training(monkeypatch):
+    """megatron.training.{arguments,training,models.dist_utils} stand-ins with the attributes install() touches."""
+    import megatron
+
+    import megatron_dmuon.megatron.megatron_lm as hook
+
+    calls = []
+    arguments = types.ModuleType("megatron.training.arguments")
+
+    def add_megatron_arguments(parser):
+        parser.add_argument("--optimizer", default="adam", choices=list(MEGATRON_OPTIMIZERS))
+        parser.add_argument("--use-distributed-optimizer", action="store_true")
+        return parser
+
+    def validate_args(args, defaults={}):  # noqa: B006
+        calls.append(args.optimizer)
+        if args.optimizer not in ("adam", "sgd") and args.use_distributed_optimizer:
+            args.use_distributed_optimizer = False  # what Megatron does for emerging optimizers
+        return args
+
+    arguments.add_megatron_arguments, arguments.validate_args = add_megatron_arguments, validate_args
+    training = types.ModuleType("megatron.training.training")
+    training.DDP, training.get_megatron_optimizer = object, lambda *a, **k: "megatron's"
+    dist_utils = types.ModuleType("megatron.training.models.dist_utils")
+    dist_utils.DistributedDataParallel = object
+    package = types.ModuleType("megatron.training")
+    package.arguments, package.training = arguments, training
+    models = types.ModuleType("megatron.training.models")
+    models.dist_utils = dist_utils
+    package.models = models
+    for name, module in [("megatron.training", package), ("megatron.training.arguments", arguments),
+                         ("megatron.training.training", training), ("megatron.training.models", models),
+                         ("megatron.training.models.dist_utils", dist_utils)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(megatron, "training", package, raising=False)
+    monkeypatch.setattr(hook, "_ORIGINALS", {})
+    return types.SimpleNamespace(arguments=arguments, training=training, dist_utils=dist_utils, calls=calls)
+
+
+def _megatron_parse(m, argv):
+    parser = m.arguments.add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    return m.arguments.validate_args(parser.parse_args(argv))
+
+
+def test_install_routes_dmuon_and_leaves_other_optimizers_alone(stand_in_megatron_training):
+    import megatron_dmuon.megatron as dm
+    from megatron_dmuon.megatron.layout import DMuonDDP
+
+    m = stand_in_megatron_training
+    dm.install()
+    dm.install()  # idempotent
+    args = _megatron_parse(m, ["--optimizer", "muon", "--use-distributed-optimizer"])
+    assert m.calls == ["muon"] and not args.use_distributed_optimizer  # Megatron's own handling
+    assert m.training.DDP is object and m.dist_utils.DistributedDataParallel is object
+    assert m.training.get_megatron_optimizer() == "megatron's"
+    args = _megatron_parse(m, ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-ranks-per-node", "1"])
+    # Megatron validated the distributed-Adam run DMuon is built on; the optimizer reads dmuon again
+    assert m.calls[-1] == "adam" and args.optimizer == "dmuon" and args.use_distributed_optimizer
+    assert issubclass(m.training.DDP, DMuonDDP) and m.dist_utils.DistributedDataParallel is m.training.DDP
+    fallback = m.training.get_megatron_optimizer(types.SimpleNamespace(optimizer="adam"), [])
+    assert fallback == "megatron's"  # the routed factory still hands other optimizers to Megatron
+
+
+def test_install_rejects_at_parse_time(stand_in_megatron_training, capsys):
+    import megatron_dmuon.megatron as dm
+
+    dm.install()
+    with pytest.raises(SystemExit):
+        _megatron_parse(stand_in_megatron_training, ["--optimizer", "dmuon"])
+    assert "--use-distributed-optimizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _megatron_parse(stand_in_megatron_training,
+                        ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-mode", "megatron_layerwise"])
+    assert "--optimizer muon --use-distributed-optimizer" in capsys.readouterr().err
+
+
+def _megatron_lm_checkout():
+    path = os.environ.get("DMUON_MEGATRON_LM") or os.path.join(ROOT, ".mlm")
+    return path if os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")) else None
+
+
+@pytest.mark.skipif(_megatron_lm_checkout() is None, reason="no Megatron-LM checkout ($DMUON_MEGATRON_LM or .mlm/)")
+def test_install_on_a_real_megatron_lm_checkout():
+    """Megatron-LM's own parse_and_validate_args, with the hook installed (CPU: parsing only)."""
+    script = (
+        "import sys, typing\n"
+        "typing.override = getattr(typing, 'override', lambda f: f)  # Python 3.11\n"
+        "import megatron_dmuon.megatron as dm; dm.install()\n"
+        "from megatron.training.arguments import parse_and_validate_args\n"
+        "import megatron.training.training as T, megatron.training.models.dist_utils as D\n"
+        "args = parse_and_validate_args(args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})\n"
+        "print(args.optimizer, args.use_distributed_optimizer, args.use_layer_wise_distributed_optimizer,\n"
+        "      T.DDP.__mro__[1].__name__, D.DistributedDataParallel is T.DDP, T.get_megatron_optimizer.__module__)\n"
+    )
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+            "--micro-batch-size 2 --global-batch-size 4 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type "
+            "NullTokenizer --vocab-size 1000 --transformer-impl local --bf16").split()
+    checkout = _megatron_lm_checkout()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, ROOT]), WORLD_SIZE="1", RANK="0",
+               PYTHONWARNINGS="ignore")
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-c", script, *base, *argv], capture_output=True, text=True,
+                              env=env, cwd=checkout, timeout=300)
+
+    ok = run("--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-momentum", "0.95", "--muon-nesterov")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert ok.stdout.split()[-6:] == ["dmuon", "True", "False", "DMuonDDP", "True",
+                                      "megatron_dmuon.megatron.megatron_lm"], ok.stdout
+    bad = run("--optimizer", "dmuon")
+    assert bad.returncode == 2 and "needs --use-distributed-optimizer" in bad.stderr
+    muon = run("--optimizer", "muon", "--use-distributed-optimizer")
+    assert muon.returncode == 0 and muon.stdout.split()[-6:-3] == ["muon", "False", "True"], muon.stderr[-2000:]
+
+
+def _built_checkout():
+    checkout = _megatron_lm_checkout()
+    helpers = checkout and any(f.startswith("helpers_cpp") for f in os.listdir(
+        os.path.join(checkout, "megatron", "core", "datasets")))
+    return checkout if helpers else None
+
+
+@pytest.mark.skipif(_built_checkout() is None,
+                    reason="needs a Megatron-LM checkout with megatron/core/datasets/helpers_cpp built (make -C there)")
+def test_real_megatron_lm_training_step_with_the_hook_on_cpu():
+    """Megatron-LM's own setup_model_and_optimizer + train_step (pretrain_gpt's forward_step, --mock-data) on
+    2 gloo ranks: --optimizer dmuon builds DMuon there, --optimizer adam stays Megatron's."""
+    checkout = _built_checkout()
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+            "--micro-batch-size 2 --global-batch-size 8 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type "
+            "NullTokenizer --vocab-size 1000 --transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion "
+            "--no-bias-dropout-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion "
+            "--no-masked-softmax-fusion --attention-backend unfused --swiglu --normalization RMSNorm "
+            "--position-embedding-type rope --disable-bias-linear --use-cpu-initialization --eval-iters 0 "
+            "--eval-interval 1000 --use-distributed-optimizer --muon-momentum 0.95 --muon-nesterov").split()
+    env = {"PYTHONPATH": os.pathsep.join([checkout, ROOT, HERE])}
+    runs = {}
+    for optimizer in ("dmuon", "adam"):
+        out = run_distributed("megatron_lm_workers:megatron_train_step", 2, timeout=900, env=env,
+                              kwargs={"argv": argv + ["--optimizer", optimizer]}, sys_path=[HERE, checkout])
+        assert out[0] == out[1]
+        runs[optimizer] = out[0]
+    assert runs["dmuon"]["ddp"] == ["MegatronLMDMuonDDP"] and runs["dmuon"]["optimizers"] == ["DMuonDistributedOptimizer"]
+    assert runs["adam"]["ddp"] == ["DistributedDataParallel"] and "DMuon" not in str(runs["adam"]["optimizers"])
+    for r in runs.values():
+        assert r["losses"][-1] < r["losses"][0], r
