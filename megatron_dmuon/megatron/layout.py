@@ -5,18 +5,15 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..planning.owner_layout import OwnerLayout, ParamItem, plan_owner_layout
+from ..planning.owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from ..algorithms.tp_shards import tp_full_shape
 from ..planning.params import is_muon_param, ns_cost
 
 
 def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = False, pp_rank: int = 0):
     """What DDP's __init__ will use (it sets ddp_config.bucket_size itself later)."""
-    if disable_bucketing or pp_rank > 0 or not ddp_config.overlap_grad_reduce:
-        return None
-    if ddp_config.bucket_size is not None:
-        return ddp_config.bucket_size
-    return max(40_000_000, 1_000_000 * dp_size)
+    return megatron_bucket_size(dp_size, ddp_config.overlap_grad_reduce, ddp_config.bucket_size, pp_rank,
+                                disable_bucketing)
 
 
 def full_matrix_shape(param: torch.Tensor, tp_size: int):

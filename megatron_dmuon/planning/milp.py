@@ -182,6 +182,52 @@ def greedy_cells(problem: OwnerProblem) -> List[int]:
     return cells
 
 
+def _fit_decreasing(problem: OwnerProblem, limit: float, best_fit: bool) -> Optional[List[int]]:
+    """First- (or best-) fit decreasing into cells of load ``limit``; None if something does not fit."""
+    loads = problem.base_loads()
+    used = defaultdict(int)
+    present = set()
+    cells = [0] * len(problem.per_matrix)
+    T = problem.tp_size
+    for i in sorted(range(len(cells)), key=lambda i: (-problem.per_matrix[i], problem.group[i], -problem.numel[i], i)):
+        g, b, n = problem.group[i], problem.bucket[i], problem.numel[i]
+        cap = problem.shard_max[b] + problem.slack if problem.num_buckets else math.inf
+        best = None
+        for c in range(problem.cells):
+            after = loads[c] + problem.per_matrix[i] + (0.0 if (g, c) in present else problem.launch.get(g, 0.0))
+            if after <= limit and used[b, c // T] + n <= cap:
+                if not best_fit:
+                    best = (after, c)
+                    break
+                if best is None or after > best[0]:
+                    best = (after, c)
+        if best is None:
+            return None
+        after, c = best
+        loads[c] = after
+        present.add((g, c))
+        used[b, c // T] += n
+        cells[i] = c
+    return cells
+
+
+def multifit_cells(problem: OwnerProblem, upper: float, rounds: int = 24) -> Optional[List[int]]:
+    """MULTIFIT (Coffman, Garey, Johnson 1978) with batched launches and shard capacities: binary
+    search for the smallest cell load at which first-/best-fit decreasing places every matrix."""
+    lo, hi = lower_bound(problem), upper
+    found = None
+    for _ in range(rounds):
+        if hi - lo <= 1e-6 * max(hi, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        cells = _fit_decreasing(problem, mid, False) or _fit_decreasing(problem, mid, True)
+        if cells is None:
+            lo = mid
+        else:
+            found, hi = cells, mid
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # The MILP in a solver-neutral form: columns (lb, ub, integer, objective) and sparse rows.
 
@@ -206,6 +252,8 @@ class _Model:
 
 @dataclasses.dataclass
 class _Formulation:
+    """The compact assignment model: y[k, c] matrices of class k on cell c, z[g, c] launches."""
+
     model: _Model
     classes: List[List[int]]  # item indices of each class
     y: Dict[Tuple[int, int], int]
@@ -214,6 +262,26 @@ class _Formulation:
     m: int
     scale: float
     symmetric: bool
+
+    def start(self, problem: "OwnerProblem", cells: Sequence[int]) -> Dict[int, float]:
+        return _start_values(problem, self, cells)
+
+    def decode(self, problem: "OwnerProblem", values: Sequence[float]) -> List[int]:
+        counts = [[int(round(values[self.y[k, c]])) for c in range(problem.cells)] for k in range(len(self.classes))]
+        return _spread(self.classes, counts, len(problem.per_matrix))
+
+
+def _spread(classes: List[List[int]], counts: List[List[int]], n_items: int) -> List[int]:
+    """Cells per item from per-class counts per cell (items of a class are interchangeable)."""
+    cells = [0] * n_items
+    for items, per_cell in zip(classes, counts):
+        if sum(per_cell) != len(items) or min(per_cell) < 0:
+            raise RuntimeError(f"solver returned counts {per_cell} for a class of {len(items)} matrices")
+        it = iter(sorted(items))
+        for c, n in enumerate(per_cell):
+            for _ in range(n):
+                cells[next(it)] = c
+    return cells
 
 
 def _classes(problem: OwnerProblem) -> List[List[int]]:
@@ -229,19 +297,37 @@ def num_variables(problem: OwnerProblem) -> int:
     return (len(_classes(problem)) + len(groups)) * problem.cells + problem.num_buckets + 1
 
 
-def _formulate(problem: OwnerProblem) -> _Formulation:
+def _formulate(problem: OwnerProblem, upper: float) -> _Formulation:
+    """The MILP; ``upper`` = the makespan of a known plan (bounds M and how many matrices of a
+    class or group one cell can take, which tightens the launch indicators' relaxation)."""
     C, T, D = problem.cells, problem.tp_size, problem.dp_size
     base = problem.base_loads()
     scale = max([p + problem.launch.get(g, 0.0) for p, g in zip(problem.per_matrix, problem.group)] + [max(base), 1e-30])
     classes = _classes(problem)
     mdl = _Model()
-    lb = lower_bound(problem) / scale
-    m = mdl.var(lb, math.inf, False, 1.0)
-    y = {(k, c): mdl.var(0, len(items), True) for k, items in enumerate(classes) for c in range(C)}
-    group_items: Dict[str, int] = defaultdict(int)
-    for items in classes:
-        group_items[problem.group[items[0]]] += len(items)
-    launching = sorted(g for g in group_items if problem.launch.get(g, 0.0) > 0)
+    room = upper * (1 + 1e-9) - min(base)  # the most work one cell can take in a plan no worse than `upper`
+
+    def most(count, cost, launch, numel, bucket):  # matrices of one kind a cell can hold
+        n = count
+        if cost > 0 and math.isfinite(room):
+            n = min(n, max(int((room - launch) // cost), 0))
+        if problem.num_buckets and numel > 0:
+            n = min(n, (problem.shard_max[bucket] + problem.slack) // numel)
+        return max(n, 0)
+
+    m = mdl.var(lower_bound(problem) / scale, max(upper / scale, lower_bound(problem) / scale), False, 1.0)
+    # (upper = inf: no plan known yet; room and M are unbounded)
+    y = {}
+    for k, items in enumerate(classes):
+        i = items[0]
+        ub = most(len(items), problem.per_matrix[i], problem.launch.get(problem.group[i], 0.0), problem.numel[i],
+                  problem.bucket[i])
+        for c in range(C):
+            y[k, c] = mdl.var(0, ub, True)
+    group_classes: Dict[str, List[int]] = defaultdict(list)
+    for k, items in enumerate(classes):
+        group_classes[problem.group[items[0]]].append(k)
+    launching = sorted(g for g in group_classes if problem.launch.get(g, 0.0) > 0)
     z = {(g, c): mdl.var(0, 1, True, LAUNCH_TIE * problem.launch[g] / scale) for g in launching for c in range(C)}
     s = {}
     for b, (lo, hi) in enumerate(zip(problem.shard_min, problem.shard_max)):
@@ -249,10 +335,14 @@ def _formulate(problem: OwnerProblem) -> _Formulation:
         s[b] = mdl.var(lo, hi, False, problem.padding_weight * D / scale + PAD_TIE / span)
     for k, items in enumerate(classes):  # every matrix has one owner
         mdl.row({y[k, c]: 1.0 for c in range(C)}, len(items), len(items))
-    for g in launching:  # a cell holding any matrix of group g pays its launch
+    for g in launching:  # a cell holding any matrix of group g pays its launch: sum_k y <= U_g z
+        ks = group_classes[g]
+        cap = most(sum(len(classes[k]) for k in ks), min(problem.per_matrix[classes[k][0]] for k in ks),
+                   problem.launch[g], 0, 0)
+        cap = max(min(cap, sum(mdl.ub[y[k, 0]] for k in ks)), 1)
         for c in range(C):
-            coeffs = {y[k, c]: 1.0 for k, items in enumerate(classes) if problem.group[items[0]] == g}
-            coeffs[z[g, c]] = -float(group_items[g])
+            coeffs = {y[k, c]: 1.0 for k in ks}
+            coeffs[z[g, c]] = -float(cap)
             mdl.row(coeffs, -math.inf, 0.0)
 
     def load_coeffs(c):
@@ -314,31 +404,104 @@ def _start_values(problem: OwnerProblem, f: _Formulation, cells: Sequence[int]) 
     return vals
 
 
-def _cells_from(problem: OwnerProblem, f: _Formulation, values: Sequence[float]) -> List[int]:
-    cells = [0] * len(problem.per_matrix)
-    for k, items in enumerate(f.classes):
-        counts = [int(round(values[f.y[k, c]])) for c in range(problem.cells)]
-        if sum(counts) != len(items) or min(counts) < 0:
-            raise RuntimeError(f"solver returned counts {counts} for a class of {len(items)} matrices")
-        it = iter(sorted(items))
-        for c, n in enumerate(counts):
-            for _ in range(n):
-                cells[next(it)] = c
-    return cells
+def _enumerate_patterns(problem: OwnerProblem, classes: List[List[int]], upper: float,
+                        limit: int) -> Optional[List[Tuple[Tuple[int, ...], float]]]:
+    """Every per-cell count vector whose load stays within ``upper`` and whose owned numel fits
+    every bucket's largest shard, with its load; None past ``limit`` patterns."""
+    base = problem.base_loads()[0]
+    room = upper * (1 + 1e-9)
+    info = [(problem.per_matrix[it[0]], problem.launch.get(problem.group[it[0]], 0.0), problem.group[it[0]],
+             problem.bucket[it[0]], problem.numel[it[0]], len(it)) for it in classes]
+    caps = [hi + problem.slack for hi in problem.shard_max]
+    out: List[Tuple[Tuple[int, ...], float]] = []
+    counts = [0] * len(classes)
+    used = [0] * max(problem.num_buckets, 1)
+
+    def walk(k: int, load: float, groups: frozenset) -> bool:
+        if k == len(classes):
+            out.append((tuple(counts), load))
+            return len(out) <= limit
+        cost, launch, g, b, numel, n = info[k]
+        for c in range(n + 1):
+            extra = c * cost + (launch if c and g not in groups else 0.0)
+            if load + extra > room or (caps and used[b] + c * numel > caps[b]):
+                break
+            counts[k] = c
+            used[b] += c * numel
+            ok = walk(k + 1, load + extra, groups | {g} if c else groups)
+            used[b] -= c * numel
+            counts[k] = 0
+            if not ok:
+                return False
+        return True
+
+    return out if walk(0, base, frozenset()) else None
+
+
+def _pattern_search(problem: OwnerProblem, upper: float, limit: int, solve, deadline: float, gap: float):
+    """Exact makespan for interchangeable cells (TP = 1, equal base loads, no padding weight): the
+    configuration model. Patterns (count vectors per cell) are enumerated up to ``upper``; the
+    optimal makespan is one of their loads, found by binary search with a bin-packing feasibility
+    IP per candidate (its LP relaxation is tight, so each solve is quick). Returns (cells, status)
+    or None when not applicable (then the compact model runs)."""
+    if (problem.tp_size != 1 or len(set(problem.base_loads())) > 1 or not math.isfinite(upper)
+            or problem.padding_weight > 0):
+        return None
+    classes = _classes(problem)
+    found = _enumerate_patterns(problem, classes, upper, limit)
+    if found is None:
+        return None
+    D = problem.dp_size
+    base = problem.base_loads()[0]
+    nonempty = [(p, load) for p, load in found if any(p)]
+    lb = lower_bound(problem)
+    levels = sorted({load for _, load in nonempty if load >= lb * (1 - 1e-12) and load <= upper * (1 + 1e-9)})
+    launches = [load - base - sum(c * problem.per_matrix[items[0]] for c, items in zip(p, classes))
+                for p, load in nonempty]
+
+    def feasible(level):
+        mdl = _Model()
+        cols = [j for j, (_, load) in enumerate(nonempty) if load <= level]
+        x = {j: mdl.var(0, D, True, 1.0 + LAUNCH_TIE * launches[j]) for j in cols}
+        mdl.row({x[j]: 1.0 for j in cols}, -math.inf, D)
+        for k, items in enumerate(classes):
+            mdl.row({x[j]: float(nonempty[j][0][k]) for j in cols if nonempty[j][0][k]}, len(items), len(items))
+        checks_left = max(math.ceil(math.log2(max(hi - lo + 1, 2))), 1)  # a slice of what is left per check
+        values, status = solve(mdl, {}, (deadline - time.perf_counter()) / checks_left, gap)
+        order = [j for j in sorted(cols, key=lambda j: (-nonempty[j][1], j)) for _ in range(int(round(values[x[j]])))]
+        order += [None] * (problem.cells - len(order))
+        counts = [[nonempty[j][0][k] if j is not None else 0 for j in order] for k in range(len(classes))]
+        return _spread(classes, counts, len(problem.per_matrix))
+
+    lo, hi, cells, proven = 0, len(levels) - 1, None, True  # levels[hi] is feasible: the warm start
+    while lo < hi:
+        if time.perf_counter() >= deadline:
+            proven = False
+            break
+        mid = (lo + hi) // 2
+        try:
+            cells, hi = feasible(levels[mid]), mid
+        except _NoSolution as exc:
+            proven = proven and exc.infeasible
+            lo = mid + 1
+    return cells, ("optimal" if proven else "feasible")  # cells None: the warm start is the best
 
 
 class _NoSolution(RuntimeError):
     """The backend ran but returned no usable solution (status in the message)."""
 
+    def __init__(self, message: str, infeasible: bool):
+        super().__init__(message)
+        self.infeasible = infeasible
 
-def _solve_cbc(f: _Formulation, start: Dict[int, float], time_limit_s: float, gap: float):
+
+def _solve_cbc(mdl: _Model, start: Dict[int, float], time_limit_s: float, gap: float):
     import mip  # python-mip; ImportError when it is not installed
 
     model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     model.verbose = 0
     model.threads = 1
     model.seed = 0
-    mdl = f.model
     xs = [model.add_var(lb=mdl.lb[j], ub=mdl.ub[j] if math.isfinite(mdl.ub[j]) else mip.INF,
                         var_type=mip.INTEGER if mdl.integer[j] else mip.CONTINUOUS, obj=mdl.obj[j])
           for j in range(len(mdl.lb))]
@@ -353,19 +516,19 @@ def _solve_cbc(f: _Formulation, start: Dict[int, float], time_limit_s: float, ga
                 model.add_constr(expr <= hi)
     model.max_mip_gap = gap
     model.max_mip_gap_abs = 1e-9
-    model.start = [(xs[j], v) for j, v in start.items()]
+    if start:
+        model.start = [(xs[j], v) for j, v in start.items()]
     status = model.optimize(max_seconds=max(time_limit_s, 1e-3))
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or model.num_solutions == 0:
-        raise _NoSolution(f"CBC status {status.name}")
+        raise _NoSolution(f"CBC status {status.name}", infeasible=status == mip.OptimizationStatus.INFEASIBLE)
     return [x.x for x in xs], ("optimal" if status == mip.OptimizationStatus.OPTIMAL else "feasible")
 
 
-def _solve_highs(f: _Formulation, start, time_limit_s: float, gap: float):
+def _solve_highs(mdl: _Model, start, time_limit_s: float, gap: float):
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
-    mdl = f.model
     rows, cols, vals, lo, hi = [], [], [], [], []
     for r, (coeffs, a, b) in enumerate(mdl.rows):
         for j, v in coeffs.items():
@@ -380,7 +543,7 @@ def _solve_highs(f: _Formulation, start, time_limit_s: float, gap: float):
                constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
                options={"time_limit": max(time_limit_s, 1e-3), "disp": False, "mip_rel_gap": gap})
     if res.x is None or res.status not in (0, 1):
-        raise _NoSolution(f"HiGHS status {res.status} ({res.message})")
+        raise _NoSolution(f"HiGHS status {res.status} ({res.message})", infeasible=res.status == 2)
     return list(res.x), ("optimal" if res.status == 0 else "feasible")
 
 
@@ -393,12 +556,15 @@ def solve_owner_milp(
     backend: str = "auto",
     time_limit_s: float = 10.0,
     max_variables: int = 50_000,
+    max_patterns: int = 20_000,
     warm_starts: Sequence[Sequence[int]] = (),
     mip_gap: float = 1e-4,
 ) -> OwnerSolution:
     """Owner cells minimising the predicted makespan (see the module docstring).
 
-    ``backend``: 'auto' (CBC, then HiGHS), 'cbc' or 'highs'. ``warm_starts``: feasible plans
+    ``backend``: 'auto' (CBC, then HiGHS), 'cbc' or 'highs'. Interchangeable cells (TP = 1, equal
+    base loads) use the configuration model when it has at most ``max_patterns`` patterns, else
+    the compact model (refused past ``max_variables``). ``warm_starts``: feasible plans
     (cells per item) to start from; the batch-aware greedy is always one. The result is never worse
     than the best warm start under ``evaluate``; every fallback warns (``MilpFallbackWarning``)."""
     if backend not in BACKENDS:
@@ -407,6 +573,10 @@ def solve_owner_milp(
     t0 = time.perf_counter()
     lb = lower_bound(problem)
     starts = [list(greedy_cells(problem))] + [list(w) for w in warm_starts]
+    upper = min(evaluate(problem, w)[1] for w in starts)
+    packed = multifit_cells(problem, upper)
+    if packed is not None:
+        starts.append(packed)
     scored = [(evaluate(problem, w), n, w) for n, w in enumerate(starts)]
     (best_obj, best_ms, best_loads, best_pad), _, best = min(scored, key=lambda s: (s[0][0], s[1]))
 
@@ -417,25 +587,34 @@ def solve_owner_milp(
 
     if not problem.per_matrix:
         return OwnerSolution([], best_obj, best_ms, best_loads, 0, lb, "greedy", "optimal", 0.0, "no matrices")
-    n_vars = num_variables(problem)
-    if n_vars > max_variables:
-        return fallback(f"instance too large ({n_vars} variables > max_variables={max_variables})")
-    f = _formulate(problem)
-    start = _start_values(problem, f, best) if math.isfinite(best_obj) else {}
+    upper = best_ms if math.isfinite(best_obj) else math.inf
+    deadline = t0 + time_limit_s
+    compact = None
     order = ["cbc", "highs"] if backend == "auto" else [backend]
     reasons = []
     for name in order:
-        left = time_limit_s - (time.perf_counter() - t0)
-        if left <= 0:
-            reasons.append(f"{name}: no time left of time_limit_s={time_limit_s}")
+        if time.perf_counter() >= deadline:
+            reasons.append(f"{name}: no time left of time_limit_s={time_limit_s:g}")
             break
         try:
-            values, status = _SOLVERS[name](f, start, left, mip_gap)
-            cells = _cells_from(problem, f, values)
+            solve = _SOLVERS[name]
+            searched = _pattern_search(problem, upper, max_patterns, solve, deadline, mip_gap)
+            if searched is not None:
+                cells, status = searched
+                cells = best if cells is None else cells
+            else:
+                if compact is None:
+                    n_vars = num_variables(problem)
+                    if n_vars > max_variables:
+                        return fallback(f"instance too large ({n_vars} variables > max_variables={max_variables})")
+                    compact = _formulate(problem, upper)
+                start = compact.start(problem, best) if math.isfinite(best_obj) else {}
+                values, status = solve(compact.model, start, deadline - time.perf_counter(), mip_gap)
+                cells = compact.decode(problem, values)
         except ImportError as exc:
             reasons.append(f"{name}: solver not importable ({exc})")
         except _NoSolution as exc:
-            reasons.append(f"{name}: {exc} within the time limit of {time_limit_s:g} s")
+            reasons.append(f"{name}: {exc} (time limit {time_limit_s:g} s)")
             break  # a time-out: another backend would run out of time too
         except Exception as exc:  # a broken solver install must not stop training start-up
             reasons.append(f"{name}: solver failed ({type(exc).__name__}: {exc})")
@@ -446,9 +625,9 @@ def solve_owner_milp(
                 cells, obj, ms, loads, pad = best, best_obj, best_ms, best_loads, best_pad
             used = name
             if status != "optimal":
-                used = "greedy" if kept_start else name
+                used = "greedy" if kept_start or cells is best else name
                 reasons.append(f"{name}: time limit of {time_limit_s:g} s reached; "
-                               f"{'the greedy warm start is the best plan found' if kept_start else 'best solution found'}")
+                               f"{'the greedy warm start is the best plan found' if used == 'greedy' else 'best solution found'}")
             if reasons:
                 warnings.warn(f"DMuon MILP owner plan: {'; '.join(reasons)}", MilpFallbackWarning, stacklevel=2)
             return OwnerSolution(cells, obj, ms, loads, pad or 0, lb, used, status, time.perf_counter() - t0,

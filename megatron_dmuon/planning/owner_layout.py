@@ -118,6 +118,16 @@ class OwnerLayout:
                     f"bucket [{bucket.start}, {bucket.end}) is not {self.world_size} shards of {bucket.shard_size}")
 
 
+def megatron_bucket_size(dp_size: int, overlap_grad_reduce: bool, bucket_size: Optional[int] = None,
+                         pp_rank: int = 0, disable_bucketing: bool = False) -> Optional[int]:
+    """The bucket size Megatron's DDP uses (None: one bucket per buffer)."""
+    if disable_bucketing or pp_rank > 0 or not overlap_grad_reduce:
+        return None
+    if bucket_size is not None:
+        return bucket_size
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
 def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world_size: int,
                    max_padding: float) -> List[List[int]]:
     """Group param indices (in reverse order, i.e. backprop order, as Megatron does) into buckets.
@@ -323,6 +333,39 @@ def plan_owner_layout(
     rank_cost = rank_cost if rank_cost is not None else [0.0] * (world_size * tp_size)
     if len(rank_cost) != world_size * tp_size:
         raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
+    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options)
+    carried = list(rank_cost)
+    layout = _plan(items, rank_cost, info, *args)
+    # A huge element-wise param (a 152k-row embedding) fits only between two owners' matrix
+    # blocks, so the shard grows until the gap holds it (x2.8 the buffer for Qwen2.5-7B at DP=64).
+    # Where that pads a bucket by more than half, such params get buckets of their own (if that
+    # pads less; layouts padded less are left as they are).
+    big = _oversized_fillers(items, layout)
+    if big:
+        alone = [dataclasses.replace(it, own_bucket=True) if it.name in big else it for it in items]
+        cost, alone_info = list(carried), {}
+        split = _plan(alone, cost, alone_info, *args)
+        if split.numel < layout.numel:
+            layout = split
+            rank_cost[:] = cost
+            if info is not None:
+                info.update(alone_info)
+    return layout
+
+
+def _oversized_fillers(items, layout, pad_limit=0.5):
+    """Element-wise params over half a shard in buckets padded by more than ``pad_limit``."""
+    out = set()
+    for it in items:
+        if it.is_matrix or it.own_bucket:
+            continue
+        b = layout.buckets[layout.param_ranges[it.name][2]]
+        if it.numel > b.shard_size // 2 and b.end - b.start > (1 + pad_limit) * b.numel_unpadded:
+            out.add(it.name)
+    return out
+
+
+def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options):
     buckets: List[BucketLayout] = []
     param_ranges: Dict[str, Tuple[int, int, int]] = {}
     owners: Dict[str, int] = {}
