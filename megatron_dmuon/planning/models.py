@@ -94,6 +94,11 @@ class ParamSpec:
     def numel(self) -> int:
         return math.prod(self.local_shape)
 
+    @property
+    def partition_dim(self) -> Optional[int]:
+        """The dim TP splits (None: replicated)."""
+        return next((d for d, (a, b) in enumerate(zip(self.local_shape, self.full_shape)) if a != b), None)
+
 
 PRESETS: Dict[str, ModelSpec] = {
     # Qwen2.5-7B (config.json of Qwen/Qwen2.5-7B): untied embeddings, QKV bias, SwiGLU

@@ -143,8 +143,9 @@ def lower_bound_ms(params: Dict[str, List[ParamSpec]], par: ParallelSpec, cost_m
 def compare_plans(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, *, planners=PLANNERS,
                   stage: int = 0, overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                   max_bucket_padding: float = 0.02, milp_options: Optional[dict] = None,
-                  grad_bytes: int = 4, param_bytes: int = 2) -> dict:
-    """``{'plans': {planner: prediction}, 'lower_bound_ms', 'model', 'parallel', ...}``."""
+                  grad_bytes: int = 4, param_bytes: int = 2, plans_out: Optional[dict] = None) -> dict:
+    """``{'plans': {planner: prediction}, 'lower_bound_ms', 'model', 'parallel', ...}``; the
+    ``plan_stage`` results go to ``plans_out`` (by planner) when given."""
     size = megatron_bucket_size(par.dp_size, overlap_grad_reduce, bucket_size, pp_rank=stage)
     out = {"model": model.name, "stage": stage, "bucket_size": size,
            "parallel": {"dp": par.dp_size, "tp": par.tp, "pp": par.pp, "ep": par.ep, "etp": par.expert_tp,
@@ -153,6 +154,8 @@ def compare_plans(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, *,
     for planner in planners:
         plan = plan_stage(model, par, cost_model, planner, stage=stage, bucket_size=size,
                           max_bucket_padding=max_bucket_padding, milp_options=milp_options)
+        if plans_out is not None:
+            plans_out[planner] = plan
         pred = predict_stage(plan, par, cost_model, grad_bytes, param_bytes)
         pred["plan_seconds"] = plan["seconds"]
         if plan["info"]:
