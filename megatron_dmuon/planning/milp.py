@@ -518,7 +518,7 @@ def _solve_cbc(mdl: _Model, start: Dict[int, float], time_limit_s: float, gap: f
     model.max_mip_gap_abs = 1e-9
     if start:
         model.start = [(xs[j], v) for j, v in start.items()]
-    status = model.optimize(max_seconds=max(time_limit_s, 1e-3))
+    status = model.optimize(max_seconds=min(max(time_limit_s, 1e-3), 1e9))
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or model.num_solutions == 0:
         raise _NoSolution(f"CBC status {status.name}", infeasible=status == mip.OptimizationStatus.INFEASIBLE)
     return [x.x for x in xs], ("optimal" if status == mip.OptimizationStatus.OPTIMAL else "feasible")
@@ -541,7 +541,7 @@ def _solve_highs(mdl: _Model, start, time_limit_s: float, gap: float):
     res = milp(c=np.array(mdl.obj), integrality=np.array(mdl.integer, dtype=int),
                bounds=Bounds(np.array(mdl.lb, dtype=float), np.array(mdl.ub, dtype=float)),
                constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
-               options={"time_limit": max(time_limit_s, 1e-3), "disp": False, "mip_rel_gap": gap})
+               options={"time_limit": min(max(time_limit_s, 1e-3), 1e9), "disp": False, "mip_rel_gap": gap})
     if res.x is None or res.status not in (0, 1):
         raise _NoSolution(f"HiGHS status {res.status} ({res.message})", infeasible=res.status == 2)
     return list(res.x), ("optimal" if res.status == 0 else "feasible")
@@ -620,7 +620,7 @@ def solve_owner_milp(
             reasons.append(f"{name}: solver failed ({type(exc).__name__}: {exc})")
         else:
             obj, ms, loads, pad = evaluate(problem, cells)
-            kept_start = obj > best_obj + 1e-9 * max(1.0, abs(best_obj))
+            kept_start = obj > best_obj
             if kept_start:  # within the MIP gap, or a time-limited incumbent: the warm start is better
                 cells, obj, ms, loads, pad = best, best_obj, best_ms, best_loads, best_pad
             used = name
