@@ -11,8 +11,8 @@ from collections import defaultdict
 import pytest
 
 from megatron_dmuon.planning import milp
-from megatron_dmuon.planning.cost_model import (CostModel, CostTable, ShapeCost, analytic_shape_cost, cluster_spec,
-                                                device_spec, fit_affine, load_bench_kernels_profile)
+from megatron_dmuon.planning.cost_model import (CostModel, analytic_shape_cost, cluster_spec, device_spec, fit_affine,
+                                                load_bench_kernels_profile)
 from megatron_dmuon.planning.milp import MilpFallbackWarning, OwnerProblem, evaluate, solve_owner_milp
 from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
 from megatron_dmuon.planning.profile import PlanCache, ProfileCache, measure_profile, profile_batches

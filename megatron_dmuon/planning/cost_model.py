@@ -74,24 +74,23 @@ class ClusterSpec:
     inter: Link  # InfiniBand between nodes, per GPU
 
 
-def device_spec(name: str, config: Optional[dict] = None) -> DeviceSpec:
+def _entry(config: Optional[dict], section: str, name: str) -> Tuple[dict, dict]:
     config = config or load_config()
-    devices = config["devices"]
-    if name not in devices:
-        raise ValueError(f"device {name!r} not in the cluster config; known: {', '.join(sorted(devices))}")
-    d = devices[name]
+    table = config[section]
+    if name not in table:
+        raise ValueError(f"{section[:-1]} {name!r} not in the cluster config; known: {', '.join(sorted(table))}")
+    return config, table[name]
+
+
+def device_spec(name: str, config: Optional[dict] = None) -> DeviceSpec:
+    _, d = _entry(config, "devices", name)
     return DeviceSpec(name, float(d["ns_tflops"]), float(d["kernel_floor_us"]), float(d["hbm_gbytes_per_s"]))
 
 
 def cluster_spec(name: str, config: Optional[dict] = None) -> ClusterSpec:
-    config = config or load_config()
-    clusters = config["clusters"]
-    if name not in clusters:
-        raise ValueError(f"cluster {name!r} not in the cluster config; known: {', '.join(sorted(clusters))}")
-    c = clusters[name]
-    return ClusterSpec(name, device_spec(c["device"], config), int(c["gpus_per_node"]),
-                       Link(float(c["intra"]["alpha_us"]), float(c["intra"]["gbytes_per_s"])),
-                       Link(float(c["inter"]["alpha_us"]), float(c["inter"]["gbytes_per_s"])))
+    config, c = _entry(config, "clusters", name)
+    links = [Link(float(c[k]["alpha_us"]), float(c[k]["gbytes_per_s"])) for k in ("intra", "inter")]
+    return ClusterSpec(name, device_spec(c["device"], config), int(c["gpus_per_node"]), *links)
 
 
 @dataclasses.dataclass(frozen=True)

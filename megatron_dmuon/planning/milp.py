@@ -21,6 +21,13 @@ Model (``OwnerProblem``; costs in any unit, e.g. ms from planning/cost_model.py)
 Symmetric cells are ordered (loads descending inside a DP rank, DP ranks by their heaviest cell)
 when every cell starts from the same base load, which removes the D!·T! equivalent optima.
 
+When cells are fully interchangeable (TP = 1, equal base loads, no padding weight) the
+configuration model replaces it: every per-cell count vector ("pattern") with load up to the warm
+start's makespan is enumerated, and the optimal makespan, one of their loads, is found by binary
+search with a bin-packing feasibility IP per candidate (``_pattern_search``). Its LP relaxation is
+tight where the compact model's is weak (launch indicators), so it proves optimality in seconds
+on the instances that matter (Qwen2.5-7B at DP=8).
+
 ``solve_owner_milp`` tries python-mip (CBC), then scipy.optimize.milp (HiGHS), each warm-started
 or checked against greedy plans, and falls back to the best greedy plan (with a warning that says
 why) when the instance is too large, no solver imports, or the time limit leaves nothing better.
