@@ -47,6 +47,7 @@ __all__ = ["OwnerProblem", "OwnerSolution", "evaluate", "lower_bound", "greedy_c
 BACKENDS = ("auto", "cbc", "highs")
 LAUNCH_TIE = 1e-6  # per normalised launch: among equal makespans, prefer fewer batched calls
 PAD_TIE = 1e-7  # per bucket, for a full S_max - S_min of growth: prefer less padding
+OBJ_SCALE = 0.0  # pattern feasibility IPs: any packing will do (an objective makes the solver prove optimality)
 
 
 class MilpFallbackWarning(UserWarning):
@@ -245,6 +246,7 @@ class _Model:
     integer: List[bool] = dataclasses.field(default_factory=list)
     obj: List[float] = dataclasses.field(default_factory=list)
     rows: List[Tuple[Dict[int, float], float, float]] = dataclasses.field(default_factory=list)
+    presolve: bool = True  # HiGHS: off for the pattern feasibility IPs (4x faster there, measured)
 
     def var(self, lb, ub, integer, obj=0.0) -> int:
         self.lb.append(lb)
@@ -467,9 +469,9 @@ def _pattern_search(problem: OwnerProblem, upper: float, limit: int, solve, dead
                 for p, load in nonempty]
 
     def feasible(level):
-        mdl = _Model()
+        mdl = _Model(presolve=False)
         cols = [j for j, (_, load) in enumerate(nonempty) if load <= level]
-        x = {j: mdl.var(0, D, True, 1.0 + LAUNCH_TIE * launches[j]) for j in cols}
+        x = {j: mdl.var(0, D, True, OBJ_SCALE * launches[j]) for j in cols}
         mdl.row({x[j]: 1.0 for j in cols}, -math.inf, D)
         for k, items in enumerate(classes):
             mdl.row({x[j]: float(nonempty[j][0][k]) for j in cols if nonempty[j][0][k]}, len(items), len(items))
@@ -548,7 +550,8 @@ def _solve_highs(mdl: _Model, start, time_limit_s: float, gap: float):
     res = milp(c=np.array(mdl.obj), integrality=np.array(mdl.integer, dtype=int),
                bounds=Bounds(np.array(mdl.lb, dtype=float), np.array(mdl.ub, dtype=float)),
                constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
-               options={"time_limit": min(max(time_limit_s, 1e-3), 1e9), "disp": False, "mip_rel_gap": gap})
+               options={"time_limit": min(max(time_limit_s, 1e-3), 1e9), "disp": False, "mip_rel_gap": gap,
+                        "presolve": mdl.presolve})
     if res.x is None or res.status not in (0, 1):
         raise _NoSolution(f"HiGHS status {res.status} ({res.message})", infeasible=res.status == 2)
     return list(res.x), ("optimal" if res.status == 0 else "feasible")
