@@ -316,7 +316,9 @@ def plan_owner_layout(
     the same ranks' NS time). Items are this TP rank's shards; their `cost` is the full matrix's.
     `milp_options` go to ``planning.milp.solve_owner_milp`` (backend, time_limit_s, max_variables)
     plus ``padding_weight`` (cost per element of shard growth); `info`, if given, receives the
-    MILP's backend, status, makespan, lower bound and solve time.
+    MILP's backend, status, makespan, lower bound and solve time. Element-wise params over half a
+    shard that leave a bucket padded by more than half get buckets of their own when that pads
+    less (``_oversized_fillers``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
