@@ -21,7 +21,7 @@ want="$(cat "$ROOT/setup.cfg" "$ROOT/launch/setup_env.sh" | sha1sum | cut -c1-16
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
   python -c "import torch" 2>/dev/null || pip_q "$TORCH_SPEC"
-  pip_q numpy "packaging>=24.2" triton mip psutil pytest pytest-timeout matplotlib
+  pip_q numpy "packaging>=24.2" triton mip psutil scipy pytest pytest-timeout matplotlib
   python -c "import megatron.core" 2>/dev/null || pip_q --no-deps --ignore-requires-python "$MCORE_SPEC"
   pip_q --no-deps -e "$ROOT"
   echo "$want" > "$STAMP"

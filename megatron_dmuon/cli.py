@@ -1,7 +1,7 @@
-"""`dmuon` console script: `dmuon verify ...`, `dmuon check ...`, `dmuon autotune ...`."""
+"""`dmuon` console script: `dmuon verify ...`, `dmuon check ...`, `dmuon autotune ...`, `dmuon plan ...`."""
 import sys
 
-USAGE = "usage: dmuon {verify,check,autotune} [options]   (dmuon <command> --help for details)"
+USAGE = "usage: dmuon {verify,check,autotune,plan} [options]   (dmuon <command> --help for details)"
 
 
 def main(argv=None) -> int:
@@ -22,6 +22,10 @@ def main(argv=None) -> int:
         from .kernels.autotune_cli import main as autotune_main
 
         return autotune_main(rest)
+    if cmd == "plan":
+        from .planning.plan_cli import main as plan_main
+
+        return plan_main(rest)
     print(f"dmuon: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -87,8 +87,12 @@ class AutotuneCache:
 
     ``version`` holds ``CACHE_VERSION`` (a file with any other value is ignored and its shapes
     re-tuned); ``entries`` maps ``op_key`` / ``method_key`` strings (GPU, shape, batch, dtype)
-    to what ``tune_op`` / ``tune_method`` measured.
+    to what ``tune_op`` / ``tune_method`` measured. Subclasses set their own ``version`` and
+    ``label`` (planning/profile.py keeps NS profiles and owner plans in the same kind of file).
     """
+
+    version = CACHE_VERSION
+    label = "autotune cache"
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
@@ -100,12 +104,12 @@ class AutotuneCache:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
-            warnings.warn(f"autotune cache {self.path} is unreadable ({exc}); starting from an empty cache")
+            warnings.warn(f"{self.label} {self.path} is unreadable ({exc}); starting from an empty cache")
             return {}
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+        if not isinstance(data, dict) or data.get("version") != self.version or not isinstance(data.get("entries"), dict):
             warnings.warn(
-                f"autotune cache {self.path} has an unknown format or an older version "
-                f"(expected version {CACHE_VERSION}); ignoring its contents, shapes are re-tuned on use"
+                f"{self.label} {self.path} has an unknown format or an older version "
+                f"(expected version {self.version}); ignoring its contents, they are rebuilt on use"
             )
             return {}
         return data["entries"]
@@ -132,7 +136,7 @@ class AutotuneCache:
             self._entries = merged
             fd, tmp = tempfile.mkstemp(prefix=".autotune.", suffix=".json", dir=self.path.parent)
             with os.fdopen(fd, "w") as fh:
-                json.dump({"version": CACHE_VERSION, "entries": merged}, fh, indent=1, sort_keys=True)
+                json.dump({"version": self.version, "entries": merged}, fh, indent=1, sort_keys=True)
             os.replace(tmp, self.path)
 
 

@@ -1,22 +1,22 @@
 """Hand megatron-core's DDP an owner-aligned FullParamLayout (Megatron 0.19 `full_param_layout`)."""
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..planning.owner_layout import OwnerLayout, ParamItem, plan_owner_layout
+from ..planning.owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from ..algorithms.tp_shards import tp_full_shape
 from ..planning.params import is_muon_param, ns_cost
+from ..planning.profile import PlanCache, plan_key
 
 
 def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = False, pp_rank: int = 0):
     """What DDP's __init__ will use (it sets ddp_config.bucket_size itself later)."""
-    if disable_bucketing or pp_rank > 0 or not ddp_config.overlap_grad_reduce:
-        return None
-    if ddp_config.bucket_size is not None:
-        return ddp_config.bucket_size
-    return max(40_000_000, 1_000_000 * dp_size)
+    return megatron_bucket_size(dp_size, ddp_config.overlap_grad_reduce, ddp_config.bucket_size, pp_rank,
+                                disable_bucketing)
 
 
 def full_matrix_shape(param: torch.Tensor, tp_size: int):
@@ -49,9 +49,18 @@ def compute_owner_aligned_layout(
     cost_fn: Callable = ns_cost,
     max_bucket_padding: float = 0.02,
     balance: str = "cost",
+    cost_model_fn: Optional[Callable] = None,
+    milp_options: Optional[dict] = None,
+    plan_cache=None,
 ):
     """Owner plan + FullParamLayout for every buffer of `module` (dense: DP x TP owners; expert:
     expert-DP x expert-TP owners), planned on rank 0 of the pipeline stage and broadcast.
+
+    `cost_model_fn(shapes, max_batch) -> planning.cost_model.CostModel` (e.g.
+    runtime.ns_profile.profiled_cost_model: the start-up profile) replaces `cost_fn` with predicted
+    ms and batched-launch costs; it runs on rank 0 only. `milp_options` go to the MILP
+    (balance='milp'). `plan_cache` (a path): rank 0 reuses a plan made for the same parameters,
+    sizes, options and costs.
 
     Returns (FullParamLayout, {BufferKey: OwnerLayout}, {param: name}).
     """
@@ -72,33 +81,53 @@ def compute_owner_aligned_layout(
         kind = "expert_" if key.is_expert_parallel else ""
         return groups[kind + "dp"].size(), groups[kind + "tp"].size()
 
-    def items_of(key):
+    def items_of(key, model=None):
         params, _ = buffers[key]
         tp_size = sizes(key)[1]
-        return [
-            ParamItem(
-                name=name_of[p],
-                numel=p.numel(),
-                is_matrix=is_muon_param(name_of[p], p),
-                cost=cost_fn(full_matrix_shape(p, tp_size)) if is_muon_param(name_of[p], p) else 0.0,
-                shape_key="x".join(map(str, p.shape)),
-                own_bucket=bool(getattr(p, "shared_embedding", False)),
-            )
-            for p in params
-        ]
+        items = []
+        for p in params:
+            name, shape = name_of[p], full_matrix_shape(p, tp_size)
+            matrix = is_muon_param(name, p)
+            cost = launch = 0.0
+            if matrix:
+                cost, launch = ((model.per_matrix_ms(shape), model.launch_ms(shape)) if model is not None
+                                else (cost_fn(shape), 0.0))
+            items.append(ParamItem(name=name, numel=p.numel(), is_matrix=matrix, cost=cost,
+                                   shape_key="x".join(map(str, shape)),  # the owner batches full matrices by shape
+                                   own_bucket=bool(getattr(p, "shared_embedding", False)), launch_cost=launch))
+        return items
 
     stage = groups["stage"]
     payload = [None]
     if stage.rank() == 0:
-        rank_cost: Dict[bool, List[float]] = {}
-        plans = {}
-        for key in keys:
-            dp_size, tp_size = sizes(key)
-            cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
-            plans[key] = plan_owner_layout(items_of(key), dp_size, bucket_size, max_bucket_padding, cost, tp_size,
-                                           balance)
-        # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
-        payload = [{k: plans[k].to_json() for k in keys}]
+        model = None
+        if cost_model_fn is not None:
+            counts = Counter(it.shape_key for key in keys for it in items_of(key) if it.is_matrix)
+            shapes = sorted(tuple(int(v) for v in k.split("x")) for k in counts)
+            model = cost_model_fn(shapes, min(max(counts.values(), default=1), 8))
+        items = {key: items_of(key, model) for key in keys}
+        cache, cache_key = None, None
+        if plan_cache is not None:
+            cache = PlanCache(plan_cache)
+            cache_key = plan_key({"items": {str(k): [dataclasses.astuple(it) for it in items[k]] for k in keys},
+                                  "sizes": {str(k): sizes(k) for k in keys}, "bucket_size": bucket_size,
+                                  "max_bucket_padding": max_bucket_padding, "balance": balance,
+                                  "milp_options": milp_options})
+            cached = cache.get(cache_key)
+            if cached is not None and set(cached) == {str(k) for k in keys}:
+                payload = [{k: cached[str(k)] for k in keys}]
+        if payload[0] is None:
+            rank_cost: Dict[bool, List[float]] = {}
+            plans = {}
+            for key in keys:
+                dp_size, tp_size = sizes(key)
+                cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
+                plans[key] = plan_owner_layout(items[key], dp_size, bucket_size, max_bucket_padding, cost, tp_size,
+                                               balance, milp_options=milp_options)
+            # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
+            payload = [{k: plans[k].to_json() for k in keys}]
+            if cache is not None:
+                cache.put(cache_key, {str(k): v for k, v in payload[0].items()})
     if stage.size() > 1:
         torch.distributed.broadcast_object_list(payload, src=torch.distributed.get_global_rank(stage, 0), group=stage)
     plans = {k: OwnerLayout.from_json(payload[0][k]) for k in keys}

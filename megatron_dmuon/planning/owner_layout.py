@@ -40,6 +40,7 @@ class ParamItem:
     cost: float = 0.0  # predicted NS cost (FLOPs or seconds) of the FULL matrix; only for matrices
     shape_key: str = ""  # matrices with equal keys can be batched in one NS call
     own_bucket: bool = False  # e.g. Megatron's shared embedding: bucket of its own
+    launch_cost: float = 0.0  # fixed cost of one batched NS call of this shape on a rank ('milp' uses it)
 
 
 @dataclasses.dataclass
@@ -117,6 +118,16 @@ class OwnerLayout:
                     f"bucket [{bucket.start}, {bucket.end}) is not {self.world_size} shards of {bucket.shard_size}")
 
 
+def megatron_bucket_size(dp_size: int, overlap_grad_reduce: bool, bucket_size: Optional[int] = None,
+                         pp_rank: int = 0, disable_bucketing: bool = False) -> Optional[int]:
+    """The bucket size Megatron's DDP uses (None: one bucket per buffer)."""
+    if disable_bucketing or pp_rank > 0 or not overlap_grad_reduce:
+        return None
+    if bucket_size is not None:
+        return bucket_size
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
 def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world_size: int,
                    max_padding: float) -> List[List[int]]:
     """Group param indices (in reverse order, i.e. backprop order, as Megatron does) into buckets.
@@ -151,7 +162,10 @@ def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world
     return buckets
 
 
-BALANCE = ("cost", "round_robin")  # round_robin: a baseline for comparisons and plan-change tests
+# cost: greedy by predicted cost (default); milp: planning/milp.py (makespan with batched-launch
+# costs, globally over the buckets); round_robin and numel_lpt (Megatron 0.19 LayerWise's rule:
+# largest numel first to the rank with the least numel): baselines for comparisons and tests
+BALANCE = ("cost", "round_robin", "numel_lpt", "milp")
 
 
 def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, balance="cost", assigned=0):
@@ -184,6 +198,49 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
         owners[it.name], tp_owners[it.name] = divmod(c, tp_size)
         owned_numel[c // tp_size] += _align(it.numel)
         rank_cost[c] += it.cost
+    return owners, tp_owners
+
+
+def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padding, options, info):
+    """Owners of every matrix of every bucket from one MILP (planning/milp.py), warm-started with
+    the greedy plan; each DP rank's owned numel in a bucket must fit its shard, which may grow up
+    to ``max_bucket_padding`` (or as far as the greedy needed) at a padding cost."""
+    from .milp import OwnerProblem, solve_owner_milp
+
+    options = dict(options or {})
+    padding_weight = options.pop("padding_weight", 0.0)
+    mats, greedy_cells, shard_min, shard_max = [], [], [], []
+    greedy_cost = list(rank_cost)
+    for b, members in enumerate(buckets):
+        total = sum(items[i].numel for i in members)
+        in_bucket = [i for i in members if items[i].is_matrix]
+        lo = max(math.ceil(total / world_size), max((items[i].numel for i in in_bucket), default=0))
+        owners, tp_owners = _assign_owners(items, members, world_size, greedy_cost, tp_size)
+        used = [0] * world_size
+        for i in in_bucket:
+            used[owners[items[i].name]] += _align(items[i].numel)
+        shard_min.append(lo)
+        shard_max.append(max(int(lo * (1.0 + max_bucket_padding)), max(used) - PARAM_ALIGN, lo))
+        for i in in_bucket:
+            mats.append((i, b))
+            greedy_cells.append(owners[items[i].name] * tp_size + tp_owners[items[i].name])
+    groups = [items[i].shape_key or items[i].name for i, _ in mats]
+    launch: Dict[str, float] = {}
+    for (i, _), g in zip(mats, groups):
+        launch[g] = max(launch.get(g, 0.0), items[i].launch_cost)
+    problem = OwnerProblem(
+        per_matrix=[items[i].cost for i, _ in mats], numel=[_align(items[i].numel) for i, _ in mats],
+        group=groups, bucket=[b for _, b in mats], launch=launch, dp_size=world_size, tp_size=tp_size,
+        shard_min=shard_min, shard_max=shard_max, slack=PARAM_ALIGN, base=list(rank_cost),
+        padding_weight=padding_weight)
+    solution = solve_owner_milp(problem, warm_starts=[greedy_cells], **options)
+    if info is not None:
+        info.update(backend=solution.backend, status=solution.status, makespan=solution.makespan,
+                    lower_bound=solution.lower_bound, seconds=solution.seconds, note=solution.note)
+    rank_cost[:] = solution.loads
+    owners, tp_owners = {}, {}
+    for (i, _), c in zip(mats, solution.cells):
+        owners[items[i].name], tp_owners[items[i].name] = divmod(c, tp_size)
     return owners, tp_owners
 
 
@@ -250,11 +307,18 @@ def plan_owner_layout(
     rank_cost: Optional[List[float]] = None,
     tp_size: int = 1,
     balance: str = "cost",
+    milp_options: Optional[dict] = None,
+    info: Optional[dict] = None,
 ) -> OwnerLayout:
     """Compute the owner plan and owner-aligned layout of one buffer.
 
     `rank_cost` (one entry per DP x TP cell) carries load across buffers (several buffers share
     the same ranks' NS time). Items are this TP rank's shards; their `cost` is the full matrix's.
+    `milp_options` go to ``planning.milp.solve_owner_milp`` (backend, time_limit_s, max_variables)
+    plus ``padding_weight`` (cost per element of shard growth); `info`, if given, receives the
+    MILP's backend, status, makespan, lower bound and solve time. Element-wise params over half a
+    shard that leave a bucket padded by more than half get buckets of their own when that pads
+    less (``_oversized_fillers``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -271,16 +335,63 @@ def plan_owner_layout(
     rank_cost = rank_cost if rank_cost is not None else [0.0] * (world_size * tp_size)
     if len(rank_cost) != world_size * tp_size:
         raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
+    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options)
+    carried = list(rank_cost)
+    layout = _plan(items, rank_cost, info, *args)
+    # A huge element-wise param (a 152k-row embedding) fits only between two owners' matrix
+    # blocks, so the shard grows until the gap holds it (x2.8 the buffer for Qwen2.5-7B at DP=64).
+    # Where that pads a bucket by more than half, such params get buckets of their own (if that
+    # pads less; layouts padded less are left as they are).
+    big = _oversized_fillers(items, layout)
+    if big:
+        alone = [dataclasses.replace(it, own_bucket=True) if it.name in big else it for it in items]
+        cost, alone_info = list(carried), {}
+        split = _plan(alone, cost, alone_info, *args)
+        if split.numel < layout.numel:
+            layout = split
+            rank_cost[:] = cost
+            if info is not None:
+                info.update(alone_info)
+    return layout
+
+
+def _oversized_fillers(items, layout, pad_limit=0.5):
+    """Element-wise params over half a shard in buckets padded by more than ``pad_limit``."""
+    out = set()
+    for it in items:
+        if it.is_matrix or it.own_bucket:
+            continue
+        b = layout.buckets[layout.param_ranges[it.name][2]]
+        if it.numel > b.shard_size // 2 and b.end - b.start > (1 + pad_limit) * b.numel_unpadded:
+            out.add(it.name)
+    return out
+
+
+def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options):
     buckets: List[BucketLayout] = []
     param_ranges: Dict[str, Tuple[int, int, int]] = {}
     owners: Dict[str, int] = {}
     tp_owners: Dict[str, int] = {}
     start = 0
-    for b, members in enumerate(_split_buckets(items, bucket_size, world_size, max_bucket_padding)):
-        bucket_owners, bucket_tp_owners = _assign_owners(items, members, world_size, rank_cost, tp_size,
-                                                         balance, assigned=len(owners))
-        owners.update(bucket_owners)
-        tp_owners.update(bucket_tp_owners)
+    buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
+    if balance == "milp":
+        owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,
+                                         milp_options, info)
+    else:
+        by_numel = balance == "numel_lpt"
+        assign_items = [dataclasses.replace(it, cost=float(it.numel)) for it in items] if by_numel else items
+        load = [0.0] * len(rank_cost) if by_numel else rank_cost
+        for members in buckets_members:
+            bucket_owners, bucket_tp_owners = _assign_owners(assign_items, members, world_size, load, tp_size,
+                                                             "cost" if by_numel else balance, assigned=len(owners))
+            owners.update(bucket_owners)
+            tp_owners.update(bucket_tp_owners)
+        if by_numel:
+            for it in items:
+                if it.is_matrix:
+                    rank_cost[owners[it.name] * tp_size + tp_owners[it.name]] += it.cost
+    for b, members in enumerate(buckets_members):
+        bucket_owners = {items[i].name: owners[items[i].name] for i in members if items[i].is_matrix}
         pos, shard = _place_bucket(items, members, bucket_owners, world_size, start)
         for name, (s, e) in pos.items():
             param_ranges[name] = (s, e, b)

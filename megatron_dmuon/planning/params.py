@@ -13,14 +13,19 @@ import torch
 
 from ..algorithms.flops import newton_schulz_flops
 
-__all__ = ["is_muon_param", "check_muon_matrix_shape", "ns_cost"]
+__all__ = ["is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_cost"]
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:
     """True for the hidden weight matrices (see the module docstring)."""
-    if param.dim() != 2 or min(param.shape) < 2:
-        return False
     if getattr(param, "is_embedding_or_output_parameter", False) or getattr(param, "shared_embedding", False):
+        return False
+    return is_muon_matrix(name, param.shape)
+
+
+def is_muon_matrix(name: str, shape: Sequence[int]) -> bool:
+    """The rule of ``is_muon_param`` on a name and a shape (no tensor needed)."""
+    if len(shape) != 2 or min(shape) < 2:
         return False
     lowered = name.lower()
     return not ("embedding" in lowered or "output_layer" in lowered)

@@ -1,0 +1,176 @@
+"""`dmuon plan`: owner plans of a model side by side, from a description or a Megatron-LM argv.
+
+    dmuon plan --preset qwen2.5-7b --dp 8
+    dmuon plan --preset qwen2.5-7b --dp 64 --json
+    dmuon plan --megatron-argv "--num-layers 28 --hidden-size 3584 ... --tensor-model-parallel-size 2" --nodes 4
+    dmuon plan --preset qwen7b-4l --dp 2 --profile docs/bench_kernels_h200.json --simulate
+
+For round-robin, numel-LPT (Megatron 0.19 LayerWise), the NS-FLOP greedy (ours until now) and the
+MILP: per-rank predicted owner time, bytes reduced and published per rank, padding, makespan and
+mean, all predicted with one cost model (planning/cost_model.py: analytic by default, or a
+measured profile). ``--simulate`` adds the predicted optimizer step on the cluster
+(planning/simulate.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from .cost_model import CostModel, CostTable, cluster_spec, load_bench_kernels_profile, load_config
+from .milp import BACKENDS
+from .models import PRESETS, ModelSpec, ParallelSpec, parse_megatron_argv
+from .plans import PLANNERS, compare_plans
+
+__all__ = ["main", "build_parser", "load_profile"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dmuon plan", description=__doc__.split("\n\n")[0])
+    src = p.add_argument_group("model (a preset, a Megatron-LM argv, or the shape flags)")
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--megatron-argv", help="a Megatron-LM pretrain_gpt.py command line (quoted)")
+    for flag, kw in (("--num-layers", {}), ("--hidden", {}), ("--ffn", {}), ("--heads", {}),
+                     ("--query-groups", {}), ("--vocab", {}), ("--experts", {}), ("--moe-ffn", {})):
+        src.add_argument(flag, type=int, **kw)
+    par = p.add_argument_group("parallel layout")
+    par.add_argument("--dp", type=int, help="data-parallel size (default: nodes x GPUs per node / (TP x PP))")
+    par.add_argument("--tp", type=int)
+    par.add_argument("--pp", type=int)
+    par.add_argument("--ep", type=int)
+    par.add_argument("--etp", type=int)
+    par.add_argument("--nodes", type=int)
+    par.add_argument("--gpus-per-node", type=int)
+    par.add_argument("--stage", type=int, default=0, help="pipeline stage to plan (default 0)")
+    par.add_argument("--overlap-grad-reduce", action="store_true",
+                     help="Megatron's buckets (40M elements or more) instead of one bucket per buffer")
+    par.add_argument("--bucket-size", type=int)
+    cost = p.add_argument_group("cost model and solver")
+    cost.add_argument("--cluster", default="h200", help="cluster in the config (default h200; also a800)")
+    cost.add_argument("--config", help="cluster config JSON (default: planning/clusters.json)")
+    cost.add_argument("--profile", help="measured NS times: a profile cache entry / CostTable JSON, or the "
+                                        "kernel benchmark's JSON (docs/bench_kernels_h200.json)")
+    cost.add_argument("--ns-method", default="auto", choices=["auto", "gram", "standard"])
+    cost.add_argument("--ns-steps", type=int, default=5)
+    cost.add_argument("--backend", default="auto", choices=BACKENDS)
+    cost.add_argument("--time-limit", type=float, default=10.0, help="MILP seconds (default 10)")
+    cost.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=PLANNERS)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help='print {"plans": {...}, ...} as JSON')
+    out.add_argument("--simulate", action="store_true", help="also predict the optimizer step on the cluster")
+    out.add_argument("--flat", action="store_true", help="simulate flat instead of two-level collectives")
+    return p
+
+
+def load_profile(path: str, steps: int = 5) -> CostTable:
+    data = json.loads(Path(path).read_text())
+    if "autotune" in data or "shapes" in data:
+        return load_bench_kernels_profile(path, steps)
+    if "points" in data:
+        return CostTable.from_json(data)
+    entries = data.get("entries", {})
+    if len(entries) == 1:  # a profile cache file holding one device's profile
+        return CostTable.from_json(next(iter(entries.values())))
+    raise ValueError(f"{path}: not a CostTable, a one-entry profile cache or a kernel benchmark JSON")
+
+
+def _model_and_parallel(args):
+    extra = {"overlap_grad_reduce": args.overlap_grad_reduce, "bucket_size": args.bucket_size}
+    if args.megatron_argv:
+        model, par, from_argv = parse_megatron_argv(args.megatron_argv)
+        extra = {"overlap_grad_reduce": args.overlap_grad_reduce or from_argv["overlap_grad_reduce"],
+                 "bucket_size": args.bucket_size or from_argv["bucket_size"]}
+    elif args.preset:
+        model, par = PRESETS[args.preset], ParallelSpec()
+    elif args.num_layers and args.hidden and args.heads:
+        model, par = ModelSpec(args.num_layers, args.hidden, args.ffn or 4 * args.hidden, args.heads,
+                               args.query_groups, args.vocab or 32000, num_experts=args.experts or 0,
+                               moe_ffn_hidden=args.moe_ffn), ParallelSpec()
+    else:
+        raise SystemExit("dmuon plan: give --preset, --megatron-argv, or --num-layers/--hidden/--heads")
+    overrides = {k: getattr(args, k) for k in ("dp", "tp", "pp", "ep", "etp", "nodes") if getattr(args, k) is not None}
+    if args.gpus_per_node is not None:
+        overrides["gpus_per_node"] = args.gpus_per_node
+    fields = {f: getattr(par, f) for f in ("tp", "pp", "ep", "etp", "dp", "nodes", "gpus_per_node",
+                                            "make_vocab_size_divisible_by")}
+    fields.update(overrides)
+    return model, ParallelSpec(**fields), extra
+
+
+def _table(report: dict) -> str:
+    plans = report["plans"]
+    names = list(plans)
+    lines = [f"model {report['model']} | stage {report['stage']} | "
+             + " ".join(f"{k.upper()} {v}" for k, v in report["parallel"].items())
+             + f" | bucket size {report['bucket_size']} | matrices {report['matrices']}",
+             "shapes (ms per batched call = launch + k x per-matrix): "
+             + ", ".join(f"{s} {v['launch_ms']:.3f}+k*{v['per_matrix_ms']:.3f} ({v['source']})"
+                         for s, v in report["shapes"].items()),
+             "", "| rank | " + " | ".join(f"{n} ms" for n in names) + " |",
+             "|---:|" + "---:|" * len(names)]
+    gpus = len(plans[names[0]]["rank_ms"])
+    for r in range(gpus):
+        lines.append(f"| {r} | " + " | ".join(f"{plans[n]['rank_ms'][r]:.2f}" for n in names) + " |")
+    rows = [("makespan ms", "makespan_ms", "{:.2f}"), ("mean ms", "mean_ms", "{:.2f}"),
+            ("makespan / mean", "makespan_over_mean", "{:.3f}"),
+            ("makespan / lower bound", "makespan_over_lower_bound", "{:.3f}"),
+            ("GB reduced per rank", "reduce_bytes_per_rank", "{:.3f}"),
+            ("GB published per rank", "publish_bytes_per_rank", "{:.3f}"),
+            ("padding GB (grad + param buffers)", "padding_bytes", "{:.3f}"),
+            ("planning s", "plan_seconds", "{:.2f}")]
+    lines.append("|---|" + "---:|" * len(names))
+    for label, key, fmt in rows:
+        scale = 1e-9 if "bytes" in key else 1.0
+        lines.append(f"| **{label}** | " + " | ".join(fmt.format(plans[n][key] * scale) for n in names) + " |")
+    lines.append(f"\nlower bound max(largest matrix, total / ranks) = {report['lower_bound_ms']:.3f} ms")
+    if "milp" in plans and "solver" in plans["milp"]:
+        for kind, info in plans["milp"]["solver"].items():
+            lines.append(f"MILP ({kind}): {info['backend']}, {info['status']}, {info['seconds']:.2f} s"
+                         + (f" ({info['note']})" if info.get("note") else ""))
+    if "simulation" in report:
+        s = report["simulation"]
+        lines.append(f"\nsimulated optimizer step on {s['cluster']} ({s['nodes']} nodes, "
+                     f"{'two-level' if s['two_level'] else 'flat'}): {s['optimizer_step_ms']:.1f} ms "
+                     f"({s['optimizer_step_overlapped_ms']:.1f} ms with the publish overlapped; "
+                     f"publish {s['publish_ms']:.1f} ms, grad reduce {s['grad_reduce_ms']:.1f} ms in backward)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    model, par, extra = _model_and_parallel(args)
+    config = load_config(args.config)
+    cluster = cluster_spec(args.cluster, config)
+    table = load_profile(args.profile, args.ns_steps) if args.profile else None
+    cost_model = CostModel(cluster.device, table, args.ns_steps, args.ns_method)
+    milp_options = {"backend": args.backend, "time_limit_s": args.time_limit}
+    plans = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = compare_plans(model, par, cost_model, planners=args.planners, stage=args.stage,
+                               overlap_grad_reduce=extra["overlap_grad_reduce"], bucket_size=extra["bucket_size"],
+                               milp_options=milp_options, grad_bytes=config["optimizer"]["grad_bytes"],
+                               param_bytes=config["optimizer"]["param_bytes"], plans_out=plans)
+        if args.simulate:
+            from .simulate import predict_optimizer_step
+
+            planner = "milp" if "milp" in args.planners else args.planners[-1]
+            report["simulation"] = predict_optimizer_step(
+                model, par, cluster, cost_model, planner=planner, two_level=not args.flat,
+                optimizer=config["optimizer"], stage=args.stage, plan=plans[planner])
+    report["warnings"] = sorted({str(w.message) for w in caught})
+    report["cost_model"] = {"device": cluster.device.name, "profile": args.profile, "ns_method": args.ns_method,
+                            "steps": args.ns_steps, "tflops_for_unprofiled_shapes": cost_model.tflops}
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+    else:
+        print(_table(report))
+        for w in report["warnings"]:
+            print(f"warning: {w}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

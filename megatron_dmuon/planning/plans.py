@@ -1,0 +1,175 @@
+"""Owner plans of one pipeline stage side by side, each predicted with the same cost model.
+
+Planners (all produce an owner-aligned ``OwnerLayout`` per DDP buffer through
+``plan_owner_layout``; only who owns what differs):
+
+* ``round_robin``: matrices in buffer order to the DP x TP cells in turn;
+* ``numel_lpt``: Megatron 0.19's LayerWise rule: largest numel first to the cell with the least
+  numel;
+* ``greedy``: ours until now: largest NS FLOPs (planning/params.ns_cost) first to the least-loaded
+  cell (Megatron-LM main balances by max(M,N)·min(M,N)², PR #6379: the same idea);
+* ``milp``: planning/milp.py on predicted milliseconds with batched-launch costs.
+
+Every plan is then predicted with the one ``CostModel``: per GPU, each same-shape group it owns
+costs launch + k x per-matrix (one batched NS call per shape, as the owner step runs it).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence
+
+from .cost_model import CostModel
+from .models import ModelSpec, ParallelSpec, ParamSpec, stage_params
+from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
+from .params import ns_cost
+
+__all__ = ["PLANNERS", "buffer_items", "plan_stage", "predict_stage", "compare_plans"]
+
+PLANNERS = ("round_robin", "numel_lpt", "greedy", "milp")
+_BALANCE = {"round_robin": "round_robin", "numel_lpt": "numel_lpt", "greedy": "cost", "milp": "milp"}
+
+
+def shape_group(shape: Sequence[int]) -> str:
+    """The owner step batches matrices of the same (full, TP-merged) shape in one NS call."""
+    return "x".join(str(int(s)) for s in shape)
+
+
+def buffer_items(params: Sequence[ParamSpec], cost_model: Optional[CostModel] = None) -> List[ParamItem]:
+    """Planner items of one buffer: with ``cost_model``, cost = predicted ms per matrix and
+    launch_cost = the batched call's fixed ms; without, cost = NS FLOPs (``ns_cost``)."""
+    items = []
+    for p in params:
+        cost = launch = 0.0
+        if p.is_matrix:
+            if cost_model is None:
+                cost = ns_cost(p.full_shape)
+            else:
+                sc = cost_model.shape_cost(p.full_shape)
+                cost, launch = sc.per_matrix_ms, sc.launch_ms
+        items.append(ParamItem(p.name, p.numel, p.is_matrix, cost, shape_group(p.full_shape), launch_cost=launch))
+    return items
+
+
+def _sizes(kind: str, par: ParallelSpec):
+    return (par.expert_dp_size, par.expert_tp) if kind == "expert" else (par.dp_size, par.tp)
+
+
+def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, planner: str, *, stage: int = 0,
+               bucket_size: Optional[int] = None, max_bucket_padding: float = 0.02,
+               milp_options: Optional[dict] = None) -> dict:
+    """{'layouts': {kind: OwnerLayout}, 'params': {kind: [ParamSpec]}, 'info': {...}, 'seconds'}."""
+    if planner not in PLANNERS:
+        raise ValueError(f"planner {planner!r} unknown; valid: {', '.join(PLANNERS)}")
+    params = {k: v for k, v in stage_params(model, par, stage).items() if v}
+    layouts, info = {}, {}
+    t0 = time.perf_counter()
+    for kind, plist in params.items():
+        dp, tp = _sizes(kind, par)
+        items = buffer_items(plist, cost_model if planner == "milp" else None)
+        kinfo: dict = {}
+        layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
+                                          milp_options=milp_options, info=kinfo)
+        if kinfo:
+            info[kind] = kinfo
+    return {"layouts": layouts, "params": params, "info": info, "seconds": time.perf_counter() - t0}
+
+
+def cell_ms(layout: OwnerLayout, params: Sequence[ParamSpec], cost_model: CostModel) -> List[float]:
+    """Predicted NS time of each DP x TP cell of one buffer's plan."""
+    full = {p.name: p.full_shape for p in params}
+    counts = defaultdict(int)
+    for name, dp in layout.owners.items():
+        counts[dp * layout.tp_size + layout.tp_owners.get(name, 0), tuple(full[name])] += 1
+    ms = [0.0] * (layout.world_size * layout.tp_size)
+    for (cell, shape), k in counts.items():
+        ms[cell] += cost_model.time_ms(shape, k)
+    return ms
+
+
+def gpu_cells(par: ParallelSpec, r: int) -> Dict[str, int]:
+    """Megatron's rank order inside a stage: TP fastest, then DP; experts: expert TP, EP, expert DP."""
+    etp = par.expert_tp
+    return {"dense": r, "expert": (r // (etp * par.ep)) * etp + r % etp}
+
+
+def _buffer_bytes(layout: OwnerLayout, per_element: float) -> float:
+    d = layout.world_size
+    return sum((d - 1) / d * (b.end - b.start) * per_element for b in layout.buckets)
+
+
+def predict_stage(plan: dict, par: ParallelSpec, cost_model: CostModel, grad_bytes: int = 4,
+                  param_bytes: int = 2) -> dict:
+    """Per GPU predicted owner time, bytes, padding, makespan and mean of a ``plan_stage`` plan."""
+    layouts, params = plan["layouts"], plan["params"]
+    per_cell = {k: cell_ms(layouts[k], params[k], cost_model) for k in layouts}
+    gpus = par.dp_size * par.tp
+    rank_ms = [sum(per_cell[k][gpu_cells(par, r)[k]] for k in per_cell) for r in range(gpus)]
+    reduce_b = sum(_buffer_bytes(l, grad_bytes) for l in layouts.values())
+    publish_b = sum(_buffer_bytes(l, param_bytes) for l in layouts.values())
+    pad = sum(b.end - b.start - b.numel_unpadded for l in layouts.values() for b in l.buckets)
+    owned = [0] * gpus
+    for k, layout in layouts.items():
+        numel = {p.name: p.numel for p in params[k]}
+        for r in range(gpus):
+            c = gpu_cells(par, r)[k]
+            owned[r] += sum(numel[n] for n, dp in layout.owners.items()
+                            if dp * layout.tp_size + layout.tp_owners.get(n, 0) == c)
+    makespan = max(rank_ms)
+    mean = sum(rank_ms) / len(rank_ms)
+    return {"makespan_ms": makespan, "mean_ms": mean, "makespan_over_mean": makespan / mean if mean else 1.0,
+            "rank_ms": rank_ms, "owned_numel": owned,
+            "bytes_per_rank": reduce_b + publish_b, "reduce_bytes_per_rank": reduce_b,
+            "publish_bytes_per_rank": publish_b, "padding_elements": pad,
+            "padding_bytes": pad * (grad_bytes + param_bytes),
+            "buckets": {k: len(l.buckets) for k, l in layouts.items()}}
+
+
+def lower_bound_ms(params: Dict[str, List[ParamSpec]], par: ParallelSpec, cost_model: CostModel) -> float:
+    """max(heaviest single matrix with its launch, total work / GPUs of the stage), total work
+    counting each shape group's launch once per buffer (experts: once per EP rank)."""
+    largest, total = 0.0, 0.0
+    for kind, plist in params.items():
+        shapes = [tuple(p.full_shape) for p in plist if p.is_matrix]
+        copies = par.ep if kind == "expert" else 1
+        for s in shapes:
+            sc = cost_model.shape_cost(s)
+            largest = max(largest, sc.launch_ms + sc.per_matrix_ms)
+            total += copies * sc.per_matrix_ms
+        total += copies * sum(cost_model.shape_cost(s).launch_ms for s in set(shapes))
+    return max(largest, total / (par.dp_size * par.tp))
+
+
+def compare_plans(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, *, planners=PLANNERS,
+                  stage: int = 0, overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
+                  max_bucket_padding: float = 0.02, milp_options: Optional[dict] = None,
+                  grad_bytes: int = 4, param_bytes: int = 2, plans_out: Optional[dict] = None) -> dict:
+    """``{'plans': {planner: prediction}, 'lower_bound_ms', 'model', 'parallel', ...}``; the
+    ``plan_stage`` results go to ``plans_out`` (by planner) when given."""
+    size = megatron_bucket_size(par.dp_size, overlap_grad_reduce, bucket_size, pp_rank=stage)
+    out = {"model": model.name, "stage": stage, "bucket_size": size,
+           "parallel": {"dp": par.dp_size, "tp": par.tp, "pp": par.pp, "ep": par.ep, "etp": par.expert_tp,
+                        "world": par.world},
+           "plans": {}}
+    for planner in planners:
+        plan = plan_stage(model, par, cost_model, planner, stage=stage, bucket_size=size,
+                          max_bucket_padding=max_bucket_padding, milp_options=milp_options)
+        if plans_out is not None:
+            plans_out[planner] = plan
+        pred = predict_stage(plan, par, cost_model, grad_bytes, param_bytes)
+        pred["plan_seconds"] = plan["seconds"]
+        if plan["info"]:
+            pred["solver"] = plan["info"]
+        out["plans"][planner] = pred
+        out.setdefault("_params", plan["params"])
+    params = out.pop("_params")
+    lb = lower_bound_ms(params, par, cost_model)
+    out["lower_bound_ms"] = lb
+    for pred in out["plans"].values():
+        pred["makespan_over_lower_bound"] = pred["makespan_ms"] / lb if lb else 1.0
+    out["matrices"] = {k: sum(p.is_matrix for p in v) for k, v in params.items()}
+    out["shapes"] = {shape_group(s): {"launch_ms": cost_model.shape_cost(s).launch_ms,
+                                      "per_matrix_ms": cost_model.shape_cost(s).per_matrix_ms,
+                                      "source": cost_model.source(s)}
+                     for s in sorted({tuple(p.full_shape) for v in params.values() for p in v if p.is_matrix})}
+    return out

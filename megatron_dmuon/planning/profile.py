@@ -1,0 +1,127 @@
+"""Start-up profile of the owner step's NS calls, and the owner plan, cached on disk.
+
+``measure_profile`` times each distinct matrix shape at batch sizes 1..B with a timer it is given
+(the real one, runtime/ns_profile.py, runs the owner step's own orthogonalizer on the GPU; tests
+pass a fake), a few repeats each, within a time budget, and returns a ``CostTable``. Profiles are
+cached per (device, dtype, torch/triton versions, NS settings): the next start measures nothing.
+A corrupt cache file, or one written by another format version, is ignored with a warning and
+rebuilt; a cached profile whose settings differ from the key it is stored under, or that lacks a
+requested (shape, batch), is measured again with a warning.
+
+``PlanCache`` keeps finished owner plans under a hash of everything the plan depends on (the
+parameters, sizes, options and costs), so a restart with the same model reuses the plan as is.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import warnings
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..kernels.autotune import AutotuneCache
+from .cost_model import CostTable, shape_key
+
+__all__ = ["PROFILE_VERSION", "ProfileCache", "PlanCache", "profile_key", "profile_batches", "measure_profile",
+           "plan_key"]
+
+PROFILE_VERSION = 1
+META_KEYS = ("device", "dtype", "torch", "triton", "steps", "coefficients", "ns_method")
+
+
+class ProfileCache(AutotuneCache):
+    """``{"version": PROFILE_VERSION, "entries": {profile_key: CostTable JSON}}`` (atomic writes)."""
+
+    version = PROFILE_VERSION
+    label = "DMuon NS profile cache"
+
+
+class PlanCache(AutotuneCache):
+    """``{"version": PLAN_VERSION, "entries": {plan_key: plan JSON}}``."""
+
+    version = 1
+    label = "DMuon owner plan cache"
+
+
+def profile_key(meta: Dict[str, object]) -> str:
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"profile meta lacks {', '.join(missing)}")
+    return "|".join(f"{k}={meta[k]}" for k in META_KEYS)
+
+
+def plan_key(payload) -> str:
+    """Hash of a JSON-able description of everything a plan depends on."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def profile_batches(max_batch: int) -> List[int]:
+    """1, 2, 3, 4, then powers of two, and ``max_batch`` itself."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    out = {b for b in (1, 2, 3, 4) if b <= max_batch}
+    b = 8
+    while b < max_batch:
+        out.add(b)
+        b *= 2
+    out.add(max_batch)
+    return sorted(out)
+
+
+def _covers(table: CostTable, shapes, batches) -> List[Tuple[Tuple[int, int], int]]:
+    """The (shape, batch) pairs the table lacks."""
+    have = {(key, k) for key, pts in table.points.items() for k, _ in pts}
+    return [(s, b) for s in shapes for b in batches if (s, b) not in have]
+
+
+def measure_profile(
+    shapes: Iterable[Sequence[int]],
+    max_batch: int,
+    time_fn: Callable[[Tuple[int, int], int, int], float],
+    meta: Dict[str, object],
+    *,
+    repeats: int = 3,
+    cache: Optional[ProfileCache] = None,
+    budget_s: Optional[float] = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostTable:
+    """A profile of every shape at ``profile_batches(max_batch)``: from ``cache`` when it holds
+    them, else measured with ``time_fn(shape, batch, repeats) -> ms`` (shape as (m, n), m <= n)
+    and stored. Stops measuring (with a warning) once ``budget_s`` is spent: the shapes left out
+    are then predicted by the analytic model."""
+    shapes = sorted({shape_key(s) for s in shapes})
+    batches = profile_batches(max_batch)
+    key = profile_key(meta)
+    meta = {k: meta[k] for k in META_KEYS}
+    table = None
+    if cache is not None:
+        entry = cache.get(key)
+        if entry is not None:
+            try:
+                table = CostTable.from_json(entry)
+                if {k: table.meta.get(k) for k in META_KEYS} != meta:
+                    warnings.warn(f"{cache.label} {cache.path}: the profile stored under {key} was measured with "
+                                  f"{table.meta}; measuring again")
+                    table = None
+            except (KeyError, TypeError, ValueError) as exc:
+                warnings.warn(f"{cache.label} {cache.path}: the profile stored under {key} is corrupt ({exc}); "
+                              "measuring again")
+                table = None
+    if table is None:
+        table = CostTable(meta=dict(meta, source="profile"), points={})
+    todo = _covers(table, shapes, batches)
+    if table.points and todo:
+        warnings.warn(f"NS profile {key} lacks {len(todo)} (shape, batch) points; measuring them")
+    start = clock()
+    measured = 0
+    for shape, batch in todo:
+        if budget_s is not None and clock() - start > budget_s:
+            warnings.warn(f"NS profiling stopped after its {budget_s:g} s budget; {len(todo) - measured} "
+                          "(shape, batch) points left to the analytic cost model")
+            break
+        ms = float(time_fn(shape, batch, repeats))
+        table.add(shape, batch, ms)
+        measured += 1
+    if cache is not None and measured:
+        cache.put(key, table.to_json())
+    return table

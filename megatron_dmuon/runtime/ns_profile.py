@@ -1,0 +1,96 @@
+"""Start-up NS profile on the real GPU: the owner step's own orthogonalizer, timed per shape and
+batch size, cached on disk (planning/profile.py), turned into the planner's ``CostModel``.
+
+Run on the one rank that plans (megatron/layout.py plans on rank 0 of the stage and broadcasts).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ..planning.cost_model import CostModel, device_spec, load_config
+from ..planning.profile import ProfileCache, measure_profile
+from .owner_step import MuonSettings, default_orthogonalizer
+
+__all__ = ["profile_meta", "cuda_ns_timer", "profiled_cost_model", "default_profile_cache_path", "device_name"]
+
+CACHE_ENV = "DMUON_PROFILE_CACHE"
+
+
+def default_profile_cache_path() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "megatron_dmuon" / "ns_profile.json"
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def profile_meta(settings: MuonSettings, device) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"device": device_name(device), "dtype": str(settings.ns_dtype).replace("torch.", ""),
+            "torch": torch.__version__, "triton": triton_version, "steps": settings.ns_steps,
+            "coefficients": settings.coefficients, "ns_method": settings.ns_method}
+
+
+def cuda_ns_timer(settings: MuonSettings, device, input_dtype: torch.dtype = torch.float32):
+    """``time_fn(shape, batch, repeats) -> ms`` of one batched call of the owner step's NS."""
+    from ..kernels.autotune import time_cuda_ms
+
+    orth = default_orthogonalizer(settings)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def time_fn(shape, batch, repeats):
+        x = torch.randn(batch, *shape, device=device, dtype=input_dtype, generator=gen)
+        ms = time_cuda_ms(lambda: orth(x), target_ms=0.0, min_reps=repeats, max_reps=repeats)
+        del x
+        return ms
+
+    return time_fn
+
+
+def _spec_for(name: str, config: dict, warn: bool = True):
+    """The config's device named in ``name`` (e.g. 'H200' in 'NVIDIA H200'), else the first one."""
+    for known in config["devices"]:
+        if known.lower() in name.lower():
+            return device_spec(known, config)
+    fallback = next(iter(config["devices"]))
+    if warn:
+        warnings.warn(f"no cluster-config device matches {name!r}; the analytic part of the cost model uses {fallback}'s")
+    return device_spec(fallback, config)
+
+
+def profiled_cost_model(
+    shapes: Iterable[Sequence[int]],
+    max_batch: int,
+    settings: Optional[MuonSettings] = None,
+    device=None,
+    *,
+    cache_path=None,
+    repeats: int = 3,
+    budget_s: float = 20.0,
+    config_path=None,
+) -> CostModel:
+    """Profile (or load from the cache) every shape at batch sizes 1..``max_batch`` on ``device``
+    and return the cost model built on it. On CPU, or without CUDA, the analytic model."""
+    settings = settings or MuonSettings()
+    config = load_config(config_path)
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = device_name(device)
+    spec = _spec_for(name, config, warn=device.type == "cuda")
+    if device.type != "cuda":
+        return CostModel(spec, None, settings.ns_steps, settings.ns_method)
+    cache = ProfileCache(cache_path or default_profile_cache_path())
+    table = measure_profile(shapes, max_batch, cuda_ns_timer(settings, device), profile_meta(settings, device),
+                            repeats=repeats, cache=cache, budget_s=budget_s)
+    return CostModel(spec, table, settings.ns_steps, settings.ns_method)

@@ -1,0 +1,65 @@
+"""Rank function for tests/test_load_balancing.py: MILP owner plans of a real megatron-core GPT on
+gloo ranks, with costs that differ per rank (as start-up profiles may)."""
+from __future__ import annotations
+
+import torch
+
+
+class RankCosts:
+    """Predicted ms per matrix that disagree between ranks: rank 0 finds wide matrices dear,
+    rank 1 tall ones."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def per_matrix_ms(self, shape):
+        r, c = shape
+        dear = (r < c) if self.rank == 0 else (r > c)
+        return r * c * 1e-4 * (6.0 if dear else 1.0)
+
+    def launch_ms(self, shape):
+        return 0.05
+
+
+def milp_layouts(rank, world_size, cache_dir):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
+    from megatron_dmuon.planning import owner_layout
+    from megatron_dmuon.testing.workers import init_parallel
+
+    init_parallel()
+    model = build_gpt(GPTShape(num_layers=3))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    groups = layout_mod.layout_groups(model.config, ddp_config)
+    runs = {"milp": 0, "cost_model": 0}
+    solve = owner_layout._milp_owners
+
+    def counted(*a, **k):
+        runs["milp"] += 1
+        return solve(*a, **k)
+
+    owner_layout._milp_owners = counted
+
+    def cost_model_fn(shapes, max_batch):
+        runs["cost_model"] += 1
+        return RankCosts(rank)
+
+    def plan(stage_group, cache=None):
+        g = dict(groups, stage=stage_group)
+        _, plans, _ = layout_mod.compute_owner_aligned_layout(
+            model, ddp_config, g, bucket_size=None, balance="milp", cost_model_fn=cost_model_fn,
+            milp_options={"time_limit_s": 20.0}, plan_cache=cache)
+        return [p.to_json() for p in plans.values()]
+
+    alone = [torch.distributed.new_group([r]) for r in range(world_size)]  # collective: every rank makes both
+    local = plan(alone[rank])  # what this rank would plan on its own costs
+    runs.update(milp=0, cost_model=0)
+    cache = f"{cache_dir}/plans.json"
+    shared = plan(groups["stage"], cache)
+    milp_runs = runs["milp"]
+    second = plan(groups["stage"], cache)  # the next start: the plan comes from the cache
+    assert runs["milp"] == milp_runs, "the cached plan was planned again"
+    return {"layouts": shared, "local": local, "second": second, "milp_runs": milp_runs,
+            "cost_model_calls": runs["cost_model"]}
