@@ -505,9 +505,28 @@ class _NoSolution(RuntimeError):
 
 
 def _solve_cbc(mdl: _Model, start: Dict[int, float], time_limit_s: float, gap: float):
+    """python-mip's models hold reference cycles; if the garbage collector frees an old one while
+    cffi holds its (non-reentrant) type lock in a new model's call, the process deadlocks (seen:
+    `Model.__del__` inside `ffi.new` of `model.start`). So the collector is off while mip runs and
+    every model is freed here, before anything else touches cffi."""
+    import gc
+
     import mip  # python-mip; ImportError when it is not installed
 
-    model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    model = None
+    try:
+        model = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+        return _run_cbc(mip, model, mdl, start, time_limit_s, gap)
+    finally:
+        del model
+        gc.collect()
+        if was_enabled:
+            gc.enable()
+
+
+def _run_cbc(mip, model, mdl: _Model, start: Dict[int, float], time_limit_s: float, gap: float):
     model.verbose = 0
     model.threads = 1
     model.seed = 0
