@@ -4,7 +4,8 @@ Two kinds of decisions are tuned per (GPU, shape, batch, dtype) and cached:
 
 * ``op`` entries – for each symmetric product of Gram NS (``syrk``: [B,m,k]·[B,m,k]ᵀ, and
   ``square``: an m×m·m×m product with an addend), which backend (Triton kernel with which
-  BM/BN/BK, warps and stages; cuBLAS; quack) is fastest. Every candidate is checked against the
+  BM/BN/BK, warps and stages; cuBLAS; quack; the CUTLASS sm90 kernel in each compiled
+  variant) is fastest. Every candidate is checked against the
   float32 torch fallback first and dropped if it disagrees.
 * ``method`` entries – whether Gram or standard NS orthogonalizes a [B, m, n] stack faster,
   each checked against the torch reference path of the same method. They are measured by
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from . import symmetric_ops
+from .cutlass_symmetric import NUM_CONFIGS as NUM_CUTLASS_CONFIGS, CutlassConfig, cutlass_usable
 from .symmetric_ops import quack_usable, triton_usable
 
 CACHE_ENV = "DMUON_AUTOTUNE_CACHE"
@@ -60,7 +62,9 @@ class OpChoice:
     @classmethod
     def from_dict(cls, data: dict) -> "OpChoice":
         config = data.get("config")
-        if config is not None:
+        if config is not None and data["backend"] == "cutlass":
+            config = CutlassConfig.from_dict(config)
+        elif config is not None:
             from .triton_symmetric import KernelConfig
 
             config = KernelConfig.from_dict(config)
@@ -198,7 +202,12 @@ def software_key() -> str:
 @functools.lru_cache(maxsize=None)
 def _cuda_device_key(index: int) -> str:  # queried once per GPU: this sits on every call's path
     major, minor = torch.cuda.get_device_capability(index)
-    return f"{torch.cuda.get_device_name(index)}|sm{major}{minor}|{software_key()}"
+    key = f"{torch.cuda.get_device_name(index)}|sm{major}{minor}|{software_key()}"
+    if (major, minor) == (9, 0):  # a CUTLASS candidate exists here: its sources/nvcc/headers decide too
+        from .cutlass_symmetric import software_key as cutlass_key
+
+        key += cutlass_key()
+    return key
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -317,7 +326,7 @@ def tune_op(
     *,
     cache: AutotuneCache | None = None,
     candidates: list | None = None,
-    backends: tuple[str, ...] = ("triton", "cublas", "quack"),
+    backends: tuple[str, ...] = ("triton", "cublas", "quack", "cutlass"),
 ) -> OpChoice:
     """Measure the candidates of one product shape, keep the fastest correct one, cache it."""
     if op not in OPS:
@@ -355,6 +364,10 @@ def tune_op(
         trial(OpChoice("cublas"))
     if "quack" in backends and quack_usable(probe):
         trial(OpChoice("quack"))
+    if "cutlass" in backends and cutlass_usable(probe):
+        for index in range(NUM_CUTLASS_CONFIGS):
+            for mirror in (1, 2):
+                trial(OpChoice("cutlass", CutlassConfig(index, mirror)))
     timed = [r for r in results if "time_ms" in r]
     if not timed:
         raise RuntimeError(f"autotune: no backend produced a correct {op} product for m={m}, k={k}: {results}")

@@ -17,6 +17,9 @@ Backends:
   (the fastest library path; used when autotuning finds it beats the Triton kernel).
 * ``'quack'``  – quack's symmetric GEMM (``quack.gemm_interface.gemm_symmetric``), used only
   if the package imports (SM90+); per batch element.
+* ``'cutlass'`` – the upper-staircase CUTLASS sm90a kernel of ``cutlass_symmetric`` (fp16/bf16 on
+  an SM90 GPU; built with nvcc at first use), the same semantics as ``'torch'``. Never picked
+  by ``'auto'`` itself; the autotune cache picks it per shape when it is fastest.
 * ``'auto'``   – triton when usable for the tensor, else torch.
 """
 
@@ -28,7 +31,7 @@ import importlib.util
 import torch
 from torch import Tensor
 
-BACKENDS: tuple[str, ...] = ("auto", "triton", "torch", "cublas", "quack")
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch", "cublas", "quack", "cutlass")
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -90,6 +93,12 @@ def resolve_backend(backend: str, t: Tensor) -> str:
         )
     if backend == "quack" and not quack_usable(t):
         raise ValueError("backend='quack' needs the quack package and an fp16/bf16 tensor on an SM90+ GPU")
+    if backend == "cutlass":
+        from .cutlass_symmetric import CutlassUnavailable, cutlass_usable, library_error, missing_prerequisites
+
+        if not cutlass_usable(t):
+            why = library_error() or missing_prerequisites() or "it needs an fp16/bf16 tensor on an SM90 (Hopper) GPU"
+            raise CutlassUnavailable(f"backend='cutlass' cannot run on a {t.dtype} tensor on {t.device}: {why}")
     if backend == "cublas" and not t.is_cuda:
         raise ValueError(f"backend='cublas' needs a CUDA tensor, got one on {t.device}; use backend='torch'")
     return backend
@@ -157,7 +166,7 @@ def sym_matmul(
     """``alpha·a@b + beta·c + diag·I`` where the exact product is known to be symmetric.
 
     a: [B, m, k] or [m, k]; b: [B, k, m] or [k, m]; c, out: [B, m, m] or [m, m].
-    ``config`` (a ``KernelConfig``) applies to the Triton backend only. ``b_symmetric``
+    ``config``: a ``KernelConfig`` (Triton) or ``CutlassConfig`` (CUTLASS), else ignored. ``b_symmetric``
     promises b == bᵀ, which lets the Triton TMA kernel read b's rows as its columns.
     """
     if a.dim() not in (2, 3) or b.dim() != a.dim():
@@ -181,6 +190,10 @@ def sym_matmul(
         )
     if chosen == "cublas":
         return _cublas_sym_matmul(a, b, out, c, alpha, beta, diag)
+    if chosen == "cutlass":
+        from .cutlass_symmetric import sym_matmul as cutlass_sym_matmul
+
+        return cutlass_sym_matmul(a, b, out, c, alpha, beta, diag, config=config, b_symmetric=b_symmetric)
     if chosen == "quack":
         return _quack_sym_matmul(a, b, out, c, alpha, beta, diag)
     return _torch_sym_matmul(a, b, out, c, alpha, beta, diag)
