@@ -8,7 +8,7 @@ both cached on disk; run it twice (two processes) to see the second start reuse 
 It plans what rank 0 plans in megatron/layout.py::compute_owner_aligned_layout (the same
 ``plan_owner_layout(balance='milp')`` on the same items; the model itself is not built): the
 parameters of pipeline stage 0 from planning/models.py, the owner step's orthogonalizer profiled
-per shape at batch sizes 1..8 (runtime/ns_profile.py; the kernels' autotuning of each new shape
+per shape at batch sizes 1 and 8 (runtime/ns_profile.py; the kernels' autotuning of each new shape
 happens inside the first timed calls), then the MILP (CBC, or HiGHS where python-mip is missing).
 """
 from __future__ import annotations
@@ -31,8 +31,9 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--out")
-    p.add_argument("--time-limit", type=float, default=10.0)
-    p.add_argument("--budget", type=float, default=20.0, help="profiling budget, seconds")
+    p.add_argument("--time-limit", type=float, default=10.0, help="MILP time limit cap, seconds")
+    p.add_argument("--startup-budget", type=float, default=None,
+                   help="profiling + MILP seconds (default: --dmuon-plan-budget's, 30)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--ns-method", default="auto")
     args = p.parse_args()
@@ -43,7 +44,7 @@ def main():
     from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
     from megatron_dmuon.planning.owner_layout import plan_owner_layout
     from megatron_dmuon.planning.plans import buffer_items
-    from megatron_dmuon.planning.profile import PlanCache, plan_key
+    from megatron_dmuon.planning.profile import STARTUP_BUDGET_S, PlanCache, milp_time_limit, plan_key, profile_budget
     from megatron_dmuon.runtime.ns_profile import profiled_cost_model
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
@@ -53,17 +54,19 @@ def main():
     params = stage_params(PRESETS[args.preset], par)["dense"]
     shapes = sorted({tuple(q.full_shape) for q in params if q.is_matrix})
     settings = MuonSettings(ns_method=args.ns_method)
+    budget = args.startup_budget or STARTUP_BUDGET_S
     caught = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
         model = profiled_cost_model(shapes, args.max_batch, settings, cache_path=os.path.join(args.cache_dir, "ns_profile.json"),
-                                    budget_s=args.budget)
+                                    budget_s=profile_budget(budget))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         items = buffer_items(params, model)
-        options = {"time_limit_s": args.time_limit}
+        # the same split as megatron/layout.py: the MILP gets what profiling left of the budget
+        options = {"time_limit_s": milp_time_limit(budget, t1 - t0, args.time_limit)}
         cache = PlanCache(os.path.join(args.cache_dir, "plans.json"))
         key = plan_key({"items": [list(vars(it).values()) for it in items], "dp": args.dp, "tp": args.tp,
                         "balance": "milp", "options": options})
@@ -76,6 +79,7 @@ def main():
     report = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "preset": args.preset, "dp": args.dp, "tp": args.tp, "shapes": [list(s) for s in shapes],
+        "startup_budget_s": budget, "milp_time_limit_s": options["time_limit_s"],
         "seconds": {"imports": t_import - t_start, "profile": t1 - t0, "plan": t2 - t1, "profile_plus_plan": t2 - t0},
         "plan_from_cache": cached is not None, "solver": info,
         "profile": model.table.to_json() if model.table is not None else None,

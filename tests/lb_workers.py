@@ -46,20 +46,21 @@ def milp_layouts(rank, world_size, cache_dir):
         runs["cost_model"] += 1
         return RankCosts(rank)
 
-    def plan(stage_group, cache=None):
+    def plan(stage_group, cache=None, budget=None):
         g = dict(groups, stage=stage_group)
         _, plans, _ = layout_mod.compute_owner_aligned_layout(
             model, ddp_config, g, bucket_size=None, balance="milp", cost_model_fn=cost_model_fn,
-            milp_options={"time_limit_s": 20.0}, plan_cache=cache)
+            milp_options={"time_limit_s": 20.0}, plan_cache=cache, startup_budget_s=budget)
         return [p.to_json() for p in plans.values()]
 
     alone = [torch.distributed.new_group([r]) for r in range(world_size)]  # collective: every rank makes both
     local = plan(alone[rank])  # what this rank would plan on its own costs
     runs.update(milp=0, cost_model=0)
     cache = f"{cache_dir}/plans.json"
-    shared = plan(groups["stage"], cache)
+    shared = plan(groups["stage"], cache, budget=60.0)
     milp_runs = runs["milp"]
-    second = plan(groups["stage"], cache)  # the next start: the plan comes from the cache
+    # the next start (another time left for the MILP): the plan comes from the cache
+    second = plan(groups["stage"], cache, budget=45.0)
     assert runs["milp"] == milp_runs, "the cached plan was planned again"
     return {"layouts": shared, "local": local, "second": second, "milp_runs": milp_runs,
             "cost_model_calls": runs["cost_model"]}

@@ -220,8 +220,9 @@ def _dataset(prefix, truncate=False):
     (["--fail-at-iteration", "0"], "--fail-at-iteration must be in"),
     (["--data-path", "PREFIX"], "PREFIX.bin does not exist"),
     (["--data-path", "TRUNCATED", "--vocab-size", "64"], "TRUNCATED.bin is truncated"),
+    (["--dmuon-balance", "milp", "--dmuon-plan-budget", "0"], "--dmuon-plan-budget 0.0 must be > 0 seconds"),
 ], ids=["layers0", "mbs0", "hidden_heads", "heads_groups", "lr0", "clip_negative", "batch_split", "interval_no_save",
-        "save_baseline_mode", "fail_iteration", "missing_bin", "truncated_bin"])
+        "save_baseline_mode", "fail_iteration", "missing_bin", "truncated_bin", "plan_budget0"])
 def test_main_job_validates_its_arguments(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     if "TRUNCATED" in argv:

@@ -240,7 +240,7 @@ def test_profile_is_measured_once_and_reused_from_the_cache(tmp_path):
     shapes = [(64, 256), (256, 64), (128, 128)]  # the first two are one orientation-free shape
     calls = []
     table = measure_profile(shapes, 5, _fake_timer(calls), META, cache=ProfileCache(cache_path))
-    assert len(calls) == 2 * len(profile_batches(5)) and profile_batches(5) == [1, 2, 3, 4, 5]
+    assert len(calls) == 2 * len(profile_batches(5)) and profile_batches(5) == [1, 5] and profile_batches(1) == [1]
     calls2 = []
     again = measure_profile(shapes, 5, _fake_timer(calls2), META, cache=ProfileCache(cache_path))
     assert calls2 == [] and again.points == table.points
@@ -276,7 +276,8 @@ def test_corrupt_or_stale_profile_cache_is_rebuilt_with_a_warning(tmp_path, dama
     calls = []
     with pytest.warns(UserWarning):
         table = measure_profile(shapes, 3, _fake_timer(calls), META, cache=ProfileCache(cache_path))
-    expected = 3 if damage == "missing_points" else 6
+    per_shape = len(profile_batches(3))
+    expected = per_shape if damage == "missing_points" else 2 * per_shape
     assert len(calls) == expected and len(table.points) == 2
     # the rebuilt cache is whole again: the next start measures nothing, silently
     calls = []
@@ -290,7 +291,8 @@ def test_profiling_stops_at_its_budget():
     clock = iter(range(100)).__next__
     calls = []
     with pytest.warns(UserWarning, match="budget"):
-        table = measure_profile([(64, 256), (128, 128)], 4, _fake_timer(calls), META, budget_s=2.5, clock=clock)
+        table = measure_profile([(64, 256), (128, 128), (32, 32)], 4, _fake_timer(calls), META, budget_s=2.5,
+                                clock=clock)
     assert len(calls) == 2 and sum(len(v) for v in table.points.values()) == 2  # clock 1, 2 < 2.5; 3 stops
 
 
@@ -402,3 +404,30 @@ def test_milp_plans_are_identical_across_ranks_gloo(tmp_path):
     # the cost model is built on rank 0 alone, once per start
     assert results[0]["second"] == results[1]["second"] == results[0]["layouts"]
     assert [r["cost_model_calls"] for r in results] == [2, 0]
+
+
+def test_startup_budget_splits_between_profile_and_milp_and_the_plan_key_ignores_the_limit():
+    from megatron_dmuon.planning.profile import STARTUP_BUDGET_S, milp_time_limit, plan_key, profile_budget
+
+    assert profile_budget() == pytest.approx(STARTUP_BUDGET_S * 2 / 3)
+    assert milp_time_limit(30.0, 12.0) == pytest.approx(18.0)
+    assert milp_time_limit(30.0, 12.0, 10.0) == pytest.approx(10.0)  # a requested cap holds
+    assert milp_time_limit(30.0, 45.0) == pytest.approx(1.0)  # profiling overran: the MILP still gets a second
+    items = {"items": [[1, 2]], "dp": 8, "options": {"time_limit_s": 3.0, "backend": "auto"}}
+    assert plan_key(items) == plan_key(dict(items, options={"time_limit_s": 9.5, "backend": "auto"}))
+    assert plan_key(items) != plan_key(dict(items, options={"time_limit_s": 3.0, "backend": "highs"}))
+
+
+def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_path):
+    import argparse
+
+    from megatron_dmuon.megatron.config import add_dmuon_args, ddp_options_from_args
+
+    monkeypatch.setenv("DMUON_PLAN_CACHE", str(tmp_path / "plans.json"))
+    parser = add_dmuon_args(argparse.ArgumentParser(), validate=False)
+    options = ddp_options_from_args(parser.parse_args(["--dmuon-balance", "milp", "--dmuon-plan-budget", "12"]))
+    assert options["balance"] == "milp" and options["startup_budget_s"] == 12.0
+    assert options["plan_cache"] == str(tmp_path / "plans.json")
+    assert options["cost_model_fn"].keywords["budget_s"] == pytest.approx(8.0)
+    plain = ddp_options_from_args(parser.parse_args([]))
+    assert set(plain) == {"ranks_per_node", "balance"}

@@ -25,6 +25,7 @@ from ..algorithms.coefficients import COEFFICIENT_SETS, YOU
 from ..algorithms.muon import LR_SCALE_MODES
 from ..kernels.autotune import CACHE_ENV
 from ..planning.owner_layout import BALANCE
+from ..planning.profile import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, NS_METHODS, MuonSettings
 from .checks import check_dmuon_config
@@ -177,7 +178,12 @@ def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
 
 def ddp_options_from_args(args) -> dict:
     """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
-    return dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
+    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
+    if args.dmuon_balance == "milp":
+        from .layout import milp_planning_options
+
+        options.update(milp_planning_options(DMuonConfig.from_args(args).muon, args.dmuon_plan_budget))
+    return options
 
 
 def config_from_args(cls, args, **overrides):
@@ -225,7 +231,11 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     g.add_argument("--dmuon-tp-method", default="auto", choices=TP_METHODS,
                    help="TP-sharded matrices: gather to the TP owner, distributed Gram NS, or auto (cost model)")
     g.add_argument("--dmuon-balance", default="cost", choices=BALANCE,
-                   help="owner assignment: cost (predicted NS time) or round_robin (baseline)")
+                   help="owner assignment: cost (greedy on predicted NS time), milp (NS profiled on this GPU, "
+                        "then an MILP; both cached), numel_lpt or round_robin (baselines)")
+    g.add_argument("--dmuon-plan-budget", type=float, default=STARTUP_BUDGET_S, metavar="SECONDS",
+                   help="--dmuon-balance milp: start-up seconds for NS profiling + the MILP on rank 0 "
+                        "(the best plan found by then is used; cached plans cost nothing)")
     g.add_argument("--dmuon-ranks-per-node", type=int, default=0,
                    help="> 0: two-level (intra-node, then inter-node) grad reduce / param publish with "
                         "this many ranks per node (pass the GPUs per node)")
@@ -304,6 +314,9 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
     for flag in ("use_torch_fsdp2", "use_megatron_fsdp", "use_mup"):
         if getattr(args, flag, False):
             raise ValueError(f"--optimizer dmuon does not support --{flag.replace('_', '-')}; drop the flag")
+    budget = getattr(args, "dmuon_plan_budget", STARTUP_BUDGET_S)
+    if not budget > 0:
+        raise ValueError(f"--dmuon-plan-budget {budget} must be > 0 seconds (default {STARTUP_BUDGET_S:g})")
     # the data-parallel size is known here under torchrun (WORLD_SIZE); else only at DDP build
     check_two_level_config(view, _data_parallel_size(args) or max(args.dmuon_ranks_per_node, 1),
                            args.dmuon_ranks_per_node)

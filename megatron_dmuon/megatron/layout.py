@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from collections import Counter
 from typing import Callable, Dict, List, Optional
 
@@ -10,7 +12,8 @@ import torch
 from ..planning.owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from ..algorithms.tp_shards import tp_full_shape
 from ..planning.params import is_muon_param, ns_cost
-from ..planning.profile import PlanCache, plan_key
+from ..planning.profile import (STARTUP_BUDGET_S, PlanCache, default_plan_cache_path, milp_time_limit, plan_key,
+                                profile_budget)
 
 
 def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = False, pp_rank: int = 0):
@@ -24,6 +27,17 @@ def full_matrix_shape(param: torch.Tensor, tp_size: int):
     if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
         return tp_full_shape(param.shape, param.partition_dim, tp_size)
     return tuple(param.shape)
+
+
+def milp_planning_options(settings, startup_budget_s: float = STARTUP_BUDGET_S, plan_cache=None) -> dict:
+    """Layout options of ``--dmuon-balance milp``: profile the owner step's NS on this GPU (cached
+    per device and software versions), then the MILP, both inside ``startup_budget_s`` on rank 0;
+    the finished plan is cached, so the next start with the same model plans nothing."""
+    from ..runtime.ns_profile import profiled_cost_model
+
+    return dict(cost_model_fn=functools.partial(profiled_cost_model, settings=settings,
+                                                budget_s=profile_budget(startup_budget_s)),
+                plan_cache=plan_cache or default_plan_cache_path(), startup_budget_s=startup_budget_s)
 
 
 def layout_groups(config, ddp_config) -> Dict[str, object]:
@@ -52,6 +66,7 @@ def compute_owner_aligned_layout(
     cost_model_fn: Optional[Callable] = None,
     milp_options: Optional[dict] = None,
     plan_cache=None,
+    startup_budget_s: Optional[float] = None,
 ):
     """Owner plan + FullParamLayout for every buffer of `module` (dense: DP x TP owners; expert:
     expert-DP x expert-TP owners), planned on rank 0 of the pipeline stage and broadcast.
@@ -60,7 +75,8 @@ def compute_owner_aligned_layout(
     runtime.ns_profile.profiled_cost_model: the start-up profile) replaces `cost_fn` with predicted
     ms and batched-launch costs; it runs on rank 0 only. `milp_options` go to the MILP
     (balance='milp'). `plan_cache` (a path): rank 0 reuses a plan made for the same parameters,
-    sizes, options and costs.
+    sizes, options and costs. `startup_budget_s`: the MILP's time limit shrinks to what profiling
+    left of it (planning.profile.milp_time_limit).
 
     Returns (FullParamLayout, {BufferKey: OwnerLayout}, {param: name}).
     """
@@ -101,10 +117,15 @@ def compute_owner_aligned_layout(
     payload = [None]
     if stage.rank() == 0:
         model = None
+        started = time.perf_counter()
         if cost_model_fn is not None:
             counts = Counter(it.shape_key for key in keys for it in items_of(key) if it.is_matrix)
             shapes = sorted(tuple(int(v) for v in k.split("x")) for k in counts)
             model = cost_model_fn(shapes, min(max(counts.values(), default=1), 8))
+        if startup_budget_s is not None and balance == "milp":
+            limit = milp_time_limit(startup_budget_s, time.perf_counter() - started,
+                                    (milp_options or {}).get("time_limit_s"))
+            milp_options = dict(milp_options or {}, time_limit_s=limit)
         items = {key: items_of(key, model) for key in keys}
         cache, cache_key = None, None
         if plan_cache is not None:
