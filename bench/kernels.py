@@ -492,9 +492,11 @@ def markdown(report) -> str:
             cub = best(lambda c: c["backend"] == "cublas")
             cfg = e["choice"]["config"]
             desc = e["choice"]["backend"]
-            if cfg:
+            if cfg and "block_m" in cfg:
                 desc += " {block_m}x{block_n}x{block_k} w{num_warps} s{num_stages}".format(**cfg)
                 desc += {1: " tma-persistent", 2: " tma"}.get(cfg.get("tma", 0), "")
+            elif cfg:  # another backend's config (cutlass: variant, mirror mode)
+                desc += " " + " ".join(f"{k}={v}" for k, v in sorted(cfg.items()))
             lines.append(f"| {op} {m} {k} {b} {dt} | {desc} | {e['time_ms']:.4f} | {_fmt(tri, '.4f')} | "
                          f"{_fmt(tma, '.4f')} | {_fmt(cub, '.4f')} |")
         rejected = sorted({c["rejected"][:120] for e in ops.values() for c in e["candidates"] if "rejected" in c})
