@@ -240,3 +240,44 @@ def test_orthogonalize_dispatch():
     assert torch.equal(orthogonalize(x, "gram"), gram_newton_schulz(x))
     with pytest.raises(ValueError, match="standard, gram"):
         orthogonalize(x, "svd")
+
+
+# ---------------------------------------------------------------- scale invariance
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e-12, 1e12, 1e20, 1e30])
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_scale_the_input_holds_gives_the_same_update(scale, compute_dtype):
+    # fp32 norms overflow (entries 1e20: ||x||^2 = inf) or underflow (1e-20: squares < 1e-38), and
+    # an eps of 1e-7 zeroed every small norm: all of them gave an exact zero update before
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
+
+    x = _gauss(48, 112).float()
+    for ns in (newton_schulz, gram_newton_schulz):
+        unit = ns(x, compute_dtype=compute_dtype)
+        scaled = ns(x * scale, compute_dtype=compute_dtype)
+        assert torch.isfinite(scaled).all() and float(scaled.norm()) > 0.5 * float(unit.norm())
+        rel = float((scaled - unit).norm() / unit.norm())
+        assert rel <= (1e-5 if compute_dtype == torch.float32 else 5e-2), (ns.__name__, scale, rel)  # bf16: rounding noise
+
+
+def test_sharded_gram_norm_is_scale_invariant():
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
+
+    x = _gauss(24, 96).float()
+    unit = gram_newton_schulz_sharded(x, lambda t: t, gram_space_polynomial, compute_dtype=torch.float32)
+    for scale in (1e-20, 1e20):
+        got = gram_newton_schulz_sharded(x * scale, lambda t: t, gram_space_polynomial, compute_dtype=torch.float32)
+        assert float((got - unit).norm() / unit.norm()) <= 1e-5
+
+
+def test_frobenius_norm_keeps_torch_bits_in_range_and_is_exact_outside():
+    from megatron_dmuon.algorithms.newton_schulz import frobenius_norm
+
+    x = _gauss(40, 70).float()
+    assert torch.equal(frobenius_norm(x), x.norm())
+    assert torch.equal(frobenius_norm(x.unsqueeze(0)), x.unsqueeze(0).norm(dim=(-2, -1), keepdim=True))
+    exact = float(x.double().norm())
+    for scale in (1e-25, 1e25):
+        assert (x * scale).norm().item() in (0.0, float("inf"))  # what fp32 gives on its own
+        assert abs(float(frobenius_norm(x * scale)) / (exact * scale) - 1) <= 1e-6

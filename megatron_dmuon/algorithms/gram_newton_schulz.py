@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .coefficients import CoefficientSpec, get_coefficients
 from .newton_schulz import (
+    NS_EPS,
     _as_stack,
     newton_schulz,
     normalised_wide,
@@ -98,7 +99,7 @@ def gram_newton_schulz_sharded(
     coefficients: CoefficientSpec = "keller",
     steps: int = 5,
     compute_dtype: torch.dtype = torch.float16,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     safety: float = 1.01,
     restart_after: Iterable[int] = (2,),
 ) -> Tensor:
@@ -119,8 +120,10 @@ def gram_newton_schulz_sharded(
     stack = x if x.ndim == 3 else x.unsqueeze(0)
     stage_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
     X = stack.to(stage_dtype)
-    norm = sum_over_shards(X.square().sum(dim=(-2, -1), keepdim=True)).sqrt()
-    X = (X / norm.clamp(min=eps)).to(compute_dtype)
+    # the sum of squares in float64 (one [B, 1, 1] all-reduce): exact at every scale, as frobenius_norm
+    squares = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64).square()
+    norm = sum_over_shards(squares).sqrt().clamp(min=eps).to(X.dtype)
+    X = (X / norm).to(compute_dtype)
     for segment in segments:
         X = gram_to_q(X @ X.mT, segment) @ X
     return X.reshape(x.shape).to(x.dtype)
@@ -136,7 +139,7 @@ def gram_newton_schulz(
     coefficients: CoefficientSpec = "keller",
     steps: int = 5,
     compute_dtype: torch.dtype = torch.float16,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     safety: float = 1.01,
     restart_after: Iterable[int] = (2,),
     min_aspect_ratio: float = 2.0,

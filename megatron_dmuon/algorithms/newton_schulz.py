@@ -3,11 +3,15 @@
 ``newton_schulz(x)`` approximates the polar factor ``msgn(x) = U V^T`` of ``x = U S V^T``.
 Each step maps ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, i.e. applies the odd quintic
 ``p(s) = a s + b s^3 + c s^5`` to every singular value. The input is first scaled by its
-Frobenius norm (clamped below by ``eps``) so all singular values lie in ``(0, 1]``.
+Frobenius norm (``frobenius_norm``: exact at every scale the dtype holds; clamped below by
+``eps``, default 1e-30, so only a zero matrix meets it) so all singular values lie in ``(0, 1]``.
+Orthogonalization is scale-invariant, and so is the result: gradients of entries ~1e20 or ~1e-20
+get the same update as those of entries ~1 (torch.optim.Muon's fp32 norm gives both a zero update).
 
 For a 2-D input the operation sequence is that of ``torch.optim.Muon``'s
 ``_zeropower_via_newtonschulz`` (torch 2.13): cast to ``compute_dtype``, transpose tall
-matrices to wide, ``X / X.norm().clamp(min=eps)``, then per step ``A = X @ X.T``,
+matrices to wide, ``X / X.norm().clamp(min=eps)`` (wherever that norm is finite and above 1e-10),
+then per step ``A = X @ X.T``,
 ``B = addmm(A, A, A, beta=b, alpha=c)``, ``X = addmm(X, B, X, beta=a)``. With the default
 ``'keller'`` set and bf16 the result is bitwise that of torch.optim.Muon. Stacks
 ``[..., rows, cols]`` run as ONE batched call (``bmm``/``baddbmm``) over the flattened
@@ -99,6 +103,24 @@ def validate_eps(eps: float) -> None:
         raise ValueError(f"eps must be > 0, got {eps!r}")
 
 
+NS_EPS = 1e-30  # only an all-zero matrix meets it: frobenius_norm is exact at every scale
+PLAIN_NORM_MIN = 1e-10  # above this a norm in the tensor's own dtype lost nothing to underflow
+
+
+def frobenius_norm(X: Tensor) -> Tensor:
+    """‖X‖_F of a matrix (a 0-d tensor), or of each matrix of a [B, m, n] stack ([B, 1, 1]), at
+    every scale X's dtype holds. Where the norm in X's dtype is finite and not tiny it is used as
+    is (torch.optim.Muon's, bit for bit); elsewhere the one accumulated in float64, whose squares
+    neither overflow nor underflow for fp32/bf16/fp16 entries (in fp32, entries ~1e20 overflow
+    the plain norm to inf and ~1e-20 underflow their squares: both gave a zero update)."""
+    stacked = X.ndim != 2
+    plain = X.norm(dim=(-2, -1), keepdim=True) if stacked else X.norm()
+    if X.dtype == torch.float64:
+        return plain
+    wide = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=stacked, dtype=torch.float64)
+    return torch.where(torch.isfinite(plain) & (plain >= PLAIN_NORM_MIN), plain, wide.to(plain.dtype))
+
+
 def normalised_wide(x: Tensor, compute_dtype: torch.dtype, eps: float) -> tuple[Tensor, bool]:
     """Cast, transpose tall→wide and scale by the Frobenius norm: NS's starting iterate.
 
@@ -111,10 +133,7 @@ def normalised_wide(x: Tensor, compute_dtype: torch.dtype, eps: float) -> tuple[
     transposed = x.size(-2) > x.size(-1)
     if transposed:
         X = X.mT
-    if X.ndim == 2:
-        X = X / X.norm().clamp(min=eps)
-    else:
-        X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    X = X / frobenius_norm(X).clamp(min=eps)
     return X.to(compute_dtype), transposed
 
 
@@ -137,7 +156,7 @@ def newton_schulz(
     coefficients: CoefficientSpec = "keller",
     steps: int = 5,
     compute_dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     safety: float = 1.01,
     check_finite: bool = True,
 ) -> Tensor:
@@ -205,7 +224,7 @@ def newton_schulz_reference(
     x: Tensor,
     coefficients: CoefficientSpec = "keller",
     steps: int = 5,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     safety: float = 1.01,
 ) -> Tensor:
     """What NS computes in exact arithmetic: ``U p_T(...p_1(S/‖x‖_F)) Vᵀ`` in float64.

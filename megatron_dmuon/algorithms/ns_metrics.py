@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .coefficients import CoefficientSpec, get_coefficients
+from .newton_schulz import NS_EPS
 
 __all__ = [
     "orthogonalization_errors",
@@ -65,7 +66,7 @@ def orthogonalization_errors(
     coefficients: CoefficientSpec = "keller",
     steps: int = 5,
     safety: float = 1.01,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     wc_threshold: float = 0.01,
 ) -> dict[str, float]:
     """Metrics of ``y ≈ NS(x)`` for one matrix ``x`` (see module docstring); worst case over a

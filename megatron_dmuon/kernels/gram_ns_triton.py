@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..algorithms.coefficients import get_coefficients
 from ..algorithms.gram_newton_schulz import gram_newton_schulz, restart_points
-from ..algorithms.newton_schulz import newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input
+from ..algorithms.newton_schulz import NS_EPS, newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input
 from . import symmetric_ops
 from .autotune import CACHE_ENV, ShapePlan, cached_method, shape_plan
 from .metrics import NONFINITE_METRICS, retry_nonfinite
@@ -67,12 +67,13 @@ def _syrk(choice, X) -> Tensor:
 
 
 def _normalised_wide(stack: Tensor, compute_dtype: torch.dtype, eps: float) -> tuple[Tensor, bool]:
-    """The algorithms' normalisation ``X / max(‖X‖_F, eps)`` (norm in float32), written to a
+    """The algorithms' normalisation ``X / max(‖X‖_F, eps)`` (norm accumulated in float64, exact
+    at every scale the input holds: one pass, as cheap as in float32 where memory-bound), written to a
     contiguous wide [B, m, n] buffer of the compute dtype in one pass (scale, cast and, for
     tall inputs, transpose), so the kernels read row-major operands."""
     transposed = stack.size(-2) > stack.size(-1)
     wide = stack.mT if transposed else stack
-    norm = torch.linalg.vector_norm(wide, dim=(-2, -1), dtype=torch.float32)
+    norm = torch.linalg.vector_norm(wide, dim=(-2, -1), dtype=torch.float64).float()
     out = torch.empty(wide.shape, dtype=compute_dtype, device=stack.device)
     from .triton_cast import scale_cast  # the fast path runs only where Triton does
 
@@ -177,7 +178,7 @@ def newton_schulz_fast(
     coefficients="keller",
     steps: int = 5,
     compute_dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     safety: float = 1.01,
     check_finite: bool = False,
     backend: str = "auto",
@@ -224,7 +225,7 @@ def gram_newton_schulz_fast(
     coefficients="keller",
     steps: int = 5,
     compute_dtype: torch.dtype = torch.float16,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     safety: float = 1.01,
     restart_after: Iterable[int] = (2,),
     min_aspect_ratio: float = 2.0,
