@@ -69,18 +69,20 @@ def test_adaptive_schedule_settings():
     import torch
 
     from megatron_dmuon.algorithms.newton_schulz import newton_schulz
-    from megatron_dmuon.algorithms.schedules import POLAR_EXPRESS_6
+    from megatron_dmuon.algorithms.schedules import QUARTIC_SQUARE_5, QUARTIC_WIDE_4
     from megatron_dmuon.runtime.owner_step import MuonSettings, default_orthogonalizer
 
     settings = MuonSettings(coefficients="adaptive", ns_dtype=torch.float32)
     settings.validate()
-    assert settings.ns_schedule(64, 64) == {"coefficients": POLAR_EXPRESS_6, "steps": 6}
-    assert settings.ns_schedule(64, 256) == {"coefficients": "polar_express", "steps": 5}
+    assert settings.ns_schedule(64, 64) == {"coefficients": QUARTIC_SQUARE_5, "steps": 5, "normalisation": "quartic"}
+    assert settings.ns_schedule(64, 256) == {"coefficients": QUARTIC_WIDE_4, "steps": 4, "normalisation": "quartic"}
     orth = default_orthogonalizer(settings)
     square = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0))
     wide = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(orth(square), newton_schulz(square, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float32))
-    assert torch.equal(orth(wide), newton_schulz(wide, "polar_express", steps=5, compute_dtype=torch.float32))
+    assert torch.equal(orth(square), newton_schulz(square, QUARTIC_SQUARE_5, steps=5, compute_dtype=torch.float32,
+                                                   normalisation="quartic"))
+    assert torch.equal(orth(wide), newton_schulz(wide, QUARTIC_WIDE_4, steps=4, compute_dtype=torch.float32,
+                                                 normalisation="quartic"))
     with pytest.raises(ValueError, match="leave --muon-num-ns-steps at 5"):
         MuonSettings(coefficients="adaptive", ns_steps=7).validate()
     with pytest.raises(ValueError, match="unknown Newton-Schulz coefficient set"):

@@ -148,8 +148,8 @@ def test_split_rules_match_reference(split):
 
 
 def test_adaptive_schedule_per_shape_matches_reference():
-    # coefficients='adaptive': 6 steps of POLAR_EXPRESS_6 on the square linear_proj, the 5-step
-    # Polar Express elsewhere; the owner step and the reference pick the same per-shape schedule
+    # coefficients='adaptive': the quartic normalisation, 5 designed steps on the square linear_proj,
+    # 4 on the wide/tall ones; the owner step and the reference pick the same per-shape schedule
     kw = dict(steps=4, grad_accum=1, coefficients="adaptive")
     results = _run(2, **kw)
     _check_against_reference(results, 2, **kw)

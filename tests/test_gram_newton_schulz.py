@@ -174,9 +174,10 @@ def test_sharded_gram_with_one_shard_equals_gram_newton_schulz():
     assert float((local - full).abs().max()) <= 1e-12
 
 
-def test_sharded_gram_over_column_blocks_equals_the_whole_matrix():
+@pytest.mark.parametrize("normalisation", ["frobenius", "quartic"])
+def test_sharded_gram_over_column_blocks_equals_the_whole_matrix(normalisation):
     # t = 4 "ranks" simulated in one process with one segment (no restart): the collectives are
-    # sums over the column blocks of the normalised matrix
+    # sums over the column blocks of the normalised matrix; the quartic rescale runs where Q is made
     from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
 
     x = torch.randn(2, 24, 96, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -184,7 +185,9 @@ def test_sharded_gram_over_column_blocks_equals_the_whole_matrix():
     norm2 = sum(b.square().sum(dim=(-2, -1), keepdim=True) for b in blocks)
     gram = sum(b @ b.mT for b in blocks) / norm2
 
-    out = [gram_newton_schulz_sharded(b, lambda t: norm2.clone(), lambda partial, seg: gram_space_polynomial(gram.clone(), seg),
-                                      compute_dtype=torch.float64, restart_after=()) for b in blocks]
-    full = gram_newton_schulz(x, compute_dtype=torch.float64, restart_after=(), min_aspect_ratio=1.0)
+    out = [gram_newton_schulz_sharded(b, lambda t: norm2.clone(), lambda partial, seg, normalise: gram_space_polynomial(gram.clone(), seg, normalise),
+                                      compute_dtype=torch.float64, restart_after=(), normalisation=normalisation)
+           for b in blocks]
+    full = gram_newton_schulz(x, compute_dtype=torch.float64, restart_after=(), min_aspect_ratio=1.0,
+                              normalisation=normalisation)
     assert float((torch.cat(out, dim=-1) - full).abs().max()) <= 1e-12

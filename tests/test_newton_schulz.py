@@ -281,3 +281,39 @@ def test_frobenius_norm_keeps_torch_bits_in_range_and_is_exact_outside():
     for scale in (1e-25, 1e25):
         assert (x * scale).norm().item() in (0.0, float("inf"))  # what fp32 gives on its own
         assert abs(float(frobenius_norm(x * scale)) / (exact * scale) - 1) <= 1e-6
+
+
+def test_quartic_rescale_bounds_the_top_singular_value_tightly():
+    from megatron_dmuon.algorithms.newton_schulz import quartic_rescale
+
+    x = torch.randn(4, 64, 256, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x = x / torch.linalg.matrix_norm(x, keepdim=True)
+    R, R2, gamma = quartic_rescale(x @ x.mT)
+    top = torch.linalg.matrix_norm(x, ord=2)
+    scaled_top = top * gamma.flatten()
+    assert bool((scaled_top <= 1 + 1e-12).all()) and bool((scaled_top > 0.4).all())  # ‖X‖_F put it at ~0.1
+    y = x * gamma
+    assert torch.allclose(R, y @ y.mT, atol=1e-12) and torch.allclose(R2, R @ R, atol=1e-12)
+    zero = quartic_rescale(torch.zeros(2, 8, 8, dtype=torch.float16))
+    assert all(t.abs().max() == 0 for t in zero)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quartic_normalisation_is_scale_free(dtype):
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
+    from megatron_dmuon.algorithms.schedules import QUARTIC_WIDE_4
+
+    x = torch.randn(24, 80, generator=torch.Generator().manual_seed(5))
+    kw = dict(coefficients=QUARTIC_WIDE_4, steps=4, normalisation="quartic", compute_dtype=dtype)
+    base = newton_schulz(x, **kw)
+    exact = newton_schulz_reference(x, QUARTIC_WIDE_4, steps=4, normalisation="quartic")
+    assert float((base.double() - exact).norm() / exact.norm()) < (1e-5 if dtype == torch.float32 else 0.05)
+    for scale in (1e-20, 1e20):
+        for fn in (newton_schulz, gram_newton_schulz):
+            out = fn(x * scale, **kw)
+            assert float((out.double() - exact).norm() / exact.norm()) < (1e-5 if dtype == torch.float32 else 0.05)
+
+
+def test_unknown_normalisation_is_refused():
+    with pytest.raises(ValueError, match="normalisation must be one of frobenius, quartic"):
+        newton_schulz(torch.randn(4, 4), normalisation="spectral")

@@ -14,7 +14,7 @@ from .muon import LR_SCALE_MODES, muon_apply_, muon_lr_scale, muon_momentum_, mu
 from .newton_schulz import msgn_svd, newton_schulz_reference
 from .ns_dispatch import ORTHOGONALIZE_METHODS, orthogonalize
 from .ns_metrics import orthogonalization_errors
-from .schedules import POLAR_EXPRESS_6, design_polar_express, schedule_for_shape
+from .schedules import POLAR_EXPRESS_6, QUARTIC_SQUARE_5, QUARTIC_WIDE_4, design_polar_express, schedule_for_shape
 from .splitting import (
     SPLIT_KINDS,
     SplitRule,

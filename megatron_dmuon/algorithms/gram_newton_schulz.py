@@ -37,9 +37,11 @@ from .newton_schulz import (
     _as_stack,
     newton_schulz,
     normalised_wide,
+    quartic_rescale,
     validate_compute_dtype,
     validate_eps,
     validate_matrix_input,
+    validate_normalisation,
 )
 
 __all__ = ["gram_newton_schulz", "gram_newton_schulz_sharded", "gram_segments", "gram_space_polynomial",
@@ -73,14 +75,22 @@ def gram_segments(schedule, restarts: frozenset[int]) -> list[list[tuple[float, 
     return segments
 
 
-def gram_space_polynomial(R: Tensor, segment) -> Tensor:
+def gram_space_polynomial(R: Tensor, segment, normalise: bool = False) -> Tensor:
     """``Q`` of one segment (``X <- Q X``) from ``R = X Xᵀ`` alone: m×m work only.
 
     Each step: ``Z' = b R + c R²``, ``Q <- a Q + Q Z'`` (``Q = a I + Z'`` first), and except on
-    the segment's last step ``R <- Z R Z`` (symmetrised). ``R`` is a [B, m, m] stack."""
+    the segment's last step ``R <- Z R Z`` (symmetrised). ``R`` is a [B, m, m] stack.
+    ``normalise``: ``X`` is only Frobenius-normalised; the quartic bound (``quartic_rescale``)
+    rescales ``R`` first and is folded into the returned ``Q`` (so ``Q X`` is that of ``γ X``)."""
+    gamma = square = None
+    if normalise:
+        R, square, gamma = quartic_rescale(R)
     Q = None  # None stands for the identity at the start of a segment
     for i, (a, b, c) in enumerate(segment):
-        Z_rest = torch.baddbmm(R, R, R, beta=b, alpha=c)  # Z' = b R + c R^2
+        if square is not None:  # R² is already there from the rescale
+            Z_rest, square = R * b + square * c, None
+        else:
+            Z_rest = torch.baddbmm(R, R, R, beta=b, alpha=c)  # Z' = b R + c R^2
         if i < len(segment) - 1:
             RZ = torch.baddbmm(R, R, Z_rest, beta=a)  # R Z = a R + R Z'
             R = torch.baddbmm(RZ, Z_rest, RZ, beta=a)  # Z R Z = a RZ + Z' RZ
@@ -89,7 +99,7 @@ def gram_space_polynomial(R: Tensor, segment) -> Tensor:
             Q = _add_identity_(Z_rest, a)  # Q = a I + Z' (Z_rest is not needed any more)
         else:
             Q = torch.baddbmm(Q, Q, Z_rest, beta=a)  # Q Z = a Q + Q Z'
-    return Q
+    return Q if gamma is None else Q * gamma
 
 
 def gram_newton_schulz_sharded(
@@ -102,19 +112,23 @@ def gram_newton_schulz_sharded(
     eps: float = NS_EPS,
     safety: float = 1.01,
     restart_after: Iterable[int] = (2,),
+    normalisation: str = "frobenius",
 ) -> Tensor:
     """Gram NS of a wide matrix ``W = [x_0 x_1 ... x_{t-1}]`` whose column blocks live on t ranks:
     this rank passes its block ``x`` ([B, m, n_i] or [m, n_i]; m <= the full n) and gets back
     its block of the result. Only m×m Gram matrices (and one norm) cross ranks:
 
     * ``sum_over_shards(t)``: the sum of ``t`` over all ranks (an all-reduce; for the norm);
-    * ``gram_to_q(partial_R, segment)``: from this rank's ``x_i x_iᵀ``, the segment's ``Q`` on
-      every rank (e.g. reduce to one owner, ``gram_space_polynomial`` there, broadcast ``Q``).
+    * ``gram_to_q(partial_R, segment, normalise)``: from this rank's ``x_i x_iᵀ``, the segment's
+      ``Q`` on every rank (e.g. reduce to one owner, ``gram_space_polynomial(R, segment,
+      normalise)`` there, broadcast ``Q``); ``normalise`` is true for the first segment under the
+      quartic normalisation (the full ``R`` is needed for it, so it runs where ``Q`` is made).
 
     With one shard and local callbacks this is ``gram_newton_schulz`` (same op order for the
     m×m part; the norm is taken as sqrt(sum of squares))."""
     validate_compute_dtype(compute_dtype)
     validate_eps(eps)
+    quartic = validate_normalisation(normalisation)
     schedule = get_coefficients(coefficients, steps, safety)
     segments = gram_segments(schedule, restart_points(restart_after, steps))
     stack = x if x.ndim == 3 else x.unsqueeze(0)
@@ -124,8 +138,8 @@ def gram_newton_schulz_sharded(
     squares = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64).square()
     norm = sum_over_shards(squares).sqrt().clamp(min=eps).to(X.dtype)
     X = (X / norm).to(compute_dtype)
-    for segment in segments:
-        X = gram_to_q(X @ X.mT, segment) @ X
+    for i, segment in enumerate(segments):
+        X = gram_to_q(X @ X.mT, segment, quartic and i == 0) @ X
     return X.reshape(x.shape).to(x.dtype)
 
 
@@ -144,6 +158,7 @@ def gram_newton_schulz(
     restart_after: Iterable[int] = (2,),
     min_aspect_ratio: float = 2.0,
     check_finite: bool = True,
+    normalisation: str = "frobenius",
 ) -> Tensor:
     """Gram-space NS; same contract as ``newton_schulz`` (shape/dtype kept, zeros → zeros).
 
@@ -157,6 +172,7 @@ def gram_newton_schulz(
     validate_matrix_input(x, check_finite)
     validate_compute_dtype(compute_dtype)
     validate_eps(eps)
+    quartic = validate_normalisation(normalisation)
     schedule = get_coefficients(coefficients, steps, safety)
     restarts = restart_points(restart_after, steps)
     if not (float(min_aspect_ratio) >= 1.0):
@@ -167,7 +183,8 @@ def gram_newton_schulz(
     rows, cols = x.size(-2), x.size(-1)
     if max(rows, cols) / min(rows, cols) < min_aspect_ratio:
         return newton_schulz(
-            x, schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False
+            x, schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False,
+            normalisation=normalisation,
         )
 
     stack = _as_stack(x)
@@ -175,7 +192,7 @@ def gram_newton_schulz(
     segments = gram_segments(schedule, restarts)
     R = X @ X.mT
     for i, segment in enumerate(segments):
-        X = gram_space_polynomial(R, segment) @ X
+        X = gram_space_polynomial(R, segment, quartic and i == 0) @ X
         if i < len(segments) - 1:  # restart: rebuild R from the iterate
             R = X @ X.mT
     if transposed:

@@ -8,13 +8,23 @@ around 1, and continues on ``[p(lower), 2 − p(lower)]``. ``design_polar_expres
 the published five sets to ~4e-7 (relative) (tests check this); asking for more steps continues the same
 greedy design instead of repeating the fifth set (which is what ``get_coefficients`` does).
 
-Why six steps for square matrices: NS output error is measured as ``‖NS(X) − polar(X)‖_F /
-‖polar(X)‖_F`` (relative Frobenius error vs the float64 polar factor ``U Vᵀ``; the benchmark
-metric). After Frobenius normalisation the singular values of a Gaussian n×n matrix spread
-down to ~1/n^1.5, so a few percent of them stay far below 1 after five steps: 0.146 for
-n = 3584 with the published schedule. One more *designed* step brings it to 0.087 (the fifth
-set repeated gives 0.106); rectangular matrices (aspect ≥ 1.1) reach ~0.09 in five steps
-already. ``schedule_for_shape`` encodes exactly this choice.
+Per-shape schedules (``schedule_for_shape``, the optimizer's ``coefficients='adaptive'``) start
+from the tighter scale ``‖(X Xᵀ)²‖_F^(1/4)`` (``newton_schulz.quartic_rescale``) instead of ‖X‖_F.
+That bound sits close to σ_max (0.46–0.58 of it on Gaussian matrices, ~0.99 on gradient-like
+spectra with a dominant direction, against 0.024–0.06 for ‖X‖_F), so the small singular values
+start an order of magnitude higher and the greedy design can aim at a narrower interval:
+
+* wide/tall (aspect ≥ 2, the Gram NS shapes): 4 steps, ``design_polar_express(4, lower=0.01,
+  cushion=0.005)``;
+* nearer square: 5 steps, ``design_polar_express(5, lower=1e-3, cushion=0.005)``.
+
+Error ``‖NS(X) − U Vᵀ‖_F / ‖U Vᵀ‖_F`` in exact arithmetic on the spectra of bench/ns_schedules.py
+(Gaussian, power-law σᵢ ∝ i^-0.5, a rank-32 signal 3x or 30x above a Gaussian bulk; Qwen2.5-7B
+shapes): ≤ 0.01 for every wide shape with 4 steps (the published 5-step schedule with ‖X‖_F:
+0.087–0.095), ≤ 0.090 on 3584x3584 with 5 steps except the 30x signal (0.143; the previous
+6-step choice: 0.131). Tables and the stress case σᵢ ∝ 1/i, which no schedule of ≤ 6 steps
+brings under 0.1 with either normalisation: docs/algorithms.md. ``POLAR_EXPRESS_6`` (6 steps
+for ‖X‖_F) stays available as explicit coefficients.
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ import torch
 __all__ = [
     "PUBLISHED_CUSHION",
     "POLAR_EXPRESS_6",
+    "QUARTIC_SQUARE_5",
+    "QUARTIC_WIDE_4",
+    "spectrum_error",
     "design_polar_express",
     "schedule_for_shape",
 ]
@@ -43,6 +56,22 @@ POLAR_EXPRESS_6: tuple[tuple[float, float, float], ...] = (
     (2.2778731078045116, -1.61982150561106, 0.3984807383590635),
     (1.8913013660611102, -1.267995786512612, 0.37680408969701423),
 )
+
+# Designed for the quartic normalisation (module docstring); tests regenerate both.
+QUARTIC_WIDE_4: tuple[tuple[float, float, float], ...] = (
+    (8.013238129431333, -22.92577193437688, 16.59942752304673),
+    (3.600580310187476, -2.64187587108095, 0.5105055033092896),
+    (2.63495018567613, -1.9190065542311632, 0.4306489893594579),
+    (1.956171569783251, -1.3375077415978989, 0.38385274318668416),
+)
+QUARTIC_SQUARE_5: tuple[tuple[float, float, float], ...] = (
+    (8.35520280718895, -24.112181181684186, 17.50279249629136),
+    (4.13877556615874, -3.0113693008876536, 0.5511216906725713),
+    (3.9238221481142403, -2.8680088747797465, 0.535744549011644),
+    (3.2570264980177868, -2.3944182603322983, 0.48297597438712636),
+    (2.2762344202540072, -1.6469082193101259, 0.4164331671558199),
+)
+WIDE_ASPECT = 2.0  # from here on 4 steps keep a 30x-signal spectrum under 0.05 (0.2 at aspect 1.2)
 
 
 def _quintic(coeffs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -115,12 +144,28 @@ def design_polar_express(
     return tuple(damped + schedule[-1:])
 
 
-def schedule_for_shape(rows: int, cols: int, square_tolerance: float = 1.05) -> dict:
-    """NS keyword arguments that keep a Gaussian-like matrix of this shape within 0.10 of its
-    polar factor: the published 5-step Polar Express schedule, or ``POLAR_EXPRESS_6`` for
-    (near-)square shapes, ``max/min < square_tolerance``. Returns ``{'coefficients', 'steps'}``."""
+def spectrum_error(singular_values: torch.Tensor, schedule, normalisation: str = "frobenius") -> float:
+    """Relative Frobenius error ``‖NS(X) − U Vᵀ‖_F / ‖U Vᵀ‖_F`` that ``schedule`` reaches in exact
+    arithmetic on a matrix with these (nonzero) singular values: the RMS of ``p(σ/scale) − 1``."""
+    s = singular_values.to(torch.float64)
+    top = s.max()
+    if normalisation == "quartic":
+        scale = (s / top).pow(8).sum().pow(0.125) * top
+    elif normalisation == "frobenius":
+        scale = s.square().sum().sqrt()
+    else:
+        raise ValueError(f"normalisation must be 'frobenius' or 'quartic', got {normalisation!r}")
+    x = s / scale
+    for coeffs in schedule:
+        x = _quintic(torch.tensor(coeffs, dtype=torch.float64), x)
+    return float((x - 1.0).square().mean().sqrt())
+
+
+def schedule_for_shape(rows: int, cols: int) -> dict:
+    """NS keyword arguments of the per-shape (``'adaptive'``) choice: the quartic normalisation with
+    ``QUARTIC_WIDE_4`` when ``max/min >= WIDE_ASPECT``, else ``QUARTIC_SQUARE_5``. Returns
+    ``{'coefficients', 'steps', 'normalisation'}``."""
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be >= 1, got {rows}x{cols}")
-    if max(rows, cols) / min(rows, cols) < square_tolerance:
-        return {"coefficients": POLAR_EXPRESS_6, "steps": len(POLAR_EXPRESS_6)}
-    return {"coefficients": "polar_express", "steps": 5}
+    coefficients = QUARTIC_WIDE_4 if max(rows, cols) / min(rows, cols) >= WIDE_ASPECT else QUARTIC_SQUARE_5
+    return {"coefficients": coefficients, "steps": len(coefficients), "normalisation": "quartic"}

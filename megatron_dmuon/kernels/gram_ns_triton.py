@@ -34,7 +34,10 @@ from torch import Tensor
 
 from ..algorithms.coefficients import get_coefficients
 from ..algorithms.gram_newton_schulz import gram_newton_schulz, restart_points
-from ..algorithms.newton_schulz import NS_EPS, PLAIN_NORM_MIN, newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input
+from ..algorithms.newton_schulz import (
+    NS_EPS, PLAIN_NORM_MIN, newton_schulz, quartic_rescale, validate_compute_dtype, validate_eps, validate_matrix_input,
+    validate_normalisation,
+)
 from . import symmetric_ops
 from .autotune import CACHE_ENV, ShapePlan, cached_method, shape_plan
 from .metrics import NONFINITE_METRICS, retry_nonfinite
@@ -114,14 +117,22 @@ def _apply_q(Q: Tensor, X: Tensor, transposed: bool, out_dtype: torch.dtype) -> 
 
 
 def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transposed: bool = False,
-              out_dtype: torch.dtype | None = None) -> Tensor:
+              out_dtype: torch.dtype | None = None, quartic: bool = False) -> Tensor:
     """Gram NS on a normalised wide [B, m, n] stack. Returns Q X in the input's orientation
-    (``transposed``: tall [B, n, m]), in ``out_dtype`` where the last product can write it."""
+    (``transposed``: tall [B, n, m]), in ``out_dtype`` where the last product can write it.
+    ``quartic``: rescale R by the quartic bound first (one more symmetric product, step 1 then
+    needs none) and fold its γ into the first segment's Q."""
     steps = len(schedule)
     R = _syrk(plan.syrk, X)
+    gamma = square = None
+    if quartic:
+        R, square, gamma = quartic_rescale(R, square=lambda u: _sym(plan.square, u, u))
     Q = None  # the identity at the start of a segment
     for t, (a, b, c) in enumerate(schedule, start=1):
-        Z = _sym(plan.square, R, R, c=R, alpha=c, beta=b)  # Z' = b R + c R²
+        if square is not None:
+            Z, square = torch.add(R * b, square, alpha=c), None  # Z' = b R + c R² from the rescale's R²
+        else:
+            Z = _sym(plan.square, R, R, c=R, alpha=c, beta=b)  # Z' = b R + c R²
         if not (t in restarts or t == steps):
             W = _sym(plan.square, R, Z, c=R, beta=a)  # R Z = a R + R Z'
             R = _sym(plan.square, W, Z, c=W, beta=a)  # Z R Z = a W + W Z'
@@ -130,6 +141,8 @@ def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transpo
             Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = a I + Z' (Z' is not needed any more)
         else:
             Q = _sym(plan.square, Q, Z, c=Q, beta=a)  # Q Z = a Q + Q Z'
+        if gamma is not None and (t in restarts or t == steps):
+            Q, gamma = Q * gamma, None  # the first segment's Q acts on γ X
         if t in restarts:
             X = torch.bmm(Q, X)
             R = _syrk(plan.syrk, X)
@@ -137,11 +150,17 @@ def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transpo
     return _apply_q(Q, X, transposed, out_dtype or X.dtype)
 
 
-def standard_core(X: Tensor, schedule, plan: ShapePlan) -> Tensor:
-    """Standard NS on a normalised wide [B, m, n] stack: X <- a X + (b A + c A²) X, A = X Xᵀ."""
-    for a, b, c in schedule:
+def standard_core(X: Tensor, schedule, plan: ShapePlan, quartic: bool = False) -> Tensor:
+    """Standard NS on a normalised wide [B, m, n] stack: X <- a X + (b A + c A²) X, A = X Xᵀ
+    (``quartic``: step 1 rescales A and X by the quartic bound first)."""
+    for t, (a, b, c) in enumerate(schedule):
         A = _syrk(plan.syrk, X)
-        B = _sym(plan.square, A, A, c=A, alpha=c, beta=b)
+        if quartic and t == 0:
+            A, square, gamma = quartic_rescale(A, square=lambda u: _sym(plan.square, u, u))
+            X = X * gamma
+            B = torch.add(A * b, square, alpha=c)
+        else:
+            B = _sym(plan.square, A, A, c=A, alpha=c, beta=b)
         X = torch.baddbmm(X, B, X, beta=a)
     return X
 
@@ -192,6 +211,7 @@ def newton_schulz_fast(
     backend: str = "auto",
     autotune: bool = True,
     cache_path=None,
+    normalisation: str = "frobenius",
 ) -> Tensor:
     """Standard NS with symmetric kernels for A = X Xᵀ and b A + c A²; contract of
     ``algorithms.newton_schulz`` (its default compute dtype bf16 too). ``cache_path``
@@ -200,6 +220,7 @@ def newton_schulz_fast(
     validate_matrix_input(x, check_finite)
     validate_compute_dtype(compute_dtype)
     validate_eps(eps)
+    quartic = validate_normalisation(normalisation)
     schedule = get_coefficients(coefficients, steps, safety)
     usable = fast_path_usable(x, compute_dtype)
     if backend == "triton" and not usable:
@@ -207,7 +228,8 @@ def newton_schulz_fast(
             f"backend='triton' needs compute_dtype float16/bfloat16 (got {compute_dtype}) and a CUDA GPU of "
             f"compute capability >= 8.0 or TRITON_INTERPRET=1 (x is on {x.device}); use backend='torch'"
         )
-    torch_kwargs = dict(coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False)
+    torch_kwargs = dict(coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False,
+                        normalisation=normalisation)
     if backend == "torch" or not usable or x.numel() == 0:
         return newton_schulz(x, **torch_kwargs)
 
@@ -218,7 +240,7 @@ def newton_schulz_fast(
             X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
             autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
         )
-        return _finish(standard_core(X, schedule, plan), transposed, x)
+        return _finish(standard_core(X, schedule, plan, quartic), transposed, x)
 
     out = _fast_or_torch(("standard", tuple(x.shape), compute_dtype, str(x.device)), fast,
                          lambda: newton_schulz(x, **torch_kwargs), forced=backend == "triton")
@@ -241,6 +263,7 @@ def gram_newton_schulz_fast(
     backend: str = "auto",
     autotune: bool = True,
     cache_path=None,
+    normalisation: str = "frobenius",
 ) -> Tensor:
     """Gram NS with symmetric kernels; contract of ``algorithms.gram_newton_schulz``.
 
@@ -257,6 +280,7 @@ def gram_newton_schulz_fast(
     validate_matrix_input(x, check_finite)
     validate_compute_dtype(compute_dtype)
     validate_eps(eps)
+    quartic = validate_normalisation(normalisation)
     schedule = get_coefficients(coefficients, steps, safety)
     restart_after = tuple(restart_after)
     restarts = restart_points(restart_after, steps)
@@ -270,7 +294,7 @@ def gram_newton_schulz_fast(
         )
     torch_kwargs = dict(
         coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps,
-        restart_after=restart_after, min_aspect_ratio=min_aspect_ratio, check_finite=False,
+        restart_after=restart_after, min_aspect_ratio=min_aspect_ratio, check_finite=False, normalisation=normalisation,
     )
     if backend == "torch" or not usable or x.numel() == 0:
         return gram_newton_schulz(x, **torch_kwargs)
@@ -280,7 +304,7 @@ def gram_newton_schulz_fast(
         # As the algorithms do: near-square matrices run standard NS (same schedule and dtype).
         return newton_schulz_fast(
             x, schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=check_finite,
-            backend=backend, autotune=autotune, cache_path=cache_path,
+            backend=backend, autotune=autotune, cache_path=cache_path, normalisation=normalisation,
         )
     def fast():
         stack = x.reshape(-1, rows, cols)
@@ -289,7 +313,7 @@ def gram_newton_schulz_fast(
             X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
             autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
         )
-        return gram_core(X, schedule, restarts, plan, transposed, x.dtype).reshape(x.shape).to(x.dtype)
+        return gram_core(X, schedule, restarts, plan, transposed, x.dtype, quartic).reshape(x.shape).to(x.dtype)
 
     out = _fast_or_torch(("gram", tuple(x.shape), compute_dtype, str(x.device)), fast,
                          lambda: gram_newton_schulz(x, **torch_kwargs), forced=backend == "triton")

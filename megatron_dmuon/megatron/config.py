@@ -225,7 +225,8 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                         "kernels' measured fastest per shape; standard off CUDA)")
     g.add_argument("--dmuon-coefficients", default=None, choices=COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,),
                    help="DMuon's NS schedule instead of --muon-coefficient-type (adaptive: per shape, "
-                        "5-step Polar Express, 6 steps for square matrices)")
+                        "the tighter ||(XX^T)^2||^(1/4) normalisation with 4 designed steps for aspect >= 2, "
+                        "5 for nearer-square matrices)")
     g.add_argument("--dmuon-ns-launch", default="eager", choices=NS_LAUNCH_MODES,
                    help="GPU: the owner's per-shape NS calls one by one, on concurrent streams, or as one CUDA graph")
     g.add_argument("--dmuon-tp-method", default="auto", choices=TP_METHODS,

@@ -33,9 +33,9 @@ class MuonSettings:
     momentum: float = 0.95
     nesterov: bool = True
     ns_method: str = "standard"  # 'standard' | 'gram' | 'auto' (kernels' autotuned choice)
-    # a set of algorithms.get_coefficients, or 'adaptive': per shape, the published 5-step Polar
-    # Express, and the 6-step POLAR_EXPRESS_6 for (near-)square matrices (algorithms.schedules.schedule_for_shape:
-    # error <= 0.10 vs the polar factor on every Qwen2.5-7B shape; ns_steps is then not used)
+    # a set of algorithms.get_coefficients, or 'adaptive': per shape, the quartic normalisation with
+    # 4 designed steps for wide/tall matrices (aspect >= 2) and 5 for the rest
+    # (algorithms.schedules.schedule_for_shape; ns_steps is then not used)
     coefficients: str = "keller"
     ns_steps: int = 5
     ns_dtype: torch.dtype = torch.bfloat16
@@ -67,8 +67,8 @@ class MuonSettings:
         if self.coefficients == ADAPTIVE_SCHEDULE:
             if self.ns_steps != 5:
                 raise ValueError(
-                    f"dmuon coefficients 'adaptive' choose the step count per shape (5, or 6 for square "
-                    f"matrices); ns_steps={self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
+                    f"dmuon coefficients 'adaptive' choose the step count per shape (4 for aspect >= 2, else 5); "
+                    f"ns_steps={self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
                 )
         else:
             from ..algorithms.coefficients import get_coefficients
@@ -77,7 +77,8 @@ class MuonSettings:
         muon_lr_scale(2, 1, self.scale_mode)  # raises if the mode is unknown
 
     def ns_schedule(self, rows: int, cols: int) -> dict:
-        """``{'coefficients', 'steps'}`` of the NS call for a [rows, cols] matrix."""
+        """The NS keyword arguments for a [rows, cols] matrix: ``{'coefficients', 'steps'}`` (and
+        ``'normalisation'`` for the adaptive schedule)."""
         if self.coefficients == ADAPTIVE_SCHEDULE:
             from ..algorithms.schedules import schedule_for_shape
 

@@ -130,10 +130,10 @@ class TPExchange:
             self.bytes_sent += t.numel() * t.element_size()
             return t
 
-        def gram_to_q(partial, segment):
+        def gram_to_q(partial, segment, normalise):
             partial = partial.contiguous()
             torch.distributed.reduce(partial, dst=owner_global, group=group)
-            q = gram_space_polynomial(partial, segment).contiguous() if self.rank == owner else torch.empty_like(partial)
+            q = gram_space_polynomial(partial, segment, normalise).contiguous() if self.rank == owner else torch.empty_like(partial)
             torch.distributed.broadcast(q, src=owner_global, group=group)
             nbytes = partial.numel() * partial.element_size()
             self.bytes_sent += nbytes * ((self.size - 1) if self.rank == owner else 1)
