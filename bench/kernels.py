@@ -9,8 +9,8 @@ fp16), our Gram NS kernels (autotuned), and peers when their code is present und
 (never committed): microsoft/dion's Triton NS and X-Square-Robot/dmuon's Gram NS.
 
 Schedules: every method runs the published 5-step Polar Express schedule, except the
-``*_adaptive`` ones, which take ``algorithms.schedules.schedule_for_shape``: the same schedule for
-rectangular shapes and the 6-step ``POLAR_EXPRESS_6`` for square ones (q/o).
+``*_adaptive`` ones, which take ``algorithms.schedules.schedule_for_shape``: the quartic
+normalisation with 4 designed steps for aspect >= 2 and 5 for the square q/o.
 
 Error metric (all tables): relative Frobenius error ``‖NS(X) − P‖_F / ‖P‖_F`` of the output
 vs the exact polar factor ``P = U Vᵀ`` of the float64 input, computed in float64 (eigh of the
@@ -115,7 +115,8 @@ def load_peers(peers_dir: Path, wanted=("dion", "dmuon")):
 
 
 def _adaptive(fn):
-    """Run ``fn(x, **schedule_for_shape(rows, cols))``: 6 steps for square shapes, else 5."""
+    """Run ``fn(x, **schedule_for_shape(rows, cols))``: the quartic normalisation, 4 steps for
+    aspect >= 2, else 5."""
     return lambda x: fn(x, **schedule_for_shape(x.size(-2), x.size(-1)))
 
 
@@ -155,6 +156,9 @@ def methods_for(args, device, peers):
             _adaptive(lambda x, **s: gram_newton_schulz_fast(x, **s, **gram_kw, cache_path=cache)), "gram", True)
         methods["ours_auto_fp16_adaptive"] = (
             _adaptive(lambda x, **s: orthogonalize_batched(x, "auto", **s, **gram_kw, cache_path=cache)), "auto", True)
+        methods["ours_auto_fp16_adaptive_no_restart"] = (
+            _adaptive(lambda x, **s: orthogonalize_batched(x, "auto", **s, **gram_kw, restart_after=(), cache_path=cache)),
+            "auto", True)
         graphed = _graphed_groups(**gram_kw, cache_path=cache)
         methods["ours_auto_fp16_adaptive_graphed"] = (lambda x: graphed([x])[0], "auto", True)
     for name, fn in peers.items():
@@ -421,7 +425,7 @@ def _fmt(v, spec=".3f"):
 def markdown(report) -> str:
     lines = [f"# Gram NS kernels benchmark ({report['device']})", ""]
     lines.append(f"torch {report['torch']}, triton {report.get('triton')}, coefficients {report['coefficients']} "
-                 f"(`*_adaptive`: 6-step POLAR_EXPRESS_6 for square shapes); FLOP lower bound at {PEAK_TFLOPS:.0f} TFLOP/s.")
+                 f"(`*_adaptive`: quartic normalisation, 4 steps for aspect >= 2, 5 for square); FLOP lower bound at {PEAK_TFLOPS:.0f} TFLOP/s.")
     lines.append("Error: relative Frobenius error vs the float64 polar factor U Vᵀ; per shape: matrix 0; layer: max over every matrix.")
     if "gemm_ceiling_tflops" in report:
         lines.append("Measured 8192³ GEMM: " + ", ".join(f"{k}: {v:.0f} TFLOP/s" for k, v in report["gemm_ceiling_tflops"].items()))

@@ -23,7 +23,7 @@ METHOD_TOLERANCE = 5e-2
 
 def tune_method(
     m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device, *,
-    coefficients="polar_express", steps: int = 5, cache_path=None, restart_after=(2,),
+    coefficients="polar_express", steps: int = 5, cache_path=None, restart_after=(2,), normalisation: str = "frobenius",
 ) -> dict:
     """Time Gram vs standard NS on a [batch, m, n] stack, each checked against its torch path.
 
@@ -38,7 +38,7 @@ def tune_method(
     cache = get_cache(cache_path)
     gen = torch.Generator(device=device).manual_seed(4321)
     x = torch.randn(batch, m, n, device=device, generator=gen)
-    common = dict(coefficients=coefficients, steps=steps, compute_dtype=dtype, check_finite=False)
+    common = dict(coefficients=coefficients, steps=steps, compute_dtype=dtype, check_finite=False, normalisation=normalisation)
     gram_kw = dict(common, restart_after=restart_after, min_aspect_ratio=1.0)
     runs = {
         "gram": (lambda: gram_newton_schulz_fast(x, **gram_kw, cache_path=cache_path), lambda: gram_newton_schulz(x, **gram_kw)),
