@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..algorithms.coefficients import get_coefficients
-from ..algorithms.gram_newton_schulz import gram_newton_schulz, restart_points
+from ..algorithms.gram_newton_schulz import default_restarts, gram_newton_schulz, restart_points
 from ..algorithms.newton_schulz import (
     NS_EPS, PLAIN_NORM_MIN, newton_schulz, quartic_rescale, validate_compute_dtype, validate_eps, validate_matrix_input,
     validate_normalisation,
@@ -257,7 +257,7 @@ def gram_newton_schulz_fast(
     compute_dtype: torch.dtype = torch.float16,
     eps: float = NS_EPS,
     safety: float = 1.01,
-    restart_after: Iterable[int] = (2,),
+    restart_after: Iterable[int] | None = None,
     min_aspect_ratio: float = 2.0,
     check_finite: bool = False,
     backend: str = "auto",
@@ -282,7 +282,7 @@ def gram_newton_schulz_fast(
     validate_eps(eps)
     quartic = validate_normalisation(normalisation)
     schedule = get_coefficients(coefficients, steps, safety)
-    restart_after = tuple(restart_after)
+    restart_after = default_restarts(normalisation) if restart_after is None else tuple(restart_after)
     restarts = restart_points(restart_after, steps)
     if not (float(min_aspect_ratio) >= 1.0):
         raise ValueError(f"min_aspect_ratio must be >= 1.0, got {min_aspect_ratio!r}")
@@ -346,7 +346,10 @@ def resolve_method(x: Tensor, method: str, kwargs: dict) -> str:
     cached = cached_method(min(rows, cols), max(rows, cols), batch, dtype, x.device, steps, kwargs.get("cache_path"))
     if cached is not None:
         return cached
-    return default_method(rows, cols, steps, kwargs.get("restart_after", (2,)), kwargs.get("min_aspect_ratio", 2.0))
+    restart_after = kwargs.get("restart_after")
+    if restart_after is None:
+        restart_after = default_restarts(kwargs.get("normalisation", "frobenius"))
+    return default_method(rows, cols, steps, restart_after, kwargs.get("min_aspect_ratio", 2.0))
 
 
 def orthogonalize_batched(x: Tensor, method: str = "auto", **kwargs) -> Tensor:

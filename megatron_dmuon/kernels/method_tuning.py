@@ -23,7 +23,7 @@ METHOD_TOLERANCE = 5e-2
 
 def tune_method(
     m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device, *,
-    coefficients="polar_express", steps: int = 5, cache_path=None, restart_after=(2,), normalisation: str = "frobenius",
+    coefficients="polar_express", steps: int = 5, cache_path=None, restart_after=None, normalisation: str = "frobenius",
 ) -> dict:
     """Time Gram vs standard NS on a [batch, m, n] stack, each checked against its torch path.
 
