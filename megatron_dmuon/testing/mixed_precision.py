@@ -77,3 +77,19 @@ def train_text(rank, world_size, steps=20, count_bytes=True, **kw):
                            bucket_numel=b.param_data.numel(), param_bytes=b.param_data.element_size())
                       for g in run.ddp.bucket_groups for b, l in zip(g.buckets, getattr(g, "dmuon_layouts", ()))]
     return out
+
+
+def fp8_start_up_errors(rank, world_size):
+    """The start-up errors of an FP8 publish: an fp32 model; a DDP and an optimizer that disagree."""
+    from megatron_dmuon.testing.workers import _build, init_parallel
+
+    init_parallel()
+    out = {}
+    for case, kw in (("fp32_model", dict(publish_dtype="fp8_e4m3")),
+                     ("mismatch", dict(publish_dtype="fp8_e4m3", shape_kw=dict(bf16=True), optimizer_publish="param"))):
+        try:
+            _build(**kw)
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out

@@ -76,7 +76,7 @@ def _freeze(model, freeze):
 
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
            split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
-           grad_reduce_in_fp32=None, publish_dtype="param", **kw):
+           grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, **kw):
     """Model, DDP, optimizer and scheduler of one run (parallel state already initialized).
     ``perturb``: scale the weights (a 'fresh' model that differs from the saved one)."""
     from types import SimpleNamespace
@@ -122,7 +122,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         opt = get_megatron_optimizer(opt_config, [ddp])
     else:
         muon = _muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {}))
-        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=muon, publish_dtype=publish_dtype,
+        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=muon, publish_dtype=optimizer_publish or publish_dtype,
                                                                  **_split_kwargs(split)))
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
