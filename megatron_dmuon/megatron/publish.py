@@ -59,7 +59,7 @@ def make_fp8_publish(bucket_group, publish_dtype: str, name_of: Dict[torch.Tenso
     bucket_group.dmuon_fp8 = fp8_dtype(publish_dtype)
     bucket_group.dmuon_masters = masters
     bucket_group.dmuon_pending = None
-    bucket_group.dmuon_last_scales = {}  # {matrix name: scale_inv decoded in the last publish}
+    bucket_group.dmuon_last_scales = {}  # {matrix name: scale_inv (0-dim tensor) decoded in the last publish}
     world = bucket_group.intra_distributed_optimizer_instance_size
     bucket_group.dmuon_layouts, bucket_group.dmuon_blocks = [], []
     for bucket in bucket_group.buckets:
@@ -118,7 +118,8 @@ class _FP8PublishBucketGroup:
                     q = block[run.offset:run.offset + n].view(self.dmuon_fp8)
                     scale_inv = scales[run.scale_slot]
                     flat[run.start:run.end].copy_(dequantize(q, scale_inv, flat.dtype))
-                    self.dmuon_last_scales[self.dmuon_name_of[run.key]] = float(scale_inv)
+                    # a view into the received block (no host sync); valid until the next publish
+                    self.dmuon_last_scales[self.dmuon_name_of[run.key]] = scale_inv
 
     def start_param_sync(self, force_sync: bool = False):
         if force_sync and self.param_gather_handle is not None:
