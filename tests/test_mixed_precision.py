@@ -176,3 +176,16 @@ def test_fp8_publish_refuses_an_fp32_model_and_a_mismatched_optimizer():
     out = run_distributed("megatron_dmuon.testing.mixed_precision:fp8_start_up_errors", 1)[0]
     assert "needs a --bf16 model" in out["fp32_model"]
     assert "pass the same value to build_dmuon_ddp" in out["mismatch"]
+
+
+def test_te_fp8_param_gather_without_transformer_engine_names_the_tested_path():
+    from types import SimpleNamespace
+
+    from megatron_dmuon.megatron.checks import check_model_parallel_config
+    from megatron_dmuon.megatron.te_fp8 import transformer_engine_available
+
+    if transformer_engine_available():
+        pytest.skip("transformer_engine imports here: Megatron's TE path is allowed")
+    with pytest.raises(ValueError, match="--fp8-param-gather.*--dmuon-publish-dtype fp8_e4m3"):
+        check_model_parallel_config(SimpleNamespace(fp8="hybrid", fp8_param=True))
+    check_model_parallel_config(SimpleNamespace(fp8="hybrid", fp8_param=False))  # FP8 compute alone: no publish change
