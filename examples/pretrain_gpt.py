@@ -300,6 +300,32 @@ class IntervalLog:
         return out
 
 
+def _gathered_bytes(ddp):
+    """Size of what the param all-gathers deliver per step (FP8: the packed blocks), at any DP."""
+    from megatron_dmuon.megatron.publish import publish_layouts
+
+    if not getattr(ddp, "buffers", None) or not ddp.ddp_config.use_distributed_optimizer:
+        return None
+    packed = publish_layouts(ddp)
+    return sum(packed[id(b)].recv_bytes if id(b) in packed else b.param_data.numel() * b.param_data.element_size()
+               for buf in ddp.buffers + ddp.expert_parallel_buffers for b in buf.buckets)
+
+
+def _memory_summary(opt, ddp, dp_size) -> dict:
+    """Rank 0's optimizer state (counted from its tensors) next to Megatron AdamW's figure, the
+    publish bytes per step, and the peak memory the allocator saw (GPU)."""
+    from megatron_dmuon.megatron.memory import megatron_adamw_state_bytes, optimizer_state_bytes
+    from megatron_dmuon.megatron.optimizer import comm_bytes_per_step
+
+    out = {"optimizer_state_bytes": optimizer_state_bytes(opt)["total"],
+           "adamw_distopt_state_bytes": megatron_adamw_state_bytes([ddp], dp_size),
+           "publish_bytes": comm_bytes_per_step([ddp], "dmuon")["publish_bytes"] if hasattr(ddp, "buffers") else None,
+           "publish_gathered_bytes": _gathered_bytes(ddp)}
+    if torch.cuda.is_available():
+        out["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank, world, backend = setup_distributed()
@@ -396,7 +422,8 @@ def main(argv=None):
                    "first_loss": first_loss, "last_loss": last_loss, "skipped_iterations": skipped,
                    **({"ns_fp32_retries": opt.dmuon_stats()["ns_fp32_retries"]} if hasattr(opt, "dmuon_stats") else {}),
                    "median_step_ms": sorted(t["step_ms"] for t in steady)[len(steady) // 2],
-                   "median_optimizer_ms": sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2]}
+                   "median_optimizer_ms": sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2],
+                   **_memory_summary(opt, ddp, dp_size)}
         print("> summary " + json.dumps(summary), flush=True)
         if args.timing_json:
             with open(args.timing_json, "w") as f:

@@ -177,7 +177,10 @@ def main(argv=None) -> int:
     ref = run_reference(args.dp, layouts=results[0]["layouts"] if exact_order else None,
                         **_reference_kwargs(kw, precision))
     meta = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "ep": args.ep, "backend": "gloo", "precision": precision,
-            "each_matrix_once": results[0]["ns_counts"] == [ref["num_matrices"]] * args.steps}
+            "each_matrix_once": results[0]["ns_counts"] == [ref["num_matrices"]] * args.steps,
+            # per rank, counted from the state tensors; Megatron's AdamW DistributedOptimizer's figure beside it
+            "optimizer_state_bytes": [r["state_bytes"] for r in results],
+            "adamw_distopt_state_bytes": [r["adamw_state_bytes"] for r in results]}
     return _report(rel_diffs(full_params(results), ref["params"]), _tolerance(args, precision), args.json, meta)
 
 

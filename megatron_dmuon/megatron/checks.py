@@ -25,8 +25,9 @@ def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
             "--dmuon-mode gather_then_compute is the DP-only baseline (per-shard NS under TP/EP would not "
             "be Muon); use --dmuon-mode dmuon with --tensor-model-parallel-size / --expert-model-parallel-size"
         )
-    if getattr(model_config, "fp8", None) and getattr(model_config, "fp8_param", False):
-        raise ValueError("--optimizer dmuon does not support --fp8-param-gather yet; drop the flag")
+    from .te_fp8 import check_fp8_param_gather
+
+    check_fp8_param_gather(model_config)
 
 
 def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:

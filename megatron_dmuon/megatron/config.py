@@ -30,8 +30,11 @@ from ..planning.tp_cost import TP_METHODS
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, NS_METHODS, MuonSettings
 from .checks import check_dmuon_config
 from .hierarchy import check_two_level_config
+from .publish import PUBLISH_DTYPES
 
 MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
+# --dmuon-momentum-dtype: the owners' Muon momentum (bf16 halves the Muon state; docs/mixed_precision.md)
+MOMENTUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # --- Megatron-LM core_v0.19.0's Muon flags (megatron/training/arguments.py) and what they map to ---
 # --muon-coefficient-type -> our schedule. Emerging-Optimizers 0.3: 'simple' = Keller's
@@ -89,10 +92,19 @@ class DMuonConfig:
     autotune_cache: Optional[str] = None  # the kernels' autotune JSON (else $DMUON_AUTOTUNE_CACHE)
     # a step whose gradients hold NaN/Inf is skipped on every rank (no loss scaler needed, e.g. bf16)
     skip_nonfinite: bool = True
+    # how Megatron's param all-gather publishes Muon matrices: 'param' (the model's dtype), or
+    # owner-quantized FP8 bytes + a per-tensor scale (megatron/publish.py; the DDP must be built
+    # with the same value: ddp_options_from_args passes it)
+    publish_dtype: str = "param"
 
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--dmuon-mode {self.mode!r} unknown; valid: {', '.join(MODES)}")
+        if self.publish_dtype not in PUBLISH_DTYPES:
+            raise ValueError(f"--dmuon-publish-dtype {self.publish_dtype!r} unknown; valid: {', '.join(PUBLISH_DTYPES)}")
+        if self.publish_dtype != "param" and self.mode != "dmuon":
+            raise ValueError(f"--dmuon-publish-dtype {self.publish_dtype} needs --dmuon-mode dmuon (the owners quantize); "
+                             f"--dmuon-mode {self.mode} publishes nothing of its own")
         self.muon.validate()
 
     @classmethod
@@ -122,12 +134,14 @@ class DMuonConfig:
             momentum=args.muon_momentum, nesterov=args.muon_nesterov, coefficients=coefficients,
             ns_steps=steps, ns_dtype=MUON_FP32_MATMUL_PREC[args.muon_fp32_matmul_prec],
             scale_mode=args.muon_scale_mode, extra_scale=args.muon_extra_scale_factor,
-            ns_method=args.dmuon_ns_method, ns_launch=args.dmuon_ns_launch, tp_method=args.dmuon_tp_method)
+            ns_method=args.dmuon_ns_method, ns_launch=args.dmuon_ns_launch, tp_method=args.dmuon_tp_method,
+            momentum_dtype=MOMENTUM_DTYPES[getattr(args, "dmuon_momentum_dtype", "fp32")])
         cfg = cls(mode=args.dmuon_mode, muon=muon,
                   split_qkv=args.muon_split_qkv or args.dmuon_split_heads,
                   split_per_head=args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
                   autotune_cache=args.dmuon_autotune_cache,
-                  skip_nonfinite=not getattr(args, "dmuon_no_skip_nonfinite", False))
+                  skip_nonfinite=not getattr(args, "dmuon_no_skip_nonfinite", False),
+                  publish_dtype=getattr(args, "dmuon_publish_dtype", "param"))
         cfg.validate()
         return cfg
 
@@ -178,7 +192,8 @@ def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
 
 def ddp_options_from_args(args) -> dict:
     """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
-    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
+    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
+                   publish_dtype=getattr(args, "dmuon_publish_dtype", "param"))
     if args.dmuon_balance == "milp":
         from .layout import milp_planning_options
 
@@ -244,6 +259,11 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     g.add_argument("--dmuon-split-glu", action="store_true", help="orthogonalize SwiGLU gate and up apart")
     g.add_argument("--dmuon-autotune-cache", default=None, metavar="PATH",
                    help=f"the kernels' autotune cache file (default ${CACHE_ENV}, else ~/.cache/megatron_dmuon/autotune.json)")
+    g.add_argument("--dmuon-publish-dtype", default="param", choices=PUBLISH_DTYPES,
+                   help="param all-gather of Muon matrices: the model's dtype, or FP8 bytes the owner quantizes "
+                        "from its fp32 master with a per-tensor scale (needs --bf16; docs/mixed_precision.md)")
+    g.add_argument("--dmuon-momentum-dtype", default="fp32", choices=tuple(MOMENTUM_DTYPES),
+                   help="dtype of the owners' Muon momentum (bf16 halves it; accuracy cost in docs/mixed_precision.md)")
     g.add_argument("--dmuon-no-skip-nonfinite", action="store_true",
                    help="do not skip a step whose gradients hold NaN/Inf (skipped on every rank by default)")
     parser._dmuon_args_added = True
@@ -315,6 +335,12 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
     for flag in ("use_torch_fsdp2", "use_megatron_fsdp", "use_mup"):
         if getattr(args, flag, False):
             raise ValueError(f"--optimizer dmuon does not support --{flag.replace('_', '-')}; drop the flag")
+    if cfg.publish_dtype != "param" and not getattr(args, "bf16", False):
+        raise ValueError(f"--dmuon-publish-dtype {cfg.publish_dtype} needs --bf16: an fp32 param is its own optimizer "
+                         "master, which the FP8 decode would overwrite; add --bf16 or drop the flag")
+    if cfg.publish_dtype != "param" and getattr(args, "dmuon_ranks_per_node", 0):
+        raise ValueError(f"--dmuon-publish-dtype {cfg.publish_dtype} is not implemented with the two-level publish: "
+                         "drop --dmuon-ranks-per-node or use --dmuon-publish-dtype param")
     budget = getattr(args, "dmuon_plan_budget", STARTUP_BUDGET_S)
     if not budget > 0:
         raise ValueError(f"--dmuon-plan-budget {budget} must be > 0 seconds (default {STARTUP_BUDGET_S:g})")

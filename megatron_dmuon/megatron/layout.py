@@ -182,14 +182,18 @@ class DMuonDDP(_import_distributed_data_parallel()):
     class) is replaced by the owner-aligned one. `pg_collection` must hold Megatron's global
     data-parallel group: owners are planned over the global parallel state.
     ranks_per_node > 0 switches grad reduce and param publish to two levels (intra-node, then
-    inter-node; megatron/hierarchy.py) with node-striped owners."""
+    inter-node; megatron/hierarchy.py) with node-striped owners. publish_dtype 'fp8_e4m3' /
+    'fp8_e5m2' publishes Muon matrices as owner-quantized FP8 bytes (megatron/publish.py)."""
 
     def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
-                 full_param_layout=None, *, ranks_per_node: int = 0, **layout_kwargs):
+                 full_param_layout=None, *, ranks_per_node: int = 0, publish_dtype: str = "param",
+                 **layout_kwargs):
         from .checks import check_model_parallel_config
         from .hierarchy import check_two_level_config
+        from .publish import check_publish_config, install_fp8_publish
 
         check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
+        check_publish_config(publish_dtype, module.parameters(), ranks_per_node)
         groups = layout_groups(config, ddp_config)
         dp_group = groups["dp"]
         _check_same_group(pg_collection, dp_group)
@@ -212,6 +216,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
             for buffer in self.buffers:
                 buffer.dmuon_shard_index = topo.shard_index
             self.dmuon_topology = topo
+        install_fp8_publish(self, publish_dtype)
 
     # Whether this step's grads reached their owners: a hand-written loop that skips
     # finish_grad_sync() would otherwise step every owner on its own unreduced grads, silently.
@@ -243,7 +248,7 @@ def _check_same_group(pg_collection, dp_group) -> None:
 
 
 def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False,
-                    ranks_per_node: int = 0, **layout_kwargs) -> DMuonDDP:
+                    ranks_per_node: int = 0, publish_dtype: str = "param", **layout_kwargs) -> DMuonDDP:
     """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...))."""
     return DMuonDDP(config, ddp_config, module, disable_bucketing=disable_bucketing,
-                    ranks_per_node=ranks_per_node, **layout_kwargs)
+                    ranks_per_node=ranks_per_node, publish_dtype=publish_dtype, **layout_kwargs)

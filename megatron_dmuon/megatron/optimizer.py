@@ -21,6 +21,7 @@ from ..planning.tp_cost import choose_tp_method
 from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig, megatron_muon_fields  # noqa: F401 (MODES: public API)
 from .layout import full_matrix_shape
+from .publish import publish_layouts, register_masters
 
 def _split_rule(name, full_shape, model_config, cfg: DMuonConfig):
     """Split rule of the full canonical matrix (TP shards are merged before NS)."""
@@ -85,6 +86,21 @@ def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, infos) 
                 inner.register_matrix(main_param, infos[model_param])
 
 
+def _master_pairs(opt):
+    """[(model param, its fp32 master shard)] of a DistributedOptimizer (bf16 params: separate masters)."""
+    return [(m, s) for mg, sg in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
+            for m, s in zip(mg, sg)]
+
+
+def _check_publish_dtype(model_chunks, cfg: DMuonConfig) -> None:
+    for chunk in model_chunks:
+        built = getattr(chunk, "dmuon_publish_dtype", "param")
+        if built != cfg.publish_dtype:
+            raise ValueError(
+                f"--dmuon-publish-dtype: the DDP was built with publish_dtype={built!r} but the optimizer's "
+                f"DMuonConfig says {cfg.publish_dtype!r}; pass the same value to build_dmuon_ddp(publish_dtype=...)")
+
+
 def _grad_scaler(config):
     """bf16/fp32 need no scaler; a constant --loss-scale is honoured as Megatron does (fp16 needs
     one: check_dmuon_config rejects fp16 with Megatron's dynamic scaler)."""
@@ -104,6 +120,7 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
     cfg.apply_environment()
     if cfg.mode == "dmuon":
         DMuonDistributedOptimizer.check_owner_aligned(model_chunks)
+        _check_publish_dtype(model_chunks, cfg)
     if cfg.mode == "megatron_layerwise":
         try:
             import emerging_optimizers  # noqa: F401
@@ -161,6 +178,8 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
         opt.dmuon_model_chunks = model_chunks
         opt.dmuon_is_expert = expert
         inner.init_state()  # after register_matrix: every rank holds every state key from the start
+        for chunk in model_chunks:  # an FP8 publish quantizes from these fp32 masters
+            register_masters(chunk, lambda o=opt: _master_pairs(o))
         parts.append(opt)
     return DMuonChainedOptimizer(parts, skip_nonfinite=cfg.skip_nonfinite)
 
@@ -397,6 +416,7 @@ def comm_bytes_per_step(model_chunks, mode: str) -> dict:
     padded = unpadded = 0
     for chunk in model_chunks:
         topo = getattr(chunk, "dmuon_topology", None)
+        packed = publish_layouts(chunk)  # FP8 publish: bytes of the packed blocks
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             d = buffer.data_parallel_world_size
             for bucket in buffer.buckets:
@@ -410,7 +430,8 @@ def comm_bytes_per_step(model_chunks, mode: str) -> dict:
                 pbytes = bucket.param_data.element_size() if bucket.param_data is not None else gbytes
                 if topo is None:
                     reduce_b += (d - 1) / d * n * gbytes
-                    publish_b += (d - 1) / d * n * pbytes
+                    layout = packed.get(id(bucket))
+                    publish_b += (d - 1) / d * (layout.recv_bytes if layout is not None else n * pbytes)
                 else:
                     L, N = topo.ranks_per_node, topo.num_nodes
                     intra, inter = (L - 1) / L * n, (N - 1) / N * n / L

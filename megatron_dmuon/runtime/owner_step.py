@@ -50,6 +50,8 @@ class MuonSettings:
     # TP-sharded matrices: 'gather' to the TP owner, 'distributed_gram' where it applies, or 'auto'
     # (planning/tp_cost.py's time model picks per shape)
     tp_method: str = "auto"
+    # dtype of the momentum buffer (bf16 halves the Muon state; the update itself runs in fp32)
+    momentum_dtype: torch.dtype = torch.float32
 
     def validate(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
@@ -64,6 +66,8 @@ class MuonSettings:
             raise ValueError(f"dmuon tp_method {self.tp_method!r} unknown (--dmuon-tp-method); valid: {TP_METHODS}")
         if self.ns_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"dmuon ns_dtype must be a float dtype, got {self.ns_dtype}")
+        if self.momentum_dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise ValueError(f"dmuon momentum_dtype must be float32 or bfloat16 (--dmuon-momentum-dtype), got {self.momentum_dtype}")
         if self.coefficients == ADAPTIVE_SCHEDULE:
             if self.ns_steps != 5:
                 raise ValueError(
@@ -179,6 +183,11 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             raise ValueError(f"DMuon: matrix name {info.name!r} registered twice")
         self.matrix_info[main_param] = info
 
+    def _momentum_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The stored momentum's dtype: bf16 when asked, else the master's (fp32; float64 in the
+        float64 exactness tests)."""
+        return torch.bfloat16 if self.muon.momentum_dtype == torch.bfloat16 else p.dtype
+
     def holds_momentum(self, info: MatrixInfo) -> bool:
         """Every rank keeps momentum for its shard; a TP-replicated matrix's only on its owner."""
         return info.partition_dim is not None or info.tp_owner == self.tp.rank
@@ -193,7 +202,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             for p in group["params"]:
                 state = self.state[p]
                 if group.get("use_muon", False):
-                    state.setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+                    state.setdefault("momentum_buffer", torch.zeros_like(p, dtype=self._momentum_dtype(p)))
                 elif len(state) == 0:  # exactly torch.optim.AdamW's lazy initialization
                     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
                     state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device)
@@ -250,10 +259,15 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=self._momentum_dtype(p))
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            updates[info.name] = muon_momentum_(state["momentum_buffer"].view(info.local_shape),
-                                                grad.view(info.local_shape), s.momentum, s.nesterov)
+            buf = state["momentum_buffer"]
+            # a narrower stored momentum is updated in the master's dtype and rounded back once
+            wide = buf if buf.dtype == p.dtype else buf.to(p.dtype)
+            update = muon_momentum_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum, s.nesterov)
+            if wide is not buf:
+                buf.copy_(wide)
+            updates[info.name] = update
         self.tp.bytes_sent = 0
         self.stats["ns_matrices"] = 0
         gram = [e for e in entries if e[2].tp_method == "distributed_gram"]

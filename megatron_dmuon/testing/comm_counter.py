@@ -27,6 +27,9 @@ def count_bucket_bytes(model_chunks):
     buffers = [b for c in model_chunks for b in c.buffers + c.expert_parallel_buffers]
     grad_ptrs = {_storage(b.grad_data) for b in buffers}
     param_ptrs = {_storage(b.param_data) for b in buffers if b.param_data is not None}
+    # an FP8 publish gathers packed byte blocks (megatron/publish.py) instead of param_data
+    param_ptrs |= {_storage(block) for c in model_chunks for g in c.bucket_groups + c.expert_parallel_bucket_groups
+                   for block in getattr(g, "dmuon_blocks", ())}
     counts = defaultdict(float)
 
     def size(group):

@@ -55,6 +55,9 @@ DEFAULTS = dict(lr=2e-2, weight_decay=0.1, clip_grad=0.0, steps=10, grad_accum=2
 def _muon_settings(ns_dtype="float32", ns_method="standard", coefficients="keller", **kw):
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
+    if isinstance(kw.get("momentum_dtype"), str):
+        kw["momentum_dtype"] = getattr(torch, kw["momentum_dtype"])
+
     return MuonSettings(ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method, coefficients=coefficients, **kw)
 
 
@@ -72,7 +75,8 @@ def _freeze(model, freeze):
 
 
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
-           split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost", **kw):
+           split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
+           grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, **kw):
     """Model, DDP, optimizer and scheduler of one run (parallel state already initialized).
     ``perturb``: scale the weights (a 'fresh' model that differs from the saved one)."""
     from types import SimpleNamespace
@@ -97,12 +101,14 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
     _freeze(model, freeze)
     dist_opt = mode == "dmuon" or mode == "adam"
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=dist_opt, grad_reduce_in_fp32=not shape.fp64,
+        use_distributed_optimizer=dist_opt,
+        grad_reduce_in_fp32=not shape.fp64 if grad_reduce_in_fp32 is None else grad_reduce_in_fp32,
         overlap_grad_reduce=overlap, overlap_param_gather=overlap and dist_opt,
         bucket_size=o.get("bucket_size"),
     )
     if mode == "dmuon":
-        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node, balance=balance)
+        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node, balance=balance,
+                              publish_dtype=publish_dtype)
     else:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
@@ -116,7 +122,8 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         opt = get_megatron_optimizer(opt_config, [ddp])
     else:
         muon = _muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {}))
-        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=muon, **_split_kwargs(split)))
+        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=muon, publish_dtype=optimizer_publish or publish_dtype,
+                                                                 **_split_kwargs(split)))
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
         lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
@@ -240,6 +247,10 @@ def _report(run, rank, trained, ns_counts, return_params=True):
                                  if part.dmuon_inner.holds_momentum(part.dmuon_inner.matrix_info[p]))
         out["tp_bytes"] = sum(part.dmuon_inner.stats["tp_bytes"] for part in parts)
         out["skipped_iterations"] = run.opt.dmuon_stats()["skipped_iterations"]
+        from megatron_dmuon.megatron.memory import megatron_adamw_state_bytes, optimizer_state_bytes
+
+        out["state_bytes"] = optimizer_state_bytes(run.opt)
+        out["adamw_state_bytes"] = megatron_adamw_state_bytes([ddp], ps.get_data_parallel_world_size())
     if run.mode == "dmuon":
         out["optimizer_state"] = optimizer_state_shards(run)
         topo = ddp.dmuon_topology
@@ -425,7 +436,7 @@ def _split_kwargs(split):
 
 
 RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes",
-            "blockwise", "nan_at", "data_dp")  # shape the run, not the math
+            "blockwise", "nan_at", "data_dp", "grad_reduce_in_fp32", "publish_dtype")  # shape the run, not the math
 
 
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,

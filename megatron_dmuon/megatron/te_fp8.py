@@ -1,0 +1,41 @@
+"""Thin adapter to Transformer Engine's FP8 params (`--fp8 ... --fp8-param-gather`).
+
+With TE, Megatron's DistributedOptimizer quantizes FP8 params itself
+(`_copy_main_params_to_model_params` -> `megatron.core.fp8_utils.quantize_param_shard`): each
+rank casts its fp32 master shard into the TE tensor with a per-tensor scale whose amax is
+all-reduced over the DP group. Under DMuon every Muon matrix lies whole in its owner's shard, so
+the other ranks contribute no element and the reduced amax is the owner's: the same rule as
+`--dmuon-publish-dtype fp8_*` (megatron/publish.py), run by TE's kernels. DMuonDistributedOptimizer
+inherits that code unchanged; this module only decides whether the combination may start.
+
+NOT TESTED here: Transformer Engine cannot be installed on this project's machines (CPU CI, the
+H200 image). The torch-float8 path (`--dmuon-publish-dtype`) is the tested one.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_fp8_param_gather(model_config) -> None:
+    """Start-up check of TE FP8 params under DMuon: refused without TE (naming the tested
+    alternative), allowed with TE (Megatron's own quantize path, untested here, logged)."""
+    if not (getattr(model_config, "fp8", None) and getattr(model_config, "fp8_param", False)):
+        return
+    if not transformer_engine_available():
+        raise ValueError(
+            "--fp8-param-gather needs Transformer Engine's FP8 params, and transformer_engine does not import "
+            "here; drop the flag, or keep bf16 params and publish FP8 with --dmuon-publish-dtype fp8_e4m3")
+    if getattr(model_config, "dmuon_publish_dtype", "param") != "param":
+        raise ValueError("--fp8-param-gather and --dmuon-publish-dtype fp8_* both quantize the publish: pick one")
+    log.warning("DMuon with Transformer Engine --fp8-param-gather: Megatron's own TE quantization runs on the "
+                "owners' shards; this combination is untested in megatron_dmuon (no TE on its machines)")
