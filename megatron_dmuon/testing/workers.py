@@ -239,6 +239,8 @@ def _report(run, rank, trained, ns_counts, return_params=True):
         out["muon_states"] = sum(1 for part in parts for p in part.dmuon_inner.matrix_info
                                  if part.dmuon_inner.holds_momentum(part.dmuon_inner.matrix_info[p]))
         out["tp_bytes"] = sum(part.dmuon_inner.stats["tp_bytes"] for part in parts)
+        out["row_variance_states"] = sum("row_variance" in part.dmuon_inner.state.get(p, {}) for part in parts
+                                         for p in part.dmuon_inner.matrix_info)
         out["skipped_iterations"] = run.opt.dmuon_stats()["skipped_iterations"]
     if run.mode == "dmuon":
         out["optimizer_state"] = optimizer_state_shards(run)
