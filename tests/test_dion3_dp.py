@@ -1,5 +1,9 @@
 """DMuon with --dmuon-update normuon / dion3 on real megatron-core (gloo, CPU) against the
 single-process reference (testing/reference.py: the rule one matrix at a time, no sharding)."""
+import json
+import subprocess
+import sys
+
 import pytest
 
 from megatron_dmuon.testing.compare import full_params, rel_diffs, run_dmuon, run_reference
@@ -21,7 +25,8 @@ def _check(dp, **kw):
     return results, ref
 
 
-@pytest.mark.parametrize("dp,update,fraction", [(2, "dion3", 0.25), (4, "dion3", 0.5), (2, "normuon", 1.0)])
+# NorMuon at DP=2 is checked by test_dmuon_verify_cli_passes_for_row_rules
+@pytest.mark.parametrize("dp,update,fraction", [(2, "dion3", 0.25), (4, "dion3", 0.5)])
 def test_row_rules_match_single_process_reference(dp, update, fraction):
     kw = dict(steps=4, grad_accum=2, muon_kw=dict(update=update, fraction=fraction, nesterov=False))
     results, ref = _check(dp, **kw)
@@ -34,3 +39,13 @@ def test_dion3_per_split_piece_matches_reference():
     # QKV cut per attention head (a stack of head matrices): rows are selected inside every head
     _check(2, steps=3, grad_accum=1, split="heads", muon_kw=dict(update="dion3", fraction=0.25, nesterov=False,
                                                                 fraction_lr="inverse_sqrt"))
+
+
+@pytest.mark.parametrize("update", ["dion3", "normuon"])
+def test_dmuon_verify_cli_passes_for_row_rules(update):
+    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.cli", "verify", "--dp", "2", "--update", update,
+                           "--steps", "3", "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["update"] == update and report["each_matrix_once"]
+    assert report["max_rel_diff"] <= FP32_TOL

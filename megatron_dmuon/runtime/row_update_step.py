@@ -35,7 +35,7 @@ def validate_update_settings(s) -> None:
         raise ValueError(f"--dmuon-normuon-beta2 {s.row_beta2} must be in [0, 1)")
     if s.update == "dion3" and s.nesterov:
         raise ValueError("--dmuon-update dion3 has no Nesterov form (momentum M + G with error feedback): "
-                         "drop --muon-nesterov")
+                         "drop --muon-nesterov (MuonSettings.nesterov=False)")
 
 
 def tp_refusal(update: str) -> str:
