@@ -207,7 +207,8 @@ def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
 
 def ddp_options_from_args(args) -> dict:
     """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
-    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
+    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
+                   megabatch=getattr(args, "dmuon_megabatch", False))
     if args.dmuon_balance == "milp":
         from .layout import milp_planning_options
 
@@ -278,6 +279,9 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                    help="dion3: lr factor for the fraction: none (NorDion2's) or inverse_sqrt (1/sqrt(F))")
     g.add_argument("--dmuon-normuon-beta2", type=float, default=0.95,
                    help="normuon/dion3: decay of the per-row second moment")
+    g.add_argument("--dmuon-megabatch", action="store_true",
+                   help="one grad reduce-scatter and one param all-gather per buffer per step whatever the layer "
+                        "count (no per-bucket overlap with backward); owners run one batched NS per shape")
     g.add_argument("--dmuon-split-heads", action="store_true", help="orthogonalize every attention head apart")
     g.add_argument("--dmuon-split-glu", action="store_true", help="orthogonalize SwiGLU gate and up apart")
     g.add_argument("--dmuon-autotune-cache", default=None, metavar="PATH",

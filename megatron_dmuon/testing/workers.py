@@ -72,7 +72,8 @@ def _freeze(model, freeze):
 
 
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
-           split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost", **kw):
+           split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
+           megabatch=False, **kw):
     """Model, DDP, optimizer and scheduler of one run (parallel state already initialized).
     ``perturb``: scale the weights (a 'fresh' model that differs from the saved one)."""
     from types import SimpleNamespace
@@ -102,7 +103,8 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         bucket_size=o.get("bucket_size"),
     )
     if mode == "dmuon":
-        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node, balance=balance)
+        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node, balance=balance,
+                              megabatch=megabatch)
     else:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
@@ -282,6 +284,29 @@ def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, return_params=True, count_by
     return out
 
 
+def collective_calls(rank, world_size, layer_counts=(2, 4), configs=None, steps=3, **kw):
+    """torch.distributed calls in one steady-state training step (the middle one of ``steps``)
+    for every (layer count, config): {config name: {layers: {'calls': {fn: n}, 'buckets': n}}}.
+    ``configs``: {name: _build kwargs}; default the bucketed overlap path vs megabatch."""
+    from megatron_dmuon.testing.comm_counter import count_collective_calls
+
+    init_parallel()
+    configs = configs or {"bucketed": dict(overlap=True, bucket_size=20000),
+                          "megabatch": dict(overlap=True, bucket_size=20000, megabatch=True)}
+    out = {}
+    for name, config in configs.items():
+        for layers in layer_counts:
+            run = _build(**{**kw, **config, "shape_kw": {**kw.get("shape_kw", {}), "num_layers": layers}})
+            _train(run, range(steps // 2))
+            with count_collective_calls() as calls:
+                _train(run, [steps // 2])
+            _train(run, range(steps // 2 + 1, steps))
+            _finish_overlap(run)
+            out.setdefault(name, {})[layers] = {"calls": dict(calls),
+                                                "buckets": sum(len(b.buckets) for b in run.ddp.buffers)}
+    return out
+
+
 def dmuon_resume(rank, world_size, resume_at, tp=1, pp=1, ep=1, fmt="dist", save_dir=None, load_dir=None,
                  resume_here=True, optimizer_only=False, data_dp=None, **kw):
     """Save/load through the optimizer's checkpoint entry points.
@@ -426,7 +451,7 @@ def _split_kwargs(split):
     return {"split_qkv": split in ("qkv", "heads"), "split_per_head": split == "heads", "split_glu": split == "glu"}
 
 
-RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes",
+RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes", "megabatch",
             "blockwise", "nan_at", "data_dp")  # shape the run, not the math
 
 
