@@ -207,8 +207,9 @@ def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
 
 def ddp_options_from_args(args) -> dict:
     """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
-    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
-                   megabatch=getattr(args, "dmuon_megabatch", False))
+    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
+    if getattr(args, "dmuon_megabatch", False):
+        options["megabatch"] = True
     if args.dmuon_balance == "milp":
         from .layout import milp_planning_options
 
