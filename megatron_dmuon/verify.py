@@ -31,7 +31,9 @@ import sys
 import torch
 
 from .planning.tp_cost import TP_METHODS
+from .megatron.config import DEFAULT_DION3_FRACTION
 from .runtime.owner_step import NS_METHODS
+from .runtime.row_update_step import UPDATE_RULES
 
 # bf16 params (rounding 2^-8 per update), bf16 grads and bf16 NS against the fp32 reference after
 # 10 steps at lr 2e-2: measured 8.7e-2 worst tensor on CPU/gloo DP=2; bound with margin.
@@ -78,6 +80,9 @@ def _parser():
     p.add_argument("--ns-method", choices=NS_METHODS, default="standard", help="NS variant (the reference uses the same)")
     p.add_argument("--tp-method", choices=TP_METHODS, default="auto",
                    help="TP matrices: gather to the owner, distributed Gram (needs --ns-method gram/auto), or auto")
+    p.add_argument("--update", choices=UPDATE_RULES, default="muon",
+                   help="owners' update rule (--dmuon-update); dion3 and normuon run without Nesterov")
+    p.add_argument("--fraction", type=float, default=None, help="dion3: share of rows (--dmuon-fraction; default 0.25)")
     p.add_argument("--tol", type=float, default=None, help="max relative difference allowed per tensor")
     p.add_argument("--resume-at", type=int, default=None, metavar="K",
                    help="save after K steps, resume a fresh model and optimizer from it, compare with the uninterrupted run")
@@ -95,6 +100,8 @@ def _check(args, p):
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)}); --steps 0 would check nothing")
     if args.bf16:
         args.precision = "bf16"
+    if args.fraction is not None and (args.update != "dion3" or not 0.0 < args.fraction <= 1.0):
+        p.error(f"--fraction {args.fraction} needs --update dion3 and a value in (0, 1]")
     if args.resume_at is not None and not 1 <= args.resume_at < args.steps:
         p.error(f"--resume-at must be in [1, --steps) = [1, {args.steps}) (got {args.resume_at})")
     if args.resume_at is None and (args.resume_dp or args.resume_tp):
@@ -127,7 +134,14 @@ def _run_kwargs(args, precision):
     ns_dtype = {"bf16": "bfloat16", "fp64": "float64"}.get(precision, "float32")
     return dict(steps=args.steps, grad_accum=args.grad_accum, overlap=args.overlap, tp=args.tp, pp=args.pp,
                 ep=args.ep, shape_kw=shape, ns_dtype=ns_dtype, split=args.split,
-                muon_kw=dict(ns_method=args.ns_method, tp_method=args.tp_method))
+                muon_kw=dict(ns_method=args.ns_method, tp_method=args.tp_method, **_update_kwargs(args)))
+
+
+def _update_kwargs(args) -> dict:
+    if args.update == "muon":
+        return {}
+    fraction = args.fraction if args.fraction is not None else (DEFAULT_DION3_FRACTION if args.update == "dion3" else 1.0)
+    return dict(update=args.update, fraction=fraction, nesterov=False)
 
 
 def _reference_kwargs(kw, precision):
@@ -177,6 +191,7 @@ def main(argv=None) -> int:
     ref = run_reference(args.dp, layouts=results[0]["layouts"] if exact_order else None,
                         **_reference_kwargs(kw, precision))
     meta = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "ep": args.ep, "backend": "gloo", "precision": precision,
+            "update": args.update,
             "each_matrix_once": results[0]["ns_counts"] == [ref["num_matrices"]] * args.steps,
             # per rank, counted from the state tensors; Megatron's AdamW DistributedOptimizer's figure beside it
             "optimizer_state_bytes": [r["state_bytes"] for r in results],

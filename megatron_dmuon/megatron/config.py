@@ -28,6 +28,8 @@ from ..planning.owner_layout import BALANCE
 from ..planning.profile import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, NS_METHODS, MuonSettings
+from ..runtime.row_update_step import UPDATE_RULES, tp_refusal
+from ..algorithms.dion3 import FRACTION_LR_MODES
 from .checks import check_dmuon_config
 from .hierarchy import check_two_level_config
 from .publish import PUBLISH_DTYPES
@@ -106,6 +108,9 @@ class DMuonConfig:
             raise ValueError(f"--dmuon-publish-dtype {self.publish_dtype} needs --dmuon-mode dmuon (the owners quantize); "
                              f"--dmuon-mode {self.mode} publishes nothing of its own")
         self.muon.validate()
+        if self.mode == "megatron_layerwise" and self.muon.update != "muon":
+            raise ValueError(f"--dmuon-mode megatron_layerwise runs Megatron's own Muon; --dmuon-update "
+                             f"{self.muon.update} needs --dmuon-mode dmuon (or gather_then_compute)")
 
     @classmethod
     def from_args(cls, args) -> "DMuonConfig":
@@ -130,12 +135,14 @@ class DMuonConfig:
                 "--muon-tp-mode blockwise (Megatron's default) orthogonalizes every TP shard on its own, so "
                 "the update depends on the TP size (it is not Muon); --optimizer dmuon orthogonalizes whole "
                 "matrices: pass --muon-tp-mode duplicated (same math as Megatron's duplicated/distributed)")
+        update_kw = _update_settings_from_args(args, tp)
         muon = megatron_muon_settings(
             momentum=args.muon_momentum, nesterov=args.muon_nesterov, coefficients=coefficients,
             ns_steps=steps, ns_dtype=MUON_FP32_MATMUL_PREC[args.muon_fp32_matmul_prec],
             scale_mode=args.muon_scale_mode, extra_scale=args.muon_extra_scale_factor,
             ns_method=args.dmuon_ns_method, ns_launch=args.dmuon_ns_launch, tp_method=args.dmuon_tp_method,
-            momentum_dtype=MOMENTUM_DTYPES[getattr(args, "dmuon_momentum_dtype", "fp32")])
+            momentum_dtype=MOMENTUM_DTYPES[getattr(args, "dmuon_momentum_dtype", "fp32")],
+            **update_kw)
         cfg = cls(mode=args.dmuon_mode, muon=muon,
                   split_qkv=args.muon_split_qkv or args.dmuon_split_heads,
                   split_per_head=args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
@@ -149,6 +156,28 @@ class DMuonConfig:
         """Process-wide settings the config implies (the autotune cache location)."""
         if self.autotune_cache:
             os.environ[CACHE_ENV] = self.autotune_cache
+
+
+# Dion3's share of rows when --dmuon-fraction is not given (microsoft/dion's NorDion2 default)
+DEFAULT_DION3_FRACTION = 0.25
+
+
+def _update_settings_from_args(args, tp_size: int) -> dict:
+    """MuonSettings fields of --dmuon-update and its options; refused combinations name the flag."""
+    update = getattr(args, "dmuon_update", "muon")
+    fraction = getattr(args, "dmuon_fraction", None)
+    if fraction is not None and update != "dion3":
+        raise ValueError(f"--dmuon-fraction {fraction} applies to --dmuon-update dion3 only (got --dmuon-update "
+                         f"{update}): drop --dmuon-fraction or pass --dmuon-update dion3")
+    if update != "muon" and tp_size > 1:
+        raise ValueError(tp_refusal(update))
+    if update != "muon" and (getattr(args, "save", None) or getattr(args, "load", None)):
+        raise ValueError(f"--dmuon-update {update}: its row second moments are not in DMuon checkpoints yet; "
+                         "drop --save/--load, or use --dmuon-update muon")
+    return dict(update=update, fraction=DEFAULT_DION3_FRACTION if fraction is None and update == "dion3"
+                else (1.0 if fraction is None else fraction),
+                row_beta2=getattr(args, "dmuon_normuon_beta2", 0.95),
+                fraction_lr=getattr(args, "dmuon_fraction_lr", "none"))
 
 
 def _coefficients_for(coefficient_type: str, steps: int):
@@ -194,6 +223,8 @@ def ddp_options_from_args(args) -> dict:
     """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
     options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
                    publish_dtype=getattr(args, "dmuon_publish_dtype", "param"))
+    if getattr(args, "dmuon_megabatch", False):
+        options["megabatch"] = True
     if args.dmuon_balance == "milp":
         from .layout import milp_planning_options
 
@@ -255,6 +286,19 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     g.add_argument("--dmuon-ranks-per-node", type=int, default=0,
                    help="> 0: two-level (intra-node, then inter-node) grad reduce / param publish with "
                         "this many ranks per node (pass the GPUs per node)")
+    g.add_argument("--dmuon-update", default="muon", choices=UPDATE_RULES,
+                   help="the owners' update rule: muon; normuon (row-normalized Muon); dion3 (top "
+                        "--dmuon-fraction rows by L1 norm, error feedback, NorMuon normalization); docs/dion3.md")
+    g.add_argument("--dmuon-fraction", type=float, default=None, metavar="F",
+                   help=f"--dmuon-update dion3: share of each matrix's rows orthogonalized per step, in (0, 1] "
+                        f"(default {DEFAULT_DION3_FRACTION}; 1 = NorMuon)")
+    g.add_argument("--dmuon-fraction-lr", default="none", choices=FRACTION_LR_MODES,
+                   help="dion3: lr factor for the fraction: none (NorDion2's) or inverse_sqrt (1/sqrt(F))")
+    g.add_argument("--dmuon-normuon-beta2", type=float, default=0.95,
+                   help="normuon/dion3: decay of the per-row second moment")
+    g.add_argument("--dmuon-megabatch", action="store_true",
+                   help="one grad reduce-scatter and one param all-gather per buffer per step whatever the layer "
+                        "count (no per-bucket overlap with backward); owners run one batched NS per shape")
     g.add_argument("--dmuon-split-heads", action="store_true", help="orthogonalize every attention head apart")
     g.add_argument("--dmuon-split-glu", action="store_true", help="orthogonalize SwiGLU gate and up apart")
     g.add_argument("--dmuon-autotune-cache", default=None, metavar="PATH",

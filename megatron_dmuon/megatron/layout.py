@@ -187,13 +187,16 @@ class DMuonDDP(_import_distributed_data_parallel()):
 
     def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
                  full_param_layout=None, *, ranks_per_node: int = 0, publish_dtype: str = "param",
-                 **layout_kwargs):
+                 megabatch: bool = False, **layout_kwargs):
         from .checks import check_model_parallel_config
         from .hierarchy import check_two_level_config
         from .publish import check_publish_config, install_fp8_publish
 
         check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
         check_publish_config(publish_dtype, module.parameters(), ranks_per_node)
+        # megabatch: one bucket per buffer even with --overlap-grad-reduce, so every same-shape group
+        # is reduced and published by the buffer's one collective, however many layers (docs/dion3.md)
+        disable_bucketing = disable_bucketing or megabatch
         groups = layout_groups(config, ddp_config)
         dp_group = groups["dp"]
         _check_same_group(pg_collection, dp_group)
@@ -248,7 +251,8 @@ def _check_same_group(pg_collection, dp_group) -> None:
 
 
 def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False,
-                    ranks_per_node: int = 0, publish_dtype: str = "param", **layout_kwargs) -> DMuonDDP:
+                    ranks_per_node: int = 0, publish_dtype: str = "param", megabatch: bool = False,
+                    **layout_kwargs) -> DMuonDDP:
     """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...))."""
     return DMuonDDP(config, ddp_config, module, disable_bucketing=disable_bucketing,
-                    ranks_per_node=ranks_per_node, publish_dtype=publish_dtype, **layout_kwargs)
+                    ranks_per_node=ranks_per_node, publish_dtype=publish_dtype, megabatch=megabatch, **layout_kwargs)

@@ -52,8 +52,18 @@ class MuonSettings:
     tp_method: str = "auto"
     # dtype of the momentum buffer (bf16 halves the Muon state; the update itself runs in fp32)
     momentum_dtype: torch.dtype = torch.float32
+    # the update rule: 'muon', or a row rule of algorithms/dion3.py ('normuon', 'dion3'; run by
+    # runtime/row_update_step.py); row_beta2: NorMuon's second-moment decay; fraction and
+    # fraction_lr: Dion3's selected share of rows and its lr factor
+    update: str = "muon"
+    fraction: float = 1.0
+    row_beta2: float = 0.95
+    fraction_lr: str = "none"
 
     def validate(self) -> None:
+        from .row_update_step import validate_update_settings
+
+        validate_update_settings(self)
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"dmuon momentum must be in [0, 1), got {self.momentum}")
         if self.ns_method not in NS_METHODS:
@@ -168,6 +178,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
         self._fp32_orthogonalizer = fp32_orthogonalizer(self.muon)
         self.tp = TPExchange(tp_group)
+        if self.muon.update != "muon" and self.tp.size > 1:
+            from .row_update_step import tp_refusal
+
+            raise ValueError(tp_refusal(self.muon.update))
         self._graphs: Dict[tuple, object] = {}  # ns_launch='graph': one GraphedGroups per stack-shape set
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
         # ns_matrices / ns_calls / ns_fp32_retries of the last step; ns_matrices_total, ns_fp32_retries_total
@@ -203,6 +217,8 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 state = self.state[p]
                 if group.get("use_muon", False):
                     state.setdefault("momentum_buffer", torch.zeros_like(p, dtype=self._momentum_dtype(p)))
+                    if self.muon.update != "muon" and p in self.matrix_info:  # one second moment per row
+                        state.setdefault("row_variance", p.new_zeros(self.matrix_info[p].shape[0]))
                 elif len(state) == 0:  # exactly torch.optim.AdamW's lazy initialization
                     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
                     state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device)
@@ -253,6 +269,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 if p.grad is not None or self.tp.size > 1:
                     entries.append((p, group, info))
         entries.sort(key=lambda e: e[2].name)  # the same order on every TP rank
+        if s.update != "muon":
+            from .row_update_step import row_update_step
+
+            return row_update_step(self, entries)
         updates = {}
         for p, _, info in entries:
             if not self.holds_momentum(info):

@@ -81,3 +81,47 @@ def count_bucket_bytes(model_chunks):
             setattr(dist, name, fn)
         for name, fn in alias_originals.items():
             setattr(pgb, name, fn)
+
+
+# every torch.distributed entry point a DMuon step can reach (collectives and the object helpers
+# built on them); megatron-core's buffers also bind reduce-scatter / all-gather under their own names
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "all_gather",
+               "reduce_scatter", "broadcast", "reduce", "all_to_all", "all_gather_object", "broadcast_object_list",
+               "barrier", "_reduce_scatter_base", "_all_gather_base")
+
+
+@contextlib.contextmanager
+def count_collective_calls():
+    """Yields {torch.distributed function name: calls} counted while active, whatever the tensor
+    (grad buffers, grad-norm and NaN-flag all-reduces, TP exchanges); nested helper calls (an
+    object all-gather running an all-gather) count once, at the outermost call."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    counts = defaultdict(int)
+    depth = [0]
+
+    def counted(name, fn):
+        def call(*a, **k):
+            if depth[0] == 0:
+                counts[name] += 1
+            depth[0] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0] -= 1
+        return call
+
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    alias_names = {"dist_reduce_scatter_func": "reduce_scatter_tensor", "dist_all_gather_func": "all_gather_into_tensor"}
+    alias_originals = {name: getattr(pgb, name) for name in alias_names}
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, counted(name, fn))
+        for alias, name in alias_names.items():
+            setattr(pgb, alias, counted(name, alias_originals[alias]))
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        for alias, fn in alias_originals.items():
+            setattr(pgb, alias, fn)

@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..algorithms.adamw import adamw_step_
+from ..algorithms.dion3 import row_step_
 from ..algorithms.muon import muon_apply_, muon_direction, muon_momentum_
 from ..algorithms.ns_dispatch import orthogonalize
 from ..megatron.gpt import causal_batch
@@ -93,7 +94,9 @@ class ProjectRules:
         for n, p in named:
             g, st = grads[n], self.state[n]
             wd = param_weight_decay(n, p, self.weight_decay)
-            if is_muon_param(n, p):
+            if is_muon_param(n, p) and getattr(s, "update", "muon") != "muon":
+                self._row_rule_step(n, p, g, st, wd)
+            elif is_muon_param(n, p):
                 st.setdefault("momentum", torch.zeros_like(p))
                 update = muon_momentum_(st["momentum"], g, s.momentum, s.nesterov)
                 rule = self.split_rule_for(n, tuple(p.shape)) if self.split_rule_for is not None else None
@@ -110,6 +113,17 @@ class ProjectRules:
                 st["step"] = st.get("step", 0) + 1
                 adamw_step_(p, g, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=lr,
                             beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=wd)
+
+
+    def _row_rule_step(self, n, p, g, st, wd) -> None:
+        """NorMuon / Dion3 of one matrix through ``row_step_``: one NS call per piece (per head)."""
+        s = self.s
+        row_step_(p, g, st.setdefault("momentum", torch.zeros_like(p)),
+                  st.setdefault("row_variance", p.new_zeros(p.shape[0])), rule=s.update, lr=self.lr, beta=s.momentum,
+                  beta2=s.row_beta2, fraction=s.fraction, weight_decay=wd, nesterov=s.nesterov,
+                  split=self.split_rule_for(n, tuple(p.shape)) if self.split_rule_for is not None else None,
+                  scale_mode=s.scale_mode, extra_scale=s.extra_scale, fraction_lr=s.fraction_lr,
+                  orthogonalize_fn=lambda m: orthogonalize_one(m, s))
 
 
 class TorchOptimRules:

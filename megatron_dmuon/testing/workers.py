@@ -76,7 +76,7 @@ def _freeze(model, freeze):
 
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
            split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
-           grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, **kw):
+           grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, megabatch=False, **kw):
     """Model, DDP, optimizer and scheduler of one run (parallel state already initialized).
     ``perturb``: scale the weights (a 'fresh' model that differs from the saved one)."""
     from types import SimpleNamespace
@@ -108,7 +108,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
     )
     if mode == "dmuon":
         ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node, balance=balance,
-                              publish_dtype=publish_dtype)
+                              publish_dtype=publish_dtype, megabatch=megabatch)
     else:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
@@ -246,6 +246,8 @@ def _report(run, rank, trained, ns_counts, return_params=True):
         out["muon_states"] = sum(1 for part in parts for p in part.dmuon_inner.matrix_info
                                  if part.dmuon_inner.holds_momentum(part.dmuon_inner.matrix_info[p]))
         out["tp_bytes"] = sum(part.dmuon_inner.stats["tp_bytes"] for part in parts)
+        out["row_variance_states"] = sum("row_variance" in part.dmuon_inner.state.get(p, {}) for part in parts
+                                         for p in part.dmuon_inner.matrix_info)
         out["skipped_iterations"] = run.opt.dmuon_stats()["skipped_iterations"]
         from megatron_dmuon.megatron.memory import megatron_adamw_state_bytes, optimizer_state_bytes
 
@@ -288,6 +290,29 @@ def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, return_params=True, count_by
     out = _report(run, rank, trained, ns_counts, return_params)
     if recorded is not None:
         out["reduced_grads"] = recorded
+    return out
+
+
+def collective_calls(rank, world_size, layer_counts=(2, 4), configs=None, steps=3, **kw):
+    """torch.distributed calls in one steady-state training step (the middle one of ``steps``)
+    for every (layer count, config): {config name: {layers: {'calls': {fn: n}, 'buckets': n}}}.
+    ``configs``: {name: _build kwargs}; default the bucketed overlap path vs megabatch."""
+    from megatron_dmuon.testing.comm_counter import count_collective_calls
+
+    init_parallel()
+    configs = configs or {"bucketed": dict(overlap=True, bucket_size=20000),
+                          "megabatch": dict(overlap=True, bucket_size=20000, megabatch=True)}
+    out = {}
+    for name, config in configs.items():
+        for layers in layer_counts:
+            run = _build(**{**kw, **config, "shape_kw": {**kw.get("shape_kw", {}), "num_layers": layers}})
+            _train(run, range(steps // 2))
+            with count_collective_calls() as calls:
+                _train(run, [steps // 2])
+            _train(run, range(steps // 2 + 1, steps))
+            _finish_overlap(run)
+            out.setdefault(name, {})[layers] = {"calls": dict(calls),
+                                                "buckets": sum(len(b.buckets) for b in run.ddp.buffers)}
     return out
 
 
@@ -435,7 +460,7 @@ def _split_kwargs(split):
     return {"split_qkv": split in ("qkv", "heads"), "split_per_head": split == "heads", "split_glu": split == "glu"}
 
 
-RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes",
+RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes", "megabatch",
             "blockwise", "nan_at", "data_dp", "grad_reduce_in_fp32", "publish_dtype")  # shape the run, not the math
 
 
