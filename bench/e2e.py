@@ -32,7 +32,7 @@ def main():
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--modes", nargs="+", default=["adam", "dmuon"],
                    help="adam, dmuon, gather_then_compute, megatron_layerwise; ':gram'/':standard' picks the NS "
-                        "method, '+adaptive' (any --dmuon-coefficients name) the NS schedule, "
+                        "method, '+adaptive' (any --dmuon-coefficients name) the NS schedule, '~graph' the NS launch mode, "
                         "megatron_layerwise@duplicated the TP mode of Megatron's own Muon")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
@@ -40,12 +40,15 @@ def main():
     for mode in args.modes:
         out = tempfile.mktemp(suffix=".json")
         name, _, tp_mode = mode.partition("@")
+        name, _, launch = name.partition("~")
         name, _, coefficients = name.partition("+")
         opt = ["--optimizer", "adam"] if name == "adam" else ["--optimizer", "dmuon", "--dmuon-mode", name.split(":")[0]]
         if ":" in name:
             opt += ["--dmuon-ns-method", name.split(":")[1]]
         if coefficients:
             opt += ["--dmuon-coefficients", coefficients]
+        if launch:
+            opt += ["--dmuon-ns-launch", launch]
         if tp_mode:
             opt += ["--muon-tp-mode", tp_mode]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),

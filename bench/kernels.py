@@ -156,8 +156,8 @@ def methods_for(args, device, peers):
             _adaptive(lambda x, **s: gram_newton_schulz_fast(x, **s, **gram_kw, cache_path=cache)), "gram", True)
         methods["ours_auto_fp16_adaptive"] = (
             _adaptive(lambda x, **s: orthogonalize_batched(x, "auto", **s, **gram_kw, cache_path=cache)), "auto", True)
-        methods["ours_auto_fp16_adaptive_no_restart"] = (
-            _adaptive(lambda x, **s: orthogonalize_batched(x, "auto", **s, **gram_kw, restart_after=(), cache_path=cache)),
+        methods["ours_auto_fp16_adaptive_restart2"] = (  # what the Gram restart would cost (none by default)
+            _adaptive(lambda x, **s: orthogonalize_batched(x, "auto", **s, **gram_kw, restart_after=(2,), cache_path=cache)),
             "auto", True)
         graphed = _graphed_groups(**gram_kw, cache_path=cache)
         methods["ours_auto_fp16_adaptive_graphed"] = (lambda x: graphed([x])[0], "auto", True)

@@ -153,15 +153,15 @@ def quartic_rescale(gram: Tensor, square=None) -> tuple[Tensor, Tensor, Tensor]:
     acc = torch.float64 if gram.dtype == torch.float64 else torch.float32
     f = torch.linalg.vector_norm(gram, dim=dims, keepdim=True, dtype=acc)
     # reciprocals in float32 with 0 for a zero matrix (an eps would round to 0 in fp16: 0/0)
-    unit = gram * _safe_reciprocal(f).to(gram.dtype)
+    unit = gram * safe_reciprocal(f).to(gram.dtype)
     squared = square(unit) if square is not None else unit @ unit
     g = torch.linalg.vector_norm(squared, dim=dims, keepdim=True, dtype=acc)
-    inv_g = _safe_reciprocal(g)
-    gamma = _safe_reciprocal(f * g.sqrt()).sqrt()  # 1/s, s² = ‖R²‖_F^(1/2) = f·√g
+    inv_g = safe_reciprocal(g)
+    gamma = safe_reciprocal(f * g.sqrt()).sqrt()  # 1/s, s² = ‖R²‖_F^(1/2) = f·√g
     return unit * inv_g.sqrt().to(gram.dtype), squared * inv_g.to(gram.dtype), gamma.to(gram.dtype)
 
 
-def _safe_reciprocal(t: Tensor) -> Tensor:
+def safe_reciprocal(t: Tensor) -> Tensor:
     return torch.where(t > 0, t.reciprocal(), torch.zeros_like(t))
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from ..algorithms.coefficients import get_coefficients
 from ..algorithms.gram_newton_schulz import default_restarts, gram_newton_schulz, restart_points
 from ..algorithms.newton_schulz import (
-    NS_EPS, PLAIN_NORM_MIN, newton_schulz, quartic_rescale, validate_compute_dtype, validate_eps, validate_matrix_input,
+    NS_EPS, PLAIN_NORM_MIN, safe_reciprocal, newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input,
     validate_normalisation,
 )
 from . import symmetric_ops
@@ -116,6 +116,29 @@ def _apply_q(Q: Tensor, X: Tensor, transposed: bool, out_dtype: torch.dtype) -> 
     return torch.bmm(left, right)
 
 
+def _scale_(x: Tensor, scale: Tensor) -> Tensor:
+    """``x[b] *= scale[b]`` in place (a vectorised pass; torch's broadcast multiply is not)."""
+    from .triton_cast import scale_cast
+
+    return scale_cast(x, scale.reshape(-1).float(), x)
+
+
+def _quartic_first_step(R: Tensor, plan: ShapePlan, b: float, c: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``algorithms.newton_schulz.quartic_rescale`` fused for the kernels, with the first step's
+    ``Z' = b R + c R²`` made in the same pass: R (overwritten) is rescaled, Z' returned, and γ for
+    the caller to apply to X (standard) or to the first segment's Q (Gram). Same arithmetic:
+    unit-Frobenius R, its square by the symmetric product, norms accumulated in float32."""
+    from .triton_cast import quartic_first_step_
+
+    f = torch.linalg.vector_norm(R, dim=(-2, -1), dtype=torch.float32)
+    _scale_(R, safe_reciprocal(f))
+    S = _sym(plan.square, R, R)
+    g = torch.linalg.vector_norm(S, dim=(-2, -1), dtype=torch.float32)
+    inv_g = safe_reciprocal(g)
+    quartic_first_step_(R, S, inv_g.sqrt(), inv_g, b, c)
+    return R, S, safe_reciprocal(f * g.sqrt()).sqrt()
+
+
 def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transposed: bool = False,
               out_dtype: torch.dtype | None = None, quartic: bool = False) -> Tensor:
     """Gram NS on a normalised wide [B, m, n] stack. Returns Q X in the input's orientation
@@ -124,13 +147,13 @@ def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transpo
     needs none) and fold its γ into the first segment's Q."""
     steps = len(schedule)
     R = _syrk(plan.syrk, X)
-    gamma = square = None
+    gamma = first_Z = None
     if quartic:
-        R, square, gamma = quartic_rescale(R, square=lambda u: _sym(plan.square, u, u))
+        R, first_Z, gamma = _quartic_first_step(R, plan, *schedule[0][1:])
     Q = None  # the identity at the start of a segment
     for t, (a, b, c) in enumerate(schedule, start=1):
-        if square is not None:
-            Z, square = torch.add(R * b, square, alpha=c), None  # Z' = b R + c R² from the rescale's R²
+        if first_Z is not None:
+            Z, first_Z = first_Z, None  # Z' = b R + c R² came with the rescale
         else:
             Z = _sym(plan.square, R, R, c=R, alpha=c, beta=b)  # Z' = b R + c R²
         if not (t in restarts or t == steps):
@@ -142,7 +165,7 @@ def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transpo
         else:
             Q = _sym(plan.square, Q, Z, c=Q, beta=a)  # Q Z = a Q + Q Z'
         if gamma is not None and (t in restarts or t == steps):
-            Q, gamma = Q * gamma, None  # the first segment's Q acts on γ X
+            Q, gamma = _scale_(Q, gamma), None  # the first segment's Q acts on γ X
         if t in restarts:
             X = torch.bmm(Q, X)
             R = _syrk(plan.syrk, X)
@@ -156,9 +179,8 @@ def standard_core(X: Tensor, schedule, plan: ShapePlan, quartic: bool = False) -
     for t, (a, b, c) in enumerate(schedule):
         A = _syrk(plan.syrk, X)
         if quartic and t == 0:
-            A, square, gamma = quartic_rescale(A, square=lambda u: _sym(plan.square, u, u))
-            X = X * gamma
-            B = torch.add(A * b, square, alpha=c)
+            _, B, gamma = _quartic_first_step(A, plan, b, c)
+            X = _scale_(X, gamma)
         else:
             B = _sym(plan.square, A, A, c=A, alpha=c, beta=b)
         X = torch.baddbmm(X, B, X, beta=a)

@@ -58,3 +58,34 @@ def scale_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block: i
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _quartic_first_step_kernel(
+    R, S, R_SCALE, S_SCALE, N,
+    b, c,
+    BLOCK: tl.constexpr,
+):
+    batch = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    r = tl.load(R + batch * N + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(R_SCALE + batch)
+    s = tl.load(S + batch * N + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(S_SCALE + batch)
+    tl.store(R + batch * N + offs, r.to(R.dtype.element_ty), mask=mask)
+    tl.store(S + batch * N + offs, (b * r + c * s).to(S.dtype.element_ty), mask=mask)
+
+
+def quartic_first_step_(R: torch.Tensor, S: torch.Tensor, r_scale: torch.Tensor, s_scale: torch.Tensor,
+                        b: float, c: float, block: int = 2048) -> None:
+    """In place, per matrix of the contiguous [B, m, m] stacks: ``R <- R·r_scale``, then
+    ``S <- b R + c S·s_scale`` (the first NS step's ``b R + c R²`` after the quartic rescale), in
+    one read of each and one write; scales float32 [B]."""
+    if R.shape != S.shape or R.dim() != 3 or not (R.is_contiguous() and S.is_contiguous()):
+        raise ValueError(f"quartic_first_step_: R and S must be contiguous [B, m, m] of one shape, got "
+                         f"{tuple(R.shape)} and {tuple(S.shape)}")
+    batch, n = R.shape[0], R.shape[1] * R.shape[2]
+    if R.numel() == 0:
+        return
+    block = block if R.is_cuda or not interpreter_active() else 64
+    _quartic_first_step_kernel[(triton.cdiv(n, block), batch)](R, S, r_scale, s_scale, n, float(b), float(c),
+                                                              BLOCK=block, num_warps=4)
