@@ -25,6 +25,29 @@ PRESETS = {
 }
 
 
+def run_main_job(mode: str, nproc: int, job_args: list, tail: int = 12) -> dict:
+    """One examples/pretrain_gpt.py run under torchrun: its summary (with ``mode``), or the error."""
+    out = tempfile.mktemp(suffix=".json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *job_args, "--log-interval", "4", "--timing-json", out]
+    print("$", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [l for l in (proc.stdout + proc.stderr).splitlines()
+             if l.startswith((" iteration", ">", "Traceback", "  File")) or "Error" in l]
+    print("\n".join(lines[-tail:]), flush=True)
+    if proc.returncode != 0 or not os.path.exists(out):
+        return {"mode": mode, "error": (proc.stdout + proc.stderr)[-3000:]}
+    return {**json.load(open(out))["summary"], "mode": mode}
+
+
+def add_ratios_to_adam(rows: list) -> None:
+    """``vs_adam``: each row's median step time over the AdamW row's of the same run."""
+    base = next((r for r in rows if r["mode"] == "adam" and "error" not in r), None)
+    for r in rows:
+        if base and "error" not in r:
+            r["vs_adam"] = r["median_step_ms"] / base["median_step_ms"]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -38,7 +61,6 @@ def main():
     args = p.parse_args()
     rows = []
     for mode in args.modes:
-        out = tempfile.mktemp(suffix=".json")
         name, _, tp_mode = mode.partition("@")
         name, _, launch = name.partition("~")
         name, _, coefficients = name.partition("+")
@@ -51,21 +73,9 @@ def main():
             opt += ["--dmuon-ns-launch", launch]
         if tp_mode:
             opt += ["--muon-tp-mode", tp_mode]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               os.path.join(ROOT, "examples", "pretrain_gpt.py"), *PRESETS[args.preset], *opt,
-               "--train-iters", str(args.iters), "--log-interval", "4", "--timing-json", out, *args.extra]
-        print("$", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.startswith((" iteration", ">", "Traceback", "  File")) or "Error" in l]
-        print("\n".join(lines[-12:]), flush=True)
-        if proc.returncode != 0 or not os.path.exists(out):
-            rows.append({"mode": mode, "error": (proc.stdout + proc.stderr)[-3000:]})
-            continue
-        rows.append({**json.load(open(out))["summary"], "mode": mode})
-    base = next((r for r in rows if r["mode"] == "adam" and "error" not in r), None)
-    for r in rows:
-        if base and "error" not in r:
-            r["vs_adam"] = r["median_step_ms"] / base["median_step_ms"]
+        rows.append(run_main_job(mode, args.nproc, [*PRESETS[args.preset], *opt, "--train-iters", str(args.iters),
+                                                     *args.extra]))
+    add_ratios_to_adam(rows)
     print(json.dumps({"preset": args.preset, "nproc": args.nproc, "rows": rows}, indent=1))
     print("\n| mode | ms/iter | optimizer ms | vs AdamW | first loss | last loss |\n|---|---|---|---|---|---|")
     for r in rows:

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from e2e import PRESETS  # noqa: E402
+from e2e import PRESETS, add_ratios_to_adam, run_main_job  # noqa: E402
 
 PRESETS = dict(PRESETS)
 # a small GPT (~0.3B with the 32k vocab): 12 layers of width 1024, seq 2048
@@ -45,26 +43,10 @@ def main():
     p.add_argument("--out", default=None, help="write the JSON here too")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
-    rows = []
-    for mode in args.modes:
-        out = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               os.path.join(ROOT, "examples", "pretrain_gpt.py"), *PRESETS[args.preset], *MODES[mode],
-               "--overlap-grad-reduce", "--overlap-param-gather",
-               "--train-iters", str(args.iters), "--log-interval", "4", "--timing-json", out, *args.extra]
-        print("$", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [l for l in (proc.stdout + proc.stderr).splitlines()
-                 if l.startswith((" iteration", ">", "Traceback", "  File")) or "Error" in l]
-        print("\n".join(lines[-8:]), flush=True)
-        if proc.returncode != 0 or not os.path.exists(out):
-            rows.append({"mode": mode, "error": (proc.stdout + proc.stderr)[-3000:]})
-            continue
-        rows.append({**json.load(open(out))["summary"], "mode": mode})
-    base = next((r for r in rows if r["mode"] == "adam" and "error" not in r), None)
-    for r in rows:
-        if base and "error" not in r:
-            r["vs_adam"] = r["median_step_ms"] / base["median_step_ms"]
+    rows = [run_main_job(mode, args.nproc, [*PRESETS[args.preset], *MODES[mode], "--overlap-grad-reduce",
+                                             "--overlap-param-gather", "--train-iters", str(args.iters), *args.extra],
+                         tail=8) for mode in args.modes]
+    add_ratios_to_adam(rows)
     report = {"preset": args.preset, "nproc": args.nproc, "iters": args.iters, "rows": rows}
     print(json.dumps(report, indent=1))
     if args.out:
