@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_dmuon.algorithms.fp8 import FP8_DTYPES, dequantize, quantize_dequantize, quantize_per_tensor
+from megatron_dmuon.planning.owner_layout import OwnerLayout, state_bytes_per_rank
 from megatron_dmuon.planning.params import is_muon_param, is_muon_matrix
 from megatron_dmuon.planning.publish_layout import plan_publish
 from megatron_dmuon.testing.compare import full_optimizer_state, full_params, rel_diffs, run_dmuon, run_reference
@@ -36,6 +37,14 @@ def _state_checks(results, ref_params, dp):
         assert s["momentum"] == sum(4 * (pc["end"] - pc["start"]) for pc in mine if "momentum_buffer" in pc["state"])
         pieces += sum("step" in pc["state"] for pc in mine)
     assert sum(s["adamw"] for s in state) == 8 * (total - matrices) + 4 * pieces  # 2 moments + a step each
+    # the planner's prediction from the run's own owner layouts (dmuon plan's figure) = the counted bytes
+    layouts = [OwnerLayout.from_json(text) for text in results[0]["layouts"]]
+    for rank, (r, s) in enumerate(zip(results, state)):
+        predicted = [state_bytes_per_rank(layout, param_bytes=2)[rank] for layout in layouts]
+        steps = sum("step" in pc["state"] for ps in r["optimizer_state"].values() for pc in ps)
+        assert sum(p["masters"] for p in predicted) == s["masters"]
+        assert sum(p["momentum"] for p in predicted) == s["momentum"]
+        assert sum(p["adamw"] for p in predicted) == s["adamw"] - 4 * steps
     mean = sum(s["total"] for s in state) / dp
     assert max(s["total"] for s in state) <= 1.10 * mean, state  # owner plan balances NS cost, not bytes
     assert mean < results[0]["adamw_state_bytes"]  # Muon keeps 1 moment where AdamW keeps 2

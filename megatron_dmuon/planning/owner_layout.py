@@ -401,3 +401,28 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
     layout = OwnerLayout(world_size, param_ranges, owners, buckets, list(rank_cost), tp_size, tp_owners)
     layout.validate(items)
     return layout
+
+
+def state_bytes_per_rank(layout: OwnerLayout, param_bytes: int = 2, momentum_bytes: int = 4) -> List[Dict[str, int]]:
+    """Optimizer state each DP rank of one buffer keeps under this plan, in bytes: ``masters``
+    (an fp32 copy of every element of its shard when the model is narrower than fp32: a
+    ``param_bytes=4`` param is its own master), ``momentum`` (Muon matrices it owns, whole) and
+    ``adamw`` (two fp32 moments of its slice of every other param; step counters not counted).
+    The same rule as megatron/memory.optimizer_state_bytes, which counts the live tensors."""
+    master = 4 if param_bytes < 4 else 0
+    out = [{"masters": 0, "momentum": 0, "adamw": 0} for _ in range(layout.world_size)]
+    for name, (start, end, bucket_id) in layout.param_ranges.items():
+        bucket = layout.buckets[bucket_id]
+        for rank, acc in enumerate(out):
+            lo = max(start, bucket.start + rank * bucket.shard_size)
+            hi = min(end, bucket.start + (rank + 1) * bucket.shard_size)
+            if hi <= lo:
+                continue
+            acc["masters"] += master * (hi - lo)
+            if name in layout.owners:
+                acc["momentum"] += momentum_bytes * (hi - lo)
+            else:
+                acc["adamw"] += 8 * (hi - lo)
+    for acc in out:
+        acc["total"] = acc["masters"] + acc["momentum"] + acc["adamw"]
+    return out

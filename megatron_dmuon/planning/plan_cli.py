@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--backend", default="auto", choices=BACKENDS)
     cost.add_argument("--time-limit", type=float, default=10.0, help="MILP seconds (default 10)")
     cost.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=PLANNERS)
+    mem = p.add_argument_group("optimizer state (bytes per rank, next to Megatron AdamW DistributedOptimizer's)")
+    mem.add_argument("--fp32-params", action="store_true",
+                     help="fp32 model params (their own masters); default: a --bf16 model with fp32 masters")
+    mem.add_argument("--dmuon-momentum-dtype", default="fp32", choices=["fp32", "bf16"],
+                     help="as the training flag: bf16 halves the Muon momentum")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help='print {"plans": {...}, ...} as JSON')
     out.add_argument("--simulate", action="store_true", help="also predict the optimizer step on the cluster")
@@ -119,6 +124,8 @@ def _table(report: dict) -> str:
             ("GB reduced per rank", "reduce_bytes_per_rank", "{:.3f}"),
             ("GB published per rank", "publish_bytes_per_rank", "{:.3f}"),
             ("padding GB (grad + param buffers)", "padding_bytes", "{:.3f}"),
+            ("optimizer state GB, largest rank", "max_state_bytes", "{:.3f}"),
+            ("Megatron AdamW DistOpt state GB per rank", "adamw_distopt_state_bytes_per_rank", "{:.3f}"),
             ("planning s", "plan_seconds", "{:.2f}")]
     lines.append("|---|" + "---:|" * len(names))
     for label, key, fmt in rows:
@@ -152,7 +159,8 @@ def main(argv=None) -> int:
         report = compare_plans(model, par, cost_model, planners=args.planners, stage=args.stage,
                                overlap_grad_reduce=extra["overlap_grad_reduce"], bucket_size=extra["bucket_size"],
                                milp_options=milp_options, grad_bytes=config["optimizer"]["grad_bytes"],
-                               param_bytes=config["optimizer"]["param_bytes"], plans_out=plans)
+                               param_bytes=4 if args.fp32_params else config["optimizer"]["param_bytes"],
+                               momentum_bytes=2 if args.dmuon_momentum_dtype == "bf16" else 4, plans_out=plans)
         if args.simulate:
             from .simulate import predict_optimizer_step
 

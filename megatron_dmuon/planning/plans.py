@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 from .cost_model import CostModel
 from .models import ModelSpec, ParallelSpec, ParamSpec, stage_params
-from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
+from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
 from .params import ns_cost
 
 __all__ = ["PLANNERS", "buffer_items", "plan_stage", "predict_stage", "compare_plans"]
@@ -99,8 +99,11 @@ def _buffer_bytes(layout: OwnerLayout, per_element: float) -> float:
 
 
 def predict_stage(plan: dict, par: ParallelSpec, cost_model: CostModel, grad_bytes: int = 4,
-                  param_bytes: int = 2) -> dict:
-    """Per GPU predicted owner time, bytes, padding, makespan and mean of a ``plan_stage`` plan."""
+                  param_bytes: int = 2, momentum_bytes: int = 4) -> dict:
+    """Per GPU predicted owner time, bytes, padding, makespan and mean of a ``plan_stage`` plan,
+    and its optimizer state (``state_bytes_per_rank``) next to Megatron's AdamW
+    DistributedOptimizer's on the same stage (fp32 master where the model is narrower, two fp32
+    moments, per element / DP)."""
     layouts, params = plan["layouts"], plan["params"]
     per_cell = {k: cell_ms(layouts[k], params[k], cost_model) for k in layouts}
     gpus = par.dp_size * par.tp
@@ -115,9 +118,18 @@ def predict_stage(plan: dict, par: ParallelSpec, cost_model: CostModel, grad_byt
             c = gpu_cells(par, r)[k]
             owned[r] += sum(numel[n] for n, dp in layout.owners.items()
                             if dp * layout.tp_size + layout.tp_owners.get(n, 0) == c)
+    state = [0] * gpus
+    adamw_state = 0.0
+    master = 4 if param_bytes < 4 else 0
+    for k, layout in layouts.items():
+        per_dp = state_bytes_per_rank(layout, param_bytes, momentum_bytes)
+        for r in range(gpus):
+            state[r] += per_dp[gpu_cells(par, r)[k] // layout.tp_size]["total"]
+        adamw_state += (master + 8) * layout.numel_unpadded / layout.world_size
     makespan = max(rank_ms)
     mean = sum(rank_ms) / len(rank_ms)
-    return {"makespan_ms": makespan, "mean_ms": mean, "makespan_over_mean": makespan / mean if mean else 1.0,
+    return {"state_bytes_per_rank": state, "max_state_bytes": max(state),
+            "adamw_distopt_state_bytes_per_rank": adamw_state,"makespan_ms": makespan, "mean_ms": mean, "makespan_over_mean": makespan / mean if mean else 1.0,
             "rank_ms": rank_ms, "owned_numel": owned,
             "bytes_per_rank": reduce_b + publish_b, "reduce_bytes_per_rank": reduce_b,
             "publish_bytes_per_rank": publish_b, "padding_elements": pad,
@@ -143,7 +155,8 @@ def lower_bound_ms(params: Dict[str, List[ParamSpec]], par: ParallelSpec, cost_m
 def compare_plans(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, *, planners=PLANNERS,
                   stage: int = 0, overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                   max_bucket_padding: float = 0.02, milp_options: Optional[dict] = None,
-                  grad_bytes: int = 4, param_bytes: int = 2, plans_out: Optional[dict] = None) -> dict:
+                  grad_bytes: int = 4, param_bytes: int = 2, momentum_bytes: int = 4,
+                  plans_out: Optional[dict] = None) -> dict:
     """``{'plans': {planner: prediction}, 'lower_bound_ms', 'model', 'parallel', ...}``; the
     ``plan_stage`` results go to ``plans_out`` (by planner) when given."""
     size = megatron_bucket_size(par.dp_size, overlap_grad_reduce, bucket_size, pp_rank=stage)
@@ -156,7 +169,7 @@ def compare_plans(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, *,
                           max_bucket_padding=max_bucket_padding, milp_options=milp_options)
         if plans_out is not None:
             plans_out[planner] = plan
-        pred = predict_stage(plan, par, cost_model, grad_bytes, param_bytes)
+        pred = predict_stage(plan, par, cost_model, grad_bytes, param_bytes, momentum_bytes)
         pred["plan_seconds"] = plan["seconds"]
         if plan["info"]:
             pred["solver"] = plan["info"]
