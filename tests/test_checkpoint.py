@@ -78,5 +78,7 @@ def test_bad_loads_fail_loudly_and_touch_nothing(tmp_path):
         assert "decoder.layers" in other[0] and "not in the checkpoint" in other[0]
         assert "not a DMuon optimizer checkpoint" in adam[0], adam[0]
         assert truncated[0] is not None and "corrupt/iter_0000002" in truncated[0], truncated[0]  # names it
-        assert other[1] and adam[1] and truncated[1]  # params and optimizer state untouched
+        rule = rank_result["other_update"]
+        assert "CheckpointMismatchError" in rule[0] and "saved with --dmuon-update muon" in rule[0], rule[0]
+        assert other[1] and adam[1] and truncated[1] and rule[1]  # params and optimizer state untouched
     assert os.path.isdir(tmp_path / "dmuon")

@@ -38,24 +38,13 @@ def test_update_flags_reach_the_owner_settings():
     (["--dmuon-update", "dion3", "--muon-nesterov"], "drop --muon-nesterov"),
     (["--dmuon-update", "dion3", "--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"],
      "--tensor-model-parallel-size 1"),
-    (["--dmuon-update", "normuon", "--save", "ck"], "drop --save/--load"),
     (["--dmuon-update", "dion3", "--dmuon-mode", "megatron_layerwise"], "needs --dmuon-mode dmuon"),
     (["--dmuon-update", "normuon", "--dmuon-normuon-beta2", "1"], "--dmuon-normuon-beta2 1.0 must be in"),
 ], ids=["fraction0", "fraction_over_1", "fraction_with_muon", "fraction_with_normuon", "bf16_momentum", "nesterov", "tp2",
-        "checkpoint", "layerwise", "beta2"])
+        "layerwise", "beta2"])
 def test_bad_update_flags_fail_at_parse_time(argv, message):
     with pytest.raises(ValueError, match=message):
         _parse(argv)
-
-
-def test_checkpoint_entry_points_refuse_row_rule_state():
-    # the Python API path (no --save flag to check): refused before anything is read or written
-    opt = DMuonChainedOptimizer.__new__(DMuonChainedOptimizer)
-    opt.chained_optimizers = [SimpleNamespace(dmuon_inner=SimpleNamespace(muon=MuonSettings(update="dion3",
-                                                                                            nesterov=False)))]
-    for call in (opt.state_dict, lambda: opt.save_parameter_state("x"), lambda: opt.load_state_dict({})):
-        with pytest.raises(ValueError, match="row second moments are not in DMuon checkpoints"):
-            call()
 
 
 @pytest.mark.parametrize("argv", [["--fraction", "0.5"], ["--update", "dion3", "--fraction", "0"]])

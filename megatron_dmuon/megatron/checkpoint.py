@@ -49,6 +49,8 @@ SHARDING_TYPE = "dmuon_per_param"
 SERVED_SHARDING_TYPES = (None, "dp_reshardable", "fully_reshardable", "fully_sharded_model_space", SHARDING_TYPE)
 MUON_KEYS = ("param", "momentum_buffer")
 ADAM_KEYS = ("param", "exp_avg", "exp_avg_sq")
+# NorMuon/Dion3 (--dmuon-update normuon|dion3) also keep one second moment per matrix row
+ROW_KEY = "row_variance"
 
 
 class CheckpointMismatchError(ValueError):
@@ -114,7 +116,7 @@ def local_pieces(opt) -> List[Piece]:
                     main = main_of[model_param]
                     state = inner.state[main]
                     info = inner.matrix_info.get(main)
-                    keys = MUON_KEYS if info is not None else ADAM_KEYS
+                    keys = ADAM_KEYS if info is None else MUON_KEYS + ((ROW_KEY,) if inner.muon.update != "muon" else ())
                     missing = [k for k in keys[1:] if k not in state]
                     if missing:
                         raise RuntimeError(f"DMuon: optimizer state {missing} missing for a param; "
@@ -171,9 +173,13 @@ def _replica_id(sh, piece: Piece, key: str, tp_rank: int):
 
 
 def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid):
-    """ShardedTensor(s) for one state key of one piece (``data`` is 1-D, end - start long)."""
+    """ShardedTensor(s) for one state key of one piece (``data`` is 1-D, end - start long; a row
+    rule's ``row_variance``: one value per row of the whole matrix)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    if key == ROW_KEY:  # not the param's shape: its own 1-D tensor, keyed by the param's global id
+        rows = (data.numel(),)
+        return ShardedTensor(f"optimizer.state.{key}.{param_id(sh)}", data, data.dtype, rows, rows, (0,), None, rid, 0)
     numel = math.prod(sh.data.shape)
     if piece.muon:  # whole TP shard on its owner: the model param's own (regular) sharding
         if (piece.start, piece.end) != (0, numel):
@@ -233,6 +239,7 @@ def _local_record(parts, meta: Optional[dict]) -> dict:
 
     params, plans, steps = {}, {}, set()
     pp = ps.get_pipeline_model_parallel_rank()
+    rules = sorted({opt.dmuon_inner.muon.update for opt in parts})
     for opt in parts:
         if meta is not None:
             for piece in local_pieces(opt):
@@ -243,7 +250,7 @@ def _local_record(parts, meta: Optional[dict]) -> dict:
                 kind = "expert" if key.is_expert_parallel else "dense"
                 plans[f"pp{pp}/chunk{i}/{kind}/{key.param_dtype}"] = plan.to_json()
         steps |= opt.dmuon_inner.adam_steps()
-    return {"params": params, "plans": plans, "adam_steps": sorted(steps)}
+    return {"params": params, "plans": plans, "adam_steps": sorted(steps), "updates": rules}
 
 
 def parallel_sizes() -> dict:
@@ -259,17 +266,19 @@ def gather_record(parts, meta: Optional[dict], group=None) -> dict:
     identical on each of them."""
     everyone = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(everyone, _local_record(parts, meta), group=group)
-    params, plans, steps = {}, {}, set()
+    params, plans, steps, rules = {}, {}, set(), set()
     for r in everyone:
         params.update(r["params"])
         plans.update(r["plans"])
         steps.update(r["adam_steps"])
+        rules.update(r["updates"])
     if len(steps) > 1:
         raise ValueError(
             f"DMuon checkpoint: AdamW step counts differ between params ({sorted(steps)}); every element-wise "
             "param must step together (Megatron's DistributedOptimizer gives each one a gradient every step)")
     return {"format": FORMAT, "parallel": parallel_sizes(), "params": dict(sorted(params.items())),
-            "plans": dict(sorted(plans.items())), "adam_step": steps.pop() if steps else None}
+            "plans": dict(sorted(plans.items())), "adam_step": steps.pop() if steps else None,
+            "update": ",".join(sorted(rules))}
 
 
 def check_record(record, current: dict) -> Optional[str]:
@@ -288,6 +297,10 @@ def check_record(record, current: dict) -> Optional[str]:
             OwnerLayout.from_json(text)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the same corruption
             return f"the checkpoint's DMuon owner plan {name!r} is corrupt ({type(exc).__name__}: {exc})"
+    saved_rule, rule = record.get("update", "muon"), current.get("update", "muon")
+    if saved_rule != rule:  # the momenta mean different things (an average vs an accumulation)
+        return (f"it was saved with --dmuon-update {saved_rule}, this run has --dmuon-update {rule}: resume with "
+                f"--dmuon-update {saved_rule}, or load the model only (--no-load-optim)")
     saved, now = record["params"], current["params"]
     problems = []
     for pid, (shape, kind) in now.items():
@@ -482,9 +495,13 @@ def param_state_dp_zero(parts) -> Optional[dict]:
     full: Dict[str, Dict[str, torch.Tensor]] = {}
     for rank_pieces in gathered:
         for pid, start, end, numel, tensors in rank_pieces:
-            slot = full.setdefault(pid, {k: torch.zeros(numel, dtype=t.dtype) for k, t in tensors.items()})
+            slot = full.setdefault(pid, {k: torch.zeros(t.numel() if k == ROW_KEY else numel, dtype=t.dtype)
+                                         for k, t in tensors.items()})
             for k, t in tensors.items():
-                slot[k][start:end] = t
+                if k == ROW_KEY:  # whole on the matrix's owner
+                    slot[k].copy_(t)
+                else:
+                    slot[k][start:end] = t
     return {"dmuon": record, "params": full}
 
 
@@ -506,8 +523,8 @@ def load_param_state_dp_zero(parts, state) -> None:
     ids = {p: param_id(sh) for p, sh in meta.items()}
     error = check_record(state.get("dmuon") if isinstance(state, dict) else None, current)
     params = state.get("params", {}) if isinstance(state, dict) else {}
-    lookup = lambda pid, key, piece: (params[pid][key][piece.start:piece.end]  # noqa: E731
-                                      if key in params.get(pid, {}) else None)
+    lookup = lambda pid, key, piece: (None if key not in params.get(pid, {})  # noqa: E731
+                                      else params[pid][key] if key == ROW_KEY else params[pid][key][piece.start:piece.end])
     agree_or_raise(error or next((e for e in (check_pieces(o, lookup, ids) for o in parts) if e), None), group)
     for opt in parts:
         load_pieces(opt, lookup, ids)

@@ -171,9 +171,6 @@ def _update_settings_from_args(args, tp_size: int) -> dict:
                          f"{update}): drop --dmuon-fraction or pass --dmuon-update dion3")
     if update != "muon" and tp_size > 1:
         raise ValueError(tp_refusal(update))
-    if update != "muon" and (getattr(args, "save", None) or getattr(args, "load", None)):
-        raise ValueError(f"--dmuon-update {update}: its row second moments are not in DMuon checkpoints yet; "
-                         "drop --save/--load, or use --dmuon-update muon")
     return dict(update=update, fraction=DEFAULT_DION3_FRACTION if fraction is None and update == "dion3"
                 else (1.0 if fraction is None else fraction),
                 row_beta2=getattr(args, "dmuon_normuon_beta2", 0.95),

@@ -287,11 +287,6 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
     # The gather_then_compute baseline (not a DistributedOptimizer) keeps Megatron's own code.
     def _dmuon_parts(self):
         parts = self.chained_optimizers
-        for p in parts:  # every checkpoint entry point comes here first, before anything is written or read
-            update = getattr(getattr(p, "dmuon_inner", None), "muon", None)
-            if update is not None and update.update != "muon":
-                raise ValueError(f"--dmuon-update {update.update}: its row second moments are not in DMuon "
-                                 "checkpoints yet; save/load needs --dmuon-update muon")
         return parts if all(isinstance(p, DMuonDistributedOptimizer) for p in parts) else None
 
     def state_dict(self):

@@ -51,10 +51,10 @@ def full_optimizer_state(results: List[dict]) -> Dict[str, Dict[str, torch.Tenso
                 by_tp = flat.setdefault(name, {})
                 slot = by_tp.setdefault(piece["tp_rank"], {"meta": piece, "state": {}, "seen": {}})
                 for key, t in piece["state"].items():
-                    if key == "step":
+                    if key in ("step", "row_variance"):  # one per param / one per matrix row: whole
                         prev = slot["state"].get(key)
                         if prev is not None and not torch.equal(prev, t):
-                            raise AssertionError(f"AdamW step of {name} differs between ranks")
+                            raise AssertionError(f"optimizer state {key} of {name} differs between ranks")
                         slot["state"][key] = t
                         continue
                     full = slot["state"].setdefault(key, torch.full((piece["numel"],), float("nan"), dtype=t.dtype))
@@ -71,7 +71,7 @@ def full_optimizer_state(results: List[dict]) -> Dict[str, Dict[str, torch.Tenso
         keys = set.intersection(*(set(v["state"]) for v in by_tp.values()))
         out[name] = {}
         for key in keys:
-            if key == "step":
+            if key in ("step", "row_variance"):
                 out[name][key] = by_tp[min(by_tp)]["state"][key]
                 continue
             shards = [by_tp[r]["state"][key].view(by_tp[r]["meta"]["shape"]) for r in sorted(by_tp)]

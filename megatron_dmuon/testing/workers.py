@@ -566,7 +566,8 @@ def _same(a: dict, b: dict) -> bool:
 
 def checkpoint_bad_loads(rank, world_size, root, **kw):
     """Loads that must fail loudly on every rank and leave the model and optimizer untouched:
-    a checkpoint of another model, of Megatron's own Adam optimizer, with a truncated data file.
+    a checkpoint of another model, of Megatron's own Adam optimizer, with a truncated data file,
+    of another update rule (--dmuon-update).
     Returns {case: (error message, state untouched)}."""
     import os
     import shutil
@@ -591,6 +592,7 @@ def checkpoint_bad_loads(rank, world_size, root, **kw):
         "other_model": (dict(shape_kw={**(kw.get("shape_kw") or {}), "num_layers": 3}), checkpoint_dir(os.path.join(root, "dmuon"), 2)),
         "adam_checkpoint": ({}, checkpoint_dir(os.path.join(root, "adam"), 1)),
         "truncated_file": ({}, checkpoint_dir(corrupt, 2)),
+        "other_update": (dict(muon_kw={"update": "normuon"}), checkpoint_dir(os.path.join(root, "dmuon"), 2)),
     }
     out = {}
     for case, (extra, path) in cases.items():
