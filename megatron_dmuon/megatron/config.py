@@ -218,8 +218,10 @@ def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
 
 def ddp_options_from_args(args) -> dict:
     """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
-    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
-                   publish_dtype=getattr(args, "dmuon_publish_dtype", "param"))
+    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
+    # only what a run asks for beyond the defaults (a plain launch builds the DDP as before)
+    if getattr(args, "dmuon_publish_dtype", "param") != "param":
+        options["publish_dtype"] = args.dmuon_publish_dtype
     if getattr(args, "dmuon_megabatch", False):
         options["megabatch"] = True
     if args.dmuon_balance == "milp":
