@@ -11,11 +11,11 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "verify":
-        from .verify import main as verify_main
+        from .testing.verify_cli import main as verify_main
 
         return verify_main(rest)
     if cmd == "check":
-        from .check import main as check_main
+        from .testing.check_cli import main as check_main
 
         return check_main(rest)
     if cmd == "autotune":

@@ -49,7 +49,7 @@ def test_bad_update_flags_fail_at_parse_time(argv, message):
 
 @pytest.mark.parametrize("argv", [["--fraction", "0.5"], ["--update", "dion3", "--fraction", "0"]])
 def test_verify_cli_checks_the_fraction(argv, capsys):
-    from megatron_dmuon.verify import main
+    from megatron_dmuon.testing.verify_cli import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -29,7 +29,7 @@ LAYERS = ("algorithms", "kernels", "planning", "runtime", "megatron")
 TOOLS = (f"{PACKAGE}.cli", f"{PACKAGE}.verify", f"{PACKAGE}.check")
 MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.testing", *TOOLS)
 TESTING = f"{PACKAGE}.testing"
-TESTING_IMPORTERS = (TESTING, f"{PACKAGE}.verify", f"{PACKAGE}.check")  # the diagnostic CLIs run the harness
+TESTING_IMPORTERS = (TESTING, f"{PACKAGE}.cli")  # `dmuon verify|check` dispatch to the harness's CLIs
 DECENTRALIZED = f"{PACKAGE}.decentralized"
 DECENTRALIZED_MAY_IMPORT = (DECENTRALIZED, f"{PACKAGE}.algorithms")
 

@@ -11,7 +11,7 @@ import sys
 
 
 def _parser():
-    from .verify import layout_parser
+    from .verify_cli import layout_parser
 
     p = layout_parser("dmuon check", __doc__)
     p.add_argument("--steps", type=int, default=3, help="training steps before the check")
@@ -23,7 +23,7 @@ def _parser():
 
 
 def _print(report: dict, as_json: bool) -> int:
-    from .megatron.replicas import ReplicaReport
+    from ..megatron.replicas import ReplicaReport
 
     print(json.dumps(report) if as_json else str(ReplicaReport(**report)))
     return 0 if report["ok"] else 1
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     world = args.dp * args.tp
     if args.corrupt_rank is not None and not 0 <= args.corrupt_rank < world:
         parser.error(f"--corrupt-rank must be a rank in [0, {world})")
-    from .testing.multiproc import run_distributed
+    from .multiproc import run_distributed
 
     reports = run_distributed("megatron_dmuon.testing.workers:replica_check", world, kwargs=kw)
     return _print(reports[0], args.json)
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
 def _main_torchrun(args, kw) -> int:
     import torch
 
-    from .testing import workers
-    from .verify import torchrun_backend
+    from . import workers
+    from .verify_cli import torchrun_backend
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group(torchrun_backend())

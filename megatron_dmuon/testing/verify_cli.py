@@ -30,10 +30,10 @@ import sys
 
 import torch
 
-from .planning.tp_cost import TP_METHODS
-from .megatron.config import DEFAULT_DION3_FRACTION
-from .runtime.owner_step import NS_METHODS
-from .runtime.row_update_step import UPDATE_RULES
+from ..planning.tp_cost import TP_METHODS
+from ..megatron.config import DEFAULT_DION3_FRACTION
+from ..runtime.owner_step import NS_METHODS
+from ..runtime.row_update_step import UPDATE_RULES
 
 # bf16 params (rounding 2^-8 per update), bf16 grads and bf16 NS against the fp32 reference after
 # 10 steps at lr 2e-2: measured 8.7e-2 worst tensor on CPU/gloo DP=2; bound with margin.
@@ -60,7 +60,7 @@ def torchrun_backend() -> str:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         return "nccl"
-    from .testing import cpu_shim
+    from . import cpu_shim
 
     cpu_shim.install()
     return "gloo"
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     _check(args, parser)
     if "LOCAL_RANK" in os.environ:  # under torchrun: NCCL on GPUs
         return _main_torchrun(args)
-    from .testing.compare import full_params, rel_diffs, run_dmuon, run_reference
+    from .compare import full_params, rel_diffs, run_dmuon, run_reference
 
     precision = _precision(args, on_gpu=False)
     kw = _run_kwargs(args, precision)
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
 
 def _resume_report(args, uninterrupted, resumed, precision, backend):
     """Resumed vs uninterrupted: parameters and optimizer state (bit-identical at one layout)."""
-    from .testing.compare import full_optimizer_state, full_params, rel_diffs, state_diffs
+    from .compare import full_optimizer_state, full_params, rel_diffs, state_diffs
 
     params = rel_diffs(full_params(resumed), full_params(uninterrupted))
     state = state_diffs(full_optimizer_state(resumed), full_optimizer_state(uninterrupted))
@@ -232,7 +232,7 @@ def _resume_spawned(args, kw, precision):
     import shutil
     import tempfile
 
-    from .testing.multiproc import run_distributed
+    from .multiproc import run_distributed
 
     target = "megatron_dmuon.testing.workers:dmuon_resume"
     kw = dict(kw, resume_at=args.resume_at, fmt=args.resume_format)
@@ -252,9 +252,9 @@ def _resume_spawned(args, kw, precision):
 
 
 def _main_torchrun(args):
-    from .testing import workers
-    from .testing.compare import rel_diffs
-    from .testing.global_params import merge_ranks
+    from . import workers
+    from .compare import rel_diffs
+    from .global_params import merge_ranks
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = torchrun_backend()
@@ -286,7 +286,7 @@ def _main_torchrun(args):
     if rank == 0:
         # the TP=PP=EP=1 reference runs in a fresh single-rank CPU process: this process's Megatron
         # parallel state (and its collectives) belong to the distributed run
-        from .testing.compare import run_reference
+        from .compare import run_reference
 
         exact_order = precision == "fp32" and (args.tp, args.pp, args.ep) == (1, 1, 1) and backend == "gloo"
         ref = run_reference(args.dp, layouts=res["layouts"] if exact_order else None,
