@@ -3,13 +3,14 @@ parsed (nothing is imported) and ALL its imports are collected, the lazy ones in
 too, relative ones resolved to module names.
 
 (a) no import cycle between megatron_dmuon modules;
-(b) megatron-core (``megatron``, ``megatron.*``) is imported only by megatron/, testing/ and the
-    top-level tools verify.py and cli.py;
-(c) no production module imports ``megatron_dmuon.testing`` (testing/ itself and verify.py may);
+(b) megatron-core (``megatron``, ``megatron.*``) is imported only by megatron/, testing/ (with the
+    self-test commands verify_cli.py / check_cli.py) and the console script cli.py;
+(c) no production module imports ``megatron_dmuon.testing`` (testing/ itself, and cli.py's dispatch
+    of ``dmuon verify|check``, may);
 (d) only decentralized/ imports ``megatron_dmuon.decentralized``, and decentralized/ takes
     nothing from the DMuon path but the math of algorithms/;
 (e) the layers import only downward: algorithms < kernels < planning < runtime < megatron
-    (and none of them imports the top-level tools cli.py / verify.py).
+    (and none of them imports the console script cli.py).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 LAYERS = ("algorithms", "kernels", "planning", "runtime", "megatron")
-TOOLS = (f"{PACKAGE}.cli", f"{PACKAGE}.verify", f"{PACKAGE}.check")
+TOOLS = (f"{PACKAGE}.cli",)
 MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.testing", *TOOLS)
 TESTING = f"{PACKAGE}.testing"
 TESTING_IMPORTERS = (TESTING, f"{PACKAGE}.cli")  # `dmuon verify|check` dispatch to the harness's CLIs
