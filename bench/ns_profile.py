@@ -20,18 +20,7 @@ sys.path.insert(0, str(ROOT))
 from bench.ns_schedules import frobenius_schedule  # noqa: E402
 from megatron_dmuon.algorithms.schedules import schedule_for_shape  # noqa: E402
 from megatron_dmuon.kernels import orthogonalize_batched  # noqa: E402
-
-
-def median_ms(fn, reps=10):
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+from megatron_dmuon.kernels.autotune import time_cuda_ms  # noqa: E402
 
 
 def main() -> None:
@@ -45,10 +34,8 @@ def main() -> None:
         x = torch.randn(b, m, n, device="cuda")
         for label, kw in (("adaptive", schedule_for_shape(m, n)), ("frobenius", frobenius_schedule(m, n))):
             fn = lambda: orthogonalize_batched(x, "auto", compute_dtype=torch.float16, **kw)  # noqa: E731
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            ms = median_ms(fn)
+            fn()  # autotune and compile outside the timing
+            ms = time_cuda_ms(fn, min_reps=10, max_reps=10)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn()
                 torch.cuda.synchronize()

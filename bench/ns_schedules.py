@@ -73,6 +73,7 @@ def exact_table(device) -> list[dict]:
 
 def gpu_table(reps: int) -> list[dict]:
     from megatron_dmuon.kernels import orthogonalize_batched
+    from megatron_dmuon.kernels.autotune import time_cuda_ms
 
     dev = torch.device("cuda")
     rows = []
@@ -97,18 +98,11 @@ def gpu_table(reps: int) -> list[dict]:
             for label, kw in variants.items():
                 out = orthogonalize_batched(stack, method, compute_dtype=torch.float16, **kw)
                 err = float((out[0].double() - polar.double()).norm() / polar.double().norm())
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                times = []
-                for _ in range(reps):
-                    start.record()
-                    orthogonalize_batched(stack, method, compute_dtype=torch.float16, **kw)
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end))
-                times.sort()
+                ms = time_cuda_ms(lambda: orthogonalize_batched(stack, method, compute_dtype=torch.float16, **kw),
+                                  min_reps=reps, max_reps=reps)
                 rows.append({"shape": name, "family": fam, "variant": label, "method": method, "steps": kw["steps"],
                              "rel_err": err, "exact_arith_err": spectrum_error(fams[fam], get_coefficients(kw["coefficients"], kw["steps"]), kw["normalisation"]),
-                             "finite": bool(torch.isfinite(out).all()), "ms_batch2": times[len(times) // 2]})
+                             "finite": bool(torch.isfinite(out).all()), "ms_batch2": ms})
                 print(json.dumps(rows[-1]), flush=True)
         del U, V, polar
         torch.cuda.empty_cache()
