@@ -51,8 +51,9 @@ def make_two_level(bucket_group, topo: NodeTopology) -> None:
     bucket_group.cached_param_buffer_shard_list = [None] * len(bucket_group.buckets)
 
 
-class _Chained:
-    """Handle of a two-stage collective: waits for the second stage."""
+class HandleGroup:
+    """One handle for several async collectives (Megatron waits on one ``*_handle``): waits for
+    each; used for a two-stage collective's second stage and for FP8 publish's per-bucket gathers."""
 
     def __init__(self, handles):
         self.handles = [h for h in handles if h is not None]
@@ -96,7 +97,7 @@ class _TwoLevelBucketGroup:
                 chunk, sub = chunk_views(bucket.grad_data, topo)
                 second.append(torch.distributed.reduce_scatter_tensor(
                     sub, chunk, op=op, group=topo.inter_group, async_op=async_op))
-        self.grad_reduce_handle = _Chained(second) if async_op else None
+        self.grad_reduce_handle = HandleGroup(second) if async_op else None
 
     def start_param_sync(self, force_sync: bool = False):
         if force_sync and self.param_gather_handle is not None:
@@ -109,5 +110,5 @@ class _TwoLevelBucketGroup:
                 chunk, sub = chunk_views(bucket.param_data, topo)
                 first.append(torch.distributed.all_gather_into_tensor(
                     chunk, sub, group=topo.inter_group, async_op=async_op))
-            _Chained(first).wait()
+            HandleGroup(first).wait()
             super().start_param_sync(force_sync=force_sync)  # Megatron's intra-node all-gather

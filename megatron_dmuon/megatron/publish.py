@@ -19,6 +19,7 @@ import torch
 from ..algorithms.fp8 import dequantize, fp8_dtype, quantize_per_tensor
 from ..planning.params import is_muon_param
 from ..planning.publish_layout import PublishLayout, plan_publish
+from .hierarchy import HandleGroup
 
 PUBLISH_DTYPES = ("param", "fp8_e4m3", "fp8_e5m2")
 
@@ -135,7 +136,7 @@ class _FP8PublishBucketGroup:
                 handles.append(torch.distributed.all_gather_into_tensor(
                     recv, block, group=self.intra_distributed_optimizer_instance_group, async_op=async_op))
         self.dmuon_pending = True
-        self.param_gather_handle = _Handles(handles) if async_op else None
+        self.param_gather_handle = HandleGroup(handles) if async_op else None
         if force_sync and self.ddp_config.overlap_param_gather:
             self._post_param_sync()
         self.param_gather_dispatched = True
@@ -146,15 +147,6 @@ class _FP8PublishBucketGroup:
                 self._dmuon_unpack()
             self.dmuon_pending = None
         super()._post_param_sync()
-
-
-class _Handles:
-    def __init__(self, handles):
-        self.handles = [h for h in handles if h is not None]
-
-    def wait(self):
-        for h in self.handles:
-            h.wait()
 
 
 def install_fp8_publish(ddp, publish_dtype: str) -> None:
