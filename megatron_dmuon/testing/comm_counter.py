@@ -22,8 +22,6 @@ def _storage(t):
 @contextlib.contextmanager
 def count_bucket_bytes(model_chunks):
     """Yields {'reduce': bytes, 'publish': bytes, 'all_to_all': bytes} filled while active."""
-    from megatron.core.distributed import param_and_grad_buffer as pgb
-
     buffers = [b for c in model_chunks for b in c.buffers + c.expert_parallel_buffers]
     grad_ptrs = {_storage(b.grad_data) for b in buffers}
     param_ptrs = {_storage(b.param_data) for b in buffers if b.param_data is not None}
@@ -68,19 +66,27 @@ def count_bucket_bytes(model_chunks):
     wrappers = {"reduce_scatter_tensor": reduce_scatter, "all_gather_into_tensor": all_gather,
                 "all_reduce": all_reduce, "all_to_all_single": all_to_all_single}
     originals = {name: getattr(dist, name) for name in wrappers}
-    aliases = {"dist_reduce_scatter_func": reduce_scatter, "dist_all_gather_func": all_gather}
-    alias_originals = {name: getattr(pgb, name) for name in aliases}
-    try:
-        for name, fn in wrappers.items():
-            setattr(dist, name, fn)
-        for name, fn in aliases.items():
-            setattr(pgb, name, fn)
+    with _patched(wrappers, {"dist_reduce_scatter_func": reduce_scatter, "dist_all_gather_func": all_gather}):
         yield counts
-    finally:
-        for name, fn in originals.items():
+
+
+@contextlib.contextmanager
+def _patched(collectives: dict, buffer_aliases: dict):
+    """torch.distributed's functions and megatron-core's buffer aliases of them replaced while
+    active (``{name: replacement}`` each), restored after."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    saved = [(dist, name, getattr(dist, name)) for name in collectives]
+    saved += [(pgb, name, getattr(pgb, name)) for name in buffer_aliases]
+    try:
+        for name, fn in collectives.items():
             setattr(dist, name, fn)
-        for name, fn in alias_originals.items():
+        for name, fn in buffer_aliases.items():
             setattr(pgb, name, fn)
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 # every torch.distributed entry point a DMuon step can reach (collectives and the object helpers
@@ -111,17 +117,8 @@ def count_collective_calls():
                 depth[0] -= 1
         return call
 
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-    alias_names = {"dist_reduce_scatter_func": "reduce_scatter_tensor", "dist_all_gather_func": "all_gather_into_tensor"}
-    alias_originals = {name: getattr(pgb, name) for name in alias_names}
-    try:
-        for name, fn in originals.items():
-            setattr(dist, name, counted(name, fn))
-        for alias, name in alias_names.items():
-            setattr(pgb, alias, counted(name, alias_originals[alias]))
+    collectives = {name: counted(name, getattr(dist, name)) for name in COLLECTIVES if hasattr(dist, name)}
+    aliases = {alias: counted(name, getattr(pgb, alias)) for alias, name in
+               (("dist_reduce_scatter_func", "reduce_scatter_tensor"), ("dist_all_gather_func", "all_gather_into_tensor"))}
+    with _patched(collectives, aliases):
         yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        for alias, fn in alias_originals.items():
-            setattr(pgb, alias, fn)
