@@ -61,6 +61,10 @@ def parse_args(argv=None):
     a("--seed", type=int, default=1234)
     a("--log-interval", type=int, default=10)
     a("--timing-json", default=None, help="write per-iteration timings here (rank 0)")
+    a("--profile-optimizer-at", type=int, default=None, metavar="ITER",
+      help="profile the optimizer step of this iteration (torch.profiler, rank 0): a kernel table on stdout, "
+           "and a Chrome trace at --profile-out")
+    a("--profile-out", default=None, help="Chrome trace file for --profile-optimizer-at")
     add_checkpoint_args(p)
     args = p.parse_args(argv)
     validate_args(p, args)
@@ -68,6 +72,24 @@ def parse_args(argv=None):
     # all-reduce baseline must not have it
     args.use_distributed_optimizer = not (args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute")
     return args
+
+
+def profiled(step, trace_path=None):
+    """Run ``step()`` under torch.profiler; print the kernels by total device time (and the
+    record_function ranges), optionally export a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        out = step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print("> profile of the optimizer step\n" + prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90),
+          flush=True)
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return out
 
 
 def add_checkpoint_args(p):
@@ -377,7 +399,10 @@ def main(argv=None):
     def timed_step():
         sync()
         t = time.perf_counter()
-        out = inner_step()
+        if rank == 0 and args.profile_optimizer_at == len(opt_ms) + start + 1:
+            out = profiled(inner_step, args.profile_out)
+        else:
+            out = inner_step()
         sync()
         opt_ms.append((time.perf_counter() - t) * 1e3)
         return out

@@ -191,3 +191,71 @@ def test_gpu_quartic_schedules_match_the_torch_path_and_the_polar_factor():
         assert _rel(fast[[0, 2]].cpu(), exact) < 0.1  # measured 0.009 (wide), 0.05 (512²)
         for scale in (1e-20, 1e20):
             assert _rel(orthogonalize_batched(x * scale, method, autotune=False, check_finite=True, **kw), fast) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_apply_equals_the_torch_ops(dtype):
+    # one pass over the master weights, the roundings of mul_ then add_(alpha) (and of the piece's
+    # lr multiplier applied first, as muon_direction does)
+    from megatron_dmuon.algorithms.muon import muon_apply_
+    from megatron_dmuon.kernels.fused_muon import muon_apply_fast_
+
+    torch.manual_seed(0)
+    for n, piece_scale in [(1000003, 1.0), (4096 * 3, 1.7320508)]:
+        p = torch.randn(n, device="cuda").to(dtype)
+        o = torch.randn(n, device="cuda")
+        ref = p.clone()
+        muon_apply_(ref, o * piece_scale if piece_scale != 1.0 else o, 0.02, 0.1, 1.3)
+        ours = p.clone()
+        muon_apply_fast_(ours, o, 0.02, 0.1, 1.3 if piece_scale == 1.0 else 1.0, piece_scale)
+        if piece_scale != 1.0:
+            ref = p.clone()
+            muon_apply_(ref, o * piece_scale, 0.02, 0.1, 1.0)
+        assert torch.equal(ours, ref), (n, float((ours.double() - ref.double()).abs().max()))
+
+
+@pytest.mark.parametrize("beta,nesterov", [(0.95, True), (0.9, False), (0.3, True)])
+def test_gpu_fused_momentum_equals_the_torch_ops(beta, nesterov):
+    # momentum.lerp_(grad, 1 - beta) and grad.lerp(momentum, beta) in one pass: the same bits
+    from megatron_dmuon.algorithms.muon import muon_momentum_
+    from megatron_dmuon.kernels.fused_muon import muon_momentum_fast_
+
+    torch.manual_seed(1)
+    m, g = torch.randn(1000003, device="cuda") * 1e-3, torch.randn(1000003, device="cuda")
+    m_ref, m_ours = m.clone(), m.clone()
+    ref = muon_momentum_(m_ref, g, beta, nesterov).clone()
+    out = torch.empty_like(g)
+    assert muon_momentum_fast_(m_ours, g, beta, nesterov, out) is out
+    assert torch.equal(m_ours, m_ref) and torch.equal(out, ref)
+
+
+def test_gpu_owner_step_with_adamw_on_a_side_stream_is_deterministic(tmp_path, monkeypatch):
+    """AdamW (element-wise params) runs on a side stream concurrently with the Muon step: the
+    result equals the one-stream order, bit for bit, run after run."""
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+
+    monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    shapes = [(1024, 4096)] * 3 + [(1024, 1024)] * 2
+
+    def run(overlap):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*s, device="cuda")) for s in shapes]
+        vectors = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (4_000_000, 1024, 77)]
+        opt = OwnerMuonAdamW([{"params": params, "use_muon": True}, {"params": vectors, "use_muon": False}],
+                             lr=0.02, weight_decay=0.01,
+                             muon=MuonSettings(ns_method="auto", coefficients="adaptive", ns_launch="graph"))
+        if not overlap:
+            monkeypatch.setattr(opt, "_side_stream", lambda device: None)
+        for i, q in enumerate(params):
+            opt.register_matrix(q, MatrixInfo(f"w{i}", tuple(q.shape)))
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(4):
+            for q in params + vectors:
+                q.grad = torch.randn(q.shape, device="cuda", generator=gen)
+            opt.step()
+        torch.cuda.synchronize()
+        return [q.detach().clone() for q in params + vectors]
+
+    sequential, first, second = run(False), run(True), run(True)
+    for a, b, c in zip(sequential, first, second):
+        assert torch.equal(a, b) and torch.equal(b, c)

@@ -115,3 +115,59 @@ def test_muon_refuses_vectors_columns_and_nd_tensors():
             MatrixInfo("bad", shape)
     with pytest.raises(RuntimeError, match="whole matrices"):
         opt.register_matrix(torch.zeros(12), MatrixInfo("w", (4, 4)))
+
+
+def test_stack_plan_places_whole_and_glu_matrices_as_views_and_copies_other_splits():
+    from megatron_dmuon.runtime.ns_stacks import StackJob, StackPlan
+
+    qkv = SplitRule("qkv", num_attention_heads=4, num_query_groups=2, head_dim=8)
+    heads = SplitRule("qkv", per_head=True, num_attention_heads=4, num_query_groups=2, head_dim=8)
+    jobs = [StackJob("w", (32, 24)), StackJob("fc1", (64, 24), SplitRule("glu")), StackJob("qkv", (64, 24), qkv),
+            StackJob("heads", (64, 24), heads), StackJob("v", (32, 24))]
+    plan = StackPlan(jobs)
+    assert sorted(plan.direct) == [0, 1, 4]  # whole matrices and the untangled GLU halves
+    stacks = plan.new_stacks("cpu")
+    matrices = [_rand(*j.shape, seed=i) for i, j in enumerate(jobs)]
+    for j, m in enumerate(matrices):
+        view = plan.direct_view(stacks, j)
+        if view is not None:
+            view.copy_(m)  # written through the view: lands in the stack
+        else:
+            plan.write(stacks, j, m)
+    for j, (job, m) in enumerate(zip(jobs, matrices)):
+        expected = [m] if job.split is None else job.split.pieces(m)
+        got = plan.outputs(stacks, j)
+        assert [tuple(g.shape) for g in got] == [tuple(e.shape) for e in expected]
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+        if j in plan.direct:
+            assert plan.direct_view(stacks, j).data_ptr() == stacks[plan.direct[j][0]][plan.direct[j][1]].data_ptr()
+    # one stack per piece shape, slots in job order (a direct matrix's row blocks consecutive)
+    sizes = {(m, n): b for b, m, n in plan.stack_shapes()}
+    assert sizes == {(32, 24): 1 + 2 + 1 + 1, (16, 24): 2, (8, 24): 8}  # w, gate+up, q, v | k, v | heads
+    assert plan.direct[1] == (0, 1, 2)
+
+
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+def test_local_step_is_bit_identical_to_the_exchange_path(ns_method):
+    # TP = 1 runs _local_step (updates written into the NS stacks, directions applied from them);
+    # the general TP path (_exchange_step) materialises, stacks and reassembles: same bits
+    rules = [None, SplitRule("glu"), SplitRule("qkv", num_attention_heads=4, num_query_groups=2, head_dim=8),
+             SplitRule("qkv", per_head=True, num_attention_heads=4, num_query_groups=2, head_dim=8), None]
+    shapes = [(48, 32), (64, 24), (64, 24), (64, 24), (48, 32)]
+    settings = MuonSettings(ns_dtype=torch.float32, ns_method=ns_method, scale_mode="match_rms_adamw",
+                            coefficients="adaptive")
+    runs = []
+    for path in ("local", "exchange"):
+        params = [torch.nn.Parameter(_rand(*s, seed=i)) for i, s in enumerate(shapes)]
+        opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.1, muon=settings)
+        for i, (p, rule) in enumerate(zip(params, rules)):
+            opt.register_matrix(p, MatrixInfo(f"w{i}", tuple(p.shape), rule))
+        if path == "exchange":
+            opt._local_step = opt._exchange_step
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = _rand(*p.shape, seed=100 * step + i)
+            opt.step()
+        runs.append([p.detach().clone() for p in params])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

@@ -48,10 +48,11 @@ LR_SCALE_MODES: tuple[str, ...] = ("spectral", "shape_scaling", "unit_rms_norm",
 _LR_SCALE_ALIASES = {"original": "shape_scaling"}
 
 
-def muon_momentum_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool) -> Tensor:
+def muon_momentum_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool, out: Tensor | None = None) -> Tensor:
     """Update ``momentum`` in place (``momentum.lerp_(grad, 1−beta)``) and return the update
     direction: ``grad.lerp(momentum, beta)`` (a new tensor) if ``nesterov`` else ``momentum``
-    itself (the buffer — do not modify it in place)."""
+    itself (the buffer — do not modify it in place). With ``out`` (grad's shape) the direction is
+    written there instead (the same values) and ``out`` returned."""
     if momentum.shape != grad.shape:
         raise ValueError(
             f"momentum shape {tuple(momentum.shape)} != grad shape {tuple(grad.shape)}"
@@ -59,7 +60,9 @@ def muon_momentum_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool) 
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta (momentum) must be in [0, 1], got {beta!r}")
     momentum.lerp_(grad, 1 - beta)
-    return grad.lerp(momentum, beta) if nesterov else momentum
+    if out is None:
+        return grad.lerp(momentum, beta) if nesterov else momentum
+    return torch.lerp(grad, momentum, beta, out=out) if nesterov else out.copy_(momentum)
 
 
 def muon_lr_scale(rows: int, cols: int, mode: str = "shape_scaling", extra: float = 1.0) -> float:

@@ -91,10 +91,14 @@ def orthogonalize_groups(
 
 class GraphedGroups:
     """``orthogonalize_groups`` for fixed shapes, captured once (all streams) and replayed.
-    The outputs are the graph's static buffers: the next call overwrites them."""
+    The outputs are the graph's static buffers: the next call overwrites them.
+
+    ``adopt_inputs=True`` makes ``examples`` themselves the graph's input buffers (no copy): a
+    caller that writes its next inputs into ``static_inputs`` and passes them back replays
+    without copying anything in."""
 
     def __init__(self, examples: Sequence[Tensor], method: str | Sequence[str] = "auto", per_stack_kwargs=None,
-                 warmup: int = 2, **kwargs):
+                 warmup: int = 2, adopt_inputs: bool = False, **kwargs):
         options = _per_stack(examples, per_stack_kwargs, kwargs)
         if not examples[0].is_cuda:
             raise ValueError("GraphedGroups needs CUDA tensors; use orthogonalize_groups off the GPU")
@@ -104,7 +108,7 @@ class GraphedGroups:
         # Resolve 'auto' once, so that warm-up, capture and the fp32 retries agree.
         self.methods = [resolve_method(x, m, o) for x, m, o in zip(examples, _methods(method, len(examples)), options)]
         self.options = options
-        self.static_inputs = [x.detach().clone() for x in examples]
+        self.static_inputs = [x.detach() if adopt_inputs else x.detach().clone() for x in examples]
 
         def step():
             return orthogonalize_groups(self.static_inputs, self.methods, per_stack_kwargs=self.options)
@@ -129,7 +133,8 @@ class GraphedGroups:
                 f"{[tuple(getattr(x, 'shape', ())) for x in stacks]}: build another one"
             )
         for static, x in zip(self.static_inputs, stacks):
-            static.copy_(x)
+            if x.data_ptr() != static.data_ptr():  # inputs written into the buffers need no copy
+                static.copy_(x)
         self.graph.replay()
         outputs = list(self.static_outputs)
         for i, x in enumerate(stacks):

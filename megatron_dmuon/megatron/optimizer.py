@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import List, Optional
 
 import torch
@@ -270,11 +271,35 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
+        self._dmuon_grad_norm = None
         found = super().prepare_grads()  # main grads copied (and Megatron's check with a loss scaler)
         if self.dmuon_skip_nonfinite and not any(getattr(o, "grad_scaler", None) for o in self.chained_optimizers):
             grads = [p.grad for o in self.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
-            found = found_nonfinite(grads, self.get_grad_stats_parallel_group())
+            if self._norm_covers_every_grad():
+                # Megatron's step computes the grad norm right after this anyway (all-reduced over
+                # the same group): NaN/Inf in any grad makes it non-finite, so computing it here
+                # and handing it on (get_grad_norm) replaces a separate pass over every grad.
+                # (A finite grad whose square overflows float32, |g| > 1e19, also skips the step.)
+                norm = self.get_grad_norm()
+                found = not math.isfinite(norm)
+                self._dmuon_grad_norm = None if found else norm
+            else:
+                found = found_nonfinite(grads, self.get_grad_stats_parallel_group())
         return found
+
+    def get_grad_norm(self):
+        cached, self._dmuon_grad_norm = getattr(self, "_dmuon_grad_norm", None), None
+        return cached if cached is not None else super().get_grad_norm()
+
+    def _norm_covers_every_grad(self) -> bool:
+        """Whether Megatron's main grad norm sees every grad: no param in a separately clipped
+        grad-norm group (megatron-core >= 0.19 lets params opt out of the main norm)."""
+        try:
+            from megatron.core.optimizer.optimizer import _get_param_grad_norm_group
+        except ImportError:
+            return True
+        return not any(_get_param_grad_norm_group(p) is not None for o in self.chained_optimizers
+                       for g in o.optimizer.param_groups for p in g["params"])
 
     @torch.no_grad()
     def step(self):

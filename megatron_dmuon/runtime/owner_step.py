@@ -8,15 +8,18 @@ It subclasses torch.optim.AdamW so element-wise params take torch's exact AdamW 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from torch.profiler import record_function
 
 from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale, muon_momentum_
 from ..planning.params import check_muon_matrix_shape
 from ..planning.tp_cost import TP_METHODS
+from .ns_stacks import StackJob, StackPlan
 from .tp_exchange import TPExchange, TPMatrix
 
 NS_METHODS = ("standard", "gram", "auto")
@@ -247,14 +250,31 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         loss = closure() if closure is not None else None
         all_groups = self.param_groups
         adam_groups = [g for g in all_groups if not g.get("use_muon", False)]
-        try:
-            self.param_groups = adam_groups
-            if any(p.grad is not None for g in adam_groups for p in g["params"]):
-                super().step()
-        finally:
-            self.param_groups = all_groups
-        self._muon_step([g for g in all_groups if g.get("use_muon", False)])
+        muon_groups = [g for g in all_groups if g.get("use_muon", False)]
+        adam_params = [p for g in adam_groups for p in g["params"] if p.grad is not None]
+        # On CUDA the element-wise AdamW (memory-bound) runs on a side stream while the Muon step's
+        # NS (compute-bound) runs on the current one: disjoint params, so the result is the same.
+        side = self._side_stream(adam_params[0].device) if adam_params and adam_params[0].is_cuda and any(
+            g["params"] for g in muon_groups) else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(side.device))  # grads (and clipping) are ready
+        if adam_params:
+            try:
+                self.param_groups = adam_groups
+                with record_function("dmuon.adamw"), (torch.cuda.stream(side) if side else contextlib.nullcontext()):
+                    super().step()
+            finally:
+                self.param_groups = all_groups
+        self._muon_step(muon_groups)
+        if side is not None:
+            torch.cuda.current_stream(side.device).wait_stream(side)
         return loss
+
+    def _side_stream(self, device) -> "torch.cuda.Stream":
+        streams = self.__dict__.setdefault("_adam_streams", {})
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device=device)
+        return streams[device]
 
     def _muon_step(self, groups) -> None:
         s = self.muon
@@ -273,32 +293,85 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             from .row_update_step import row_update_step
 
             return row_update_step(self, entries)
-        updates = {}
-        for p, _, info in entries:
-            if not self.holds_momentum(info):
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=self._momentum_dtype(p))
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            buf = state["momentum_buffer"]
-            # a narrower stored momentum is updated in the master's dtype and rounded back once
-            wide = buf if buf.dtype == p.dtype else buf.to(p.dtype)
-            update = muon_momentum_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum, s.nesterov)
-            if wide is not buf:
-                buf.copy_(wide)
-            updates[info.name] = update
+        if self.tp.size == 1:
+            return self._local_step(entries)
+        return self._exchange_step(entries)
+
+    def _exchange_step(self, entries) -> None:
+        """Under TP: updates go to each matrix's TP owner (or into distributed Gram NS) and the
+        directions come back to every shard (runtime.tp_exchange)."""
+        s = self.muon
+        with record_function("dmuon.momentum"):
+            updates = self._momentum_updates(entries)
         self.tp.bytes_sent = 0
         self.stats["ns_matrices"] = 0
         gram = [e for e in entries if e[2].tp_method == "distributed_gram"]
         local = self._distributed_gram_step(gram, updates)
         local.update(self._gather_step([e for e in entries if e[2].tp_method != "distributed_gram"], updates,
                                        like=entries[0][0] if entries else None))
-        for p, group, info in entries:  # every rank: decay and lr-scaled direction on its own shard
-            scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
-            muon_apply_(p, local[info.name], group["lr"], group["weight_decay"], scale)
+        with record_function("dmuon.apply"):
+            for p, group, info in entries:  # every rank: decay and lr-scaled direction on its own shard
+                scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
+                muon_apply_(p, local[info.name], group["lr"], group["weight_decay"], scale)
         self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
         self.stats["tp_bytes"] = self.tp.bytes_sent
+
+    def _momentum_update(self, p: torch.Tensor, info: MatrixInfo, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Momentum step of one matrix in place; returns its NS input (Nesterov: grad.lerp(momentum)),
+        written into ``out`` when given (a view of the NS input stack)."""
+        s = self.muon
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=self._momentum_dtype(p))
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        buf = state["momentum_buffer"]
+        # a narrower stored momentum is updated in the master's dtype and rounded back once
+        wide = buf if buf.dtype == p.dtype else buf.to(p.dtype)
+        momentum_step = muon_momentum_
+        if out is not None and out.is_cuda:
+            from ..kernels.fused_muon import muon_momentum_fast_ as momentum_step  # one pass, same bits
+        update = momentum_step(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum, s.nesterov, out=out)
+        if wide is not buf:
+            buf.copy_(wide)
+        return update
+
+    def _momentum_updates(self, entries) -> Dict[str, torch.Tensor]:
+        """Momentum steps in place; the NS input of every matrix whose momentum this rank holds."""
+        return {info.name: self._momentum_update(p, info) for p, _, info in entries if self.holds_momentum(info)}
+
+    def _local_step(self, entries) -> None:
+        """Without TP every matrix is whole on this rank: the Nesterov updates are written straight
+        into the NS input stacks and the directions applied straight from the NS outputs
+        (ns_stacks.StackPlan), instead of materialising each update, stacking it, and reassembling
+        split directions. The same arithmetic as the general path, in fewer passes."""
+        from ..kernels.fused_muon import muon_apply_fast_
+
+        s = self.muon
+        plan = self._stack_plan([StackJob(info.name, tuple(info.shape), info.split, p.dtype) for p, _, info in entries])
+        with record_function("dmuon.momentum"):
+            stacks = self._input_stacks(plan, entries[0][0].device) if entries else []
+            for j, (p, _, info) in enumerate(entries):
+                view = plan.direct_view(stacks, j)
+                update = self._momentum_update(p, info, out=view)
+                if view is None:
+                    plan.write(stacks, j, update)
+        self.stats["ns_matrices"] = len(entries)
+        with record_function("dmuon.ns"):
+            outputs = self._orthogonalize_stacks(plan, stacks)
+        with record_function("dmuon.apply"):
+            for j, (p, group, info) in enumerate(entries):
+                view = plan.direct_view(outputs, j)
+                if view is not None:  # its pieces share one shape, so one lr multiplier
+                    piece_scale = muon_lr_scale(*plan.piece_shape(j)[-2:], s.scale_mode, s.extra_scale)
+                    whole = info.split is None or info.split.kind == "none"
+                    muon_apply_fast_(p, view.to(p.dtype), group["lr"], group["weight_decay"],
+                                     piece_scale if whole else 1.0, 1.0 if whole else piece_scale)
+                    continue
+                direction, scale = muon_direction(plan.outputs(outputs, j), info.split, shape=info.shape,
+                                                  scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)
+                muon_apply_(p, direction, group["lr"], group["weight_decay"], scale)
+        self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
+        self.stats["tp_bytes"] = 0
 
     def _gather_step(self, entries, updates, like) -> Dict[str, torch.Tensor]:
         """Directions (this rank's shards) of matrices gathered whole to their TP owner (without TP:
@@ -308,12 +381,14 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         info_of = {info.name: (p, info) for p, _, info in entries}
         full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()}, like)
         owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
-        orthogonalized = self._orthogonalize_owned([(info, full[info.name]) for _, info in owned])
-        directions = {
-            info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
-                                      scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)[0]
-            for p, info in owned
-        }
+        with record_function("dmuon.ns"):
+            orthogonalized = self._orthogonalize_owned([(info, full[info.name]) for _, info in owned])
+        with record_function("dmuon.direction"):
+            directions = {
+                info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
+                                          scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)[0]
+                for p, info in owned
+            }
         self.stats["ns_matrices"] += len(owned)
         return self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, (_, i) in info_of.items()}, like)
 
@@ -340,63 +415,65 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     def _orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:
         """NS outputs of every (info, full update) job, one batched call per distinct piece shape;
         per matrix, the outputs in the order of ``info.split.pieces`` (stacks stay stacks)."""
-        pieces_of = [info.split.pieces(update) if info.split is not None else [update] for info, update in jobs]
-        by_shape: Dict[Tuple[int, int], List[Tuple[int, int, Optional[int]]]] = defaultdict(list)
-        for ji, pieces in enumerate(pieces_of):
-            for pi, piece in enumerate(pieces):
-                if piece.dim() == 2:
-                    by_shape[tuple(piece.shape)].append((ji, pi, None))
-                else:  # a per-head stack: every head is its own matrix
-                    for k in range(piece.shape[0]):
-                        by_shape[tuple(piece.shape[-2:])].append((ji, pi, k))
-        groups_refs = list(by_shape.values())
+        plan = self._stack_plan([StackJob(info.name, tuple(u.shape), info.split, u.dtype) for info, u in jobs])
+        stacks = self._input_stacks(plan, jobs[0][1].device) if jobs else []
+        for j, (_, update) in enumerate(jobs):
+            plan.write(stacks, j, update)
+        outputs = self._orthogonalize_stacks(plan, stacks)
+        return {info.name: plan.outputs(outputs, j) for j, (info, _) in enumerate(jobs)}
 
-        def stack_of(refs):
-            return torch.stack([pieces_of[ji][pi] if k is None else pieces_of[ji][pi][k] for ji, pi, k in refs])
+    def _stack_plan(self, jobs: List[StackJob]) -> StackPlan:
+        key = tuple(jobs)
+        plans = self.__dict__.setdefault("_stack_plans", {})
+        if key not in plans:
+            if len(plans) > 16:  # shapes change rarely (row rules with a new selection size)
+                plans.clear()
+            plans[key] = StackPlan(jobs)
+        return plans[key]
 
-        results = [[None] * len(p) for p in pieces_of]
-        on_cuda = bool(jobs) and jobs[0][1].is_cuda
-        self.stats["ns_calls"] = len(groups_refs)
+    def _graph_key(self, plan: StackPlan, device) -> tuple:
+        return tuple((shape, dtype, str(device)) for shape, (_, _, dtype) in zip(plan.stack_shapes(), plan.groups))
+
+    def _input_stacks(self, plan: StackPlan, device) -> List[torch.Tensor]:
+        """Empty NS input stacks for ``plan``: the CUDA graph's own input buffers under
+        ns_launch='graph' (written in place, so a replay copies nothing), else new tensors."""
+        graph = self._graphs.get(self._graph_key(plan, device)) if self.muon.ns_launch == "graph" else None
+        return list(graph.static_inputs) if graph is not None else plan.new_stacks(device)
+
+    def _orthogonalize_stacks(self, plan: StackPlan, stacks: List[torch.Tensor]) -> List[torch.Tensor]:
+        """One NS result per stack (launched as ``MuonSettings.ns_launch`` says), NaN/Inf outputs
+        recomputed in float32."""
+        s = self.muon
+        self.stats["ns_calls"] = len(stacks)
         self.stats["ns_fp32_retries"] = 0
-        for refs, orth in zip(groups_refs, self._orthogonalize_all(groups_refs, stack_of, on_cuda)):
-            if self.muon.retry_nonfinite:
-                orth = self._retry_nonfinite(orth, refs, stack_of)
-            for j, (ji, pi, k) in enumerate(refs):
-                if k is None:
-                    results[ji][pi] = orth[j]
-                else:
-                    if results[ji][pi] is None:
-                        results[ji][pi] = orth.new_empty(pieces_of[ji][pi].shape)
-                    results[ji][pi][k] = orth[j]
-        return {info.name: results[ji] for ji, (info, _) in enumerate(jobs)}
+        if not stacks:
+            return []
+        if s.ns_launch == "eager" or not stacks[0].is_cuda:
+            outputs = [self.orthogonalizer(x) for x in stacks]
+        else:
+            from ..kernels import GraphedGroups, orthogonalize_groups
 
-    def _retry_nonfinite(self, orth: torch.Tensor, refs, stack_of) -> torch.Tensor:
+            per_stack = [s.ns_schedule(x.size(-2), x.size(-1)) for x in stacks]
+            kw = dict(per_stack_kwargs=per_stack, compute_dtype=s.ns_dtype)
+            if s.ns_launch == "streams":
+                outputs = orthogonalize_groups(stacks, s.ns_method, **kw)
+            else:
+                key = self._graph_key(plan, stacks[0].device)
+                graph = self._graphs.get(key)
+                if graph is None:  # captured on these very stacks: they become its input buffers
+                    graph = self._graphs[key] = GraphedGroups(stacks, s.ns_method, adopt_inputs=True, **kw)
+                outputs = graph(stacks)  # the graph's static outputs: consumed before the next step
+        if s.retry_nonfinite:
+            outputs = [self._retry_nonfinite(o, x) for o, x in zip(outputs, stacks)]
+        return outputs
+
+    def _retry_nonfinite(self, orth: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """Matrices whose NS output holds NaN/Inf are recomputed by the float32 torch path."""
         from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite
 
         before = NONFINITE_METRICS["fp32_retries"]
-        orth = retry_nonfinite(orth, lambda index: stack_of([refs[i] for i in index]), self._fp32_orthogonalizer)
+        orth = retry_nonfinite(orth, inputs, self._fp32_orthogonalizer)
         retried = NONFINITE_METRICS["fp32_retries"] - before
         self.stats["ns_fp32_retries"] += retried
         self.stats["ns_fp32_retries_total"] += retried
         return orth
-
-    def _orthogonalize_all(self, groups_refs: list, stack_of, on_cuda: bool) -> Iterable[torch.Tensor]:
-        """One NS result per same-shape group, launched as ``MuonSettings.ns_launch`` says.
-        Eager stacks one group at a time (one input stack alive at once); streams and graph
-        need every stack up front."""
-        s = self.muon
-        if s.ns_launch == "eager" or not on_cuda:
-            return (self.orthogonalizer(stack_of(refs)) for refs in groups_refs)
-        from ..kernels import GraphedGroups, orthogonalize_groups
-
-        stacks = [stack_of(refs) for refs in groups_refs]
-        per_stack = [s.ns_schedule(x.size(-2), x.size(-1)) for x in stacks]
-        kw = dict(per_stack_kwargs=per_stack, compute_dtype=s.ns_dtype)
-        if s.ns_launch == "streams":
-            return orthogonalize_groups(stacks, s.ns_method, **kw)
-        key = tuple((tuple(x.shape), x.dtype, str(x.device)) for x in stacks)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = GraphedGroups(stacks, s.ns_method, **kw)
-        return graph(stacks)  # the graph's static outputs: consumed before the next step
