@@ -151,6 +151,10 @@ def validate_args(p, args):
     if (args.save or args.load) and args.optimizer == "dmuon" and args.dmuon_mode != "dmuon":
         p.error(f"--save/--load support --dmuon-mode dmuon (and --optimizer adam); --dmuon-mode {args.dmuon_mode} "
                 "is a comparison baseline without checkpoints")
+    if args.profile_optimizer_at is not None and not 1 <= args.profile_optimizer_at <= args.train_iters:
+        p.error(f"--profile-optimizer-at must be in [1, --train-iters] (got {args.profile_optimizer_at})")
+    if args.profile_out and args.profile_optimizer_at is None:
+        p.error("--profile-out needs --profile-optimizer-at ITER (the iteration whose optimizer step to profile)")
     if args.fail_at_iteration is not None and not 1 <= args.fail_at_iteration <= args.train_iters:
         p.error(f"--fail-at-iteration must be in [1, --train-iters] (got {args.fail_at_iteration})")
     if args.data_path:

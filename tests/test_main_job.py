@@ -18,13 +18,19 @@ def _torchrun(tmp_path, *extra):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " iteration       16/      16 | consumed samples:" in proc.stdout
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "stdout": proc.stdout}
 
 
 def test_main_job_trains_on_stdlib_bytes(tmp_path):
-    summary = _torchrun(tmp_path)["summary"]
+    trace = tmp_path / "optimizer_step.json"
+    run = _torchrun(tmp_path, "--profile-optimizer-at", "3", "--profile-out", str(trace))
+    summary = run["summary"]
     assert summary["dp"] == 2 and summary["mode"] == "dmuon"
     assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
+    # the profiled step: a kernel/op table with the owner step's phases, and a Chrome trace
+    table = run["stdout"].split("> profile of the optimizer step", 1)[1]
+    assert all(phase in table for phase in ("dmuon.adamw", "dmuon.momentum", "dmuon.ns", "dmuon.apply"))
+    assert "traceEvents" in trace.read_text()
 
 
 def test_main_job_reads_a_megatron_indexed_dataset(tmp_path):
