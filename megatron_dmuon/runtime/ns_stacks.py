@@ -105,13 +105,3 @@ class StackPlan:
         """Job j's NS outputs in its split's piece order (3-D pieces stay stacks), as views."""
         return [stacks[g][start] if len(shape) == 2 else stacks[g][start:start + count]
                 for g, start, count, shape in self.pieces[j]]
-
-    def slot_refs(self, g: int) -> List[Tuple[int, int]]:
-        """(job, piece) of every slot of stack g, in slot order (for retries and tests)."""
-        refs = [None] * self.sizes[g]
-        for j, slots in enumerate(self.pieces):
-            for i, (gg, start, count, _) in enumerate(slots):
-                if gg == g:
-                    for k in range(count):
-                        refs[start + k] = (j, i)
-        return refs

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import defaultdict
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.profiler import record_function
