@@ -445,4 +445,13 @@ def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_
     assert options["plan_cache"] == str(tmp_path / "plans.json")
     assert options["cost_model_fn"].keywords["budget_s"] == pytest.approx(8.0)
     plain = ddp_options_from_args(parser.parse_args([]))
-    assert set(plain) == {"ranks_per_node", "balance"}
+    assert set(plain) == {"ranks_per_node", "balance", "cost_fn"}
+    # owners are balanced by what the run's NS costs: the adaptive schedule makes the wide
+    # matrices far cheaper relative to square ones than the standard 5-step count says
+    from megatron_dmuon.planning.params import ns_cost, owner_ns_cost
+
+    adaptive = ddp_options_from_args(parser.parse_args(["--dmuon-coefficients", "adaptive"]))["cost_fn"]
+    ratio = adaptive((3584, 18944)) / adaptive((3584, 3584))
+    assert ratio == pytest.approx(owner_ns_cost((18944, 3584), "adaptive") / owner_ns_cost((3584, 3584), "adaptive"))
+    assert 1.3 < ratio < 1.6 and ns_cost((3584, 18944)) / ns_cost((3584, 3584)) > 3.5
+    assert plain["cost_fn"]((512, 3584)) == owner_ns_cost((512, 3584), "keller", 5, "auto")

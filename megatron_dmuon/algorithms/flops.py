@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 from .gram_newton_schulz import restart_points
 
-__all__ = ["newton_schulz_flops", "FLOP_METHODS"]
+__all__ = ["newton_schulz_flops", "cheaper_ns_method", "FLOP_METHODS"]
 
 FLOP_METHODS: tuple[str, ...] = ("standard", "gram")
 
@@ -94,3 +94,12 @@ def newton_schulz_flops(
     wide_symmetric = 1 + r  # R₀ and one X Xᵀ per restart
     wide_full = segments  # one Q X per segment
     return float(half * square_products * square + (half * wide_symmetric + wide_full) * wide)
+
+
+def cheaper_ns_method(rows: int, cols: int, steps: int = 5, restart_after: Iterable[int] = (2,),
+                      min_aspect_ratio: float = 2.0) -> str:
+    """'gram' when Gram NS needs fewer FLOPs than standard NS on symmetric kernels, else
+    'standard' (the kernels' choice for a shape nobody measured)."""
+    gram = newton_schulz_flops(rows, cols, steps, "gram", symmetric=True, restart_after=restart_after,
+                               min_aspect_ratio=min_aspect_ratio)
+    return "gram" if gram < newton_schulz_flops(rows, cols, steps, "standard", symmetric=True) else "standard"

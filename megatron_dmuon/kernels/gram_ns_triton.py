@@ -347,12 +347,9 @@ def gram_newton_schulz_fast(
 
 def default_method(rows: int, cols: int, steps: int = 5, restart_after=(2,), min_aspect_ratio: float = 2.0) -> str:
     """FLOP-based choice (symmetric kernels): Gram when it needs fewer FLOPs, else standard."""
-    from ..algorithms.flops import newton_schulz_flops
+    from ..algorithms.flops import cheaper_ns_method
 
-    gram = newton_schulz_flops(rows, cols, steps, "gram", symmetric=True, restart_after=restart_after,
-                               min_aspect_ratio=min_aspect_ratio)
-    standard = newton_schulz_flops(rows, cols, steps, "standard", symmetric=True)
-    return "gram" if gram < standard else "standard"
+    return cheaper_ns_method(rows, cols, steps, restart_after, min_aspect_ratio)
 
 
 def resolve_method(x: Tensor, method: str, kwargs: dict) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 from typing import Optional
 
@@ -25,6 +26,7 @@ from ..algorithms.coefficients import COEFFICIENT_SETS, YOU
 from ..algorithms.muon import LR_SCALE_MODES
 from ..kernels.autotune import CACHE_ENV
 from ..planning.owner_layout import BALANCE
+from ..planning.params import owner_ns_cost
 from ..planning.profile import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, NS_METHODS, MuonSettings
@@ -218,8 +220,12 @@ def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
 
 def ddp_options_from_args(args) -> dict:
     """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
-    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance)
-    # only what a run asks for beyond the defaults (a plain launch builds the DDP as before)
+    muon = DMuonConfig.from_args(args).muon
+    # owners are balanced by the NS this run's settings will run (schedule, steps, method)
+    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
+                   cost_fn=functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
+                                             ns_method=muon.ns_method))
+    # beyond that, only what a run asks for beyond the defaults
     if getattr(args, "dmuon_publish_dtype", "param") != "param":
         options["publish_dtype"] = args.dmuon_publish_dtype
     if getattr(args, "dmuon_megabatch", False):
@@ -227,7 +233,7 @@ def ddp_options_from_args(args) -> dict:
     if args.dmuon_balance == "milp":
         from .layout import milp_planning_options
 
-        options.update(milp_planning_options(DMuonConfig.from_args(args).muon, args.dmuon_plan_budget))
+        options.update(milp_planning_options(muon, args.dmuon_plan_budget))
     return options
 
 

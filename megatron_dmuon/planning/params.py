@@ -13,7 +13,7 @@ import torch
 
 from ..algorithms.flops import newton_schulz_flops
 
-__all__ = ["is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_cost"]
+__all__ = ["is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_cost", "owner_ns_cost"]
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:
@@ -46,3 +46,25 @@ def ns_cost(shape: Sequence[int], steps: int = 5) -> float:
     """Predicted NS cost of one full matrix: FLOPs of the standard iteration (planner's unit)."""
     rows, cols = check_muon_matrix_shape("matrix", shape)
     return float(newton_schulz_flops(rows, cols, steps, method="standard"))
+
+
+def owner_ns_cost(shape: Sequence[int], coefficients: str = "keller", steps: int = 5, ns_method: str = "auto") -> float:
+    """FLOPs of the NS the owner step runs on one ``shape`` matrix under ``--dmuon-coefficients`` /
+    ``--muon-num-ns-steps`` / ``--dmuon-ns-method``: the per-shape adaptive schedule (4 or 5 steps,
+    no Gram restart) or ``steps`` with the Frobenius schedules' restart after step 2; ``'auto'`` is
+    the FLOP-cheaper method (the kernels' choice for an unmeasured shape); symmetric products at
+    half cost, as the kernels compute them. (Under the adaptive schedule a 3584 x 18944 matrix
+    costs 1.44 times a 3584² one; ``ns_cost``'s standard 5-step count says 3.86.)"""
+    from ..algorithms.gram_newton_schulz import default_restarts
+    from ..algorithms.flops import cheaper_ns_method
+
+    rows, cols = check_muon_matrix_shape("matrix", shape)
+    normalisation = "frobenius"
+    if coefficients == "adaptive":
+        from ..algorithms.schedules import schedule_for_shape
+
+        schedule = schedule_for_shape(rows, cols)
+        steps, normalisation = schedule["steps"], schedule["normalisation"]
+    restart_after = default_restarts(normalisation)
+    method = cheaper_ns_method(rows, cols, steps, restart_after) if ns_method == "auto" else ns_method
+    return float(newton_schulz_flops(rows, cols, steps, method, symmetric=True, restart_after=restart_after))
