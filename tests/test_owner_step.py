@@ -152,8 +152,9 @@ def test_local_step_is_bit_identical_to_the_exchange_path(ns_method):
     # TP = 1 runs _local_step (updates written into the NS stacks, directions applied from them);
     # the general TP path (_exchange_step) materialises, stacks and reassembles: same bits
     rules = [None, SplitRule("glu"), SplitRule("qkv", num_attention_heads=4, num_query_groups=2, head_dim=8),
-             SplitRule("qkv", per_head=True, num_attention_heads=4, num_query_groups=2, head_dim=8), None]
-    shapes = [(48, 32), (64, 24), (64, 24), (64, 24), (48, 32)]
+             SplitRule("qkv", per_head=True, num_attention_heads=4, num_query_groups=2, head_dim=8), None,
+             SplitRule("glu", tp_shards=2), SplitRule("experts", num_experts=2, split_glu=True)]
+    shapes = [(48, 32), (64, 24), (64, 24), (64, 24), (48, 32), (64, 24), (128, 24)]
     settings = MuonSettings(ns_dtype=torch.float32, ns_method=ns_method, scale_mode="match_rms_adamw",
                             coefficients="adaptive")
     runs = []
