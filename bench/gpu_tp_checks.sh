@@ -6,7 +6,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 run_verify() {  # name, args...
   local name=$1; shift
-  timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_dmuon.cli verify --json "$@" \
+  timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_dmuon.testing.verify_cli --json "$@" \
     > "$OUT/verify_$name.json" 2> "$OUT/verify_$name.err"
   echo "verify $name rc=$? $(python3 -c "import json,sys; d=json.loads([l for l in open('$OUT/verify_$name.json') if l.startswith('{')][-1]); print({k: d[k] for k in ('dp','tp','precision','max_rel_diff','tolerance','ok','each_matrix_once')})" 2>&1 | tail -1)"
 }

@@ -2,7 +2,7 @@
 
     python bench/scaling.py --gpus 1 2 4 8 --preset qwen7b-4l --iters 12 --out docs/scaling
 
-For each GPU count runs bench/e2e.py (global batch scaled with DP: 8 x GPUs) and `dmuon verify`
+For each GPU count runs bench/e2e.py (global batch scaled with DP: 8 x GPUs) and `dmuon-verify`
 under torchrun (bf16, NCCL); writes <out>.json, <out>.md and <out>.png.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def run_e2e(nproc, preset, iters, modes):
 
 def run_verify(nproc):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "megatron_dmuon.cli", "verify", "--bf16", "--json"]
+           "-m", "megatron_dmuon.testing.verify_cli", "--bf16", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     return json.loads(lines[-1]) if lines else {"ok": False, "error": proc.stderr[-2000:]}

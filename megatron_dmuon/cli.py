@@ -1,7 +1,11 @@
-"""`dmuon` console script: `dmuon verify ...`, `dmuon check ...`, `dmuon autotune ...`, `dmuon plan ...`."""
+"""`dmuon` console script: `dmuon autotune ...`, `dmuon plan ...`.
+
+The self-tests built on the test harness have their own console scripts, `dmuon-verify` and
+`dmuon-check` (megatron_dmuon.testing.verify_cli / check_cli), so no production module imports it."""
 import sys
 
-USAGE = "usage: dmuon {verify,check,autotune,plan} [options]   (dmuon <command> --help for details)"
+USAGE = ("usage: dmuon {autotune,plan} [options]   (dmuon <command> --help for details)\n"
+         "self-tests: dmuon-verify, dmuon-check")
 
 
 def main(argv=None) -> int:
@@ -10,14 +14,10 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "verify":
-        from .testing.verify_cli import main as verify_main
-
-        return verify_main(rest)
-    if cmd == "check":
-        from .testing.check_cli import main as check_main
-
-        return check_main(rest)
+    if cmd in ("verify", "check"):
+        print(f"dmuon: the self-test is its own command: dmuon-{cmd} (python -m megatron_dmuon.testing.{cmd}_cli)",
+              file=sys.stderr)
+        return 2
     if cmd == "autotune":
         from .kernels.autotune_cli import main as autotune_main
 

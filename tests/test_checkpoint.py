@@ -40,7 +40,7 @@ def test_resume_is_bit_identical(world, kw):
 
 def test_verify_resume_through_state_dict_cli():
     # the torch format: optimizer.state_dict() + save_parameter_state() (Megatron-LM --ckpt-format torch)
-    cmd = [sys.executable, "-m", "megatron_dmuon.cli", "verify", "--dp", "2", "--steps", "5", "--resume-at", "2",
+    cmd = [sys.executable, "-m", "megatron_dmuon.testing.verify_cli", "--dp", "2", "--steps", "5", "--resume-at", "2",
            "--resume-format", "torch", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

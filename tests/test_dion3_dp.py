@@ -71,7 +71,7 @@ def test_dion3_per_split_piece_matches_reference():
 
 @pytest.mark.parametrize("update", ["dion3", "normuon"])
 def test_dmuon_verify_cli_passes_for_row_rules(update):
-    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.cli", "verify", "--dp", "2", "--update", update,
+    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.testing.verify_cli", "--dp", "2", "--update", update,
                            "--steps", "3", "--json"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -130,7 +130,7 @@ def test_dmuon_verify_cli_passes_at_dp4():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.cli", "verify", "--dp", "4", "--steps", "4", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.testing.verify_cli", "--dp", "4", "--steps", "4", "--json"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,7 +165,7 @@ def test_dmuon_verify_under_torchrun(nproc, extra):
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "megatron_dmuon.cli", "verify", "--steps", "4", "--json", *extra]
+           "-m", "megatron_dmuon.testing.verify_cli", "--steps", "4", "--json", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])

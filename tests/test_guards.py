@@ -1,6 +1,6 @@
 """Numerical guards: a non-finite gradient skips the step on every rank (no loss scaler needed),
 non-finite NS output is recomputed in fp32 and counted, all-zero gradients stay finite, and
-`dmuon check` finds a DP replica that diverged."""
+`dmuon-check` finds a DP replica that diverged."""
 import subprocess
 import sys
 
@@ -103,7 +103,7 @@ def test_found_nonfinite_without_a_process_group():
 
 
 def test_dmuon_check_finds_a_diverged_replica():
-    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.cli", "check", "--dp", "2", "--steps", "1",
+    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.testing.check_cli", "--dp", "2", "--steps", "1",
                            "--corrupt-rank", "1"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "DP replicas differ: first mismatch" in proc.stdout and "linear_qkv.weight" in proc.stdout

@@ -5,8 +5,8 @@ too, relative ones resolved to module names.
 (a) no import cycle between megatron_dmuon modules;
 (b) megatron-core (``megatron``, ``megatron.*``) is imported only by megatron/, testing/ (with the
     self-test commands verify_cli.py / check_cli.py) and the console script cli.py;
-(c) no production module imports ``megatron_dmuon.testing`` (testing/ itself, and cli.py's dispatch
-    of ``dmuon verify|check``, may);
+(c) no production module imports ``megatron_dmuon.testing`` (only testing/ itself does; its
+    self-tests are their own console scripts, ``dmuon-verify`` / ``dmuon-check``);
 (d) only decentralized/ imports ``megatron_dmuon.decentralized``, and decentralized/ takes
     nothing from the DMuon path but the math of algorithms/;
 (e) the layers import only downward: algorithms < kernels < planning < runtime < megatron
@@ -30,7 +30,7 @@ LAYERS = ("algorithms", "kernels", "planning", "runtime", "megatron")
 TOOLS = (f"{PACKAGE}.cli",)
 MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.testing", *TOOLS)
 TESTING = f"{PACKAGE}.testing"
-TESTING_IMPORTERS = (TESTING, f"{PACKAGE}.cli")  # `dmuon verify|check` dispatch to the harness's CLIs
+TESTING_IMPORTERS = (TESTING,)
 DECENTRALIZED = f"{PACKAGE}.decentralized"
 DECENTRALIZED_MAY_IMPORT = (DECENTRALIZED, f"{PACKAGE}.algorithms")
 

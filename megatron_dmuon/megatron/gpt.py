@@ -1,4 +1,4 @@
-"""A small Megatron-core GPT training core shared by the main job, `dmuon verify` and the tests.
+"""A small Megatron-core GPT training core shared by the main job, `dmuon-verify` and the tests.
 
 It mirrors what Megatron-LM's training.py wires up (DDP, sync funcs, finalize_model_grads,
 forward_backward_func) so DMuon is exercised on megatron-core's real code paths.

@@ -1,4 +1,4 @@
-"""`dmuon check`: do all DP replicas hold identical parameters? (per-bucket checksums)
+"""`dmuon-check`: do all DP replicas hold identical parameters? (per-bucket checksums)
 
 After every step each DP rank holds the whole model, published by the owners; a replica that
 silently diverged (a missed publish after a resume, Megatron PR #6920; a rank-divergent update)

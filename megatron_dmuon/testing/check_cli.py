@@ -1,4 +1,4 @@
-"""`dmuon check`: train a tiny megatron-core GPT with DMuon, then verify that every DP replica
+"""`dmuon-check`: train a tiny megatron-core GPT with DMuon, then verify that every DP replica
 holds bit-identical parameters (per-bucket checksums over each DP group); prints the first
 mismatch. CPU (default): spawns --dp x --tp gloo ranks. Under torchrun it runs on the launched
 ranks (NCCL on GPUs). In a job: ``megatron_dmuon.megatron.replicas.check_replicas(model_chunks)``.
@@ -13,7 +13,7 @@ import sys
 def _parser():
     from .verify_cli import layout_parser
 
-    p = layout_parser("dmuon check", __doc__)
+    p = layout_parser("dmuon-check", __doc__)
     p.add_argument("--steps", type=int, default=3, help="training steps before the check")
     p.add_argument("--overlap", action="store_true", help="overlap_grad_reduce + overlap_param_gather")
     p.add_argument("--corrupt-rank", type=int, default=None,

@@ -1,4 +1,4 @@
-"""Run DMuon on N gloo ranks and its single-process reference; compare them (tests and `dmuon verify`)."""
+"""Run DMuon on N gloo ranks and its single-process reference; compare them (tests and `dmuon-verify`)."""
 from __future__ import annotations
 
 from typing import Dict, List

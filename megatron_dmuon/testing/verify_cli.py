@@ -1,8 +1,8 @@
-"""`dmuon verify`: DMuon at a given DP x TP x PP (x EP) layout vs the single-process Muon reference.
+"""`dmuon-verify`: DMuon at a given DP x TP x PP (x EP) layout vs the single-process Muon reference.
 
 CPU (default): spawns dp x tp x pp gloo ranks with the CPU test shim and runs the TP=PP=EP=1
 reference in one process. GPU: launch under torchrun
-(`torchrun --nproc-per-node N -m megatron_dmuon.cli verify --tp 2 --bf16`); every rank trains on
+(`torchrun --nproc-per-node N -m megatron_dmuon.testing.verify_cli --tp 2 --bf16`); every rank trains on
 NCCL, rank 0 then runs the reference in a fresh single-rank CPU process. Prints the max relative parameter difference per
 tensor (parameters merged over TP shards, PP stages and EP experts); exits 1 above the tolerance
 or if a matrix was not orthogonalized exactly once per step.
@@ -67,7 +67,7 @@ def torchrun_backend() -> str:
 
 
 def _parser():
-    p = layout_parser("dmuon verify", __doc__)
+    p = layout_parser("dmuon-verify", __doc__)
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE GPT with 4 experts per layer)")
     p.add_argument("--steps", type=int, default=10)
@@ -259,7 +259,7 @@ def _main_torchrun(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = torchrun_backend()
     if world % (args.tp * args.pp):
-        print(f"dmuon verify: world size {world} is not a multiple of --tp x --pp", file=sys.stderr)
+        print(f"dmuon-verify: world size {world} is not a multiple of --tp x --pp", file=sys.stderr)
         return 2
     args.dp = world // (args.tp * args.pp)
     precision = _precision(args, on_gpu=backend == "nccl")
@@ -267,7 +267,7 @@ def _main_torchrun(args):
     torch.distributed.init_process_group(backend)
     if args.resume_at is not None:
         if _reshards(args):
-            print("dmuon verify: --resume-dp/--resume-tp run in CPU spawn mode (not under torchrun)", file=sys.stderr)
+            print("dmuon-verify: --resume-dp/--resume-tp run in CPU spawn mode (not under torchrun)", file=sys.stderr)
             return 2
         out = workers.dmuon_resume(rank, world, resume_at=args.resume_at, fmt=args.resume_format, **kw)
         everyone = [None] * world
@@ -297,3 +297,7 @@ def _main_torchrun(args):
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
