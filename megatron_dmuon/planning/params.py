@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..algorithms.flops import newton_schulz_flops
+from ..algorithms.flops import cheaper_ns_method, newton_schulz_flops
+from ..algorithms.gram_newton_schulz import default_restarts
+from ..algorithms.schedules import schedule_for_shape
 
 __all__ = ["is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_cost", "owner_ns_cost"]
 
@@ -55,14 +57,9 @@ def owner_ns_cost(shape: Sequence[int], coefficients: str = "keller", steps: int
     the FLOP-cheaper method (the kernels' choice for an unmeasured shape); symmetric products at
     half cost, as the kernels compute them. (Under the adaptive schedule a 3584 x 18944 matrix
     costs 1.44 times a 3584² one; ``ns_cost``'s standard 5-step count says 3.86.)"""
-    from ..algorithms.gram_newton_schulz import default_restarts
-    from ..algorithms.flops import cheaper_ns_method
-
     rows, cols = check_muon_matrix_shape("matrix", shape)
     normalisation = "frobenius"
     if coefficients == "adaptive":
-        from ..algorithms.schedules import schedule_for_shape
-
         schedule = schedule_for_shape(rows, cols)
         steps, normalisation = schedule["steps"], schedule["normalisation"]
     restart_after = default_restarts(normalisation)
