@@ -444,14 +444,20 @@ def main(argv=None):
             line = log.line(it, opt.param_groups[0]["lr"], grad_norm)
             if rank == 0 and timings:
                 print(line, flush=True)
+    steady = timings[len(timings) // 2:] or timings
+    # every rank's median optimizer step: an owner with more NS work than rank 0 shows up here
+    # (the others then wait for its bucket in the next forward's param all-gather)
+    per_rank_opt = [None] * world
+    if timings:
+        torch.distributed.all_gather_object(per_rank_opt, sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2])
     if rank == 0 and timings:
-        steady = timings[len(timings) // 2:] or timings
         summary = {"optimizer": args.optimizer, "mode": args.dmuon_mode if args.optimizer == "dmuon" else "adam",
                    "dp": dp_size, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
                    "first_loss": first_loss, "last_loss": last_loss, "skipped_iterations": skipped,
                    **({"ns_fp32_retries": opt.dmuon_stats()["ns_fp32_retries"]} if hasattr(opt, "dmuon_stats") else {}),
                    "median_step_ms": sorted(t["step_ms"] for t in steady)[len(steady) // 2],
                    "median_optimizer_ms": sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2],
+                   "median_optimizer_ms_per_rank": per_rank_opt,
                    **_memory_summary(opt, ddp, dp_size)}
         print("> summary " + json.dumps(summary), flush=True)
         if args.timing_json:

@@ -68,6 +68,17 @@ def test_grad_norm_and_clipping_as_megatron():
     assert _max_rel_diff(results, ref["params"]) <= 5e-5
 
 
+def test_clipping_in_the_owner_step_is_megatrons_bit_for_bit():
+    # DMuon hands the clip coefficient to the owner step (folded into the momentum pass); the
+    # result must be exactly what Megatron's own clipping pass gives
+    kw = dict(steps=4, grad_accum=1, clip_grad=0.5)
+    folded, megatron = _run(2, **kw), _run(2, fold_clipping=False, **kw)
+    assert min(folded[0]["grad_norms"]) > 0.5  # clipping active in every step
+    assert folded[0]["grad_norms"] == megatron[0]["grad_norms"]
+    a, b = full_params(folded), full_params(megatron)
+    assert all(torch.equal(a[n], b[n]) for n in b)
+
+
 def test_more_ranks_than_matrices_and_frozen_params():
     # one layer with its MLP frozen: 2 Muon matrices on 3 ranks
     kw = dict(steps=4, grad_accum=1, shape_kw=dict(num_layers=1), freeze="mlp")

@@ -109,3 +109,15 @@ def test_pipeline_grad_norm_and_clipping_span_all_stages():
     ref, _ = _check(results, kw, 2, tol=1e-7)
     assert results[0]["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-6)
     assert max(ref["grad_norms"]) > 0.5  # clipping really happened
+
+
+def test_clipping_in_the_tp_owner_step_is_megatrons_bit_for_bit():
+    # under TP the owner step scales the grads before the exchange (one foreach pass) instead of
+    # Megatron's clip; the same bits either way
+    import torch
+
+    kw = _kw(dict(tp=2), steps=3, clip_grad=0.5)
+    folded, megatron = run_dmuon(2, **kw), run_dmuon(2, fold_clipping=False, **kw)
+    assert min(folded[0]["grad_norms"]) > 0.5
+    a, b = full_params(folded), full_params(megatron)
+    assert all(torch.equal(a[n], b[n]) for n in b)

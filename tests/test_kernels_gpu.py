@@ -214,30 +214,33 @@ def test_gpu_fused_apply_equals_the_torch_ops(dtype):
         assert torch.equal(ours, ref), (n, float((ours.double() - ref.double()).abs().max()))
 
 
-@pytest.mark.parametrize("beta,nesterov", [(0.95, True), (0.9, False), (0.3, True)])
-def test_gpu_fused_momentum_equals_the_torch_ops(beta, nesterov):
-    # momentum.lerp_(grad, 1 - beta) and grad.lerp(momentum, beta) in one pass: the same bits
+@pytest.mark.parametrize("beta,nesterov,clip", [(0.95, True, None), (0.9, False, None), (0.3, True, None),
+                                                (0.95, True, 0.3716), (0.9, False, 1 / 3)])
+def test_gpu_fused_momentum_equals_the_torch_ops(beta, nesterov, clip):
+    # momentum.lerp_(grad, 1 - beta) and grad.lerp(momentum, beta) in one pass: the same bits;
+    # with a clip coefficient, as if Megatron's clip (grad * coefficient) ran first
     from megatron_dmuon.algorithms.muon import muon_momentum_
     from megatron_dmuon.kernels.fused_muon import muon_momentum_fast_
 
     torch.manual_seed(1)
     m, g = torch.randn(1000003, device="cuda") * 1e-3, torch.randn(1000003, device="cuda")
     m_ref, m_ours = m.clone(), m.clone()
-    ref = muon_momentum_(m_ref, g, beta, nesterov).clone()
+    ref = muon_momentum_(m_ref, g if clip is None else g * clip, beta, nesterov).clone()
     out = torch.empty_like(g)
-    assert muon_momentum_fast_(m_ours, g, beta, nesterov, out) is out
+    assert muon_momentum_fast_(m_ours, g, beta, nesterov, out, grad_scale=clip) is out
     assert torch.equal(m_ours, m_ref) and torch.equal(out, ref)
 
 
 def test_gpu_owner_step_with_adamw_on_a_side_stream_is_deterministic(tmp_path, monkeypatch):
     """AdamW (element-wise params) runs on a side stream concurrently with the Muon step: the
-    result equals the one-stream order, bit for bit, run after run."""
+    result equals the one-stream order, bit for bit, run after run; gradient clipping handed to the
+    step (grad_scale) equals clipping the grads first."""
     from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 
     monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
     shapes = [(1024, 4096)] * 3 + [(1024, 1024)] * 2
 
-    def run(overlap):
+    def run(overlap, clip_in_step=True):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(*s, device="cuda")) for s in shapes]
         vectors = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (4_000_000, 1024, 77)]
@@ -252,10 +255,14 @@ def test_gpu_owner_step_with_adamw_on_a_side_stream_is_deterministic(tmp_path, m
         for _ in range(4):
             for q in params + vectors:
                 q.grad = torch.randn(q.shape, device="cuda", generator=gen)
+                if not clip_in_step:  # Megatron's own clipping pass
+                    q.grad = q.grad * 0.37
+            if clip_in_step:  # the same clipping, handed to the step (fused into the momentum pass)
+                opt.grad_scale = 0.37
             opt.step()
         torch.cuda.synchronize()
         return [q.detach().clone() for q in params + vectors]
 
-    sequential, first, second = run(False), run(True), run(True)
+    sequential, first, second = run(False, clip_in_step=False), run(True), run(True)
     for a, b, c in zip(sequential, first, second):
         assert torch.equal(a, b) and torch.equal(b, c)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -40,12 +41,14 @@ def _kernels():
         return tl.fma(start - end, one_minus_w, end)
 
     @triton.jit
-    def momentum_kernel(M, G, OUT, N, w1, c1, w2, c2, W1_SMALL: tl.constexpr, W2_SMALL: tl.constexpr,
-                        NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    def momentum_kernel(M, G, OUT, N, w1, c1, w2, c2, grad_scale, W1_SMALL: tl.constexpr, W2_SMALL: tl.constexpr,
+                        NESTEROV: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
         m = tl.load(M + offs, mask=mask, other=0.0)
         g = tl.load(G + offs, mask=mask, other=0.0)
+        if SCALED:  # gradient clipping's grad.mul_(coefficient), rounded on its own (no fma: see launch)
+            g = g * grad_scale
         m = lerp(m, g, w1, c1, W1_SMALL)  # momentum.lerp_(grad, 1 - beta)
         tl.store(M + offs, m, mask=mask)
         out = lerp(g, m, w2, c2, W2_SMALL) if NESTEROV else m  # grad.lerp(momentum, beta)
@@ -72,19 +75,28 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def muon_momentum_fast_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool, out: Tensor) -> Tensor:
+def muon_momentum_fast_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool, out: Tensor,
+                        grad_scale: Optional[float] = None) -> Tensor:
     """``muon_momentum_(momentum, grad, beta, nesterov, out=out)`` in one pass where it can run
-    (float32 momentum, grad and out of one size, contiguous, on CUDA)."""
+    (float32 momentum, grad and out of one size, contiguous, on CUDA). ``grad_scale``: the
+    gradient-clipping coefficient, as if ``grad.mul_(grad_scale)`` ran first (the fused pass
+    leaves ``grad`` itself unscaled; the torch path scales it in place, as Megatron's clip does)."""
     if not (_fusable(momentum, grad, out) and momentum.dtype == grad.dtype == out.dtype == torch.float32
             and 0.0 <= beta <= 1.0):
+        if grad_scale is not None:
+            grad.mul_(grad_scale)
         return muon_momentum_(momentum, grad, beta, nesterov, out=out)
     momentum_kernel, _, cdiv = _kernels()
     w1, w2 = _f32(1 - beta), _f32(beta)  # ATen's scalar weights, in float32
     n = momentum.numel()
     with torch.cuda.device(momentum.device):
+        # enable_fp_fusion=False: g·scale must round before the lerp (torch scales in a pass of
+        # its own); the lerps' fmas are explicit (tl.fma) and stay fused
         momentum_kernel[(cdiv(n, BLOCK),)](
-            momentum, grad, out, n, w1, _f32(1.0 - w1), w2, _f32(1.0 - w2), W1_SMALL=abs(w1) < 0.5,
-            W2_SMALL=abs(w2) < 0.5, NESTEROV=bool(nesterov), BLOCK=BLOCK, num_warps=8)
+            momentum, grad, out, n, w1, _f32(1.0 - w1), w2, _f32(1.0 - w2),
+            _f32(1.0 if grad_scale is None else grad_scale), W1_SMALL=abs(w1) < 0.5, W2_SMALL=abs(w2) < 0.5,
+            NESTEROV=bool(nesterov), SCALED=grad_scale is not None, BLOCK=BLOCK, num_warps=8,
+            enable_fp_fusion=False)
     return out
 
 

@@ -8,6 +8,7 @@ Megatron's own (we only swap the inner optimizer and the layout).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -264,10 +265,16 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
     AdamW moments and step untouched), exactly as Megatron skips an fp16 overflow step: step()
     returns ``(False, None, None)`` and ``dmuon_skipped_iterations`` counts it."""
 
+    # Gradient clipping of the DMuon parts is applied by their owner step (OwnerMuonAdamW.grad_scale:
+    # inside the Muon momentum pass, and before AdamW) instead of by Megatron's separate pass over
+    # every grad; the same coefficient and roundings. False: Megatron clips (the tests compare both).
+    dmuon_fold_clipping = True
+
     def __init__(self, chained_optimizers, skip_nonfinite: bool = True):
         super().__init__(chained_optimizers)
         self.dmuon_skip_nonfinite = skip_nonfinite
         self.dmuon_skipped_iterations = 0
+        self._dmuon_folded_clip = []  # the parts whose clipping this step() hands to their owner step
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -289,7 +296,11 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
     def get_grad_norm(self):
         cached, self._dmuon_grad_norm = getattr(self, "_dmuon_grad_norm", None), None
-        return cached if cached is not None else super().get_grad_norm()
+        norm = cached if cached is not None else super().get_grad_norm()
+        for part, max_norm in self._dmuon_folded_clip:  # Megatron's clip_grad_by_total_norm_fp32 rule
+            coefficient = max_norm / (norm + 1.0e-6)
+            part.dmuon_inner.grad_scale = coefficient if coefficient < 1.0 else None
+        return norm
 
     def _norm_covers_every_grad(self) -> bool:
         """Whether Megatron's main grad norm sees every grad: no param in a separately clipped
@@ -301,9 +312,31 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
         return not any(_get_param_grad_norm_group(p) is not None for o in self.chained_optimizers
                        for g in o.optimizer.param_groups for p in g["params"])
 
+    def _clipping_to_fold(self) -> list:
+        """(part, max_norm) of every DMuon part whose clipping its owner step can apply: Megatron's
+        main norm covers every grad and the grads are the plain main grads."""
+        if not self.dmuon_fold_clipping or not self._norm_covers_every_grad():
+            return []
+        return [(o, o.config.clip_grad) for o in self.chained_optimizers
+                if isinstance(o, DMuonDistributedOptimizer) and o.config.clip_grad > 0.0
+                and not getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)]
+
     @torch.no_grad()
     def step(self):
-        out = super().step()
+        self._dmuon_folded_clip = self._clipping_to_fold()
+        configs = [(part, part.config) for part, _ in self._dmuon_folded_clip]
+        try:
+            # Megatron's step clips a part whose config asks for it: those parts get a config copy
+            # without clipping for this step (their own step applies it; get_grad_norm hands it over)
+            for part, config in configs:
+                part.config = copy.copy(config)  # (not dataclasses.replace: no __post_init__ checks again)
+                part.config.clip_grad = 0.0
+            out = super().step()
+        finally:
+            for part, config in configs:
+                part.config = config
+                part.dmuon_inner.grad_scale = None  # unused when the step was skipped
+            self._dmuon_folded_clip = []
         if not out[0]:
             self.dmuon_skipped_iterations += 1
         return out

@@ -189,6 +189,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
         # ns_matrices / ns_calls / ns_fp32_retries of the last step; ns_matrices_total, ns_fp32_retries_total
         self.stats = defaultdict(int)
+        # gradient clipping handed to the step (DMuonChainedOptimizer): the next step() multiplies
+        # every grad by it first, as Megatron's clip would (same roundings), but inside the Muon
+        # momentum pass instead of a pass of its own; consumed by that step
+        self.grad_scale: Optional[float] = None
 
     def register_matrix(self, main_param: torch.Tensor, info: MatrixInfo) -> None:
         if main_param.numel() != info.local_shape[0] * info.local_shape[1]:
@@ -248,6 +252,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        grad_scale, self.grad_scale = self.grad_scale, None
         all_groups = self.param_groups
         adam_groups = [g for g in all_groups if not g.get("use_muon", False)]
         muon_groups = [g for g in all_groups if g.get("use_muon", False)]
@@ -262,10 +267,12 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             try:
                 self.param_groups = adam_groups
                 with record_function("dmuon.adamw"), (torch.cuda.stream(side) if side else contextlib.nullcontext()):
+                    if grad_scale is not None:  # Megatron's clip: dst.copy_(src * coefficient), same bits
+                        torch._foreach_mul_([p.grad for p in adam_params], grad_scale)
                     super().step()
             finally:
                 self.param_groups = all_groups
-        self._muon_step(muon_groups)
+        self._muon_step(muon_groups, grad_scale)
         if side is not None:
             torch.cuda.current_stream(side.device).wait_stream(side)
         return loss
@@ -276,7 +283,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             streams[device] = torch.cuda.Stream(device=device)
         return streams[device]
 
-    def _muon_step(self, groups) -> None:
+    def _muon_step(self, groups, grad_scale: Optional[float] = None) -> None:
         s = self.muon
         entries = []
         for group in groups:
@@ -289,12 +296,14 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 if p.grad is not None or self.tp.size > 1:
                     entries.append((p, group, info))
         entries.sort(key=lambda e: e[2].name)  # the same order on every TP rank
+        if s.update == "muon" and self.tp.size == 1:
+            return self._local_step(entries, grad_scale)  # clipping folded into the momentum pass
+        if grad_scale is not None:
+            torch._foreach_mul_([p.grad for p, _, _ in entries if p.grad is not None], grad_scale)
         if s.update != "muon":
             from .row_update_step import row_update_step
 
             return row_update_step(self, entries)
-        if self.tp.size == 1:
-            return self._local_step(entries)
         return self._exchange_step(entries)
 
     def _exchange_step(self, entries) -> None:
@@ -316,9 +325,11 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
         self.stats["tp_bytes"] = self.tp.bytes_sent
 
-    def _momentum_update(self, p: torch.Tensor, info: MatrixInfo, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _momentum_update(self, p: torch.Tensor, info: MatrixInfo, out: Optional[torch.Tensor] = None,
+                         grad_scale: Optional[float] = None) -> torch.Tensor:
         """Momentum step of one matrix in place; returns its NS input (Nesterov: grad.lerp(momentum)),
-        written into ``out`` when given (a view of the NS input stack)."""
+        written into ``out`` when given (a view of the NS input stack). ``grad_scale``: the clip
+        coefficient, applied to the grad first (``out`` given)."""
         s = self.muon
         state = self.state[p]
         if "momentum_buffer" not in state:
@@ -327,10 +338,16 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         buf = state["momentum_buffer"]
         # a narrower stored momentum is updated in the master's dtype and rounded back once
         wide = buf if buf.dtype == p.dtype else buf.to(p.dtype)
-        momentum_step = muon_momentum_
         if out is not None and out.is_cuda:
-            from ..kernels.fused_muon import muon_momentum_fast_ as momentum_step  # one pass, same bits
-        update = momentum_step(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum, s.nesterov, out=out)
+            from ..kernels.fused_muon import muon_momentum_fast_  # one pass, same bits
+
+            update = muon_momentum_fast_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum,
+                                         s.nesterov, out=out, grad_scale=grad_scale)
+        else:
+            if grad_scale is not None:
+                grad.mul_(grad_scale)
+            update = muon_momentum_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum,
+                                    s.nesterov, out=out)
         if wide is not buf:
             buf.copy_(wide)
         return update
@@ -339,7 +356,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         """Momentum steps in place; the NS input of every matrix whose momentum this rank holds."""
         return {info.name: self._momentum_update(p, info) for p, _, info in entries if self.holds_momentum(info)}
 
-    def _local_step(self, entries) -> None:
+    def _local_step(self, entries, grad_scale: Optional[float] = None) -> None:
         """Without TP every matrix is whole on this rank: the Nesterov updates are written straight
         into the NS input stacks and the directions applied straight from the NS outputs
         (ns_stacks.StackPlan), instead of materialising each update, stacking it, and reassembling
@@ -352,7 +369,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             stacks = self._input_stacks(plan, entries[0][0].device) if entries else []
             for j, (p, _, info) in enumerate(entries):
                 view = plan.direct_view(stacks, j)
-                update = self._momentum_update(p, info, out=view)
+                update = self._momentum_update(p, info, out=view, grad_scale=grad_scale)
                 if view is None:
                     plan.write(stacks, j, update)
         self.stats["ns_matrices"] = len(entries)

@@ -76,7 +76,8 @@ def _freeze(model, freeze):
 
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
            split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
-           grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, megabatch=False, **kw):
+           grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, megabatch=False,
+           fold_clipping=True, **kw):
     """Model, DDP, optimizer and scheduler of one run (parallel state already initialized).
     ``perturb``: scale the weights (a 'fresh' model that differs from the saved one)."""
     from types import SimpleNamespace
@@ -124,6 +125,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         muon = _muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {}))
         opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=muon, publish_dtype=optimizer_publish or publish_dtype,
                                                                  **_split_kwargs(split)))
+        opt.dmuon_fold_clipping = fold_clipping  # False: Megatron's own clipping pass
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
         lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
