@@ -163,11 +163,17 @@ def test_local_step_is_bit_identical_to_the_exchange_path(ns_method):
         opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.1, muon=settings)
         for i, (p, rule) in enumerate(zip(params, rules)):
             opt.register_matrix(p, MatrixInfo(f"w{i}", tuple(p.shape), rule))
-        if path == "exchange":
-            opt._local_step = opt._exchange_step
+        if path == "exchange":  # with clipping as the TP path takes it: one foreach pass first
+            def exchange(entries, grad_scale=None, opt=opt):
+                if grad_scale is not None:
+                    torch._foreach_mul_([p.grad for p, _, _ in entries], grad_scale)
+                return opt._exchange_step(entries)
+
+            opt._local_step = exchange
         for step in range(3):
             for i, p in enumerate(params):
                 p.grad = _rand(*p.shape, seed=100 * step + i)
+            opt.grad_scale = 0.37 if step == 1 else None  # a clipped step
             opt.step()
         runs.append([p.detach().clone() for p in params])
     for a, b in zip(*runs):
