@@ -161,6 +161,9 @@ def methods_for(args, device, peers):
             "auto", True)
         graphed = _graphed_groups(**gram_kw, cache_path=cache)
         methods["ours_auto_fp16_adaptive_graphed"] = (lambda x: graphed([x])[0], "auto", True)
+        # the owner step's call: the result in the compute dtype (its apply pass reads it once)
+        graphed_fp16 = _graphed_groups(**gram_kw, cache_path=cache, out_dtype=torch.float16)
+        methods["ours_auto_fp16_adaptive_graphed_fp16out"] = (lambda x: graphed_fp16([x])[0], "auto", True)
     for name, fn in peers.items():
         if callable(fn):
             methods[f"peer_{name}"] = (fn, "gram" if "gram" in name else "standard", "triton" in name)
@@ -299,6 +302,7 @@ def layer_methods(args, device):
         "ours_auto_fp16_adaptive_streams": lambda stacks: orthogonalize_groups(
             stacks, "auto", per_stack_kwargs=_adaptive_schedules(stacks), **kw),
         "ours_auto_fp16_adaptive_streams_graphed": _graphed_groups(**kw),
+        "ours_auto_fp16_adaptive_streams_graphed_fp16out": _graphed_groups(**kw, out_dtype=torch.float16),
     }
 
 

@@ -123,6 +123,8 @@ def test_fast_entry_points_fall_back_to_the_algorithms_exactly_on_cpu(shape):
         assert torch.equal(newton_schulz_fast(x, **kw, backend=backend), newton_schulz(x, **kw))
     fp32 = gram_newton_schulz_fast(x, compute_dtype=torch.float32)
     assert torch.equal(fp32, gram_newton_schulz(x, compute_dtype=torch.float32))
+    narrow = orthogonalize_batched(x, "auto", out_dtype=torch.float16, **kw)
+    assert narrow.dtype == torch.float16 and torch.equal(narrow, orthogonalize_batched(x, "auto", **kw).half())
 
 
 def test_fast_entry_point_argument_errors():

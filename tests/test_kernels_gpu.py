@@ -214,6 +214,38 @@ def test_gpu_fused_apply_equals_the_torch_ops(dtype):
         assert torch.equal(ours, ref), (n, float((ours.double() - ref.double()).abs().max()))
 
 
+@pytest.mark.parametrize("piece_scale", [1.0, 0.75])
+def test_gpu_fused_apply_reads_a_narrow_update_as_its_float32_value(piece_scale):
+    # the owner step hands the NS output in the compute dtype (fp16): the fused apply equals the
+    # torch path on that output cast to float32 (what muon_direction does on the general path)
+    from megatron_dmuon.algorithms.muon import muon_apply_
+    from megatron_dmuon.kernels.fused_muon import muon_apply_fast_
+
+    torch.manual_seed(2)
+    p = torch.randn(1000003, device="cuda")
+    o = (torch.randn(1000003, device="cuda") * 0.01).half()
+    ref, ours = p.clone(), p.clone()
+    muon_apply_(ref, o.float() * piece_scale, 0.02, 0.1, 1.0 if piece_scale != 1.0 else 1.3)
+    muon_apply_fast_(ours, o, 0.02, 0.1, 1.0 if piece_scale != 1.0 else 1.3, piece_scale)
+    assert torch.equal(ours, ref)
+
+
+def test_gpu_ns_result_in_the_compute_dtype_is_the_float32_result_rounded_once():
+    # out_dtype=fp16: the last product writes fp16 itself; the float32 result rounded to fp16
+    # differs by at most one fp16 rounding of that product (last-bit differences, not more)
+    from megatron_dmuon.algorithms.schedules import schedule_for_shape
+    from megatron_dmuon.kernels import orthogonalize_batched
+
+    torch.manual_seed(3)
+    for shape in ((2, 256, 256), (3, 128, 512), (2, 512, 128)):
+        x = torch.randn(*shape, device="cuda")
+        kw = dict(schedule_for_shape(*shape[-2:]), compute_dtype=torch.float16)
+        wide = orthogonalize_batched(x, "auto", **kw)
+        narrow = orthogonalize_batched(x, "auto", out_dtype=torch.float16, **kw)
+        assert wide.dtype == torch.float32 and narrow.dtype == torch.float16 and narrow.shape == x.shape
+        assert float((narrow.float() - wide).abs().max()) <= 2 * float(wide.abs().max()) * 2 ** -11
+
+
 @pytest.mark.parametrize("beta,nesterov,clip", [(0.95, True, None), (0.9, False, None), (0.3, True, None),
                                                 (0.95, True, 0.3716), (0.9, False, 1 / 3)])
 def test_gpu_fused_momentum_equals_the_torch_ops(beta, nesterov, clip):

@@ -155,6 +155,10 @@ def test_child_standard_fast_and_auto_dispatch():
     assert torch.equal(gram_newton_schulz_fast(sq, "polar_express"), fast)
     kv = torch.randn(2, 16, 64)
     assert torch.equal(orthogonalize_batched(kv, "auto"), gram_newton_schulz_fast(kv))
+    # out_dtype = the compute dtype: the last product's own result, which the float32 path widens
+    half = dict(compute_dtype=torch.float16, out_dtype=torch.float16)
+    assert torch.equal(orthogonalize_batched(kv, "auto", **half), orthogonalize_batched(kv, "auto").half())
+    assert torch.equal(newton_schulz_fast(sq, "polar_express", backend="triton", **half), fast.half())
 
 
 @child_only

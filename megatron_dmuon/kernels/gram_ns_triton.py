@@ -217,9 +217,9 @@ def _fast_or_torch(key: tuple, fast, torch_path, forced: bool) -> Tensor:
         return torch_path()
 
 
-def _finish(out_wide: Tensor, transposed: bool, x: Tensor) -> Tensor:
+def _finish(out_wide: Tensor, transposed: bool, x: Tensor, out_dtype: torch.dtype) -> Tensor:
     out = out_wide.mT if transposed else out_wide
-    return out.reshape(x.shape).to(x.dtype)
+    return out.reshape(x.shape).to(out_dtype)
 
 
 def newton_schulz_fast(
@@ -234,10 +234,11 @@ def newton_schulz_fast(
     autotune: bool = True,
     cache_path=None,
     normalisation: str = "frobenius",
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Standard NS with symmetric kernels for A = X Xᵀ and b A + c A²; contract of
     ``algorithms.newton_schulz`` (its default compute dtype bf16 too). ``cache_path``
-    overrides the autotune cache location."""
+    overrides the autotune cache location; ``out_dtype`` the result's dtype (default x's)."""
     _check_backend(backend)
     validate_matrix_input(x, check_finite)
     validate_compute_dtype(compute_dtype)
@@ -252,8 +253,9 @@ def newton_schulz_fast(
         )
     torch_kwargs = dict(coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False,
                         normalisation=normalisation)
+    out_dtype = out_dtype or x.dtype
     if backend == "torch" or not usable or x.numel() == 0:
-        return newton_schulz(x, **torch_kwargs)
+        return newton_schulz(x, **torch_kwargs).to(out_dtype)
 
     def fast():
         stack = x.reshape(-1, x.size(-2), x.size(-1))
@@ -262,10 +264,10 @@ def newton_schulz_fast(
             X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
             autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
         )
-        return _finish(standard_core(X, schedule, plan, quartic), transposed, x)
+        return _finish(standard_core(X, schedule, plan, quartic), transposed, x, out_dtype)
 
     out = _fast_or_torch(("standard", tuple(x.shape), compute_dtype, str(x.device)), fast,
-                         lambda: newton_schulz(x, **torch_kwargs), forced=backend == "triton")
+                         lambda: newton_schulz(x, **torch_kwargs).to(out_dtype), forced=backend == "triton")
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
         out = retry_nonfinite(out, x, lambda sub: newton_schulz(sub, **fp32_kwargs))
@@ -286,6 +288,7 @@ def gram_newton_schulz_fast(
     autotune: bool = True,
     cache_path=None,
     normalisation: str = "frobenius",
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Gram NS with symmetric kernels; contract of ``algorithms.gram_newton_schulz``.
 
@@ -297,6 +300,8 @@ def gram_newton_schulz_fast(
             cached choice if any was loaded already, else default Triton configs.
         cache_path: autotune cache file (default ``$DMUON_AUTOTUNE_CACHE`` or
             ``~/.cache/megatron_dmuon/autotune.json``).
+        out_dtype: the result's dtype (default x's). The compute dtype lets the last product
+            write its own rounding and skips a float32 result its consumer would only read.
     """
     _check_backend(backend)
     validate_matrix_input(x, check_finite)
@@ -318,8 +323,9 @@ def gram_newton_schulz_fast(
         coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps,
         restart_after=restart_after, min_aspect_ratio=min_aspect_ratio, check_finite=False, normalisation=normalisation,
     )
+    out_dtype = out_dtype or x.dtype
     if backend == "torch" or not usable or x.numel() == 0:
-        return gram_newton_schulz(x, **torch_kwargs)
+        return gram_newton_schulz(x, **torch_kwargs).to(out_dtype)
 
     rows, cols = x.size(-2), x.size(-1)
     if max(rows, cols) / min(rows, cols) < min_aspect_ratio:
@@ -327,6 +333,7 @@ def gram_newton_schulz_fast(
         return newton_schulz_fast(
             x, schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=check_finite,
             backend=backend, autotune=autotune, cache_path=cache_path, normalisation=normalisation,
+            out_dtype=out_dtype,
         )
     def fast():
         stack = x.reshape(-1, rows, cols)
@@ -335,10 +342,10 @@ def gram_newton_schulz_fast(
             X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
             autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
         )
-        return gram_core(X, schedule, restarts, plan, transposed, x.dtype, quartic).reshape(x.shape).to(x.dtype)
+        return gram_core(X, schedule, restarts, plan, transposed, out_dtype, quartic).reshape(x.shape).to(out_dtype)
 
     out = _fast_or_torch(("gram", tuple(x.shape), compute_dtype, str(x.device)), fast,
-                         lambda: gram_newton_schulz(x, **torch_kwargs), forced=backend == "triton")
+                         lambda: gram_newton_schulz(x, **torch_kwargs).to(out_dtype), forced=backend == "triton")
     if check_finite:
         fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
         out = retry_nonfinite(out, x, lambda sub: gram_newton_schulz(sub, **fp32_kwargs))

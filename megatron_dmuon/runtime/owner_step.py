@@ -143,7 +143,8 @@ def fp32_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torc
 
 
 def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Batched NS over a [B, m, n] stack: the kernels' fast path on CUDA, else the torch path."""
+    """Batched NS over a [B, m, n] stack: the kernels' fast path on CUDA (its result in the
+    compute dtype: every consumer reads it once, into float32 arithmetic), else the torch path."""
     method = settings.ns_method
 
     def orth(stack: torch.Tensor) -> torch.Tensor:
@@ -154,7 +155,7 @@ def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], t
             except ImportError:
                 orthogonalize_batched = None
             if orthogonalize_batched is not None:
-                return orthogonalize_batched(stack, method=method, **kw)
+                return orthogonalize_batched(stack, method=method, out_dtype=settings.ns_dtype, **kw)
         from ..algorithms.ns_dispatch import orthogonalize
 
         return orthogonalize(stack, method="standard" if method == "auto" else method, check_finite=False, **kw)
@@ -381,7 +382,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 if view is not None:  # its pieces share one shape, so one lr multiplier
                     piece_scale = muon_lr_scale(*plan.piece_shape(j)[-2:], s.scale_mode, s.extra_scale)
                     whole = info.split is None or info.split.kind == "none"
-                    muon_apply_fast_(p, view.to(p.dtype), group["lr"], group["weight_decay"],
+                    muon_apply_fast_(p, view, group["lr"], group["weight_decay"],  # reads any float dtype
                                      piece_scale if whole else 1.0, 1.0 if whole else piece_scale)
                     continue
                 direction, scale = muon_direction(plan.outputs(outputs, j), info.split, shape=info.shape,
@@ -471,7 +472,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             from ..kernels import GraphedGroups, orthogonalize_groups
 
             per_stack = [s.ns_schedule(x.size(-2), x.size(-1)) for x in stacks]
-            kw = dict(per_stack_kwargs=per_stack, compute_dtype=s.ns_dtype)
+            kw = dict(per_stack_kwargs=per_stack, compute_dtype=s.ns_dtype, out_dtype=s.ns_dtype)
             if s.ns_launch == "streams":
                 outputs = orthogonalize_groups(stacks, s.ns_method, **kw)
             else:
