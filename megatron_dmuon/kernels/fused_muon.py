@@ -75,14 +75,14 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def muon_momentum_fast_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool, out: Tensor,
+def muon_momentum_fast_(momentum: Tensor, grad: Tensor, beta: float, nesterov: bool, out: Optional[Tensor] = None,
                         grad_scale: Optional[float] = None) -> Tensor:
     """``muon_momentum_(momentum, grad, beta, nesterov, out=out)`` in one pass where it can run
     (float32 momentum, grad and out of one size, contiguous, on CUDA). ``grad_scale``: the
     gradient-clipping coefficient, as if ``grad.mul_(grad_scale)`` ran first (the fused pass
     leaves ``grad`` itself unscaled; the torch path scales it in place, as Megatron's clip does)."""
-    if not (_fusable(momentum, grad, out) and momentum.dtype == grad.dtype == out.dtype == torch.float32
-            and 0.0 <= beta <= 1.0):
+    if not (out is not None and _fusable(momentum, grad, out)
+            and momentum.dtype == grad.dtype == out.dtype == torch.float32 and 0.0 <= beta <= 1.0):
         if grad_scale is not None:
             grad.mul_(grad_scale)
         return muon_momentum_(momentum, grad, beta, nesterov, out=out)

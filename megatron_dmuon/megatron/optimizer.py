@@ -282,7 +282,7 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
         found = super().prepare_grads()  # main grads copied (and Megatron's check with a loss scaler)
         if self.dmuon_skip_nonfinite and not any(getattr(o, "grad_scaler", None) for o in self.chained_optimizers):
             grads = [p.grad for o in self.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
-            if self._norm_covers_every_grad():
+            if self._norm_covers_every_grad_now():
                 # Megatron's step computes the grad norm right after this anyway (all-reduced over
                 # the same group): NaN/Inf in any grad makes it non-finite, so computing it here
                 # and handing it on (get_grad_norm) replaces a separate pass over every grad.
@@ -312,10 +312,16 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
         return not any(_get_param_grad_norm_group(p) is not None for o in self.chained_optimizers
                        for g in o.optimizer.param_groups for p in g["params"])
 
+    def _norm_covers_every_grad_now(self) -> bool:
+        """``_norm_covers_every_grad()``, scanned once per step() (prepare_grads and the clipping
+        both ask); outside step() scanned on every call."""
+        cached = getattr(self, "_dmuon_covers_this_step", None)
+        return cached if cached is not None else self._norm_covers_every_grad()
+
     def _clipping_to_fold(self) -> list:
         """(part, max_norm) of every DMuon part whose clipping its owner step can apply: Megatron's
         main norm covers every grad and the grads are the plain main grads."""
-        if not self.dmuon_fold_clipping or not self._norm_covers_every_grad():
+        if not self.dmuon_fold_clipping or not self._norm_covers_every_grad_now():
             return []
         return [(o, o.config.clip_grad) for o in self.chained_optimizers
                 if isinstance(o, DMuonDistributedOptimizer) and o.config.clip_grad > 0.0
@@ -323,6 +329,7 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
     @torch.no_grad()
     def step(self):
+        self._dmuon_covers_this_step = self._norm_covers_every_grad()
         self._dmuon_folded_clip = self._clipping_to_fold()
         configs = [(part, part.config) for part, _ in self._dmuon_folded_clip]
         try:
@@ -336,7 +343,7 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
             for part, config in configs:
                 part.config = config
                 part.dmuon_inner.grad_scale = None  # unused when the step was skipped
-            self._dmuon_folded_clip = []
+            self._dmuon_folded_clip, self._dmuon_covers_this_step = [], None
         if not out[0]:
             self.dmuon_skipped_iterations += 1
         return out

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.profiler import record_function
 
-from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale, muon_momentum_
+from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale
 from ..planning.params import check_muon_matrix_shape
 from ..planning.tp_cost import TP_METHODS
 from .ns_stacks import StackJob, StackPlan
@@ -339,16 +339,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         buf = state["momentum_buffer"]
         # a narrower stored momentum is updated in the master's dtype and rounded back once
         wide = buf if buf.dtype == p.dtype else buf.to(p.dtype)
-        if out is not None and out.is_cuda:
-            from ..kernels.fused_muon import muon_momentum_fast_  # one pass, same bits
+        from ..kernels.fused_muon import muon_momentum_fast_  # the torch ops (muon_momentum_) where it cannot fuse
 
-            update = muon_momentum_fast_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum,
-                                         s.nesterov, out=out, grad_scale=grad_scale)
-        else:
-            if grad_scale is not None:
-                grad.mul_(grad_scale)
-            update = muon_momentum_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum,
-                                    s.nesterov, out=out)
+        update = muon_momentum_fast_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum,
+                                     s.nesterov, out=out, grad_scale=grad_scale)
         if wide is not buf:
             buf.copy_(wide)
         return update
