@@ -64,3 +64,32 @@ def milp_layouts(rank, world_size, cache_dir):
     assert runs["milp"] == milp_runs, "the cached plan was planned again"
     return {"layouts": shared, "local": local, "second": second, "milp_runs": milp_runs,
             "cost_model_calls": runs["cost_model"]}
+
+
+def layout_item_costs(rank, world_size, split):
+    """The planner items compute_owner_aligned_layout builds for a real megatron-core GPT (GQA,
+    SwiGLU) under ``split``, and the element-wise credit it plans with."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
+    from megatron_dmuon.testing.workers import init_parallel
+
+    init_parallel()
+    model = build_gpt(GPTShape(num_layers=1))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    groups = layout_mod.layout_groups(model.config, ddp_config)
+    seen = {}
+    plan = layout_mod.plan_owner_layout
+
+    def capture(items, *args, **kwargs):
+        seen["items"] = {it.name: (it.cost, it.numel, it.is_matrix) for it in items}
+        seen["elementwise_cost"] = kwargs["elementwise_cost"]
+        return plan(items, *args, **kwargs)
+
+    layout_mod.plan_owner_layout = capture
+    layout_mod.compute_owner_aligned_layout(model, ddp_config, groups, bucket_size=None, model_config=model.config,
+                                            split=split)
+    config = model.config
+    return {**seen, "heads": config.num_attention_heads, "groups": config.num_query_groups,
+            "kv_channels": config.kv_channels, "hidden": config.hidden_size, "ffn": config.ffn_hidden_size}

@@ -445,7 +445,8 @@ def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_
     assert options["plan_cache"] == str(tmp_path / "plans.json")
     assert options["cost_model_fn"].keywords["budget_s"] == pytest.approx(8.0)
     plain = ddp_options_from_args(parser.parse_args([]))
-    assert set(plain) == {"ranks_per_node", "balance", "cost_fn"}
+    assert set(plain) == {"ranks_per_node", "balance", "cost_fn", "split"}
+    assert plain["split"] == dict(split_qkv=True, split_glu=False, per_head=False)
     # owners are balanced by what the run's NS costs: the adaptive schedule makes the wide
     # matrices far cheaper relative to square ones than the standard 5-step count says
     from megatron_dmuon.planning.params import ns_cost, owner_ns_cost
@@ -455,3 +456,125 @@ def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_
     assert ratio == pytest.approx(owner_ns_cost((18944, 3584), "adaptive") / owner_ns_cost((3584, 3584), "adaptive"))
     assert 1.3 < ratio < 1.6 and ns_cost((3584, 18944)) / ns_cost((3584, 3584)) > 3.5
     assert plain["cost_fn"]((512, 3584)) == owner_ns_cost((512, 3584), "keller", 5, "auto")
+
+
+# ----------------------------------------------------------------------------- element-wise work
+
+def _true_loads(layout, items, ns_ms, adamw_us_per_elem, muon_us_per_elem, counts=False):
+    """Each DP rank's owner-step time counted from the layout itself, independently of the
+    planner: NS of the matrices it owns + Muon element-wise work on them + AdamW work on the
+    element-wise params that fall inside its shards (straddling params counted by overlap)."""
+    loads = []
+    for r in range(layout.world_size):
+        owned = [it for it in items if it.is_matrix and layout.owners[it.name] == r]
+        adamw = 0
+        for it in items:
+            if it.is_matrix:
+                continue
+            s, e, b = layout.param_ranges[it.name]
+            bucket = layout.buckets[b]
+            lo = bucket.start + r * bucket.shard_size
+            adamw += max(0, min(e, lo + bucket.shard_size) - max(s, lo))
+        owned_numel = sum(it.numel for it in owned)
+        loads.append((owned_numel, adamw) if counts else sum(ns_ms[it.name] for it in owned) + 1e-3 * (
+            muon_us_per_elem * owned_numel + adamw_us_per_elem * adamw))
+    return loads
+
+
+def _dp2_bucket():
+    """A bucket shaped like the measured DP=2 imbalance: wide matrices whose NS is cheap per
+    element next to square ones that are dear per element, and an element-wise param."""
+    items, ns_ms = [], {}
+    for layer in range(3):
+        for name, numel, ms in ((f"l{layer}.fc1", 6000, 3.0), (f"l{layer}.fc2", 3000, 1.6),
+                                (f"l{layer}.qkv", 1000, 1.4), (f"l{layer}.proj", 1000, 1.3)):
+            items.append(ParamItem(name, numel, True, ms, name.split(".")[1]))
+            ns_ms[name] = ms
+        items.append(ParamItem(f"l{layer}.norm", 64, False))
+    items.append(ParamItem("emb", 9000, False))
+    return items, ns_ms
+
+
+def test_elementwise_credit_balances_the_whole_owner_step():
+    items, ns_ms = _dp2_bucket()
+    adamw_us, muon_us = 0.3, 0.1  # per element; the credit is their difference, in ms like the costs
+    credit = (adamw_us - muon_us) * 1e-3
+    ns_only = plan_owner_layout(items, 2, None, 0.5)
+    with_credit = plan_owner_layout(items, 2, None, 0.5, elementwise_cost=credit)
+    for plan in (ns_only, with_credit):
+        plan.validate(items)
+    before = _true_loads(ns_only, items, ns_ms, adamw_us, muon_us)
+    after = _true_loads(with_credit, items, ns_ms, adamw_us, muon_us)
+    assert max(after) < max(before) - 0.1, (before, after)
+    # the planner's own loads (NS minus the credit on owned elements) are the true ones up to a
+    # constant, every shard being equal, once a shard's padding is counted as if it were AdamW's
+    shard = sum(b.shard_size for b in with_credit.buckets)
+    counts = _true_loads(with_credit, items, ns_ms, adamw_us, muon_us, counts=True)
+    shift = [true + 1e-3 * adamw_us * (shard - owned - adamw) - planned
+             for true, (owned, adamw), planned in zip(after, counts, with_credit.rank_cost)]
+    assert shift[0] == pytest.approx(shift[1])
+    assert plan_owner_layout(items, 2, None, 0.5).owners == plan_owner_layout(
+        items, 2, None, 0.5, elementwise_cost=0.0).owners
+    with pytest.raises(ValueError, match="elementwise_cost"):
+        plan_owner_layout(items, 2, None, 0.5, elementwise_cost=-1.0)
+
+
+def test_matrices_cheaper_than_their_credit_go_to_the_heaviest_rank_and_tp_rows_share_the_credit():
+    big = [ParamItem(f"big{i}", 100, True, 10.0, "a") for i in range(3)]  # ranks end at 20 and 10
+    small = [ParamItem("small", 500, True, 0.5, "b")]  # NS 0.5, credit 500 x 0.01 = 5: lowers its rank
+    items = big + small + [ParamItem("emb", 2000, False)]
+    plan = plan_owner_layout(items, 2, None, 2.0, elementwise_cost=0.01)
+    heavy = plan.owners["big0"]
+    assert plan.owners["small"] == heavy, plan.owners
+    # TP = 2: every TP rank of the owner's DP row steps its shard element-wise; the NS cell pays NS
+    plan_tp = plan_owner_layout(items, 2, None, 2.0, tp_size=2, elementwise_cost=0.01)
+    expected = [0.0] * 4
+    for it in items:
+        if it.is_matrix:
+            dp, tp = plan_tp.owners[it.name], plan_tp.tp_owners[it.name]
+            expected[dp * 2 + tp] += it.cost
+            expected[dp * 2] -= 0.01 * it.numel
+            expected[dp * 2 + 1] -= 0.01 * it.numel
+    assert plan_tp.rank_cost == pytest.approx(expected)
+    # the MILP gets the credit as a smaller (floored) per-matrix cost and still returns a valid plan
+    milp_plan = plan_owner_layout(items, 2, None, 2.0, balance="milp", elementwise_cost=0.01)
+    milp_plan.validate(items)
+
+
+def test_elementwise_saving_follows_the_cluster_config():
+    from megatron_dmuon.planning.cost_model import elementwise_saving, load_config
+
+    config = load_config()
+    h200 = device_spec("H200")
+    opt = config["optimizer"]
+    per_elem_s = (opt["adamw_bytes_per_param"] - opt["muon_bytes_per_param"]) / (h200.hbm_gbytes_per_s * 1e9)
+    assert elementwise_saving(h200, "ms") == pytest.approx(per_elem_s * 1e3)
+    assert elementwise_saving(h200, "flops") == pytest.approx(per_elem_s * h200.ns_tflops * 1e12)
+    # a 3584 x 18944 matrix's adaptive NS: the credit is a large fraction of it, so it matters
+    from megatron_dmuon.planning.params import owner_ns_cost
+
+    wide = owner_ns_cost((18944, 3584), "adaptive")
+    assert 0.2 < elementwise_saving(h200) * 18944 * 3584 / wide < 0.8
+    with pytest.raises(ValueError, match="unit"):
+        elementwise_saving(h200, "s")
+
+
+def test_layout_costs_matrices_by_the_pieces_the_owner_step_orthogonalizes():
+    from megatron_dmuon.planning.params import ns_cost
+    from megatron_dmuon.testing.multiproc import run_distributed
+
+    runs = {}
+    for tag, split in (("whole", dict(split_qkv=False, split_glu=False, per_head=False)),
+                       ("pieces", dict(split_qkv=True, split_glu=True, per_head=False))):
+        runs[tag] = run_distributed("lb_workers:layout_item_costs", 1, kwargs={"split": split}, sys_path=[HERE],
+                                    timeout=300)[0]
+    r = runs["pieces"]
+    q_rows, kv_rows = r["heads"] * r["kv_channels"], r["groups"] * r["kv_channels"]
+    qkv = next(n for n in r["items"] if n.endswith("linear_qkv.weight"))
+    fc1 = next(n for n in r["items"] if n.endswith("linear_fc1.weight"))
+    assert r["items"][qkv][0] == pytest.approx(ns_cost((q_rows, r["hidden"])) + 2 * ns_cost((kv_rows, r["hidden"])))
+    assert r["items"][fc1][0] == pytest.approx(2 * ns_cost((r["ffn"], r["hidden"])))
+    whole = runs["whole"]["items"]
+    assert whole[qkv][0] == pytest.approx(ns_cost((q_rows + 2 * kv_rows, r["hidden"])))
+    assert whole[fc1][0] == pytest.approx(ns_cost((2 * r["ffn"], r["hidden"])))
+    assert r["elementwise_cost"] > 0 and r["elementwise_cost"] == runs["whole"]["elementwise_cost"]

@@ -220,11 +220,14 @@ def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
 
 def ddp_options_from_args(args) -> dict:
     """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
-    muon = DMuonConfig.from_args(args).muon
-    # owners are balanced by the NS this run's settings will run (schedule, steps, method)
+    cfg = DMuonConfig.from_args(args)
+    muon = cfg.muon
+    # owners are balanced by the NS this run's settings will run (schedule, steps, method) on the
+    # pieces the optimizer will split matrices into
     options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
                    cost_fn=functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
-                                             ns_method=muon.ns_method))
+                                             ns_method=muon.ns_method),
+                   split=dict(split_qkv=cfg.split_qkv, split_glu=cfg.split_glu, per_head=cfg.split_per_head))
     # beyond that, only what a run asks for beyond the defaults
     if getattr(args, "dmuon_publish_dtype", "param") != "param":
         options["publish_dtype"] = args.dmuon_publish_dtype

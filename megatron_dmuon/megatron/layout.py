@@ -55,6 +55,24 @@ def layout_groups(config, ddp_config) -> Dict[str, object]:
     }
 
 
+# the split the owner step applies when the optimizer is built with DMuonConfig's defaults
+_DEFAULT_SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
+
+
+def _elementwise_saving(model) -> float:
+    """``elementwise_saving`` in the planner's units: ms under a profiled cost model, else NS
+    FLOPs at the rates of the cluster config's device matching this GPU (the first one on CPU)."""
+    from ..planning.cost_model import DeviceSpec, elementwise_saving, load_config, device_spec
+
+    if model is not None:
+        device = getattr(model, "device", None)
+        return elementwise_saving(device, "ms") if isinstance(device, DeviceSpec) else 0.0
+    config = load_config()
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    known = next((d for d in config["devices"] if d.lower() in name.lower()), next(iter(config["devices"])))
+    return elementwise_saving(device_spec(known, config), "flops", config)
+
+
 def compute_owner_aligned_layout(
     module: torch.nn.Module,
     ddp_config,
@@ -67,9 +85,19 @@ def compute_owner_aligned_layout(
     milp_options: Optional[dict] = None,
     plan_cache=None,
     startup_budget_s: Optional[float] = None,
+    model_config=None,
+    split: Optional[dict] = None,
+    elementwise_cost: Optional[float] = None,
 ):
     """Owner plan + FullParamLayout for every buffer of `module` (dense: DP x TP owners; expert:
     expert-DP x expert-TP owners), planned on rank 0 of the pipeline stage and broadcast.
+
+    A matrix costs what the owner step will run on it: with `model_config` (the TransformerConfig)
+    and `split` (``rule_for_megatron_param``'s flags, default DMuonConfig's: QKV split), the sum
+    over its pieces (q, k, v; gate, up), else the whole matrix. `cost_fn(shape)` gives NS FLOPs.
+    `elementwise_cost`: the element-wise work a rank saves per element it owns as Muon rather than
+    updating with AdamW, in the cost's units (``plan_owner_layout``); None: from the cluster
+    config (``planning.cost_model.elementwise_saving``: NS FLOPs, or ms with `cost_model_fn`).
 
     `cost_model_fn(shapes, max_batch) -> planning.cost_model.CostModel` (e.g.
     runtime.ns_profile.profiled_cost_model: the start-up profile) replaces `cost_fn` with predicted
@@ -97,6 +125,16 @@ def compute_owner_aligned_layout(
         kind = "expert_" if key.is_expert_parallel else ""
         return groups[kind + "dp"].size(), groups[kind + "tp"].size()
 
+    split_flags = dict(_DEFAULT_SPLIT if split is None else split)
+
+    def pieces_of(name, shape):
+        """Shapes the owner step orthogonalizes for this matrix (megatron/optimizer.py's rule)."""
+        if model_config is None or not any(split_flags.values()):
+            return [tuple(shape)]
+        from ..algorithms.splitting import rule_for_megatron_param
+
+        return rule_for_megatron_param(name, tuple(shape), model_config, **split_flags).piece_shapes(shape)
+
     def items_of(key, model=None):
         params, _ = buffers[key]
         tp_size = sizes(key)[1]
@@ -106,8 +144,12 @@ def compute_owner_aligned_layout(
             matrix = is_muon_param(name, p)
             cost = launch = 0.0
             if matrix:
-                cost, launch = ((model.per_matrix_ms(shape), model.launch_ms(shape)) if model is not None
-                                else (cost_fn(shape), 0.0))
+                pieces = pieces_of(name, shape)
+                if model is not None:
+                    cost = sum(model.per_matrix_ms(s) for s in pieces)
+                    launch = sum(model.launch_ms(s) for s in set(pieces))
+                else:
+                    cost = sum(cost_fn(s) for s in pieces)
             items.append(ParamItem(name=name, numel=p.numel(), is_matrix=matrix, cost=cost,
                                    shape_key="x".join(map(str, shape)),  # the owner batches full matrices by shape
                                    own_bucket=bool(getattr(p, "shared_embedding", False)), launch_cost=launch))
@@ -118,22 +160,24 @@ def compute_owner_aligned_layout(
     if stage.rank() == 0:
         model = None
         started = time.perf_counter()
-        if cost_model_fn is not None:
-            counts = Counter(it.shape_key for key in keys for it in items_of(key) if it.is_matrix)
-            shapes = sorted(tuple(int(v) for v in k.split("x")) for k in counts)
-            model = cost_model_fn(shapes, min(max(counts.values(), default=1), 8))
+        if cost_model_fn is not None:  # profile the shapes the owner step will orthogonalize
+            counts = Counter(s for key in keys for p in buffers[key][0] if is_muon_param(name_of[p], p)
+                             for s in pieces_of(name_of[p], full_matrix_shape(p, sizes(key)[1])))
+            model = cost_model_fn(sorted(counts), min(max(counts.values(), default=1), 8))
         if startup_budget_s is not None and balance == "milp":
             limit = milp_time_limit(startup_budget_s, time.perf_counter() - started,
                                     (milp_options or {}).get("time_limit_s"))
             milp_options = dict(milp_options or {}, time_limit_s=limit)
         items = {key: items_of(key, model) for key in keys}
+        if elementwise_cost is None:
+            elementwise_cost = _elementwise_saving(model)
         cache, cache_key = None, None
         if plan_cache is not None:
             cache = PlanCache(plan_cache)
             cache_key = plan_key({"items": {str(k): [dataclasses.astuple(it) for it in items[k]] for k in keys},
                                   "sizes": {str(k): sizes(k) for k in keys}, "bucket_size": bucket_size,
                                   "max_bucket_padding": max_bucket_padding, "balance": balance,
-                                  "milp_options": milp_options})
+                                  "milp_options": milp_options, "elementwise_cost": elementwise_cost})
             cached = cache.get(cache_key)
             if cached is not None and set(cached) == {str(k) for k in keys}:
                 payload = [{k: cached[str(k)] for k in keys}]
@@ -144,7 +188,7 @@ def compute_owner_aligned_layout(
                 dp_size, tp_size = sizes(key)
                 cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
                 plans[key] = plan_owner_layout(items[key], dp_size, bucket_size, max_bucket_padding, cost, tp_size,
-                                               balance, milp_options=milp_options)
+                                               balance, milp_options=milp_options, elementwise_cost=elementwise_cost)
             # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
             payload = [{k: plans[k].to_json() for k in keys}]
             if cache is not None:
@@ -203,7 +247,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
         check_two_level_config(ddp_config, dp_group.size(), ranks_per_node)
         bucket_size = default_bucket_size(ddp_config, dp_group.size(), disable_bucketing, groups["pp"].rank())
         full_layout, plans, name_of = compute_owner_aligned_layout(module, ddp_config, groups, bucket_size,
-                                                                   **layout_kwargs)
+                                                                   model_config=config, **layout_kwargs)
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                          full_param_layout=full_layout)
         self.dmuon_owner_plans = plans

@@ -87,6 +87,20 @@ def device_spec(name: str, config: Optional[dict] = None) -> DeviceSpec:
     return DeviceSpec(name, float(d["ns_tflops"]), float(d["kernel_floor_us"]), float(d["hbm_gbytes_per_s"]))
 
 
+def elementwise_saving(device: DeviceSpec, unit: str = "flops", config: Optional[dict] = None) -> float:
+    """The element-wise optimizer work one parameter element costs more as AdamW's than as an
+    owned Muon matrix's (``optimizer`` bytes per param in the config, at the device's HBM rate),
+    in the planner's cost units: ``'flops'`` (NS FLOPs at the device's NS rate) or ``'ms'``.
+    Owning a matrix moves that many elements of a rank's equal-sized shard from AdamW to Muon."""
+    opt = (config or load_config())["optimizer"]
+    seconds = (opt["adamw_bytes_per_param"] - opt["muon_bytes_per_param"]) / (device.hbm_gbytes_per_s * 1e9)
+    if unit == "flops":
+        return seconds * device.ns_tflops * 1e12
+    if unit == "ms":
+        return seconds * 1e3
+    raise ValueError(f"unit must be 'flops' or 'ms', got {unit!r}")
+
+
 def cluster_spec(name: str, config: Optional[dict] = None) -> ClusterSpec:
     config, c = _entry(config, "clusters", name)
     links = [Link(float(c[k]["alpha_us"]), float(c[k]["gbytes_per_s"])) for k in ("intra", "inter")]

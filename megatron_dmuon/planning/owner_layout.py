@@ -168,10 +168,18 @@ def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world
 BALANCE = ("cost", "round_robin", "numel_lpt", "milp")
 
 
-def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, balance="cost", assigned=0):
+def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, balance="cost", assigned=0,
+                   elementwise_cost=0.0):
     """Cost-aware greedy: heaviest matrix first to the least-loaded DP x TP cell whose DP
     shard still fits it. 'round_robin': matrices in buffer order to the cells in turn (the
     turn continues from the ``assigned`` matrices of earlier buckets).
+
+    ``elementwise_cost`` (cost units per element): what a DP rank saves on element-wise work for
+    each element of its shard that is an owned Muon matrix rather than an AdamW param (every
+    rank's shard of a bucket has the same size, so owning a matrix also means updating fewer
+    AdamW elements). Every cell of the owner's DP row is credited ``elementwise_cost x numel``
+    (each TP rank updates its own shard of the matrix); the NS cell pays ``cost``. Matrices whose
+    NS costs less than that credit (small ones) go to the most loaded DP row that fits them.
     Returns ({name: dp rank}, {name: tp rank})."""
     total = sum(items[i].numel for i in bucket_members)
     if balance == "round_robin":
@@ -181,8 +189,13 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
             owners[items[i].name], tp_owners[items[i].name] = divmod(c, tp_size)
             rank_cost[c] += items[i].cost
         return owners, tp_owners
+
+    def net(i):  # NS cost minus the element-wise credit
+        return items[i].cost - elementwise_cost * items[i].numel
+
+    # heaviest first; then the ones that lower their row's load, most lowering first
     mats = sorted((i for i in bucket_members if items[i].is_matrix),
-                  key=lambda i: (-items[i].cost, -items[i].numel, items[i].name))
+                  key=lambda i: (net(i) < 0, -abs(net(i)), -items[i].numel, items[i].name))
     # shard must hold the biggest matrix and, ideally, 1/D of the bucket
     shard = max(math.ceil(total / world_size), max((items[i].numel for i in mats), default=0))
     owned_numel = [0] * world_size
@@ -192,19 +205,34 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
         it = items[i]
         fits = [c for c in cells if owned_numel[c // tp_size] + _align(it.numel) <= shard + PARAM_ALIGN]
         pool = fits or list(cells)
+        if fits and net(i) < 0:
+            def row_load(d):
+                return max(rank_cost[d * tp_size:(d + 1) * tp_size])
+
+            heaviest = max((c // tp_size for c in fits), key=lambda d: (row_load(d), -d))
+            pool = [c for c in fits if c // tp_size == heaviest]
         key = ((lambda c: (rank_cost[c], owned_numel[c // tp_size], c)) if fits
                else (lambda c: (owned_numel[c // tp_size], rank_cost[c], c)))
         c = min(pool, key=key)
         owners[it.name], tp_owners[it.name] = divmod(c, tp_size)
         owned_numel[c // tp_size] += _align(it.numel)
         rank_cost[c] += it.cost
+        if elementwise_cost:
+            dp = c // tp_size
+            for cell in range(dp * tp_size, (dp + 1) * tp_size):
+                rank_cost[cell] -= elementwise_cost * it.numel
     return owners, tp_owners
 
 
-def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padding, options, info):
+def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padding, options, info,
+                 elementwise_cost=0.0):
     """Owners of every matrix of every bucket from one MILP (planning/milp.py), warm-started with
     the greedy plan; each DP rank's owned numel in a bucket must fit its shard, which may grow up
-    to ``max_bucket_padding`` (or as far as the greedy needed) at a padding cost."""
+    to ``max_bucket_padding`` (or as far as the greedy needed) at a padding cost.
+
+    The element-wise credit (``_assign_owners``) enters the MILP as a smaller per-matrix cost on
+    the NS cell, floored at 0 (the MILP needs non-negative costs): exact at TP = 1 for matrices
+    whose NS outweighs the credit; at TP > 1 the other cells of the DP row are not credited."""
     from .milp import OwnerProblem, solve_owner_milp
 
     options = dict(options or {})
@@ -215,7 +243,8 @@ def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padd
         total = sum(items[i].numel for i in members)
         in_bucket = [i for i in members if items[i].is_matrix]
         lo = max(math.ceil(total / world_size), max((items[i].numel for i in in_bucket), default=0))
-        owners, tp_owners = _assign_owners(items, members, world_size, greedy_cost, tp_size)
+        owners, tp_owners = _assign_owners(items, members, world_size, greedy_cost, tp_size,
+                                           elementwise_cost=elementwise_cost)
         used = [0] * world_size
         for i in in_bucket:
             used[owners[items[i].name]] += _align(items[i].numel)
@@ -229,7 +258,7 @@ def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padd
     for (i, _), g in zip(mats, groups):
         launch[g] = max(launch.get(g, 0.0), items[i].launch_cost)
     problem = OwnerProblem(
-        per_matrix=[items[i].cost for i, _ in mats], numel=[_align(items[i].numel) for i, _ in mats],
+        per_matrix=[max(items[i].cost - elementwise_cost * items[i].numel, 0.0) for i, _ in mats], numel=[_align(items[i].numel) for i, _ in mats],
         group=groups, bucket=[b for _, b in mats], launch=launch, dp_size=world_size, tp_size=tp_size,
         shard_min=shard_min, shard_max=shard_max, slack=PARAM_ALIGN, base=list(rank_cost),
         padding_weight=padding_weight)
@@ -309,6 +338,7 @@ def plan_owner_layout(
     balance: str = "cost",
     milp_options: Optional[dict] = None,
     info: Optional[dict] = None,
+    elementwise_cost: float = 0.0,
 ) -> OwnerLayout:
     """Compute the owner plan and owner-aligned layout of one buffer.
 
@@ -318,8 +348,12 @@ def plan_owner_layout(
     plus ``padding_weight`` (cost per element of shard growth); `info`, if given, receives the
     MILP's backend, status, makespan, lower bound and solve time. Element-wise params over half a
     shard that leave a bucket padded by more than half get buckets of their own when that pads
-    less (``_oversized_fillers``).
+    less (``_oversized_fillers``). `elementwise_cost`: the element-wise work a rank saves per
+    element it owns as Muon instead of updating with AdamW, in `cost`'s units (0: NS cost only;
+    ``planning.cost_model.elementwise_saving``); the loads in `rank_cost` then include it.
     """
+    if elementwise_cost < 0:
+        raise ValueError(f"elementwise_cost must be >= 0, got {elementwise_cost}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if tp_size < 1:
@@ -335,7 +369,7 @@ def plan_owner_layout(
     rank_cost = rank_cost if rank_cost is not None else [0.0] * (world_size * tp_size)
     if len(rank_cost) != world_size * tp_size:
         raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
-    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options)
+    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise_cost)
     carried = list(rank_cost)
     layout = _plan(items, rank_cost, info, *args)
     # A huge element-wise param (a 152k-row embedding) fits only between two owners' matrix
@@ -367,7 +401,8 @@ def _oversized_fillers(items, layout, pad_limit=0.5):
     return out
 
 
-def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options):
+def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options,
+          elementwise_cost):
     buckets: List[BucketLayout] = []
     param_ranges: Dict[str, Tuple[int, int, int]] = {}
     owners: Dict[str, int] = {}
@@ -376,14 +411,15 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
     buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
     if balance == "milp":
         owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,
-                                         milp_options, info)
+                                         milp_options, info, elementwise_cost)
     else:
         by_numel = balance == "numel_lpt"
         assign_items = [dataclasses.replace(it, cost=float(it.numel)) for it in items] if by_numel else items
         load = [0.0] * len(rank_cost) if by_numel else rank_cost
         for members in buckets_members:
-            bucket_owners, bucket_tp_owners = _assign_owners(assign_items, members, world_size, load, tp_size,
-                                                             "cost" if by_numel else balance, assigned=len(owners))
+            bucket_owners, bucket_tp_owners = _assign_owners(
+                assign_items, members, world_size, load, tp_size, "cost" if by_numel else balance,
+                assigned=len(owners), elementwise_cost=0.0 if by_numel or balance == "round_robin" else elementwise_cost)
             owners.update(bucket_owners)
             tp_owners.update(bucket_tp_owners)
         if by_numel:

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .cost_model import CostModel
 from .models import ModelSpec, ParallelSpec, ParamSpec, stage_params
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
 from .params import ns_cost
 
-__all__ = ["PLANNERS", "buffer_items", "plan_stage", "predict_stage", "compare_plans"]
+__all__ = ["PLANNERS", "buffer_items", "split_pieces", "plan_stage", "predict_stage", "compare_plans"]
 
 PLANNERS = ("round_robin", "numel_lpt", "greedy", "milp")
 _BALANCE = {"round_robin": "round_robin", "numel_lpt": "numel_lpt", "greedy": "cost", "milp": "milp"}
@@ -35,20 +36,43 @@ def shape_group(shape: Sequence[int]) -> str:
     return "x".join(str(int(s)) for s in shape)
 
 
-def buffer_items(params: Sequence[ParamSpec], cost_model: Optional[CostModel] = None) -> List[ParamItem]:
+def buffer_items(params: Sequence[ParamSpec], cost_model: Optional[CostModel] = None,
+                 pieces: Optional[Callable[[str, Sequence[int]], List[tuple]]] = None,
+                 cost_fn: Callable[[Sequence[int]], float] = ns_cost) -> List[ParamItem]:
     """Planner items of one buffer: with ``cost_model``, cost = predicted ms per matrix and
-    launch_cost = the batched call's fixed ms; without, cost = NS FLOPs (``ns_cost``)."""
+    launch_cost = the batched call's fixed ms; without, cost = NS FLOPs (``cost_fn``: the
+    standard 5-step count by default; ``params.owner_ns_cost`` for the run's schedule).
+    ``pieces(name, full_shape)``: the shapes the owner step orthogonalizes for a matrix (its
+    split, ``split_pieces``); a matrix then costs the sum over them. None: the whole matrix."""
     items = []
     for p in params:
         cost = launch = 0.0
         if p.is_matrix:
+            shapes = pieces(p.name, p.full_shape) if pieces is not None else [tuple(p.full_shape)]
             if cost_model is None:
-                cost = ns_cost(p.full_shape)
+                cost = sum(cost_fn(s) for s in shapes)
             else:
-                sc = cost_model.shape_cost(p.full_shape)
-                cost, launch = sc.per_matrix_ms, sc.launch_ms
+                cost = sum(cost_model.shape_cost(s).per_matrix_ms for s in shapes)
+                launch = sum(cost_model.shape_cost(s).launch_ms for s in set(shapes))
         items.append(ParamItem(p.name, p.numel, p.is_matrix, cost, shape_group(p.full_shape), launch_cost=launch))
     return items
+
+
+def split_pieces(model: ModelSpec, split: dict) -> Callable[[str, Sequence[int]], List[tuple]]:
+    """``buffer_items``'s ``pieces`` for ``model`` under the optimizer's split flags
+    (``split_qkv``, ``split_glu``, ``per_head``: megatron/optimizer.py's rule)."""
+    from ..algorithms.splitting import rule_for_megatron_param
+
+    config = SimpleNamespace(num_attention_heads=model.heads, num_query_groups=model.groups,
+                             kv_channels=model.head_dim, hidden_size=model.hidden, gated_linear_unit=model.swiglu,
+                             attention_output_gate=False)
+
+    def pieces(name: str, shape: Sequence[int]) -> List[tuple]:
+        if not any(split.values()):
+            return [tuple(shape)]
+        return rule_for_megatron_param(name, tuple(shape), config, **split).piece_shapes(shape)
+
+    return pieces
 
 
 def _sizes(kind: str, par: ParallelSpec):
@@ -57,8 +81,12 @@ def _sizes(kind: str, par: ParallelSpec):
 
 def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, planner: str, *, stage: int = 0,
                bucket_size: Optional[int] = None, max_bucket_padding: float = 0.02,
-               milp_options: Optional[dict] = None) -> dict:
-    """{'layouts': {kind: OwnerLayout}, 'params': {kind: [ParamSpec]}, 'info': {...}, 'seconds'}."""
+               milp_options: Optional[dict] = None, split: Optional[dict] = None,
+               elementwise_cost: float = 0.0, cost_fn: Callable[[Sequence[int]], float] = ns_cost) -> dict:
+    """{'layouts': {kind: OwnerLayout}, 'params': {kind: [ParamSpec]}, 'info': {...}, 'seconds'}.
+
+    ``split`` (the optimizer's split flags) costs matrices by their pieces; ``elementwise_cost``
+    is ``plan_owner_layout``'s, in the planner's units (NS FLOPs; ms for 'milp')."""
     if planner not in PLANNERS:
         raise ValueError(f"planner {planner!r} unknown; valid: {', '.join(PLANNERS)}")
     params = {k: v for k, v in stage_params(model, par, stage).items() if v}
@@ -66,10 +94,11 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
     t0 = time.perf_counter()
     for kind, plist in params.items():
         dp, tp = _sizes(kind, par)
-        items = buffer_items(plist, cost_model if planner == "milp" else None)
+        items = buffer_items(plist, cost_model if planner == "milp" else None,
+                             split_pieces(model, split) if split else None, cost_fn)
         kinfo: dict = {}
         layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
-                                          milp_options=milp_options, info=kinfo)
+                                          milp_options=milp_options, info=kinfo, elementwise_cost=elementwise_cost)
         if kinfo:
             info[kind] = kinfo
     return {"layouts": layouts, "params": params, "info": info, "seconds": time.perf_counter() - t0}

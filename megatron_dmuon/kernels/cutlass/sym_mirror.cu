@@ -22,56 +22,61 @@ DMUON_GEMM_DECL(dmuon_gemm_2_f16)
 DMUON_GEMM_DECL(dmuon_gemm_2_bf16)
 DMUON_GEMM_DECL(dmuon_gemm_3_f16)
 DMUON_GEMM_DECL(dmuon_gemm_3_bf16)
+DMUON_GEMM_DECL(dmuon_gemm_4_f16)
+DMUON_GEMM_DECL(dmuon_gemm_4_bf16)
 
 typedef int (*GemmFn)(void const*, void const*, void const*, void*, int, int, int, int64_t, int64_t, int64_t, int64_t,
                       int64_t, int64_t, int64_t, int64_t, float, float, float, int, int, cudaStream_t);
 static const GemmFn kGemms[][2] = {{dmuon_gemm_0_f16, dmuon_gemm_0_bf16},
                                    {dmuon_gemm_1_f16, dmuon_gemm_1_bf16},
                                    {dmuon_gemm_2_f16, dmuon_gemm_2_bf16},
-                                   {dmuon_gemm_3_f16, dmuon_gemm_3_bf16}};
+                                   {dmuon_gemm_3_f16, dmuon_gemm_3_bf16},
+                                   {dmuon_gemm_4_f16, dmuon_gemm_4_bf16}};
 static const int kNumConfigs = sizeof(kGemms) / sizeof(kGemms[0]);
-static const int kTileMN[][2] = {{128, 128}, {128, 128}, {128, 256}, {128, 128}};  // BM, BN per config
+static const int kTileMN[][2] = {{128, 128}, {128, 128}, {128, 256}, {128, 128}, {256, 128}};  // BM, BN per config
 
 static thread_local char g_error[512] = "";
 
 // 64x64 tile pairs below the diagonal: block (I, J), I >= J, copies D[J*64.., I*64..]ᵀ onto
-// D[I*64.., J*64..] (only row > col elements are written). 16-byte loads and stores; the
-// row stride must be a multiple of 8 elements (the GEMM requires it too).
+// D[I*64.., J*64..] (only row > col elements are written). 64 threads per block, each moving one
+// 8x8 sub-block: eight 16-byte row loads, a transpose in registers (byte permutes, no shared
+// memory) and eight 16-byte row stores. A warp loads 4 rows x 128 contiguous bytes and stores
+// 8 rows x 64 contiguous bytes per instruction. m must be a multiple of 8 (the GEMM requires it
+// too), so every 8x8 sub-block lies wholly inside or wholly outside the matrix.
 constexpr int MT = 64;
+constexpr int MIRROR_THREADS = 64;
 // Copies the transpose of upper block (j, i) onto block (i, j), i >= j (row > col elements only).
 __device__ __forceinline__ void mirror_block(uint16_t* __restrict__ base, int m, int64_t ldd, int i, int j) {
-  __shared__ uint16_t tile[MT][MT + 2];
-  int src_r0 = j * MT, src_c0 = i * MT;
-  int tid = threadIdx.x;
-  for (int v = tid; v < MT * MT / 8; v += blockDim.x) {
-    int r = v / (MT / 8), c = (v % (MT / 8)) * 8;
-    int gr = src_r0 + r, gc = src_c0 + c;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (gr < m && gc + 8 <= m) val = *reinterpret_cast<uint4 const*>(base + gr * ldd + gc);
-    const uint16_t* e = reinterpret_cast<const uint16_t*>(&val);
+  int sr = threadIdx.x / 8, sc = threadIdx.x % 8;  // this thread's 8x8 sub-block of the source
+  if (i == j && sc < sr) return;                     // its source lies below the diagonal
+  int src_r = j * MT + sr * 8, src_c = i * MT + sc * 8;
+  if (src_r >= m || src_c >= m) return;
+  uint32_t w[8][4];
 #pragma unroll
-    for (int q = 0; q < 8; ++q) tile[r][c + q] = e[q];
+  for (int q = 0; q < 8; ++q) {
+    uint4 v = *reinterpret_cast<uint4 const*>(base + int64_t(src_r + q) * ldd + src_c);
+    w[q][0] = v.x, w[q][1] = v.y, w[q][2] = v.z, w[q][3] = v.w;
   }
-  __syncthreads();
-  int dst_r0 = i * MT, dst_c0 = j * MT;
-  for (int v = tid; v < MT * MT / 8; v += blockDim.x) {
-    int r = v / (MT / 8), c = (v % (MT / 8)) * 8;
-    int gr = dst_r0 + r, gc = dst_c0 + c;
-    if (gr >= m || gc >= m) continue;
-    uint16_t e[8];
+  // destination row o (= source column src_c + o), 32-bit word p = source rows 2p, 2p+1
 #pragma unroll
-    for (int q = 0; q < 8; ++q) e[q] = tile[c + q][r];
-    if (i != j && gc + 8 <= m) {
-      *reinterpret_cast<uint4*>(base + gr * ldd + gc) = *reinterpret_cast<uint4*>(e);
-    } else {
+  for (int o = 0; o < 8; ++o) {
+    uint32_t out[4];
+    uint32_t sel = (o & 1) ? 0x7632u : 0x5410u;  // high or low halves of the two source words
+#pragma unroll
+    for (int p = 0; p < 4; ++p) out[p] = __byte_perm(w[2 * p][o / 2], w[2 * p + 1][o / 2], sel);
+    uint16_t* dst = base + int64_t(src_c + o) * ldd + src_r;
+    if (i == j && sc == sr) {  // a sub-block on the diagonal: only row > col
+      const uint16_t* e = reinterpret_cast<const uint16_t*>(out);
 #pragma unroll
       for (int q = 0; q < 8; ++q)
-        if (gc + q < m && gc + q < gr) base[gr * ldd + gc + q] = e[q];
+        if (q < o) dst[q] = e[q];
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
     }
   }
 }
 
-__global__ void __launch_bounds__(256) mirror_kernel(uint16_t* __restrict__ d, int m, int64_t ldd, int64_t sd) {
+__global__ void __launch_bounds__(MIRROR_THREADS) mirror_kernel(uint16_t* __restrict__ d, int m, int64_t ldd, int64_t sd) {
   int t = blockIdx.x, i = 0;
   while (t >= i + 1) {  // blockIdx.x -> (i, j), 0 <= j <= i
     t -= i + 1;
@@ -82,7 +87,7 @@ __global__ void __launch_bounds__(256) mirror_kernel(uint16_t* __restrict__ d, i
 
 // Band pass of the fused mirror: block (i, i - blockIdx.y) unless its source block lies in a
 // GEMM tile (bm x bn) wholly above the diagonal (whose epilogue stored the transpose).
-__global__ void __launch_bounds__(256) band_mirror_kernel(uint16_t* __restrict__ d, int m, int64_t ldd, int64_t sd,
+__global__ void __launch_bounds__(MIRROR_THREADS) band_mirror_kernel(uint16_t* __restrict__ d, int m, int64_t ldd, int64_t sd,
                                                           int bm, int bn) {
   int i = blockIdx.x, j = i - int(blockIdx.y);
   if (j < 0) return;
@@ -97,7 +102,7 @@ extern "C" int dmuon_num_configs() { return kNumConfigs; }
 extern "C" int dmuon_mirror(void* d, int batch, int m, int64_t ldd, int64_t sd, cudaStream_t stream) {
   int tiles = (m + MT - 1) / MT;
   dim3 grid(tiles * (tiles + 1) / 2, batch);
-  mirror_kernel<<<grid, 256, 0, stream>>>(static_cast<uint16_t*>(d), m, ldd, sd);
+  mirror_kernel<<<grid, MIRROR_THREADS, 0, stream>>>(static_cast<uint16_t*>(d), m, ldd, sd);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     snprintf(g_error, sizeof(g_error), "mirror launch failed: %s", cudaGetErrorString(err));
@@ -127,7 +132,7 @@ extern "C" int dmuon_sym_matmul(int cfg, int bf16, void const* a, void const* b,
     int tiles = (m + MT - 1) / MT;
     int bm = kTileMN[cfg][0], bn = kTileMN[cfg][1];
     dim3 grid(tiles, (bm + bn) / MT + 1, batch);
-    band_mirror_kernel<<<grid, 256, 0, s>>>(static_cast<uint16_t*>(d), m, ldd, sd, bm, bn);
+    band_mirror_kernel<<<grid, MIRROR_THREADS, 0, s>>>(static_cast<uint16_t*>(d), m, ldd, sd, bm, bn);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
       snprintf(g_error, sizeof(g_error), "band mirror launch failed: %s", cudaGetErrorString(err));
