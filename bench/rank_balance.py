@@ -13,7 +13,9 @@ Plans (``planning.plans.plan_stage`` with the job's NS cost function and bucket 
 
 * ``ns_whole``: the planner before this change: NS cost of whole matrices only;
 * ``pieces_credit``: what the job plans now: NS of the pieces the optimizer orthogonalizes (QKV
-  split) minus the element-wise credit (``planning.cost_model.elementwise_saving``).
+  split) minus the element-wise credit (``planning.cost_model.elementwise_saving``);
+* ``milp_credit`` (``--milp``): ``--dmuon-balance milp`` on the measured H200 NS profile
+  (docs/bench_kernels_h200.json; shapes it lacks analytic), pieces and credit in ms.
 
     python bench/rank_balance.py [--preset qwen7b-4l] [--dp 2] [--iters 12] [--out STEM]
 
@@ -37,10 +39,12 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_dmuon.algorithms.splitting import rule_for_megatron_param  # noqa: E402
 from megatron_dmuon.megatron.config import DMuonConfig, add_dmuon_args  # noqa: E402
-from megatron_dmuon.planning.cost_model import device_spec, elementwise_saving  # noqa: E402
+from megatron_dmuon.planning.cost_model import (CostModel, device_spec, elementwise_saving,  # noqa: E402
+                                                load_bench_kernels_profile)
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec  # noqa: E402
 from megatron_dmuon.planning.params import owner_ns_cost  # noqa: E402
 from megatron_dmuon.planning.plans import plan_stage  # noqa: E402
+from megatron_dmuon.planning.simulate import adamw_fragments_in_shard  # noqa: E402
 from megatron_dmuon.runtime.owner_step import MatrixInfo, OwnerMuonAdamW  # noqa: E402
 
 
@@ -49,34 +53,32 @@ def job_settings(flags):
     return DMuonConfig.from_args(parser.parse_args(flags))
 
 
-def plans_for(model, dp, bucket_size, cfg):
+def plans_for(model, dp, bucket_size, cfg, milp=False):
     muon = cfg.muon
     cost_fn = functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
                                 ns_method=muon.ns_method)
     split = dict(split_qkv=cfg.split_qkv, split_glu=cfg.split_glu, per_head=cfg.split_per_head)
     credit = elementwise_saving(device_spec("H200"))
     par = ParallelSpec(dp=dp)
-    return {
+    plans = {
         "ns_whole": plan_stage(model, par, None, "greedy", bucket_size=bucket_size, cost_fn=cost_fn),
         "pieces_credit": plan_stage(model, par, None, "greedy", bucket_size=bucket_size, cost_fn=cost_fn,
                                     split=split, elementwise_cost=credit),
     }
+    if milp:
+        h200 = device_spec("H200")
+        profile = CostModel(h200, load_bench_kernels_profile(ROOT / "docs" / "bench_kernels_h200.json"))
+        plans["milp_credit"] = plan_stage(model, par, profile, "milp", bucket_size=bucket_size, split=split,
+                                          elementwise_cost=elementwise_saving(h200, "ms"),
+                                          milp_options={"time_limit_s": 20.0})
+    return plans
 
 
 def rank_tensors(plan, rank):
     """(owned matrices [(name, full shape)], AdamW fragment sizes) of one DP rank (dense buffer)."""
     layout, params = plan["layouts"]["dense"], plan["params"]["dense"]
     owned = [(p.name, tuple(p.full_shape)) for p in params if p.is_matrix and layout.owners[p.name] == rank]
-    fragments = []
-    for p in params:
-        if p.is_matrix:
-            continue
-        s, e, b = layout.param_ranges[p.name]
-        bucket = layout.buckets[b]
-        lo = bucket.start + rank * bucket.shard_size
-        n = min(e, lo + bucket.shard_size) - max(s, lo)
-        if n > 0:
-            fragments.append(n)
+    fragments = adamw_fragments_in_shard(layout, params, rank)
     return owned, fragments
 
 
@@ -135,13 +137,14 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2, help="rounds over every (plan, rank), interleaved")
     parser.add_argument("--flags", default="--dmuon-coefficients adaptive --dmuon-ns-launch graph",
                         help="the main job's dmuon flags, one string (--flags='...')")
+    parser.add_argument("--milp", action="store_true", help="also the MILP plan on the measured H200 profile")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     flags = args.flags.split()
     cfg = job_settings(flags)
     model = PRESETS[args.preset]
-    plans = plans_for(model, args.dp, args.bucket_size, cfg)
+    plans = plans_for(model, args.dp, args.bucket_size, cfg, args.milp)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     result = {"device": name, "preset": args.preset, "dp": args.dp, "flags": flags,
               "plans": {}}

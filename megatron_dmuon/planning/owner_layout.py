@@ -258,7 +258,8 @@ def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padd
     for (i, _), g in zip(mats, groups):
         launch[g] = max(launch.get(g, 0.0), items[i].launch_cost)
     problem = OwnerProblem(
-        per_matrix=[max(items[i].cost - elementwise_cost * items[i].numel, 0.0) for i, _ in mats], numel=[_align(items[i].numel) for i, _ in mats],
+        per_matrix=[max(items[i].cost - elementwise_cost * items[i].numel, 0.0) for i, _ in mats],
+        numel=[_align(items[i].numel) for i, _ in mats],
         group=groups, bucket=[b for _, b in mats], launch=launch, dp_size=world_size, tp_size=tp_size,
         shard_min=shard_min, shard_max=shard_max, slack=PARAM_ALIGN, base=list(rank_cost),
         padding_weight=padding_weight)

@@ -63,18 +63,26 @@ def _tp_exchange_ms(link: Link, params, owners: Dict[str, int], dp_rank: int, tp
     return total / (link.gbytes_per_s * 1e6) + (2 * link.alpha_us * 1e-3 if calls else 0.0)
 
 
-def adamw_in_shard(layout, params, dp_rank: int) -> int:
-    """Elements of element-wise (AdamW) params inside DP rank ``dp_rank``'s shards of the buckets:
-    the shards are equal, so a rank owning more matrix elements steps fewer AdamW ones."""
-    total = 0
+def adamw_fragments_in_shard(layout, params, dp_rank: int) -> List[int]:
+    """Sizes of the pieces of element-wise (AdamW) params inside DP rank ``dp_rank``'s shards of
+    the buckets (a param straddling a shard boundary counts by its overlap)."""
+    sizes = []
     for p in params:
         if p.is_matrix:
             continue
         s, e, b = layout.param_ranges[p.name]
         bucket = layout.buckets[b]
         lo = bucket.start + dp_rank * bucket.shard_size
-        total += max(0, min(e, lo + bucket.shard_size) - max(s, lo))
-    return total
+        overlap = min(e, lo + bucket.shard_size) - max(s, lo)
+        if overlap > 0:
+            sizes.append(overlap)
+    return sizes
+
+
+def adamw_in_shard(layout, params, dp_rank: int) -> int:
+    """Elements of element-wise (AdamW) params inside DP rank ``dp_rank``'s shards of the buckets:
+    the shards are equal, so a rank owning more matrix elements steps fewer AdamW ones."""
+    return sum(adamw_fragments_in_shard(layout, params, dp_rank))
 
 
 def predict_optimizer_step(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec, cost_model: CostModel, *,

@@ -1,5 +1,5 @@
 // One GEMM instantiation per translation unit (compiled in parallel by cutlass_symmetric.py):
-//   -DDMUON_CFG=<0..4> -DDMUON_BF16=<0|1>  defines  extern "C" dmuon_gemm_<cfg>_<f16|bf16>.
+//   -DDMUON_CFG=<0..3> -DDMUON_BF16=<0|1>  defines  extern "C" dmuon_gemm_<cfg>_<f16|bf16>.
 #include "sym_gemm_sm90.cuh"
 
 #ifndef DMUON_CFG
@@ -32,8 +32,6 @@ using Cfg = dmuon::SymGemm<Element, Shape<_128, _128, _64>, Shape<_2, _1, _1>, C
 using Cfg = dmuon::SymGemm<Element, Shape<_128, _256, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>;
 #elif DMUON_CFG == 3
 using Cfg = dmuon::SymGemm<Element, Shape<_128, _128, _64>, Shape<_2, _1, _1>, Ping, PingEpi>;
-#elif DMUON_CFG == 4
-using Cfg = dmuon::SymGemm<Element, Shape<_256, _128, _64>, Shape<_1, _1, _1>, Coop, CoopEpi>;
 #else
 #error "unknown DMUON_CFG"
 #endif

@@ -22,18 +22,15 @@ DMUON_GEMM_DECL(dmuon_gemm_2_f16)
 DMUON_GEMM_DECL(dmuon_gemm_2_bf16)
 DMUON_GEMM_DECL(dmuon_gemm_3_f16)
 DMUON_GEMM_DECL(dmuon_gemm_3_bf16)
-DMUON_GEMM_DECL(dmuon_gemm_4_f16)
-DMUON_GEMM_DECL(dmuon_gemm_4_bf16)
 
 typedef int (*GemmFn)(void const*, void const*, void const*, void*, int, int, int, int64_t, int64_t, int64_t, int64_t,
                       int64_t, int64_t, int64_t, int64_t, float, float, float, int, int, cudaStream_t);
 static const GemmFn kGemms[][2] = {{dmuon_gemm_0_f16, dmuon_gemm_0_bf16},
                                    {dmuon_gemm_1_f16, dmuon_gemm_1_bf16},
                                    {dmuon_gemm_2_f16, dmuon_gemm_2_bf16},
-                                   {dmuon_gemm_3_f16, dmuon_gemm_3_bf16},
-                                   {dmuon_gemm_4_f16, dmuon_gemm_4_bf16}};
+                                   {dmuon_gemm_3_f16, dmuon_gemm_3_bf16}};
 static const int kNumConfigs = sizeof(kGemms) / sizeof(kGemms[0]);
-static const int kTileMN[][2] = {{128, 128}, {128, 128}, {128, 256}, {128, 128}, {256, 128}};  // BM, BN per config
+static const int kTileMN[][2] = {{128, 128}, {128, 128}, {128, 256}, {128, 128}};  // BM, BN per config
 
 static thread_local char g_error[512] = "";
 
