@@ -12,10 +12,11 @@ is timed: it is the same for every rank.
 Plans (``planning.plans.plan_stage`` with the job's NS cost function and bucket size):
 
 * ``ns_whole``: the planner before this change: NS cost of whole matrices only;
-* ``pieces_credit``: what the job plans now: NS of the pieces the optimizer orthogonalizes (QKV
-  split) minus the element-wise credit (``planning.cost_model.elementwise_saving``);
-* ``milp_credit`` (``--milp``): ``--dmuon-balance milp`` on the measured H200 NS profile
-  (docs/bench_kernels_h200.json; shapes it lacks analytic), pieces and credit in ms.
+* ``pieces_elementwise``: what the job plans now: NS of the pieces the optimizer orthogonalizes
+  (QKV split) plus the element-wise work the layout gives each rank
+  (``planning.cost_model.elementwise_costs``);
+* ``milp_elementwise`` (``--milp``): ``--dmuon-balance milp`` on the measured H200 NS profile
+  (docs/bench_kernels_h200.json; shapes it lacks analytic), pieces and element-wise work in ms.
 
     python bench/rank_balance.py [--preset qwen7b-4l] [--dp 2] [--iters 12] [--out STEM]
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_dmuon.algorithms.splitting import rule_for_megatron_param  # noqa: E402
 from megatron_dmuon.megatron.config import DMuonConfig, add_dmuon_args  # noqa: E402
-from megatron_dmuon.planning.cost_model import (CostModel, device_spec, elementwise_saving,  # noqa: E402
+from megatron_dmuon.planning.cost_model import (CostModel, device_spec, elementwise_costs,  # noqa: E402
                                                 load_bench_kernels_profile)
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec  # noqa: E402
 from megatron_dmuon.planning.params import owner_ns_cost  # noqa: E402
@@ -58,18 +59,18 @@ def plans_for(model, dp, bucket_size, cfg, milp=False):
     cost_fn = functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
                                 ns_method=muon.ns_method)
     split = dict(split_qkv=cfg.split_qkv, split_glu=cfg.split_glu, per_head=cfg.split_per_head)
-    credit = elementwise_saving(device_spec("H200"))
+    elementwise = elementwise_costs(device_spec("H200"))
     par = ParallelSpec(dp=dp)
     plans = {
         "ns_whole": plan_stage(model, par, None, "greedy", bucket_size=bucket_size, cost_fn=cost_fn),
-        "pieces_credit": plan_stage(model, par, None, "greedy", bucket_size=bucket_size, cost_fn=cost_fn,
-                                    split=split, elementwise_cost=credit),
+        "pieces_elementwise": plan_stage(model, par, None, "greedy", bucket_size=bucket_size, cost_fn=cost_fn,
+                                    split=split, elementwise=elementwise),
     }
     if milp:
         h200 = device_spec("H200")
         profile = CostModel(h200, load_bench_kernels_profile(ROOT / "docs" / "bench_kernels_h200.json"))
-        plans["milp_credit"] = plan_stage(model, par, profile, "milp", bucket_size=bucket_size, split=split,
-                                          elementwise_cost=elementwise_saving(h200, "ms"),
+        plans["milp_elementwise"] = plan_stage(model, par, profile, "milp", bucket_size=bucket_size, split=split,
+                                          elementwise=elementwise_costs(h200, "ms"),
                                           milp_options={"time_limit_s": 20.0})
     return plans
 
@@ -132,7 +133,8 @@ def main(argv=None):
     parser.add_argument("--preset", default="qwen7b-4l", choices=sorted(PRESETS))
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--bucket-size", type=int, default=40_000_000,
-                        help="Megatron's bucket with --overlap-grad-reduce (max(40M, 1M x DP))")
+                        help="Megatron's bucket with --overlap-grad-reduce (max(40M, 1M x DP)); 0: one bucket "
+                             "per buffer (no --overlap-grad-reduce)")
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2, help="rounds over every (plan, rank), interleaved")
     parser.add_argument("--flags", default="--dmuon-coefficients adaptive --dmuon-ns-launch graph",
@@ -144,9 +146,9 @@ def main(argv=None):
     flags = args.flags.split()
     cfg = job_settings(flags)
     model = PRESETS[args.preset]
-    plans = plans_for(model, args.dp, args.bucket_size, cfg, args.milp)
+    plans = plans_for(model, args.dp, args.bucket_size or None, cfg, args.milp)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    result = {"device": name, "preset": args.preset, "dp": args.dp, "flags": flags,
+    result = {"device": name, "preset": args.preset, "dp": args.dp, "flags": flags, "bucket_size": args.bucket_size,
               "plans": {}}
     samples = {(name, r): [] for name in plans for r in range(args.dp)}
     for _ in range(args.rounds):

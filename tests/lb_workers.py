@@ -84,7 +84,7 @@ def layout_item_costs(rank, world_size, split):
 
     def capture(items, *args, **kwargs):
         seen["items"] = {it.name: (it.cost, it.numel, it.is_matrix) for it in items}
-        seen["elementwise_cost"] = kwargs["elementwise_cost"]
+        seen["elementwise"] = list(kwargs["elementwise"])
         return plan(items, *args, **kwargs)
 
     layout_mod.plan_owner_layout = capture

@@ -482,8 +482,8 @@ def _true_loads(layout, items, ns_ms, adamw_us_per_elem, muon_us_per_elem, count
 
 
 def _dp2_bucket():
-    """A bucket shaped like the measured DP=2 imbalance: wide matrices whose NS is cheap per
-    element next to square ones that are dear per element, and an element-wise param."""
+    """Buckets shaped like the measured DP=2 imbalance: wide matrices whose NS is cheap per
+    element next to square ones that are dear per element, and element-wise params."""
     items, ns_ms = [], {}
     for layer in range(3):
         for name, numel, ms in ((f"l{layer}.fc1", 6000, 3.0), (f"l{layer}.fc2", 3000, 1.6),
@@ -495,68 +495,80 @@ def _dp2_bucket():
     return items, ns_ms
 
 
-def test_elementwise_credit_balances_the_whole_owner_step():
+@pytest.mark.parametrize("bucket_size", [None, 12000])
+def test_elementwise_work_balances_the_whole_owner_step(bucket_size):
+    """One bucket (AdamW fills every shard's free space) and several (some hold only matrices, so
+    a rank owning fewer matrix elements gets padding, not AdamW work)."""
     items, ns_ms = _dp2_bucket()
-    adamw_us, muon_us = 0.3, 0.1  # per element; the credit is their difference, in ms like the costs
-    credit = (adamw_us - muon_us) * 1e-3
-    ns_only = plan_owner_layout(items, 2, None, 0.5)
-    with_credit = plan_owner_layout(items, 2, None, 0.5, elementwise_cost=credit)
-    for plan in (ns_only, with_credit):
+    adamw_us, muon_us = 0.3, 0.1  # per element; ms like the costs
+    elementwise = (adamw_us * 1e-3, muon_us * 1e-3)
+    ns_only = plan_owner_layout(items, 2, bucket_size, 0.5)
+    counted = plan_owner_layout(items, 2, bucket_size, 0.5, elementwise=elementwise)
+    for plan in (ns_only, counted):
         plan.validate(items)
     before = _true_loads(ns_only, items, ns_ms, adamw_us, muon_us)
-    after = _true_loads(with_credit, items, ns_ms, adamw_us, muon_us)
+    after = _true_loads(counted, items, ns_ms, adamw_us, muon_us)
     assert max(after) < max(before) - 0.1, (before, after)
-    # the planner's own loads (NS minus the credit on owned elements) are the true ones up to a
-    # constant, every shard being equal, once a shard's padding is counted as if it were AdamW's
-    shard = sum(b.shard_size for b in with_credit.buckets)
-    counts = _true_loads(with_credit, items, ns_ms, adamw_us, muon_us, counts=True)
-    shift = [true + 1e-3 * adamw_us * (shard - owned - adamw) - planned
-             for true, (owned, adamw), planned in zip(after, counts, with_credit.rank_cost)]
-    assert shift[0] == pytest.approx(shift[1])
-    assert plan_owner_layout(items, 2, None, 0.5).owners == plan_owner_layout(
-        items, 2, None, 0.5, elementwise_cost=0.0).owners
-    with pytest.raises(ValueError, match="elementwise_cost"):
-        plan_owner_layout(items, 2, None, 0.5, elementwise_cost=-1.0)
+    # the greedy's loads are each rank's whole owner step as its layout holds it
+    assert counted.rank_cost == pytest.approx(after)
+    assert plan_owner_layout(items, 2, bucket_size, 0.5).owners == plan_owner_layout(
+        items, 2, bucket_size, 0.5, elementwise=None).owners
+    with pytest.raises(ValueError, match="elementwise"):
+        plan_owner_layout(items, 2, None, 0.5, elementwise=(-1.0, 0.0))
 
 
-def test_matrices_cheaper_than_their_credit_go_to_the_heaviest_rank_and_tp_rows_share_the_credit():
+def test_an_owned_element_displaces_adamw_work_or_padding():
+    from megatron_dmuon.planning.owner_layout import _elementwise_term
+
+    adamw, muon = 0.3, 0.1
+    only_matrices = [ParamItem("a", 300, True, 1.0), ParamItem("b", 100, True, 1.0)]
+    assert _elementwise_term(only_matrices, [0, 1], 2, (adamw, muon)) == pytest.approx(muon)  # padding
+    filled = only_matrices + [ParamItem("emb", 500, False)]  # shard 450: free 500 = the AdamW params
+    assert _elementwise_term(filled, [0, 1, 2], 2, (adamw, muon)) == pytest.approx(muon - adamw)
+    half = only_matrices + [ParamItem("emb", 100, False)]  # shard 300: free 200, half of it AdamW
+    assert _elementwise_term(half, [0, 1, 2], 2, (adamw, muon)) == pytest.approx(muon - 0.5 * adamw)
+
+
+def test_matrices_that_lower_their_rows_load_go_to_the_heaviest_rank_and_tp_rows_share_the_work():
     big = [ParamItem(f"big{i}", 100, True, 10.0, "a") for i in range(3)]  # ranks end at 20 and 10
-    small = [ParamItem("small", 500, True, 0.5, "b")]  # NS 0.5, credit 500 x 0.01 = 5: lowers its rank
+    small = [ParamItem("small", 500, True, 0.5, "b")]  # NS 0.5, displaces 500 AdamW: -5 + 0.5 net
     items = big + small + [ParamItem("emb", 2000, False)]
-    plan = plan_owner_layout(items, 2, None, 2.0, elementwise_cost=0.01)
-    heavy = plan.owners["big0"]
-    assert plan.owners["small"] == heavy, plan.owners
-    # TP = 2: every TP rank of the owner's DP row steps its shard element-wise; the NS cell pays NS
-    plan_tp = plan_owner_layout(items, 2, None, 2.0, tp_size=2, elementwise_cost=0.01)
+    elementwise = (0.011, 0.001)
+    plan = plan_owner_layout(items, 2, None, 2.0, elementwise=elementwise)
+    assert plan.owners["small"] == plan.owners["big0"], plan.owners
+    # TP = 2: every TP rank of a DP row steps its shards element-wise; the NS cell pays NS
+    plan_tp = plan_owner_layout(items, 2, None, 2.0, tp_size=2, elementwise=elementwise)
+    counts = _true_loads(plan_tp, items, {}, 0.0, 0.0, counts=True)
     expected = [0.0] * 4
     for it in items:
         if it.is_matrix:
-            dp, tp = plan_tp.owners[it.name], plan_tp.tp_owners[it.name]
-            expected[dp * 2 + tp] += it.cost
-            expected[dp * 2] -= 0.01 * it.numel
-            expected[dp * 2 + 1] -= 0.01 * it.numel
+            expected[plan_tp.owners[it.name] * 2 + plan_tp.tp_owners[it.name]] += it.cost
+    for r, (owned, steps) in enumerate(counts):
+        for cell in (2 * r, 2 * r + 1):
+            expected[cell] += elementwise[1] * owned + elementwise[0] * steps
     assert plan_tp.rank_cost == pytest.approx(expected)
-    # the MILP gets the credit as a smaller (floored) per-matrix cost and still returns a valid plan
-    milp_plan = plan_owner_layout(items, 2, None, 2.0, balance="milp", elementwise_cost=0.01)
-    milp_plan.validate(items)
+    # the MILP takes the per-bucket term as an adjusted (floored) per-matrix cost: a valid plan
+    plan_owner_layout(items, 2, None, 2.0, balance="milp", elementwise=elementwise).validate(items)
 
 
-def test_elementwise_saving_follows_the_cluster_config():
-    from megatron_dmuon.planning.cost_model import elementwise_saving, load_config
+def test_elementwise_costs_follow_the_cluster_config():
+    from megatron_dmuon.planning.cost_model import elementwise_costs, load_config
 
-    config = load_config()
+    opt = load_config()["optimizer"]
     h200 = device_spec("H200")
-    opt = config["optimizer"]
-    per_elem_s = (opt["adamw_bytes_per_param"] - opt["muon_bytes_per_param"]) / (h200.hbm_gbytes_per_s * 1e9)
-    assert elementwise_saving(h200, "ms") == pytest.approx(per_elem_s * 1e3)
-    assert elementwise_saving(h200, "flops") == pytest.approx(per_elem_s * h200.ns_tflops * 1e12)
-    # a 3584 x 18944 matrix's adaptive NS: the credit is a large fraction of it, so it matters
+    per_byte_s = 1 / (h200.hbm_gbytes_per_s * 1e9)
+    adamw, muon = elementwise_costs(h200, "ms")
+    assert (adamw, muon) == pytest.approx((opt["adamw_bytes_per_param"] * per_byte_s * 1e3,
+                                           opt["muon_bytes_per_param"] * per_byte_s * 1e3))
+    adamw_f, muon_f = elementwise_costs(h200)
+    assert adamw_f == pytest.approx(opt["adamw_bytes_per_param"] * per_byte_s * h200.ns_tflops * 1e12)
+    # a 3584 x 18944 matrix's adaptive NS: the AdamW work it displaces is a large fraction of it
     from megatron_dmuon.planning.params import owner_ns_cost
 
     wide = owner_ns_cost((18944, 3584), "adaptive")
-    assert 0.2 < elementwise_saving(h200) * 18944 * 3584 / wide < 0.8
+    assert 0.2 < (adamw_f - muon_f) * 18944 * 3584 / wide < 0.8
     with pytest.raises(ValueError, match="unit"):
-        elementwise_saving(h200, "s")
+        elementwise_costs(h200, "s")
 
 
 def test_layout_costs_matrices_by_the_pieces_the_owner_step_orthogonalizes():
@@ -577,4 +589,5 @@ def test_layout_costs_matrices_by_the_pieces_the_owner_step_orthogonalizes():
     whole = runs["whole"]["items"]
     assert whole[qkv][0] == pytest.approx(ns_cost((q_rows + 2 * kv_rows, r["hidden"])))
     assert whole[fc1][0] == pytest.approx(ns_cost((2 * r["ffn"], r["hidden"])))
-    assert r["elementwise_cost"] > 0 and r["elementwise_cost"] == runs["whole"]["elementwise_cost"]
+    adamw, muon = r["elementwise"]
+    assert adamw > muon > 0 and r["elementwise"] == runs["whole"]["elementwise"]

@@ -59,18 +59,18 @@ def layout_groups(config, ddp_config) -> Dict[str, object]:
 _DEFAULT_SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
 
 
-def _elementwise_saving(model) -> float:
-    """``elementwise_saving`` in the planner's units: ms under a profiled cost model, else NS
-    FLOPs at the rates of the cluster config's device matching this GPU (the first one on CPU)."""
-    from ..planning.cost_model import DeviceSpec, elementwise_saving, load_config, device_spec
+def _elementwise_costs(model):
+    """``elementwise_costs`` in the planner's units: ms under a profiled cost model, else NS FLOPs
+    at the rates of the cluster config's device matching this GPU (the first one on CPU)."""
+    from ..planning.cost_model import DeviceSpec, device_spec, elementwise_costs, load_config
 
     if model is not None:
         device = getattr(model, "device", None)
-        return elementwise_saving(device, "ms") if isinstance(device, DeviceSpec) else 0.0
+        return elementwise_costs(device, "ms") if isinstance(device, DeviceSpec) else None
     config = load_config()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     known = next((d for d in config["devices"] if d.lower() in name.lower()), next(iter(config["devices"])))
-    return elementwise_saving(device_spec(known, config), "flops", config)
+    return elementwise_costs(device_spec(known, config), "flops", config)
 
 
 def compute_owner_aligned_layout(
@@ -87,7 +87,7 @@ def compute_owner_aligned_layout(
     startup_budget_s: Optional[float] = None,
     model_config=None,
     split: Optional[dict] = None,
-    elementwise_cost: Optional[float] = None,
+    elementwise="auto",
 ):
     """Owner plan + FullParamLayout for every buffer of `module` (dense: DP x TP owners; expert:
     expert-DP x expert-TP owners), planned on rank 0 of the pipeline stage and broadcast.
@@ -95,9 +95,9 @@ def compute_owner_aligned_layout(
     A matrix costs what the owner step will run on it: with `model_config` (the TransformerConfig)
     and `split` (``rule_for_megatron_param``'s flags, default DMuonConfig's: QKV split), the sum
     over its pieces (q, k, v; gate, up), else the whole matrix. `cost_fn(shape)` gives NS FLOPs.
-    `elementwise_cost`: the element-wise work a rank saves per element it owns as Muon rather than
-    updating with AdamW, in the cost's units (``plan_owner_layout``); None: from the cluster
-    config (``planning.cost_model.elementwise_saving``: NS FLOPs, or ms with `cost_model_fn`).
+    `elementwise`: (AdamW, Muon) element-wise work per parameter element in the cost's units
+    (``plan_owner_layout``); 'auto': from the cluster config (``planning.cost_model.elementwise_costs``:
+    NS FLOPs, or ms with `cost_model_fn`); None: NS only.
 
     `cost_model_fn(shapes, max_batch) -> planning.cost_model.CostModel` (e.g.
     runtime.ns_profile.profiled_cost_model: the start-up profile) replaces `cost_fn` with predicted
@@ -169,15 +169,15 @@ def compute_owner_aligned_layout(
                                     (milp_options or {}).get("time_limit_s"))
             milp_options = dict(milp_options or {}, time_limit_s=limit)
         items = {key: items_of(key, model) for key in keys}
-        if elementwise_cost is None:
-            elementwise_cost = _elementwise_saving(model)
+        if isinstance(elementwise, str):
+            elementwise = _elementwise_costs(model)
         cache, cache_key = None, None
         if plan_cache is not None:
             cache = PlanCache(plan_cache)
             cache_key = plan_key({"items": {str(k): [dataclasses.astuple(it) for it in items[k]] for k in keys},
                                   "sizes": {str(k): sizes(k) for k in keys}, "bucket_size": bucket_size,
                                   "max_bucket_padding": max_bucket_padding, "balance": balance,
-                                  "milp_options": milp_options, "elementwise_cost": elementwise_cost})
+                                  "milp_options": milp_options, "elementwise": elementwise})
             cached = cache.get(cache_key)
             if cached is not None and set(cached) == {str(k) for k in keys}:
                 payload = [{k: cached[str(k)] for k in keys}]
@@ -188,7 +188,7 @@ def compute_owner_aligned_layout(
                 dp_size, tp_size = sizes(key)
                 cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
                 plans[key] = plan_owner_layout(items[key], dp_size, bucket_size, max_bucket_padding, cost, tp_size,
-                                               balance, milp_options=milp_options, elementwise_cost=elementwise_cost)
+                                               balance, milp_options=milp_options, elementwise=elementwise)
             # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
             payload = [{k: plans[k].to_json() for k in keys}]
             if cache is not None:

@@ -87,18 +87,17 @@ def device_spec(name: str, config: Optional[dict] = None) -> DeviceSpec:
     return DeviceSpec(name, float(d["ns_tflops"]), float(d["kernel_floor_us"]), float(d["hbm_gbytes_per_s"]))
 
 
-def elementwise_saving(device: DeviceSpec, unit: str = "flops", config: Optional[dict] = None) -> float:
-    """The element-wise optimizer work one parameter element costs more as AdamW's than as an
-    owned Muon matrix's (``optimizer`` bytes per param in the config, at the device's HBM rate),
-    in the planner's cost units: ``'flops'`` (NS FLOPs at the device's NS rate) or ``'ms'``.
-    Owning a matrix moves that many elements of a rank's equal-sized shard from AdamW to Muon."""
+def elementwise_costs(device: DeviceSpec, unit: str = "flops", config: Optional[dict] = None) -> Tuple[float, float]:
+    """(AdamW, Muon) element-wise optimizer work per parameter element (the config's
+    ``optimizer`` bytes per param at the device's HBM rate), in the planner's cost units:
+    ``'flops'`` (NS FLOPs at the device's NS rate) or ``'ms'``; ``plan_owner_layout``'s
+    ``elementwise``."""
     opt = (config or load_config())["optimizer"]
-    seconds = (opt["adamw_bytes_per_param"] - opt["muon_bytes_per_param"]) / (device.hbm_gbytes_per_s * 1e9)
-    if unit == "flops":
-        return seconds * device.ns_tflops * 1e12
-    if unit == "ms":
-        return seconds * 1e3
-    raise ValueError(f"unit must be 'flops' or 'ms', got {unit!r}")
+    scale = {"flops": device.ns_tflops * 1e12, "ms": 1e3}.get(unit)
+    if scale is None:
+        raise ValueError(f"unit must be 'flops' or 'ms', got {unit!r}")
+    per_byte = scale / (device.hbm_gbytes_per_s * 1e9)
+    return opt["adamw_bytes_per_param"] * per_byte, opt["muon_bytes_per_param"] * per_byte
 
 
 def cluster_spec(name: str, config: Optional[dict] = None) -> ClusterSpec:

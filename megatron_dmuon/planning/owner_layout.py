@@ -168,18 +168,36 @@ def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world
 BALANCE = ("cost", "round_robin", "numel_lpt", "milp")
 
 
+def _elementwise_term(items, bucket_members, world_size, elementwise) -> float:
+    """Change of a DP rank's element-wise work per element of a matrix it owns in this bucket.
+
+    Every rank's shard of a bucket has the same size S, so an owned matrix element displaces
+    whatever else would sit in the shard: an AdamW element (saving ``adamw - muon``) or padding
+    (costing ``muon``). The share of AdamW in the shards' free space, phi = F / (D x S - M) (F the
+    bucket's element-wise numel, M its matrices'), weighs the two: ``muon - phi x adamw``."""
+    if not elementwise:
+        return 0.0
+    adamw, muon = elementwise
+    total = sum(items[i].numel for i in bucket_members)
+    matrices = sum(items[i].numel for i in bucket_members if items[i].is_matrix)
+    shard = max(math.ceil(total / world_size), max((items[i].numel for i in bucket_members if items[i].is_matrix),
+                                                   default=0))
+    free = world_size * shard - matrices
+    phi = min(1.0, (total - matrices) / free) if free > 0 else 1.0
+    return muon - phi * adamw
+
+
 def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, balance="cost", assigned=0,
-                   elementwise_cost=0.0):
+                   elementwise=None):
     """Cost-aware greedy: heaviest matrix first to the least-loaded DP x TP cell whose DP
     shard still fits it. 'round_robin': matrices in buffer order to the cells in turn (the
     turn continues from the ``assigned`` matrices of earlier buckets).
 
-    ``elementwise_cost`` (cost units per element): what a DP rank saves on element-wise work for
-    each element of its shard that is an owned Muon matrix rather than an AdamW param (every
-    rank's shard of a bucket has the same size, so owning a matrix also means updating fewer
-    AdamW elements). Every cell of the owner's DP row is credited ``elementwise_cost x numel``
-    (each TP rank updates its own shard of the matrix); the NS cell pays ``cost``. Matrices whose
-    NS costs less than that credit (small ones) go to the most loaded DP row that fits them.
+    ``elementwise = (adamw, muon)``: element-wise cost per element of each optimizer, in the
+    costs' units. Owning a matrix changes its DP row's element-wise work by
+    ``_elementwise_term`` per element on every cell of the row (each TP rank steps its shard);
+    the NS cell pays ``cost``. Matrices that lower their row's load (cheap NS, much AdamW
+    displaced) go to the most loaded DP row that fits them.
     Returns ({name: dp rank}, {name: tp rank})."""
     total = sum(items[i].numel for i in bucket_members)
     if balance == "round_robin":
@@ -189,9 +207,10 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
             owners[items[i].name], tp_owners[items[i].name] = divmod(c, tp_size)
             rank_cost[c] += items[i].cost
         return owners, tp_owners
+    per_element = _elementwise_term(items, bucket_members, world_size, elementwise)
 
-    def net(i):  # NS cost minus the element-wise credit
-        return items[i].cost - elementwise_cost * items[i].numel
+    def net(i):  # NS cost plus the change of the row's element-wise work
+        return items[i].cost + per_element * items[i].numel
 
     # heaviest first; then the ones that lower their row's load, most lowering first
     mats = sorted((i for i in bucket_members if items[i].is_matrix),
@@ -217,48 +236,68 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
         owners[it.name], tp_owners[it.name] = divmod(c, tp_size)
         owned_numel[c // tp_size] += _align(it.numel)
         rank_cost[c] += it.cost
-        if elementwise_cost:
+        if per_element:
             dp = c // tp_size
             for cell in range(dp * tp_size, (dp + 1) * tp_size):
-                rank_cost[cell] -= elementwise_cost * it.numel
+                rank_cost[cell] += per_element * it.numel
     return owners, tp_owners
 
 
+def _settle_elementwise(items, members, owners, world_size, tp_size, rank_cost, elementwise, start) -> int:
+    """Replace the greedy's estimate of a bucket's element-wise work by what its layout (placed
+    from buffer offset ``start``, as ``_plan`` will place it) holds: every cell of DP row r gets
+    ``muon x (owned matrix elements) + adamw x (element-wise elements in r's shard)`` (straddling
+    params by overlap), so later buckets see the true loads. Returns the next bucket's start."""
+    adamw, muon = elementwise
+    per_element = _elementwise_term(items, members, world_size, elementwise)
+    bucket_owners = {items[i].name: owners[items[i].name] for i in members if items[i].is_matrix}
+    pos, shard = _place_bucket(items, members, bucket_owners, world_size, start)
+    for r in range(world_size):
+        lo, hi = start + r * shard, start + (r + 1) * shard
+        owned = sum(items[i].numel for i in members if items[i].is_matrix and owners[items[i].name] == r)
+        steps = sum(max(0, min(pos[items[i].name][1], hi) - max(pos[items[i].name][0], lo))
+                    for i in members if not items[i].is_matrix)
+        for cell in range(r * tp_size, (r + 1) * tp_size):
+            rank_cost[cell] += muon * owned + adamw * steps - per_element * owned
+    return start + shard * world_size
+
+
 def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padding, options, info,
-                 elementwise_cost=0.0):
+                 elementwise=None):
     """Owners of every matrix of every bucket from one MILP (planning/milp.py), warm-started with
     the greedy plan; each DP rank's owned numel in a bucket must fit its shard, which may grow up
     to ``max_bucket_padding`` (or as far as the greedy needed) at a padding cost.
 
-    The element-wise credit (``_assign_owners``) enters the MILP as a smaller per-matrix cost on
-    the NS cell, floored at 0 (the MILP needs non-negative costs): exact at TP = 1 for matrices
-    whose NS outweighs the credit; at TP > 1 the other cells of the DP row are not credited."""
+    The element-wise term (``_elementwise_term``, per bucket) enters the MILP as a change of the
+    per-matrix cost on the NS cell, floored at 0 (the MILP needs non-negative costs); at TP > 1
+    the other cells of the DP row do not see it."""
     from .milp import OwnerProblem, solve_owner_milp
 
     options = dict(options or {})
     padding_weight = options.pop("padding_weight", 0.0)
-    mats, greedy_cells, shard_min, shard_max = [], [], [], []
+    mats, adjusted, greedy_cells, shard_min, shard_max = [], [], [], [], []
     greedy_cost = list(rank_cost)
     for b, members in enumerate(buckets):
         total = sum(items[i].numel for i in members)
         in_bucket = [i for i in members if items[i].is_matrix]
         lo = max(math.ceil(total / world_size), max((items[i].numel for i in in_bucket), default=0))
-        owners, tp_owners = _assign_owners(items, members, world_size, greedy_cost, tp_size,
-                                           elementwise_cost=elementwise_cost)
+        owners, tp_owners = _assign_owners(items, members, world_size, greedy_cost, tp_size, elementwise=elementwise)
         used = [0] * world_size
         for i in in_bucket:
             used[owners[items[i].name]] += _align(items[i].numel)
         shard_min.append(lo)
         shard_max.append(max(int(lo * (1.0 + max_bucket_padding)), max(used) - PARAM_ALIGN, lo))
+        per_element = _elementwise_term(items, members, world_size, elementwise)
         for i in in_bucket:
             mats.append((i, b))
+            adjusted.append(max(items[i].cost + per_element * items[i].numel, 0.0))
             greedy_cells.append(owners[items[i].name] * tp_size + tp_owners[items[i].name])
     groups = [items[i].shape_key or items[i].name for i, _ in mats]
     launch: Dict[str, float] = {}
     for (i, _), g in zip(mats, groups):
         launch[g] = max(launch.get(g, 0.0), items[i].launch_cost)
     problem = OwnerProblem(
-        per_matrix=[max(items[i].cost - elementwise_cost * items[i].numel, 0.0) for i, _ in mats],
+        per_matrix=adjusted,
         numel=[_align(items[i].numel) for i, _ in mats],
         group=groups, bucket=[b for _, b in mats], launch=launch, dp_size=world_size, tp_size=tp_size,
         shard_min=shard_min, shard_max=shard_max, slack=PARAM_ALIGN, base=list(rank_cost),
@@ -339,7 +378,7 @@ def plan_owner_layout(
     balance: str = "cost",
     milp_options: Optional[dict] = None,
     info: Optional[dict] = None,
-    elementwise_cost: float = 0.0,
+    elementwise: Optional[Tuple[float, float]] = None,
 ) -> OwnerLayout:
     """Compute the owner plan and owner-aligned layout of one buffer.
 
@@ -349,12 +388,13 @@ def plan_owner_layout(
     plus ``padding_weight`` (cost per element of shard growth); `info`, if given, receives the
     MILP's backend, status, makespan, lower bound and solve time. Element-wise params over half a
     shard that leave a bucket padded by more than half get buckets of their own when that pads
-    less (``_oversized_fillers``). `elementwise_cost`: the element-wise work a rank saves per
-    element it owns as Muon instead of updating with AdamW, in `cost`'s units (0: NS cost only;
-    ``planning.cost_model.elementwise_saving``); the loads in `rank_cost` then include it.
+    less (``_oversized_fillers``). `elementwise = (adamw, muon)`: element-wise optimizer work per
+    parameter element of each, in `cost`'s units (None: NS cost only;
+    ``planning.cost_model.elementwise_costs``); the greedy's loads in `rank_cost` then include
+    every rank's element-wise work as its layout holds it (``_settle_elementwise``).
     """
-    if elementwise_cost < 0:
-        raise ValueError(f"elementwise_cost must be >= 0, got {elementwise_cost}")
+    if elementwise is not None and (len(elementwise) != 2 or min(elementwise) < 0):
+        raise ValueError(f"elementwise must be (adamw, muon) costs per element, both >= 0; got {elementwise}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if tp_size < 1:
@@ -370,7 +410,7 @@ def plan_owner_layout(
     rank_cost = rank_cost if rank_cost is not None else [0.0] * (world_size * tp_size)
     if len(rank_cost) != world_size * tp_size:
         raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
-    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise_cost)
+    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise)
     carried = list(rank_cost)
     layout = _plan(items, rank_cost, info, *args)
     # A huge element-wise param (a 152k-row embedding) fits only between two owners' matrix
@@ -403,7 +443,7 @@ def _oversized_fillers(items, layout, pad_limit=0.5):
 
 
 def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options,
-          elementwise_cost):
+          elementwise):
     buckets: List[BucketLayout] = []
     param_ranges: Dict[str, Tuple[int, int, int]] = {}
     owners: Dict[str, int] = {}
@@ -412,17 +452,21 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
     buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
     if balance == "milp":
         owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,
-                                         milp_options, info, elementwise_cost)
+                                         milp_options, info, elementwise)
     else:
         by_numel = balance == "numel_lpt"
         assign_items = [dataclasses.replace(it, cost=float(it.numel)) for it in items] if by_numel else items
         load = [0.0] * len(rank_cost) if by_numel else rank_cost
+        counted = elementwise if balance == "cost" else None
+        offset = 0
         for members in buckets_members:
             bucket_owners, bucket_tp_owners = _assign_owners(
                 assign_items, members, world_size, load, tp_size, "cost" if by_numel else balance,
-                assigned=len(owners), elementwise_cost=0.0 if by_numel or balance == "round_robin" else elementwise_cost)
+                assigned=len(owners), elementwise=counted)
             owners.update(bucket_owners)
             tp_owners.update(bucket_tp_owners)
+            if counted:
+                offset = _settle_elementwise(items, members, owners, world_size, tp_size, rank_cost, counted, offset)
         if by_numel:
             for it in items:
                 if it.is_matrix:

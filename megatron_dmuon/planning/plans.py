@@ -82,11 +82,11 @@ def _sizes(kind: str, par: ParallelSpec):
 def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, planner: str, *, stage: int = 0,
                bucket_size: Optional[int] = None, max_bucket_padding: float = 0.02,
                milp_options: Optional[dict] = None, split: Optional[dict] = None,
-               elementwise_cost: float = 0.0, cost_fn: Callable[[Sequence[int]], float] = ns_cost) -> dict:
+               elementwise: Optional[tuple] = None, cost_fn: Callable[[Sequence[int]], float] = ns_cost) -> dict:
     """{'layouts': {kind: OwnerLayout}, 'params': {kind: [ParamSpec]}, 'info': {...}, 'seconds'}.
 
-    ``split`` (the optimizer's split flags) costs matrices by their pieces; ``elementwise_cost``
-    is ``plan_owner_layout``'s, in the planner's units (NS FLOPs; ms for 'milp')."""
+    ``split`` (the optimizer's split flags) costs matrices by their pieces; ``elementwise``
+    (AdamW, Muon) is ``plan_owner_layout``'s, in the planner's units (NS FLOPs; ms for 'milp')."""
     if planner not in PLANNERS:
         raise ValueError(f"planner {planner!r} unknown; valid: {', '.join(PLANNERS)}")
     params = {k: v for k, v in stage_params(model, par, stage).items() if v}
@@ -98,7 +98,7 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
                              split_pieces(model, split) if split else None, cost_fn)
         kinfo: dict = {}
         layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
-                                          milp_options=milp_options, info=kinfo, elementwise_cost=elementwise_cost)
+                                          milp_options=milp_options, info=kinfo, elementwise=elementwise)
         if kinfo:
             info[kind] = kinfo
     return {"layouts": layouts, "params": params, "info": info, "seconds": time.perf_counter() - t0}
