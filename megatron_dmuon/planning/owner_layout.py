@@ -267,62 +267,16 @@ def _bucket_loads(items, members, owners, tp_owners, world_size, tp_size, base, 
     return loads, shard
 
 
-def _improve_bucket(items, members, owners, tp_owners, world_size, tp_size, base, elementwise, start,
-                    max_moves=64):
-    """Local search on one bucket's owners against its exact loads (``_bucket_loads``): where
-    element-wise params land depends on the whole layout (a 545 M-element embedding fills
-    whichever shard has the room), which the greedy's per-element estimate cannot see. Each move
-    takes a matrix off the heaviest DP row, or puts one on it (pushing AdamW params out of its
-    shard), whichever lowers (max load, then the loads in descending order) the most, within the
-    greedy's shard capacity; at most ``max_moves`` moves. Updates the dicts in place; returns
-    (loads, shard)."""
-    mats = [i for i in members if items[i].is_matrix]
-    total = sum(items[i].numel for i in members)
-    cap = max(math.ceil(total / world_size), max((items[i].numel for i in mats), default=0)) + PARAM_ALIGN
-    loads, shard = _bucket_loads(items, members, owners, tp_owners, world_size, tp_size, base, elementwise, start)
-
-    def score(cell_loads):
-        return sorted(cell_loads, reverse=True)
-
-    best = score(loads)
-    for _ in range(max_moves):
-        row = [max(loads[d * tp_size:(d + 1) * tp_size]) for d in range(world_size)]
-        heavy = max(range(world_size), key=lambda d: (row[d], -d))
-        used = [0] * world_size
-        for i in mats:
-            used[owners[items[i].name]] += _align(items[i].numel)
-        found = None
-        for i in mats:
-            name = items[i].name
-            src = owners[name]
-            for dst in (d for d in range(world_size) if d != src and heavy in (src, d)):
-                if used[dst] + _align(items[i].numel) > cap:
-                    continue
-                old = (owners[name], tp_owners[name])
-                cell = min(range(dst * tp_size, (dst + 1) * tp_size), key=lambda c: (loads[c], c))
-                owners[name], tp_owners[name] = dst, cell - dst * tp_size
-                trial, trial_shard = _bucket_loads(items, members, owners, tp_owners, world_size, tp_size, base,
-                                                   elementwise, start)
-                owners[name], tp_owners[name] = old
-                if score(trial) < (found[0] if found else best):
-                    found = (score(trial), name, dst, cell - dst * tp_size, trial, trial_shard)
-        if found is None:
-            break
-        best, name, dst, tp_rank, loads, shard = found
-        owners[name], tp_owners[name] = dst, tp_rank
-    return loads, shard
-
-
 def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padding, options, info,
                  elementwise=None):
     """Owners of every matrix of every bucket from one MILP (planning/milp.py), warm-started with
     the greedy plan; each DP rank's owned numel in a bucket must fit its shard, which may grow up
     to ``max_bucket_padding`` (or as far as the greedy needed) at a padding cost.
 
-    With ``elementwise``, each matrix also costs its Muon element-wise work on the NS cell. The
-    AdamW work a rank's shard ends up with is not modelled here: it depends on where the layout
-    pours the element-wise params (large ones land as a block in one shard), and a credit for
-    displaced AdamW made the MILP crowd them onto few ranks (docs/load_balancing.md)."""
+    With ``elementwise``, the per-bucket element-wise term (``_elementwise_term``) changes each
+    matrix's cost on its NS cell, floored at 0 (the MILP needs non-negative costs); at TP > 1 the
+    other cells of the DP row do not see it. (Counting only Muon's element-wise work, without
+    the displaced AdamW, gave slower plans in all three emulated layouts: docs/load_balancing.md.)"""
     from .milp import OwnerProblem, solve_owner_milp
 
     options = dict(options or {})
@@ -339,9 +293,10 @@ def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padd
             used[owners[items[i].name]] += _align(items[i].numel)
         shard_min.append(lo)
         shard_max.append(max(int(lo * (1.0 + max_bucket_padding)), max(used) - PARAM_ALIGN, lo))
+        per_element = _elementwise_term(items, members, world_size, elementwise)
         for i in in_bucket:
             mats.append((i, b))
-            adjusted.append(items[i].cost + (elementwise[1] * items[i].numel if elementwise else 0.0))
+            adjusted.append(max(items[i].cost + per_element * items[i].numel, 0.0))
             greedy_cells.append(owners[items[i].name] * tp_size + tp_owners[items[i].name])
     groups = [items[i].shape_key or items[i].name for i, _ in mats]
     launch: Dict[str, float] = {}
@@ -442,8 +397,7 @@ def plan_owner_layout(
     less (``_oversized_fillers``). `elementwise = (adamw, muon)`: element-wise optimizer work per
     parameter element of each, in `cost`'s units (None: NS cost only;
     ``planning.cost_model.elementwise_costs``); the greedy's loads in `rank_cost` then include
-    every rank's element-wise work as its layout holds it (``_bucket_loads``, after the local
-    search ``_improve_bucket``).
+    every rank's element-wise work as its layout holds it (``_bucket_loads``).
     """
     if elementwise is not None and (len(elementwise) != 2 or min(elementwise) < 0):
         raise ValueError(f"elementwise must be (adamw, muon) costs per element, both >= 0; got {elementwise}")
@@ -516,9 +470,9 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
             bucket_owners, bucket_tp_owners = _assign_owners(
                 assign_items, members, world_size, load, tp_size, "cost" if by_numel else balance,
                 assigned=len(owners), elementwise=counted)
-            if counted:  # the loads the layout will really have, and moves that lower the heaviest
-                loads, shard = _improve_bucket(items, members, bucket_owners, bucket_tp_owners, world_size, tp_size,
-                                               base, counted, offset)
+            if counted:  # the loads this bucket's layout really gives, for the next buckets
+                loads, shard = _bucket_loads(items, members, bucket_owners, bucket_tp_owners, world_size, tp_size,
+                                             base, counted, offset)
                 rank_cost[:] = loads
                 offset += shard * world_size
             owners.update(bucket_owners)
