@@ -43,7 +43,8 @@ def main():
 
     from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
     from megatron_dmuon.planning.owner_layout import plan_owner_layout
-    from megatron_dmuon.planning.plans import buffer_items
+    from megatron_dmuon.planning.cost_model import elementwise_costs
+    from megatron_dmuon.planning.plans import buffer_items, split_pieces
     from megatron_dmuon.planning.profile import STARTUP_BUDGET_S, PlanCache, milp_time_limit, plan_key, profile_budget
     from megatron_dmuon.runtime.ns_profile import profiled_cost_model
     from megatron_dmuon.runtime.owner_step import MuonSettings
@@ -52,7 +53,9 @@ def main():
     os.makedirs(args.cache_dir, exist_ok=True)
     par = ParallelSpec(dp=args.dp, tp=args.tp)
     params = stage_params(PRESETS[args.preset], par)["dense"]
-    shapes = sorted({tuple(q.full_shape) for q in params if q.is_matrix})
+    # the shapes the owner step orthogonalizes: DMuonConfig's default split (QKV into q, k, v)
+    pieces = split_pieces(PRESETS[args.preset], dict(split_qkv=True, split_glu=False, per_head=False))
+    shapes = sorted({s for q in params if q.is_matrix for s in pieces(q.name, q.full_shape)})
     settings = MuonSettings(ns_method=args.ns_method)
     budget = args.startup_budget or STARTUP_BUDGET_S
     caught = []
@@ -64,16 +67,18 @@ def main():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        items = buffer_items(params, model)
+        items = buffer_items(params, model, pieces)
+        elementwise = elementwise_costs(model.device, "ms")
         # the same split as megatron/layout.py: the MILP gets what profiling left of the budget
         options = {"time_limit_s": milp_time_limit(budget, t1 - t0, args.time_limit)}
         cache = PlanCache(os.path.join(args.cache_dir, "plans.json"))
         key = plan_key({"items": [list(vars(it).values()) for it in items], "dp": args.dp, "tp": args.tp,
-                        "balance": "milp", "options": options})
+                        "balance": "milp", "options": options, "elementwise": elementwise})
         cached = cache.get(key)
         info = {}
         if cached is None:
-            layout = plan_owner_layout(items, args.dp, None, 0.02, None, args.tp, "milp", milp_options=options, info=info)
+            layout = plan_owner_layout(items, args.dp, None, 0.02, None, args.tp, "milp", milp_options=options, info=info,
+                                       elementwise=elementwise)
             cache.put(key, layout.to_json())
         t2 = time.perf_counter()
     report = {
