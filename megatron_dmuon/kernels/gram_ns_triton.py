@@ -58,10 +58,11 @@ def fast_path_usable(x: Tensor, compute_dtype: torch.dtype) -> bool:
     )
 
 
-def _sym(choice, a, b, *, c=None, alpha=1.0, beta=0.0, b_symmetric=True) -> Tensor:
+def _sym(choice, a, b, *, c=None, alpha=1.0, beta=0.0, diag=0.0, b_symmetric=True) -> Tensor:
     out = torch.empty((*a.shape[:-1], a.shape[-2]), dtype=a.dtype, device=a.device)
     return symmetric_ops.sym_matmul(
-        a, b, c=c, alpha=alpha, beta=beta, out=out, backend=choice.backend, config=choice.config, b_symmetric=b_symmetric
+        a, b, c=c, alpha=alpha, beta=beta, diag=diag, out=out, backend=choice.backend, config=choice.config,
+        b_symmetric=b_symmetric,
     )
 
 
@@ -174,16 +175,20 @@ def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transpo
 
 
 def standard_core(X: Tensor, schedule, plan: ShapePlan, quartic: bool = False) -> Tensor:
-    """Standard NS on a normalised wide [B, m, n] stack: X <- a X + (b A + c A²) X, A = X Xᵀ
-    (``quartic``: step 1 rescales A and X by the quartic bound first)."""
+    """Standard NS on a normalised wide [B, m, n] stack: X <- (a I + b A + c A²) X, A = X Xᵀ
+    (``quartic``: step 1 rescales A and X by the quartic bound first). The a I term rides in the
+    symmetric product's diagonal (summed in float32 with the rest, rounded once), so such a step
+    ends in one plain bmm: ``baddbmm(X, B, X, beta=a)`` would first copy X into its output. The
+    quartic step 1 keeps baddbmm: its b A + c A² is already rounded, and adding a to it would
+    round the diagonal twice."""
     for t, (a, b, c) in enumerate(schedule):
         A = _syrk(plan.syrk, X)
         if quartic and t == 0:
             _, B, gamma = _quartic_first_step(A, plan, b, c)
             X = _scale_(X, gamma)
+            X = torch.baddbmm(X, B, X, beta=a)
         else:
-            B = _sym(plan.square, A, A, c=A, alpha=c, beta=b)
-        X = torch.baddbmm(X, B, X, beta=a)
+            X = torch.bmm(_sym(plan.square, A, A, c=A, alpha=c, beta=b, diag=a), X)
     return X
 
 
