@@ -302,6 +302,9 @@ def test_child_six_step_square_schedule():
     std = newton_schulz_fast(sq, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float16, backend="triton")
     assert _rel(std, newton_schulz(sq, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float16)) < 0.02
     assert _rel(std, msgn_svd(sq)) < 0.01  # measured 0.0013
+    from megatron_dmuon.algorithms.newton_schulz import newton_schulz_reference
+
+    assert _rel(std, newton_schulz_reference(sq, POLAR_EXPRESS_6, steps=6)) < 0.003  # measured 0.0010 (0.0009 with baddbmm)
     assert torch.equal(gram_newton_schulz_fast(sq, POLAR_EXPRESS_6, steps=6, compute_dtype=torch.float16), std)
 
 
@@ -328,5 +331,7 @@ def test_child_quartic_normalisation_on_the_kernels():
     sq = torch.randn(2, 48, 48, generator=g)
     kw = schedule_for_shape(48, 48)
     std = newton_schulz_fast(sq, compute_dtype=torch.float16, backend="triton", **kw)
-    assert _rel(std, newton_schulz_reference(sq, **kw)) < 0.02
+    # measured 0.0040 (a·I folded into the fp16 B of steps 2-5); 0.0205 when step 1's already
+    # rounded b A + c A² also takes a·I (its diagonal rounded twice): that step keeps baddbmm
+    assert _rel(std, newton_schulz_reference(sq, **kw)) < 0.006
     assert _rel(std, msgn_svd(sq)) < 0.1
