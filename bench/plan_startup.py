@@ -43,6 +43,7 @@ def main():
 
     from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
     from megatron_dmuon.planning.owner_layout import plan_owner_layout
+    from megatron_dmuon.megatron.config import DMuonConfig
     from megatron_dmuon.planning.cost_model import elementwise_costs
     from megatron_dmuon.planning.plans import buffer_items, split_pieces
     from megatron_dmuon.planning.profile import STARTUP_BUDGET_S, PlanCache, milp_time_limit, plan_key, profile_budget
@@ -54,7 +55,7 @@ def main():
     par = ParallelSpec(dp=args.dp, tp=args.tp)
     params = stage_params(PRESETS[args.preset], par)["dense"]
     # the shapes the owner step orthogonalizes: DMuonConfig's default split (QKV into q, k, v)
-    pieces = split_pieces(PRESETS[args.preset], dict(split_qkv=True, split_glu=False, per_head=False))
+    pieces = split_pieces(PRESETS[args.preset], DMuonConfig().split_flags())
     shapes = sorted({s for q in params if q.is_matrix for s in pieces(q.name, q.full_shape)})
     settings = MuonSettings(ns_method=args.ns_method)
     budget = args.startup_budget or STARTUP_BUDGET_S

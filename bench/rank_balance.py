@@ -44,7 +44,7 @@ from megatron_dmuon.planning.cost_model import (CostModel, device_spec, elementw
                                                 load_bench_kernels_profile)
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec  # noqa: E402
 from megatron_dmuon.planning.params import owner_ns_cost  # noqa: E402
-from megatron_dmuon.planning.plans import plan_stage  # noqa: E402
+from megatron_dmuon.planning.plans import plan_stage, transformer_shape  # noqa: E402
 from megatron_dmuon.planning.simulate import adamw_fragments_in_shard  # noqa: E402
 from megatron_dmuon.runtime.owner_step import MatrixInfo, OwnerMuonAdamW  # noqa: E402
 
@@ -58,7 +58,7 @@ def plans_for(model, dp, bucket_size, cfg, milp=False):
     muon = cfg.muon
     cost_fn = functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
                                 ns_method=muon.ns_method)
-    split = dict(split_qkv=cfg.split_qkv, split_glu=cfg.split_glu, per_head=cfg.split_per_head)
+    split = cfg.split_flags()
     elementwise = elementwise_costs(device_spec("H200"))
     par = ParallelSpec(dp=dp)
     plans = {
@@ -84,18 +84,15 @@ def rank_tensors(plan, rank):
 
 
 def time_rank(owned, fragments, model, cfg, iters, warmup=3, device="cuda"):
-    config = argparse.Namespace(num_attention_heads=model.heads, num_query_groups=model.groups,
-                                kv_channels=model.head_dim, hidden_size=model.hidden,
-                                gated_linear_unit=model.swiglu, attention_output_gate=False)
+    config = transformer_shape(model)
     gen = torch.Generator(device=device).manual_seed(0)
     muon, infos = [], []
     for name, shape in owned:
         p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
         p.grad = torch.randn(shape, device=device, generator=gen) * 1e-3
         muon.append(p)
-        rule = (rule_for_megatron_param(name, shape, config, split_qkv=cfg.split_qkv, split_glu=cfg.split_glu,
-                                        per_head=cfg.split_per_head)
-                if cfg.split_qkv or cfg.split_glu or cfg.split_per_head else None)
+        rule = rule_for_megatron_param(name, shape, config, **cfg.split_flags()) if any(cfg.split_flags().values()) \
+            else None
         infos.append(MatrixInfo(name, shape, rule))
     adamw = []
     for n in fragments:

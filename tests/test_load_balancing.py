@@ -447,6 +447,10 @@ def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_
     plain = ddp_options_from_args(parser.parse_args([]))
     assert set(plain) == {"ranks_per_node", "balance", "cost_fn", "split"}
     assert plain["split"] == dict(split_qkv=True, split_glu=False, per_head=False)
+    from megatron_dmuon.megatron.config import DMuonConfig
+    from megatron_dmuon.megatron.layout import DEFAULT_SPLIT
+
+    assert DEFAULT_SPLIT == DMuonConfig().split_flags() == plain["split"]  # the layout's default split
     # owners are balanced by what the run's NS costs: the adaptive schedule makes the wide
     # matrices far cheaper relative to square ones than the standard 5-step count says
     from megatron_dmuon.planning.params import ns_cost, owner_ns_cost

@@ -114,6 +114,10 @@ class DMuonConfig:
             raise ValueError(f"--dmuon-mode megatron_layerwise runs Megatron's own Muon; --dmuon-update "
                              f"{self.muon.update} needs --dmuon-mode dmuon (or gather_then_compute)")
 
+    def split_flags(self) -> dict:
+        """``rule_for_megatron_param``'s split flags: how the optimizer cuts matrices before NS."""
+        return dict(split_qkv=self.split_qkv, split_glu=self.split_glu, per_head=self.split_per_head)
+
     @classmethod
     def from_args(cls, args) -> "DMuonConfig":
         """The config of parsed `add_dmuon_args` flags; a value DMuon cannot honour raises a
@@ -227,7 +231,7 @@ def ddp_options_from_args(args) -> dict:
     options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
                    cost_fn=functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
                                              ns_method=muon.ns_method),
-                   split=dict(split_qkv=cfg.split_qkv, split_glu=cfg.split_glu, per_head=cfg.split_per_head))
+                   split=cfg.split_flags())
     # beyond that, only what a run asks for beyond the defaults
     if getattr(args, "dmuon_publish_dtype", "param") != "param":
         options["publish_dtype"] = args.dmuon_publish_dtype

@@ -12,6 +12,7 @@ import torch
 from ..planning.owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from ..algorithms.tp_shards import tp_full_shape
 from ..planning.params import is_muon_param, ns_cost
+from ..planning.plans import matrix_pieces
 from ..planning.profile import (STARTUP_BUDGET_S, PlanCache, default_plan_cache_path, milp_time_limit, plan_key,
                                 profile_budget)
 
@@ -55,22 +56,21 @@ def layout_groups(config, ddp_config) -> Dict[str, object]:
     }
 
 
-# the split the owner step applies when the optimizer is built with DMuonConfig's defaults
-_DEFAULT_SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
+# DMuonConfig().split_flags(): the split an optimizer built with the defaults applies (config.py
+# imports this module, so the value is repeated here; tests/test_load_balancing.py checks they agree)
+DEFAULT_SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
 
 
 def _elementwise_costs(model):
     """``elementwise_costs`` in the planner's units: ms under a profiled cost model, else NS FLOPs
     at the rates of the cluster config's device matching this GPU (the first one on CPU)."""
-    from ..planning.cost_model import DeviceSpec, device_spec, elementwise_costs, load_config
+    from ..planning.cost_model import DeviceSpec, device_spec_for, elementwise_costs
 
     if model is not None:
         device = getattr(model, "device", None)
         return elementwise_costs(device, "ms") if isinstance(device, DeviceSpec) else None
-    config = load_config()
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    known = next((d for d in config["devices"] if d.lower() in name.lower()), next(iter(config["devices"])))
-    return elementwise_costs(device_spec(known, config), "flops", config)
+    on_gpu = torch.cuda.is_available()
+    return elementwise_costs(device_spec_for(torch.cuda.get_device_name() if on_gpu else "", warn=on_gpu), "flops")
 
 
 def compute_owner_aligned_layout(
@@ -125,15 +125,10 @@ def compute_owner_aligned_layout(
         kind = "expert_" if key.is_expert_parallel else ""
         return groups[kind + "dp"].size(), groups[kind + "tp"].size()
 
-    split_flags = dict(_DEFAULT_SPLIT if split is None else split)
+    split = DEFAULT_SPLIT if split is None else split
 
-    def pieces_of(name, shape):
-        """Shapes the owner step orthogonalizes for this matrix (megatron/optimizer.py's rule)."""
-        if model_config is None or not any(split_flags.values()):
-            return [tuple(shape)]
-        from ..algorithms.splitting import rule_for_megatron_param
-
-        return rule_for_megatron_param(name, tuple(shape), model_config, **split_flags).piece_shapes(shape)
+    def pieces_of(name, shape):  # what the owner step orthogonalizes for this matrix
+        return matrix_pieces(name, shape, model_config, split) if model_config is not None else [tuple(shape)]
 
     def items_of(key, model=None):
         params, _ = buffers[key]

@@ -31,10 +31,7 @@ def _split_rule(name, full_shape, model_config, cfg: DMuonConfig):
         return None
     from ..algorithms.splitting import rule_for_megatron_param
 
-    return rule_for_megatron_param(
-        name, tuple(full_shape), model_config,
-        split_qkv=cfg.split_qkv, split_glu=cfg.split_glu, per_head=cfg.split_per_head,
-    )
+    return rule_for_megatron_param(name, tuple(full_shape), model_config, **cfg.split_flags())
 
 
 def _muon_adam_groups(param_groups, infos):

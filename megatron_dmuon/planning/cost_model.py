@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -30,7 +31,7 @@ from ..algorithms.flops import newton_schulz_flops
 
 __all__ = [
     "DEFAULT_CONFIG", "DeviceSpec", "Link", "ClusterSpec", "ShapeCost", "CostTable", "CostModel",
-    "load_config", "device_spec", "cluster_spec", "fit_affine", "ns_method_for", "ns_kernel_count",
+    "load_config", "device_spec", "device_spec_for", "elementwise_costs", "cluster_spec", "fit_affine", "ns_method_for", "ns_kernel_count",
     "analytic_shape_cost", "load_bench_kernels_profile", "shape_key",
 ]
 
@@ -85,6 +86,19 @@ def _entry(config: Optional[dict], section: str, name: str) -> Tuple[dict, dict]
 def device_spec(name: str, config: Optional[dict] = None) -> DeviceSpec:
     _, d = _entry(config, "devices", name)
     return DeviceSpec(name, float(d["ns_tflops"]), float(d["kernel_floor_us"]), float(d["hbm_gbytes_per_s"]))
+
+
+def device_spec_for(name: str, config: Optional[dict] = None, warn: bool = True) -> DeviceSpec:
+    """The config's device named in ``name`` (e.g. 'H200' in 'NVIDIA H200'), else the first one
+    (with a warning when ``warn``)."""
+    config = config or load_config()
+    for known in config["devices"]:
+        if known.lower() in name.lower():
+            return device_spec(known, config)
+    fallback = next(iter(config["devices"]))
+    if warn:
+        warnings.warn(f"no cluster-config device matches {name!r}; the analytic part of the cost model uses {fallback}'s")
+    return device_spec(fallback, config)
 
 
 def elementwise_costs(device: DeviceSpec, unit: str = "flops", config: Optional[dict] = None) -> Tuple[float, float]:

@@ -168,6 +168,12 @@ def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world
 BALANCE = ("cost", "round_robin", "numel_lpt", "milp")
 
 
+def _min_shard(items, members, world_size) -> int:
+    """A bucket's smallest shard: 1/D of its elements, and at least its biggest matrix."""
+    total = sum(items[i].numel for i in members)
+    return max(math.ceil(total / world_size), max((items[i].numel for i in members if items[i].is_matrix), default=0))
+
+
 def _elementwise_term(items, bucket_members, world_size, elementwise) -> float:
     """Change of a DP rank's element-wise work per element of a matrix it owns in this bucket.
 
@@ -180,9 +186,7 @@ def _elementwise_term(items, bucket_members, world_size, elementwise) -> float:
     adamw, muon = elementwise
     total = sum(items[i].numel for i in bucket_members)
     matrices = sum(items[i].numel for i in bucket_members if items[i].is_matrix)
-    shard = max(math.ceil(total / world_size), max((items[i].numel for i in bucket_members if items[i].is_matrix),
-                                                   default=0))
-    free = world_size * shard - matrices
+    free = world_size * _min_shard(items, bucket_members, world_size) - matrices
     phi = min(1.0, (total - matrices) / free) if free > 0 else 1.0
     return muon - phi * adamw
 
@@ -199,7 +203,6 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
     the NS cell pays ``cost``. Matrices that lower their row's load (cheap NS, much AdamW
     displaced) go to the most loaded DP row that fits them.
     Returns ({name: dp rank}, {name: tp rank})."""
-    total = sum(items[i].numel for i in bucket_members)
     if balance == "round_robin":
         owners, tp_owners = {}, {}
         for k, i in enumerate(i for i in bucket_members if items[i].is_matrix):
@@ -215,8 +218,7 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
     # heaviest first; then the ones that lower their row's load, most lowering first
     mats = sorted((i for i in bucket_members if items[i].is_matrix),
                   key=lambda i: (net(i) < 0, -abs(net(i)), -items[i].numel, items[i].name))
-    # shard must hold the biggest matrix and, ideally, 1/D of the bucket
-    shard = max(math.ceil(total / world_size), max((items[i].numel for i in mats), default=0))
+    shard = _min_shard(items, bucket_members, world_size)
     owned_numel = [0] * world_size
     owners, tp_owners = {}, {}
     cells = range(world_size * tp_size)
@@ -247,7 +249,8 @@ def _bucket_loads(items, members, owners, tp_owners, world_size, tp_size, base, 
     """Cell loads after one bucket, as its layout (placed from buffer offset ``start``, as
     ``_plan`` will place it) holds them: ``base`` + the NS cost of the matrices each cell owns +
     on every cell of DP row r ``muon x (r's owned matrix elements) + adamw x (element-wise
-    elements in r's shard)`` (straddling params by overlap). Returns (loads, shard)."""
+    elements in r's shard)`` (straddling params by overlap). Returns (loads, placement, shard),
+    the placement being ``_place_bucket``'s, which ``_plan`` then keeps."""
     adamw, muon = elementwise
     loads = list(base)
     mats = [i for i in members if items[i].is_matrix]
@@ -264,7 +267,7 @@ def _bucket_loads(items, members, owners, tp_owners, world_size, tp_size, base, 
                     for i in members if not items[i].is_matrix)
         for cell in range(r * tp_size, (r + 1) * tp_size):
             loads[cell] += muon * owned[r] + adamw * steps
-    return loads, shard
+    return loads, pos, shard
 
 
 def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padding, options, info,
@@ -284,9 +287,8 @@ def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padd
     mats, adjusted, greedy_cells, shard_min, shard_max = [], [], [], [], []
     greedy_cost = list(rank_cost)
     for b, members in enumerate(buckets):
-        total = sum(items[i].numel for i in members)
         in_bucket = [i for i in members if items[i].is_matrix]
-        lo = max(math.ceil(total / world_size), max((items[i].numel for i in in_bucket), default=0))
+        lo = _min_shard(items, members, world_size)
         owners, tp_owners = _assign_owners(items, members, world_size, greedy_cost, tp_size, elementwise=elementwise)
         used = [0] * world_size
         for i in in_bucket:
@@ -456,6 +458,7 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
     tp_owners: Dict[str, int] = {}
     start = 0
     buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
+    placed: Dict[int, tuple] = {}  # bucket -> (placement, shard) already made while planning
     if balance == "milp":
         owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,
                                          milp_options, info, elementwise)
@@ -465,15 +468,15 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
         load = [0.0] * len(rank_cost) if by_numel else rank_cost
         counted = elementwise if balance == "cost" else None
         offset = 0
-        for members in buckets_members:
+        for b, members in enumerate(buckets_members):
             base = list(load)
             bucket_owners, bucket_tp_owners = _assign_owners(
                 assign_items, members, world_size, load, tp_size, "cost" if by_numel else balance,
                 assigned=len(owners), elementwise=counted)
             if counted:  # the loads this bucket's layout really gives, for the next buckets
-                loads, shard = _bucket_loads(items, members, bucket_owners, bucket_tp_owners, world_size, tp_size,
-                                             base, counted, offset)
-                rank_cost[:] = loads
+                loads, pos, shard = _bucket_loads(items, members, bucket_owners, bucket_tp_owners, world_size, tp_size,
+                                                  base, counted, offset)
+                rank_cost[:], placed[b] = loads, (pos, shard)
                 offset += shard * world_size
             owners.update(bucket_owners)
             tp_owners.update(bucket_tp_owners)
@@ -483,7 +486,7 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
                     rank_cost[owners[it.name] * tp_size + tp_owners[it.name]] += it.cost
     for b, members in enumerate(buckets_members):
         bucket_owners = {items[i].name: owners[items[i].name] for i in members if items[i].is_matrix}
-        pos, shard = _place_bucket(items, members, bucket_owners, world_size, start)
+        pos, shard = placed.get(b) or _place_bucket(items, members, bucket_owners, world_size, start)
         for name, (s, e) in pos.items():
             param_ranges[name] = (s, e, b)
         end = start + shard * world_size

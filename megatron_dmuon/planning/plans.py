@@ -25,7 +25,8 @@ from .models import ModelSpec, ParallelSpec, ParamSpec, stage_params
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
 from .params import ns_cost
 
-__all__ = ["PLANNERS", "buffer_items", "split_pieces", "plan_stage", "predict_stage", "compare_plans"]
+__all__ = ["PLANNERS", "buffer_items", "matrix_pieces", "transformer_shape", "split_pieces", "plan_stage",
+           "predict_stage", "compare_plans"]
 
 PLANNERS = ("round_robin", "numel_lpt", "greedy", "milp")
 _BALANCE = {"round_robin": "round_robin", "numel_lpt": "numel_lpt", "greedy": "cost", "milp": "milp"}
@@ -58,21 +59,28 @@ def buffer_items(params: Sequence[ParamSpec], cost_model: Optional[CostModel] = 
     return items
 
 
-def split_pieces(model: ModelSpec, split: dict) -> Callable[[str, Sequence[int]], List[tuple]]:
-    """``buffer_items``'s ``pieces`` for ``model`` under the optimizer's split flags
-    (``split_qkv``, ``split_glu``, ``per_head``: megatron/optimizer.py's rule)."""
+def matrix_pieces(name: str, shape: Sequence[int], config, split: dict) -> List[tuple]:
+    """Shapes the optimizer orthogonalizes for the matrix ``name`` of full ``shape`` under its split
+    flags (``split_qkv``, ``split_glu``, ``per_head``: megatron/optimizer.py's rule; ``config``: a
+    TransformerConfig or ``transformer_shape``); the whole matrix when no flag is set."""
+    if not any(split.values()):
+        return [tuple(shape)]
     from ..algorithms.splitting import rule_for_megatron_param
 
-    config = SimpleNamespace(num_attention_heads=model.heads, num_query_groups=model.groups,
-                             kv_channels=model.head_dim, hidden_size=model.hidden, gated_linear_unit=model.swiglu,
-                             attention_output_gate=False)
+    return rule_for_megatron_param(name, tuple(shape), config, **split).piece_shapes(shape)
 
-    def pieces(name: str, shape: Sequence[int]) -> List[tuple]:
-        if not any(split.values()):
-            return [tuple(shape)]
-        return rule_for_megatron_param(name, tuple(shape), config, **split).piece_shapes(shape)
 
-    return pieces
+def transformer_shape(model: ModelSpec) -> SimpleNamespace:
+    """The TransformerConfig attributes the split rules read, for a ``ModelSpec``."""
+    return SimpleNamespace(num_attention_heads=model.heads, num_query_groups=model.groups,
+                           kv_channels=model.head_dim, hidden_size=model.hidden, gated_linear_unit=model.swiglu,
+                           attention_output_gate=False)
+
+
+def split_pieces(model: ModelSpec, split: dict) -> Callable[[str, Sequence[int]], List[tuple]]:
+    """``buffer_items``'s ``pieces`` for ``model`` under the optimizer's split flags."""
+    config = transformer_shape(model)
+    return lambda name, shape: matrix_pieces(name, shape, config, split)
 
 
 def _sizes(kind: str, par: ParallelSpec):

@@ -6,13 +6,12 @@ Run on the one rank that plans (megatron/layout.py plans on rank 0 of the stage 
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..planning.cost_model import CostModel, device_spec, load_config
+from ..planning.cost_model import CostModel, device_spec_for, load_config
 from ..planning.profile import ProfileCache, measure_profile
 from .owner_step import MuonSettings, default_orthogonalizer
 
@@ -59,17 +58,6 @@ def cuda_ns_timer(settings: MuonSettings, device, input_dtype: torch.dtype = tor
     return time_fn
 
 
-def _spec_for(name: str, config: dict, warn: bool = True):
-    """The config's device named in ``name`` (e.g. 'H200' in 'NVIDIA H200'), else the first one."""
-    for known in config["devices"]:
-        if known.lower() in name.lower():
-            return device_spec(known, config)
-    fallback = next(iter(config["devices"]))
-    if warn:
-        warnings.warn(f"no cluster-config device matches {name!r}; the analytic part of the cost model uses {fallback}'s")
-    return device_spec(fallback, config)
-
-
 def profiled_cost_model(
     shapes: Iterable[Sequence[int]],
     max_batch: int,
@@ -87,7 +75,7 @@ def profiled_cost_model(
     config = load_config(config_path)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     name = device_name(device)
-    spec = _spec_for(name, config, warn=device.type == "cuda")
+    spec = device_spec_for(name, config, warn=device.type == "cuda")
     if device.type != "cuda":
         return CostModel(spec, None, settings.ns_steps, settings.ns_method)
     cache = ProfileCache(cache_path or default_profile_cache_path())
