@@ -14,18 +14,25 @@ serves a first run and its restarts under `torchrun --max-restarts`).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
 import signal
 import sys
-import sysconfig
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from examples.gpt_data import TokenSource, check_indexed_dataset, parse_split  # noqa: E402
+
+# The main job's Muon settings (what the launch recipes use): momentum 0.95 with Nesterov, and
+# Megatron's 'spectral' scale sqrt(max(rows, cols)) times 0.2, which gives a Muon update the RMS of
+# an AdamW one (Moonlight), so one --lr serves the Muon matrices and the AdamW params alike.
+# bench/quality.py measured them (docs/quality.md). The library's DMuonConfig() and the
+# Megatron-LM hook keep Megatron's own defaults (0.9, no Nesterov, extra scale 1).
+MAIN_JOB_MUON_DEFAULTS = dict(muon_momentum=0.95, muon_nesterov=True, muon_scale_mode="spectral",
+                              muon_extra_scale_factor=0.2)
 
 
 def parse_args(argv=None):
@@ -34,7 +41,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--optimizer", default="dmuon", choices=["dmuon", "adam"])
-    add_dmuon_args(p)  # Megatron's --muon-* flags and DMuon's --dmuon-* flags, with the library's defaults
+    add_dmuon_args(p)  # Megatron's --muon-* flags and DMuon's --dmuon-* flags
+    p.set_defaults(**MAIN_JOB_MUON_DEFAULTS)
+    a("--muon-no-nesterov", dest="muon_nesterov", action="store_false",
+      help="plain momentum (Megatron's default; this job's default is Nesterov)")
     a("--num-layers", type=int, default=2)
     a("--hidden-size", type=int, default=128)
     a("--ffn-hidden-size", type=int, default=352)
@@ -58,6 +68,11 @@ def parse_args(argv=None):
     a("--overlap-grad-reduce", action="store_true")
     a("--overlap-param-gather", action="store_true")
     a("--data-path", default=None, help="Megatron indexed dataset prefix (.bin/.idx)")
+    a("--split", default="95,5", help="train,valid[,test] weights as Megatron-LM's: the last share of the data "
+      "(the stdlib files last in name order, or the dataset's last documents) is held out for validation")
+    a("--eval-interval", type=int, default=None,
+      help="validation loss every N iterations (and after the last); default: after the last only")
+    a("--eval-iters", type=int, default=4, help="validation batches (each --global-batch-size windows) per evaluation; 0: none")
     a("--seed", type=int, default=1234)
     a("--log-interval", type=int, default=10)
     a("--timing-json", default=None, help="write per-iteration timings here (rank 0)")
@@ -110,7 +125,7 @@ def validate_args(p, args):
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
-    for name in ("lr_warmup_iters", "weight_decay", "clip_grad", "min_lr", "dmuon_ranks_per_node"):
+    for name in ("lr_warmup_iters", "weight_decay", "clip_grad", "min_lr", "dmuon_ranks_per_node", "eval_iters"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)}); "
                     + ("--clip-grad 0 turns clipping off" if name == "clip_grad" else ""))
@@ -157,6 +172,12 @@ def validate_args(p, args):
         p.error("--profile-out needs --profile-optimizer-at ITER (the iteration whose optimizer step to profile)")
     if args.fail_at_iteration is not None and not 1 <= args.fail_at_iteration <= args.train_iters:
         p.error(f"--fail-at-iteration must be in [1, --train-iters] (got {args.fail_at_iteration})")
+    if args.eval_interval is not None and args.eval_interval < 1:
+        p.error(f"--eval-interval must be >= 1 (got {args.eval_interval}); --eval-iters 0 turns validation off")
+    try:
+        parse_split(args.split)
+    except ValueError as e:
+        p.error(str(e))
     if args.data_path:
         try:
             check_indexed_dataset(args.data_path)
@@ -164,60 +185,6 @@ def validate_args(p, args):
             p.error(str(e))
     elif args.vocab_size < 256:
         p.error("--vocab-size must be >= 256 for the byte-level default data")
-
-
-def check_indexed_dataset(prefix: str) -> None:
-    """The .bin/.idx pair exists, the index reads, and the .bin holds every token the index lists."""
-    for ext in (".bin", ".idx"):
-        if not os.path.isfile(prefix + ext):
-            raise ValueError(f"--data-path {prefix}: {prefix + ext} does not exist")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    try:
-        ds = IndexedDataset(prefix)
-    except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable index
-        raise ValueError(f"--data-path {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e})") from None
-    index = ds.index
-    if len(index.sequence_lengths) == 0:
-        raise ValueError(f"--data-path {prefix}: {prefix}.idx lists no documents")
-    need = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
-    have = os.path.getsize(prefix + ".bin")
-    if have < need:
-        raise ValueError(f"--data-path {prefix}: {prefix}.bin is truncated ({have} bytes; {prefix}.idx needs {need})")
-
-
-def stdlib_bytes() -> torch.Tensor:
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    data = b"".join(open(f, "rb").read() for f in files)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-
-
-class TokenSource:
-    """Random (seq+1)-token windows; deterministic per (iteration, rank, micro-batch)."""
-
-    def __init__(self, args):
-        self.seq = args.seq_length
-        if args.data_path:
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-            ds = IndexedDataset(args.data_path)
-            docs = [torch.from_numpy(ds[i].astype("int64")) for i in range(len(ds))]
-            self.tokens = torch.cat(docs)
-            if int(self.tokens.max()) >= args.vocab_size:
-                raise ValueError(f"--vocab-size {args.vocab_size} is smaller than the dataset's max token id "
-                                 f"{int(self.tokens.max())}; raise --vocab-size")
-        else:
-            if args.vocab_size < 256:
-                raise ValueError("--vocab-size must be >= 256 for the byte-level default data")
-            self.tokens = stdlib_bytes()
-        if self.tokens.numel() < self.seq + 2:
-            raise ValueError(f"dataset has {self.tokens.numel()} tokens; need more than --seq-length {self.seq}")
-        self.seed = args.seed
-
-    def batch(self, it, rank, micro, mbs):
-        g = torch.Generator().manual_seed(self.seed * 7919 + it * 104729 + rank * 1299709 + micro)
-        starts = torch.randint(0, self.tokens.numel() - self.seq - 1, (mbs,), generator=g)
-        return torch.stack([self.tokens[s:s + self.seq + 1] for s in starts.tolist()])
 
 
 def setup_distributed():
@@ -352,6 +319,32 @@ def _memory_summary(opt, ddp, dp_size) -> dict:
     return out
 
 
+def validation_runner(args, data, dp_size, dp_rank, rank, loss_of):
+    """``evaluate(iteration) -> loss`` over the held-out split (printed as Megatron-LM prints it),
+    or None when validation is off. Every evaluation reads the same --eval-iters x
+    --global-batch-size windows, this DP rank its share of each, in micro-batches."""
+    if args.eval_iters == 0:
+        return None
+    if not data.has_validation():
+        if rank == 0:
+            print(f"> no validation: the held-out split of --split {args.split} is shorter than one window "
+                  f"(--seq-length {args.seq_length} + 1 tokens)", flush=True)
+        return None
+    per_rank = args.global_batch_size // dp_size
+    micro = [m for batch in data.validation_batches(args.eval_iters, args.global_batch_size)
+             for m in batch[dp_rank * per_rank:(dp_rank + 1) * per_rank].split(args.micro_batch_size)]
+
+    def evaluate(iteration: int) -> float:
+        loss = loss_of(micro)
+        if rank == 0:
+            text = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                    f"lm loss PPL: {math.exp(min(loss, 700)):.6E} | ")
+            print("-" * len(text) + "\n" + text + "\n" + "-" * len(text), flush=True)
+        return loss
+
+    return evaluate
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank, world, backend = setup_distributed()
@@ -362,7 +355,8 @@ def main(argv=None):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_dmuon.megatron.config import config_from_args
-    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, gpt_training_flops, on_gpu, train_step, wire_sync_funcs
+    from megatron_dmuon.megatron.gpt import (GPTShape, build_gpt, eval_loss, gpt_training_flops, on_gpu, train_step,
+                                             wire_sync_funcs)
     from megatron_dmuon.megatron.megatron_lm import ddp_class_for, optimizer_factory_for
     from megatron_dmuon.megatron.optimizer import comm_bytes_per_step
 
@@ -421,7 +415,9 @@ def main(argv=None):
               f"PP {args.pipeline_model_parallel_size} | grad accum {grad_accum} | params {nparams/1e6:.2f}M | "
               f"bytes/step {json.dumps(comm_bytes_per_step([ddp], 'gather_then_compute' if gtc else 'dmuon'))}",
               flush=True)
-    timings, first_loss, last_loss, skipped = [], None, None, 0
+    timings, validation, first_loss, last_loss, skipped = [], [], None, None, 0
+    evaluate = validation_runner(args, data, dp_size, dp_rank, rank, lambda micro: eval_loss(
+        [ddp], micro, args.seq_length, args.micro_batch_size))
     start = load_if_requested(args, ddp, opt, sched, rank)
     for it in range(start + 1, args.train_iters + 1):
         maybe_fail(args, it, rank, world)
@@ -444,6 +440,8 @@ def main(argv=None):
             line = log.line(it, opt.param_groups[0]["lr"], grad_norm)
             if rank == 0 and timings:
                 print(line, flush=True)
+        if evaluate and (it == args.train_iters or (args.eval_interval and it % args.eval_interval == 0)):
+            validation.append({"iteration": it, "loss": evaluate(it)})
     steady = timings[len(timings) // 2:] or timings
     # every rank's median optimizer step: an owner with more NS work than rank 0 shows up here
     # (the others then wait for its bucket in the next forward's param all-gather)
@@ -454,7 +452,9 @@ def main(argv=None):
         summary = {"optimizer": args.optimizer, "mode": args.dmuon_mode if args.optimizer == "dmuon" else "adam",
                    "dp": dp_size, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
                    "first_loss": first_loss, "last_loss": last_loss, "skipped_iterations": skipped,
-                   **({"ns_fp32_retries": opt.dmuon_stats()["ns_fp32_retries"]} if hasattr(opt, "dmuon_stats") else {}),
+                   "val_loss": validation[-1]["loss"] if validation else None,
+                   **({k: v for k, v in opt.dmuon_stats().items() if k.startswith("ns_")} if hasattr(opt, "dmuon_stats")
+                      else {}),
                    "median_step_ms": sorted(t["step_ms"] for t in steady)[len(steady) // 2],
                    "median_optimizer_ms": sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2],
                    "median_optimizer_ms_per_rank": per_rank_opt,
@@ -462,7 +462,8 @@ def main(argv=None):
         print("> summary " + json.dumps(summary), flush=True)
         if args.timing_json:
             with open(args.timing_json, "w") as f:
-                json.dump({"summary": summary, "iterations": timings, "args": vars(args)}, f, indent=1)
+                json.dump({"summary": summary, "iterations": timings, "validation": validation, "args": vars(args)},
+                          f, indent=1)
     torch.distributed.destroy_process_group()
 
 

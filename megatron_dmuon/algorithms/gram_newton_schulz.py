@@ -49,13 +49,15 @@ __all__ = ["gram_newton_schulz", "gram_newton_schulz_sharded", "gram_segments", 
 
 
 def default_restarts(normalisation: str) -> tuple[int, ...]:
-    """Where the Gram iterate is rebuilt when the caller does not say: after step 2 for the
-    Frobenius schedules, whose first steps (a ≈ 8, 4) blow fp16 rounding in ``R``'s near-zero
-    eigenvalues up by a² per step; never for the quartic ones, whose 4 steps start on a narrower
-    interval: measured on the H200 in fp16 without a restart, error ≤ 0.022 vs the exact polar
-    factor on every Qwen2.5-7B wide shape and spectrum family (≤ 0.0093 with one), and the restart's
-    extra ``Q X`` + ``X Xᵀ`` cost 1.9 of 7.9 ms on 2 x 3584 x 18944 (docs/algorithms.md)."""
-    return () if validate_normalisation(normalisation) else (2,)
+    """Where the Gram iterate is rebuilt when the caller does not say: after step 2, for every
+    normalisation. The first steps (a ≈ 8, then 4) multiply half-precision rounding in ``R``'s
+    near-zero eigenvalues by a² per step. The quartic schedules once ran without a restart (fine on
+    Gaussian test matrices: error ≤ 0.022); on real momenta, low-rank with a heavy tail, fp16 Gram NS
+    without it returned largest singular values of 1.16-1.46 where exact arithmetic gives 1.013, and
+    training with it diverged (docs/quality.md, bench/momentum_spectra.py). The restart costs one
+    more ``Q X`` and ``X Xᵀ``."""
+    validate_normalisation(normalisation)
+    return (2,)
 
 
 def restart_points(restart_after: Iterable[int], steps: int) -> frozenset[int]:
@@ -176,8 +178,8 @@ def gram_newton_schulz(
 
     Args:
         restart_after: 1-based iterations after which ``X, R, Q`` are rebuilt (default
-            ``default_restarts(normalisation)``: after iteration 2, none for the quartic
-            normalisation). Positions ``>= steps`` are ignored.
+            ``default_restarts(normalisation)``: after iteration 2). Positions ``>= steps`` are
+            ignored.
         min_aspect_ratio: below this ``max(m,n)/min(m,n)`` use standard NS instead (must be >= 1;
             pass 1.0 to force the Gram path, e.g. in tests).
         Other arguments as in ``newton_schulz`` (note fp16 default: fp16 beats bf16 here).

@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..algorithms.gram_newton_schulz import gram_newton_schulz
+from ..algorithms.ns_dispatch import method_compute_dtype
 from ..algorithms.newton_schulz import newton_schulz
 from .autotune import device_key, get_cache, method_key, relative_error, time_cuda_ms
 from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast
@@ -39,7 +40,9 @@ def tune_method(
     gen = torch.Generator(device=device).manual_seed(4321)
     x = torch.randn(batch, m, n, device=device, generator=gen)
     common = dict(coefficients=coefficients, steps=steps, compute_dtype=dtype, check_finite=False, normalisation=normalisation)
-    gram_kw = dict(common, restart_after=restart_after, min_aspect_ratio=1.0)
+    # each method at the dtype an optimizer runs it in for this precision (Gram: fp16 for bf16)
+    gram_kw = dict(common, compute_dtype=method_compute_dtype("gram", dtype), restart_after=restart_after,
+                   min_aspect_ratio=1.0)
     runs = {
         "gram": (lambda: gram_newton_schulz_fast(x, **gram_kw, cache_path=cache_path), lambda: gram_newton_schulz(x, **gram_kw)),
         "standard": (lambda: newton_schulz_fast(x, **common, cache_path=cache_path), lambda: newton_schulz(x, **common)),

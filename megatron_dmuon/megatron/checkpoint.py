@@ -405,6 +405,8 @@ def load_optimizer_state(parts, state_dict) -> None:
         _restore_param_groups(opt, state_dict["optimizer"]["param_groups"])
         if info.get("adam_step") is not None:
             opt.dmuon_inner.set_adam_step(info["adam_step"])
+            # the online NS check counts the same steps (its cadence and probes continue exactly)
+            opt.dmuon_inner.ns_check.steps = int(info["adam_step"])
         if opt.grad_scaler and "grad_scaler" in state_dict:
             opt.grad_scaler.load_state_dict(state_dict["grad_scaler"])
     if param_state is not None:

@@ -148,6 +148,8 @@ class DMuonConfig:
             scale_mode=args.muon_scale_mode, extra_scale=args.muon_extra_scale_factor,
             ns_method=args.dmuon_ns_method, ns_launch=args.dmuon_ns_launch, tp_method=args.dmuon_tp_method,
             momentum_dtype=MOMENTUM_DTYPES[getattr(args, "dmuon_momentum_dtype", "fp32")],
+            ns_check_interval=getattr(args, "dmuon_ns_check_interval", 100),
+            ns_check_bound=getattr(args, "dmuon_ns_check_bound", None),
             **update_kw)
         cfg = cls(mode=args.dmuon_mode, muon=muon,
                   split_qkv=args.muon_split_qkv or args.dmuon_split_heads,
@@ -320,6 +322,13 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                         "from its fp32 master with a per-tensor scale (needs --bf16; docs/mixed_precision.md)")
     g.add_argument("--dmuon-momentum-dtype", default="fp32", choices=tuple(MOMENTUM_DTYPES),
                    help="dtype of the owners' Muon momentum (bf16 halves it; accuracy cost in docs/mixed_precision.md)")
+    g.add_argument("--dmuon-ns-check-interval", type=int, default=100, metavar="STEPS",
+                   help="online NS quality: every STEPS optimizer steps each owner estimates top-eig(O^T O - I) of its "
+                        "NS outputs (random probes), recomputes those above --dmuon-ns-check-bound exactly (fp32) "
+                        "and logs the worst; 0: off")
+    g.add_argument("--dmuon-ns-check-bound", type=float, default=None, metavar="B",
+                   help="the check's bound on top-eig(O^T O - I) (default: (1.25 x the largest singular value the "
+                        "NS schedule gives in exact arithmetic)^2 - 1, e.g. 1.05 for Megatron's quintic)")
     g.add_argument("--dmuon-no-skip-nonfinite", action="store_true",
                    help="do not skip a step whose gradients hold NaN/Inf (skipped on every rank by default)")
     parser._dmuon_args_added = True

@@ -181,6 +181,45 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
+def _token_mean_loss(losses, device) -> float:
+    """The token-averaged loss of a forward_backward_func's outputs over every rank (only the last
+    pipeline stage has losses; TP copies count alike in tokens and loss, so the ratio is unchanged)."""
+    tot = (torch.stack([x["lm loss"] for x in losses]).sum(0).double() if losses
+           else torch.zeros(2, dtype=torch.float64, device=device))
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tot)
+    return (tot[0] / tot[1]).item()
+
+
+@torch.no_grad()
+def eval_loss(model_chunks: List[torch.nn.Module], micro_batches: List[torch.Tensor], seq_length: int,
+              micro_batch_size: int) -> float:
+    """Forward-only loss over this rank's ``micro_batches`` (and every other rank's), averaged over
+    tokens, as Megatron-LM's evaluate(). Changes no parameter or optimizer state. Under
+    --overlap-param-gather the forward pre-hooks are taken off for the evaluation (all params
+    synced first) and put back after, as Megatron-LM does."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    hooked = [c for c in model_chunks if getattr(c, "use_forward_hook", False)]
+    for chunk in hooked:
+        chunk.disable_forward_pre_hook()
+    for chunk in model_chunks:
+        chunk.eval()
+    try:
+        device = torch.cuda.current_device() if on_gpu() else "cpu"
+        data = iter([causal_batch(t.to(device)) for t in micro_batches])
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=data, model=model_chunks,
+            num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+            forward_only=True)
+    finally:
+        for chunk in model_chunks:
+            chunk.train()
+        for chunk in hooked:
+            chunk.enable_forward_pre_hook()
+    return _token_mean_loss(losses, device)
+
+
 def train_step(
     model_chunks: List[torch.nn.Module],
     optimizer,
@@ -209,10 +248,4 @@ def train_step(
         forward_only=False,
     )
     update_successful, grad_norm, num_zeros = optimizer.step()
-    # only the last pipeline stage has losses; every rank joins the sum (TP copies count alike
-    # in tokens and loss, so the ratio is unchanged)
-    tot = (torch.stack([x["lm loss"] for x in losses]).sum(0).double() if losses
-           else torch.zeros(2, dtype=torch.float64, device=device))
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(tot)
-    return (tot[0] / tot[1]).item(), grad_norm, num_zeros, update_successful
+    return _token_mean_loss(losses, device), grad_norm, num_zeros, update_successful

@@ -343,7 +343,46 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
             self._dmuon_folded_clip, self._dmuon_covers_this_step = [], None
         if not out[0]:
             self.dmuon_skipped_iterations += 1
+        self._report_ns_check()
         return out
+
+    def _report_ns_check(self) -> None:
+        """After a step of the online NS check (runtime/ns_check.py): every rank's findings are
+        gathered (the same steps on every rank) and rank 0 logs the worst output and the repairs,
+        with a warning the first time an output was recomputed."""
+        checks = [o.dmuon_inner.ns_check for o in self.chained_optimizers if hasattr(o, "dmuon_inner")]
+        if not checks or not checks[0].due() or getattr(self, "_dmuon_ns_reported", None) == checks[0].steps:
+            return
+        self._dmuon_ns_reported = checks[0].steps
+        found = [c.last for c in checks if c.last]
+        local = {"worst": max((f["worst"] for f in found), default=None),
+                 "checked": sum(f["checked"] for f in found), "recomputed": sum(f["recomputed"] for f in found),
+                 "recomputed_total": sum(c.recomputed_total for c in checks)}
+        if local["worst"] is not None:
+            top = max(found, key=lambda f: f["worst"])
+            local.update(name=top["worst_name"], limit=top["worst_limit"])
+        everyone = [local]
+        if torch.distributed.is_initialized():
+            everyone = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(everyone, local)
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        ranked = [(r, f) for r, f in enumerate(everyone) if f["worst"] is not None]
+        if not ranked:
+            return
+        rank, top = max(ranked, key=lambda rf: rf[1]["worst"])
+        recomputed = sum(f["recomputed"] for f in everyone)
+        total = sum(f["recomputed_total"] for f in everyone)
+        sigma = math.sqrt(max(top["worst"] + 1.0, 0.0))
+        print(f"> DMuon NS check at step {checks[0].steps}: {sum(f['checked'] for f in everyone)} NS outputs; the "
+              f"worst has top-eig(O^T O - I) {top['worst']:.4f} (largest singular value {sigma:.4f}; bound "
+              f"{top['limit']:.4f}), {top['name']} on rank {rank}; recomputed by the exact fp32 NS: {recomputed} "
+              f"({total} in all)", flush=True)
+        if recomputed and not getattr(DMuonChainedOptimizer, "_dmuon_ns_warned", False):
+            DMuonChainedOptimizer._dmuon_ns_warned = True
+            print("> WARNING: DMuon's NS check found NS outputs out of bounds and recomputed them exactly; the "
+                  "fast NS path is not safe on this run's matrices (checked only every --dmuon-ns-check-interval "
+                  "steps): pass --dmuon-ns-method standard, or --muon-fp32-matmul-prec high", flush=True)
 
     # Checkpoints: one structure for all parts (a load may split dense/expert params differently).
     # The gather_then_compute baseline (not a DistributedOptimizer) keeps Megatron's own code.
@@ -377,9 +416,11 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
         return ckpt.load_param_state_file(parts, filename)
 
     def dmuon_stats(self) -> dict:
-        """Counters for the job's log: skipped steps, NS outputs recomputed in fp32."""
+        """Counters for the job's log: skipped steps, NS outputs recomputed in fp32 (non-finite
+        ones, and those the online NS check found out of bounds on this rank)."""
         return {"skipped_iterations": self.dmuon_skipped_iterations,
-                "ns_fp32_retries": sum(o.dmuon_inner.stats["ns_fp32_retries_total"] for o in self.chained_optimizers)}
+                "ns_fp32_retries": sum(o.dmuon_inner.stats["ns_fp32_retries_total"] for o in self.chained_optimizers),
+                "ns_check_recomputed": sum(o.dmuon_inner.ns_check.recomputed_total for o in self.chained_optimizers)}
 
 
 class DMuonDistributedOptimizer(_import_distributed_optimizer()):

@@ -105,3 +105,12 @@ class StackPlan:
         """Job j's NS outputs in its split's piece order (3-D pieces stay stacks), as views."""
         return [stacks[g][start] if len(shape) == 2 else stacks[g][start:start + count]
                 for g, start, count, shape in self.pieces[j]]
+
+    def slot_names(self) -> List[List[str]]:
+        """Per stack, the name of the matrix each slot holds a piece of (for logs)."""
+        names = [[""] * size for size in self.sizes]
+        for job, slots in zip(self.jobs, self.pieces):
+            for g, start, count, _ in slots:
+                for i in range(start, start + count):
+                    names[g][i] = job.name
+        return names

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -19,6 +20,7 @@ from torch.profiler import record_function
 from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale
 from ..planning.params import check_muon_matrix_shape
 from ..planning.tp_cost import TP_METHODS
+from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
 from .tp_exchange import TPExchange, TPMatrix
 
@@ -62,6 +64,11 @@ class MuonSettings:
     fraction: float = 1.0
     row_beta2: float = 0.95
     fraction_lr: str = "none"
+    # online NS quality: every ns_check_interval steps (0: never) each owner estimates, per NS
+    # output, the top eigenvalue of OᵀO − I (random probes); an output above ns_check_bound (None:
+    # (1.25 x the schedule's exact-arithmetic peak)² − 1) is recomputed by the exact float32 NS
+    ns_check_interval: int = 100
+    ns_check_bound: Optional[float] = None
 
     def validate(self) -> None:
         from .row_update_step import validate_update_settings
@@ -92,6 +99,48 @@ class MuonSettings:
 
             get_coefficients(self.coefficients, self.ns_steps)  # raises a clear error if unknown
         muon_lr_scale(2, 1, self.scale_mode)  # raises if the mode is unknown
+        if isinstance(self.ns_check_interval, bool) or not isinstance(self.ns_check_interval, int) \
+                or self.ns_check_interval < 0:
+            raise ValueError(f"dmuon ns_check_interval must be an int >= 0 (--dmuon-ns-check-interval; 0 turns the "
+                             f"check off), got {self.ns_check_interval!r}")
+        if self.ns_check_bound is not None and not (0 < self.ns_check_bound < float("inf")):
+            raise ValueError(f"dmuon ns_check_bound must be a finite number > 0 (--dmuon-ns-check-bound), got "
+                             f"{self.ns_check_bound!r}")
+
+    def ns_check_limit(self, rows: int, cols: int) -> float:
+        """The largest estimate of top-eig(OᵀO − I) an NS output of a [rows, cols] matrix may have."""
+        if self.ns_check_bound is not None:
+            return self.ns_check_bound
+        kw = self.ns_schedule(rows, cols)
+        coefficients = kw["coefficients"] if isinstance(kw["coefficients"], str) else tuple(map(tuple, kw["coefficients"]))
+        return _peak_limit(coefficients, kw["steps"])
+
+    def compute_dtype(self, method: str) -> torch.dtype:
+        """The dtype the NS ``method`` ('standard' or 'gram') runs in: ``ns_dtype`` (Megatron's
+        --muon-fp32-matmul-prec), except that Gram NS runs a bf16 request in fp16
+        (``algorithms.ns_dispatch.method_compute_dtype``: bf16 Gram NS diverges)."""
+        from ..algorithms.ns_dispatch import method_compute_dtype
+
+        return method_compute_dtype(method, self.ns_dtype)
+
+    def ns_call(self, stack: torch.Tensor) -> tuple:
+        """``(method, kwargs)`` of the NS that orthogonalizes ``stack`` ([B, m, n]): the method
+        resolved ('auto': the kernels' cached measurement, else FLOPs, on CUDA; standard off CUDA),
+        the per-shape schedule, and that method's compute dtype, in which the kernels also return
+        the result (every consumer reads it once, into float32 arithmetic)."""
+        kw = dict(self.ns_schedule(stack.size(-2), stack.size(-1)))
+        method = self.ns_method
+        if method == "auto":
+            method = "standard"
+            if stack.is_cuda:
+                try:
+                    from ..kernels import resolve_method
+                except ImportError:
+                    resolve_method = None
+                if resolve_method is not None:
+                    method = resolve_method(stack, "auto", dict(kw, compute_dtype=self.ns_dtype))
+        dtype = self.compute_dtype(method)
+        return method, dict(kw, compute_dtype=dtype, out_dtype=dtype)
 
     def ns_schedule(self, rows: int, cols: int) -> dict:
         """The NS keyword arguments for a [rows, cols] matrix: ``{'coefficients', 'steps'}`` (and
@@ -101,6 +150,16 @@ class MuonSettings:
 
             return schedule_for_shape(rows, cols)
         return {"coefficients": self.coefficients, "steps": self.ns_steps}
+
+
+NS_CHECK_MARGIN = 1.25  # an output's largest singular value may exceed its schedule's exact peak by 25%
+
+
+@functools.lru_cache(maxsize=64)
+def _peak_limit(coefficients, steps: int) -> float:
+    from ..algorithms.ns_metrics import schedule_peak  # (algorithms: a downward import)
+
+    return (NS_CHECK_MARGIN * schedule_peak(coefficients, steps)) ** 2 - 1.0
 
 
 @dataclasses.dataclass
@@ -142,23 +201,35 @@ def fp32_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torc
     return orth
 
 
-def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Batched NS over a [B, m, n] stack: the kernels' fast path on CUDA (its result in the
-    compute dtype: every consumer reads it once, into float32 arithmetic), else the torch path."""
-    method = settings.ns_method
+def exact_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The float32 standard NS of the same schedule (torch path): the online check's repair."""
 
     def orth(stack: torch.Tensor) -> torch.Tensor:
-        kw = dict(settings.ns_schedule(stack.size(-2), stack.size(-1)), compute_dtype=settings.ns_dtype)
+        from ..algorithms.ns_dispatch import orthogonalize
+
+        kw = settings.ns_schedule(stack.size(-2), stack.size(-1))
+        return orthogonalize(stack.float(), method="standard", compute_dtype=torch.float32, check_finite=False, **kw)
+
+    return orth
+
+
+def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Batched NS over a [B, m, n] stack (``MuonSettings.ns_call``): the kernels' fast path on
+    CUDA, else the torch path."""
+
+    def orth(stack: torch.Tensor) -> torch.Tensor:
+        method, kw = settings.ns_call(stack)
         if stack.is_cuda:
             try:
                 from ..kernels import orthogonalize_batched
             except ImportError:
                 orthogonalize_batched = None
             if orthogonalize_batched is not None:
-                return orthogonalize_batched(stack, method=method, out_dtype=settings.ns_dtype, **kw)
+                return orthogonalize_batched(stack, method=method, **kw)
         from ..algorithms.ns_dispatch import orthogonalize
 
-        return orthogonalize(stack, method="standard" if method == "auto" else method, check_finite=False, **kw)
+        kw.pop("out_dtype")  # the torch path returns the input's dtype (as the reference does)
+        return orthogonalize(stack, method=method, check_finite=False, **kw)
 
     return orth
 
@@ -181,6 +252,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             )
         self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
         self._fp32_orthogonalizer = fp32_orthogonalizer(self.muon)
+        self.ns_check = NSQualityCheck(self.muon, exact_orthogonalizer(self.muon))
         self.tp = TPExchange(tp_group)
         if self.muon.update != "muon" and self.tp.size > 1:
             from .row_update_step import tp_refusal
@@ -253,6 +325,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        self.ns_check.begin_step()
         grad_scale, self.grad_scale = self.grad_scale, None
         all_groups = self.param_groups
         adam_groups = [g for g in all_groups if not g.get("use_muon", False)]
@@ -415,7 +488,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         for (local_shape, shape, owner), members in sorted(groups.items()):
             tall = shape[0] >= shape[1]  # shards are column blocks of the wide orientation
             stack = torch.stack([updates[info.name].mT if tall else updates[info.name] for _, info in members])
-            kw = dict(s.ns_schedule(*shape), compute_dtype=s.ns_dtype)
+            kw = dict(s.ns_schedule(*shape), compute_dtype=s.compute_dtype("gram"))
             result = self.tp.gram_orthogonalize(stack, owner, **kw)
             for (p, info), o in zip(members, result):
                 out[info.name] = muon_direction([o.mT if tall else o], None, shape=info.shape, scale_mode=s.scale_mode,
@@ -465,18 +538,21 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         else:
             from ..kernels import GraphedGroups, orthogonalize_groups
 
-            per_stack = [s.ns_schedule(x.size(-2), x.size(-1)) for x in stacks]
-            kw = dict(per_stack_kwargs=per_stack, compute_dtype=s.ns_dtype, out_dtype=s.ns_dtype)
+            methods, per_stack = zip(*(s.ns_call(x) for x in stacks))
             if s.ns_launch == "streams":
-                outputs = orthogonalize_groups(stacks, s.ns_method, **kw)
+                outputs = orthogonalize_groups(stacks, list(methods), per_stack_kwargs=list(per_stack))
             else:
                 key = self._graph_key(plan, stacks[0].device)
                 graph = self._graphs.get(key)
                 if graph is None:  # captured on these very stacks: they become its input buffers
-                    graph = self._graphs[key] = GraphedGroups(stacks, s.ns_method, adopt_inputs=True, **kw)
+                    graph = self._graphs[key] = GraphedGroups(stacks, list(methods), per_stack_kwargs=list(per_stack),
+                                                              adopt_inputs=True)
                 outputs = graph(stacks)  # the graph's static outputs: consumed before the next step
         if s.retry_nonfinite:
             outputs = [self._retry_nonfinite(o, x) for o, x in zip(outputs, stacks)]
+        if self.ns_check.due():
+            with record_function("dmuon.ns_check"):
+                outputs = self.ns_check.check(outputs, stacks, plan.slot_names())
         return outputs
 
     def _retry_nonfinite(self, orth: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ def orthogonalize_one(matrix: torch.Tensor, settings) -> torch.Tensor:
     """NS of one matrix with the settings' method and per-shape schedule (torch path)."""
     method = "standard" if settings.ns_method == "auto" else settings.ns_method
     return orthogonalize(matrix, method=method, **settings.ns_schedule(*matrix.shape[-2:]),
-                         compute_dtype=settings.ns_dtype, check_finite=False)
+                         compute_dtype=settings.compute_dtype(method), check_finite=False)
 
 
 def param_weight_decay(name: str, param: torch.Tensor, wd: float) -> float:
