@@ -54,21 +54,21 @@ MODELS = {
 }
 
 # Phase-2 rows: (name, main-job flags on top of DMuon's defaults, needs a GPU)
-OPTION_ROWS = [
+OPTION_ROWS = [  # in the order they run (the most telling first, all seeds of a row together)
     ("exact (fp32 standard NS)", ["--muon-fp32-matmul-prec", "high", "--dmuon-ns-method", "standard"], False),
-    ("standard NS (bf16)", ["--dmuon-ns-method", "standard"], False),
-    ("gram NS (fp16, restart)", ["--dmuon-ns-method", "gram"], False),
+    ("Megatron's own Muon (megatron_layerwise)", ["--dmuon-mode", "megatron_layerwise"], True),
     ("adaptive", ["--dmuon-coefficients", "adaptive"], False),
     ("adaptive + standard NS", ["--dmuon-coefficients", "adaptive", "--dmuon-ns-method", "standard"], False),
     ("adaptive + gram NS", ["--dmuon-coefficients", "adaptive", "--dmuon-ns-method", "gram"], False),
+    ("gram NS (fp16, restart)", ["--dmuon-ns-method", "gram"], False),
+    ("standard NS (bf16)", ["--dmuon-ns-method", "standard"], False),
     ("momentum bf16", ["--dmuon-momentum-dtype", "bf16"], False),
     ("fp8 publish (e4m3)", ["--dmuon-publish-dtype", "fp8_e4m3"], True),
     ("normuon", ["--dmuon-update", "normuon"], False),
-    ("dion3 f=1/4", ["--dmuon-update", "dion3", "--dmuon-fraction", "0.25"], False),
+    ("dion3 f=1/4 (no Nesterov)", ["--dmuon-update", "dion3", "--dmuon-fraction", "0.25", "--muon-no-nesterov"], False),
     ("megabatch", ["--dmuon-megabatch"], False),
     ("Megatron's Muon defaults (0.9, no Nesterov, extra scale 1)",
      ["--muon-momentum", "0.9", "--muon-no-nesterov", "--muon-extra-scale-factor", "1.0"], False),
-    ("Megatron's own Muon (megatron_layerwise)", ["--dmuon-mode", "megatron_layerwise"], True),
 ]
 EXACT = OPTION_ROWS[0][0]
 SPREAD_FLOOR = 0.002
@@ -196,8 +196,8 @@ def table(doc: dict) -> str:
             "within spread" if within_spread(s, exact) else f"worse (+{s['mean'] - exact['mean']:.4f})")
         lines.append(f"| {s['row']} | {s['lr']:g} | {s['mean']:.4f} ± {s['std']:.4f} | {s['train_tail']:.4f} | "
                      f"{ratio} | {verdict} |")
-    lines += ["", "lr sweeps (final validation loss, mean ± std):", "", "| row | " + " | ".join(
-        "lr" for _ in range(1)) + " | final val loss |", "|---|---:|---:|"]
+    lines += ["", "lr sweeps (final validation loss, mean ± std over seeds):", "", "| row | lr | final val loss |",
+              "|---|---:|---:|"]
     for s in doc["sweeps"]:
         lines.append(f"| {s['row']} | {s['lr']:g} | {s['mean']:.4f} ± {s['std']:.4f} |")
     for e in doc["errors"]:
@@ -264,6 +264,7 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--resume", default=None, help="a previous <out>.json: its finished runs are reused")
     p.add_argument("--out", required=True, help="output prefix (<out>.json/.md/.png)")
+    p.add_argument("--report", action="store_true", help="only rewrite <out>.md/.png from <out>.json")
     p.add_argument("--workdir", default=None)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags for every run")
     args = p.parse_args(argv)
@@ -272,6 +273,9 @@ def main(argv=None):
     args.adam_lrs = args.adam_lrs or list(model["adam_lrs"])
     args.dmuon_lrs = args.dmuon_lrs or list(model["dmuon_lrs"])
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="quality_")
+    if args.report:
+        with open(args.out + ".json") as f:
+            return write_report(json.load(f), args.out)
     gpu = has_cuda()
     option_rows = [r for r in OPTION_ROWS if (gpu or not r[2]) and (
         args.rows is None or any(r[0].startswith(w) for w in args.rows))]
@@ -306,16 +310,19 @@ def main(argv=None):
             raise SystemExit("no DMuon run of the sweep finished: pass --dmuon-lr")
         dmuon_lr = best["lr"]
     print(f"phase 2 at DMuon's lr {dmuon_lr:g}", flush=True)
-    run_all(todo([spec(name, flags, dmuon_lr, seed) for seed in args.seeds for name, flags, _ in option_rows]),
+    run_all(todo([spec(name, flags, dmuon_lr, seed) for name, flags, _ in option_rows for seed in args.seeds]),
             args, gpu, results, save)
     save()
-    doc = build_doc(results, args, model, gpu, option_rows, dmuon_lr)
+    write_report(build_doc(results, args, model, gpu, option_rows, dmuon_lr), args.out)
+
+
+def write_report(doc: dict, out: str) -> None:
     text = table(doc)
     print(text)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(text)
     try:
-        plot(doc, args.out + ".png")
+        plot(doc, out + ".png")
     except ImportError as e:  # the numbers stand without the picture
         print(f"no plot: {e}")
 

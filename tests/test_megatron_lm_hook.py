@@ -254,17 +254,25 @@ def test_optimizer_choices_gain_dmuon_only():
 
 
 def test_defaults_agree_everywhere():
-    """DMuonConfig() (the Python API) = an empty command line on Megatron-LM's parser = on our
-    example's parser (which registers Megatron's --muon-* flags itself)."""
+    """DMuonConfig() (the Python API) = an empty command line on Megatron-LM's parser; our example's
+    empty command line = Megatron-LM's parser given the launch recipes' Muon flags (the main job
+    defaults to them: bench/quality.py measured them, docs/quality.md)."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     try:
         import pretrain_gpt as example
     finally:
         sys.path.pop(0)
     megatron_args = parse(["--optimizer", "dmuon", "--use-distributed-optimizer"])
+    assert DMuonConfig.from_args(megatron_args) == DMuonConfig()
+    recipe = parse(["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-momentum", "0.95", "--muon-nesterov",
+                    "--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2"])
     example_args = example.parse_args([])
-    assert DMuonConfig.from_args(megatron_args) == DMuonConfig.from_args(example_args) == DMuonConfig()
-    assert validate_dmuon_args(example_args) == DMuonConfig()
+    assert DMuonConfig.from_args(example_args) == DMuonConfig.from_args(recipe) != DMuonConfig()
+    assert validate_dmuon_args(example_args) == DMuonConfig.from_args(recipe)
+    flags = {f"--{k.replace('_', '-')}": v for k, v in example.MAIN_JOB_MUON_DEFAULTS.items()}
+    common = open(os.path.join(ROOT, "launch", "megatron_lm_common.sh")).read()
+    for flag, value in flags.items():  # the recipes' shared flags are the main job's defaults
+        assert (flag in common) if value is True else f"{flag} {value}" in common, flag
 
 
 def test_flag_mapping_round_trips_to_megatrons_own_fields():

@@ -1,0 +1,127 @@
+"""The online NS check (runtime/ns_check.py): a bad NS output is found, recomputed exactly and logged.
+
+A planted failure: an orthogonalizer that blows one matrix's output up (what bf16 Gram NS did on
+real momenta). With the check on every step, the run equals the clean run bit for bit (the repair
+is the exact float32 NS, which is what the clean run computes here), counts every repair and logs
+it; with the check off, the same sabotage changes the result. Also through Megatron-LM's flags
+(the hook's parser) on 2 gloo ranks, and in the main job's log.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_dmuon.runtime import owner_step
+from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+from megatron_dmuon.testing.multiproc import run_distributed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SHAPES = [(48, 32), (48, 32), (32, 96)]
+
+
+def sabotaged(orthogonalizer, factor=20.0):
+    """The first matrix of every stack comes back ``factor`` times too large."""
+
+    def orth(stack):
+        out = orthogonalizer(stack).clone()
+        out[0] *= factor
+        return out
+
+    return orth
+
+
+def _run(settings, plant: bool, steps=5):
+    params = [torch.nn.Parameter(torch.randn(*s, generator=torch.Generator().manual_seed(i))) for i, s in
+              enumerate(SHAPES)]
+    orth = owner_step.default_orthogonalizer(settings)
+    opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.1, muon=settings,
+                         orthogonalizer=sabotaged(orth) if plant else orth)
+    for i, p in enumerate(params):
+        opt.register_matrix(p, MatrixInfo(f"w{i}", tuple(p.shape)))
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+        opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+def test_a_planted_bad_output_is_recomputed_exactly_on_check_steps():
+    exact = dict(ns_method="standard", coefficients="you", ns_dtype=torch.float32)
+    clean, _ = _run(MuonSettings(**exact, ns_check_interval=1), plant=False)
+    repaired, opt = _run(MuonSettings(**exact, ns_check_interval=1), plant=True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, repaired))  # the exact repair = the clean fp32 path
+    assert opt.ns_check.recomputed_total == 5 * 2  # two stacks, one planted matrix each, 5 steps
+    found = opt.ns_check.last
+    assert found["recomputed"] == 2 and found["checked"] == 3 and found["worst"] > 300  # σ ≈ 20: σ² − 1
+    assert found["worst_name"] in ("w0", "w2")
+    unchecked, opt_off = _run(MuonSettings(**exact, ns_check_interval=0), plant=True)
+    assert opt_off.ns_check.recomputed_total == 0
+    assert not all(torch.equal(a, b) for a, b in zip(clean, unchecked))
+
+
+def test_the_check_runs_only_on_its_interval_and_leaves_healthy_outputs_alone():
+    fast = dict(ns_method="standard", coefficients="you", ns_dtype=torch.bfloat16)
+    every_third, opt = _run(MuonSettings(**fast, ns_check_interval=3), plant=True, steps=5)
+    assert opt.ns_check.recomputed_total == 2  # step 3 only (steps 1, 2, 4, 5 unchecked)
+    clean_checked, opt_clean = _run(MuonSettings(**fast, ns_check_interval=1), plant=False)
+    clean_unchecked, _ = _run(MuonSettings(**fast, ns_check_interval=0), plant=False)
+    assert opt_clean.ns_check.recomputed_total == 0  # bf16 NS on these matrices is within bounds
+    assert all(torch.equal(a, b) for a, b in zip(clean_checked, clean_unchecked))  # a check changes nothing
+
+
+def test_bad_check_settings_name_the_flag():
+    with pytest.raises(ValueError, match="--dmuon-ns-check-interval"):
+        MuonSettings(ns_check_interval=-1).validate()
+    with pytest.raises(ValueError, match="--dmuon-ns-check-bound"):
+        MuonSettings(ns_check_bound=float("nan")).validate()
+
+
+# ------------------------------------------------------------- through Megatron-LM's flags, 2 ranks
+def hook_run_with_planted_failure(rank, world_size, argv, plant):
+    """train_from_argv (the Megatron-LM hook's parser and factories) with every owner's NS output
+    of the first matrix of each stack blown up when ``plant``; returns losses, repairs and the log."""
+    import test_megatron_lm_hook as hook
+
+    if plant:
+        real = owner_step.default_orthogonalizer
+        owner_step.default_orthogonalizer = lambda settings: sabotaged(real(settings))
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        out = hook.train_from_argv(rank, world_size, argv, iters=4)
+    return {"losses": out["losses"], "log": log.getvalue()}
+
+
+def test_planted_failure_is_caught_and_logged_under_megatron_lm_flags():
+    import test_megatron_lm_hook as hook
+
+    argv = list(hook.USER_ARGV) + ["--dmuon-ns-check-interval", "2"]
+    clean = run_distributed("test_ns_check:hook_run_with_planted_failure", 2, kwargs={"argv": argv, "plant": False},
+                            sys_path=[HERE], timeout=600)
+    planted = run_distributed("test_ns_check:hook_run_with_planted_failure", 2, kwargs={"argv": list(hook.USER_ARGV) + [
+        "--dmuon-ns-check-interval", "1"], "plant": True}, sys_path=[HERE], timeout=600)
+    assert planted[0]["losses"] == clean[0]["losses"]  # repaired exactly, every step
+    log = planted[0]["log"]  # rank 0 logs for all ranks
+    assert log.count("> DMuon NS check at step") == 4 and "WARNING: DMuon's NS check" in log
+    assert "recomputed by the exact fp32 NS: 0" not in log
+    assert planted[1]["log"].count("DMuon NS check") == 0
+    assert clean[0]["log"].count("> DMuon NS check at step") == 2 and "recomputed by the exact fp32 NS: 0 (0 in all)" \
+        in clean[0]["log"] and "WARNING" not in clean[0]["log"]
+
+
+def test_the_main_job_logs_the_check():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--train-iters", "6", "--log-interval", "3",
+           "--seq-length", "32", "--dmuon-ns-check-interval", "3", "--eval-iters", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("> DMuon NS check at step")]
+    assert [line.split(":")[0] for line in lines] == ["> DMuon NS check at step 3", "> DMuon NS check at step 6"]
+    assert all("recomputed by the exact fp32 NS: 0 (0 in all)" in line for line in lines), lines
