@@ -45,7 +45,7 @@ MODELS = {
     "small": dict(flags=["--num-layers", "6", "--hidden-size", "512", "--ffn-hidden-size", "1408",
                          "--num-attention-heads", "8", "--num-query-groups", "4", "--seq-length", "512",
                          "--micro-batch-size", "32", "--global-batch-size", "32", "--lr-warmup-iters", "50"],
-                  iters=800, eval_interval=50, adam_lrs=(5e-4, 1e-3, 2e-3), dmuon_lrs=(1.5e-3, 3e-3, 6e-3)),
+                  iters=800, eval_interval=50, adam_lrs=(5e-4, 1e-3, 2e-3), dmuon_lrs=(1.5e-3, 3e-3, 6e-3, 1.2e-2)),
     # 12 x 768, FFN 3072, 12 heads / 4 groups: 104M matrix params
     "medium": dict(flags=["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "3072",
                           "--num-attention-heads", "12", "--num-query-groups", "4", "--seq-length", "512",
