@@ -56,7 +56,7 @@ def install_recorder(out_dir: str, at: set, keep: int, exact_every: int) -> dict
         trace["steps"].append(row)
         if step in at:
             saved = {_stack_label(plan, g): x[:keep].detach().float().cpu() for g, x in enumerate(stacks)}
-            torch.save({"step": step, "inputs": saved, "settings": repr(self.muon)},
+            torch.save({"step": step, "inputs": {k: v.clone() for k, v in saved.items()}, "settings": repr(self.muon)},
                        os.path.join(out_dir, f"ns_inputs_it{step}.pt"))
         return outputs
 

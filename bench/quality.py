@@ -44,13 +44,13 @@ MODELS = {
     # 6 x 512, FFN 1408, 8 heads / 4 groups: 18M matrix params
     "small": dict(flags=["--num-layers", "6", "--hidden-size", "512", "--ffn-hidden-size", "1408",
                          "--num-attention-heads", "8", "--num-query-groups", "4", "--seq-length", "512",
-                         "--micro-batch-size", "32", "--global-batch-size", "32", "--lr-warmup-iters", "50"],
-                  iters=800, eval_interval=50, adam_lrs=(5e-4, 1e-3, 2e-3), dmuon_lrs=(1.5e-3, 3e-3, 6e-3, 1.2e-2)),
+                         "--micro-batch-size", "32", "--global-batch-size", "32", "--lr-warmup-iters", "40"],
+                  iters=400, eval_interval=25, adam_lrs=(5e-4, 1e-3, 2e-3), dmuon_lrs=(1.5e-3, 3e-3, 6e-3)),
     # 12 x 768, FFN 3072, 12 heads / 4 groups: 104M matrix params
     "medium": dict(flags=["--num-layers", "12", "--hidden-size", "768", "--ffn-hidden-size", "3072",
                           "--num-attention-heads", "12", "--num-query-groups", "4", "--seq-length", "512",
-                          "--micro-batch-size", "32", "--global-batch-size", "32", "--lr-warmup-iters", "50"],
-                   iters=600, eval_interval=50, adam_lrs=(3e-4, 6e-4, 1.2e-3), dmuon_lrs=(1.5e-3, 3e-3, 6e-3)),
+                          "--micro-batch-size", "32", "--global-batch-size", "32", "--lr-warmup-iters", "30"],
+                   iters=300, eval_interval=25, adam_lrs=(3e-4, 6e-4, 1.2e-3), dmuon_lrs=(1.5e-3, 3e-3, 6e-3)),
 }
 
 # Phase-2 rows: (name, main-job flags on top of DMuon's defaults, needs a GPU)
@@ -254,10 +254,13 @@ def main(argv=None):
     p.add_argument("--model", default="small", choices=sorted(MODELS))
     p.add_argument("--iters", type=int, default=None, help="training iterations (default: the preset's)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--sweep-seeds", type=int, nargs="+", default=None,
+                   help="seeds of every lr of the sweeps (default: --seeds); the best lr then gets all --seeds")
     p.add_argument("--adam-lrs", type=float, nargs="+", default=None)
     p.add_argument("--dmuon-lrs", type=float, nargs="+", default=None)
     p.add_argument("--dmuon-lr", type=float, default=None, help="phase 2's lr (default: the sweep's best)")
-    p.add_argument("--rows", nargs="+", default=None, help="phase-2 rows (names or prefixes; default: all that run here)")
+    p.add_argument("--rows", nargs="+", default=None,
+                   help="phase-2 rows: names, or prefixes ending in '*' (default: every row that runs here)")
     p.add_argument("--skip-sweep", action="store_true", help="phase 2 only (needs --dmuon-lr)")
     p.add_argument("--jobs", type=int, default=1, help="concurrent runs")
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (CPU: gloo)")
@@ -278,7 +281,7 @@ def main(argv=None):
             return write_report(json.load(f), args.out)
     gpu = has_cuda()
     option_rows = [r for r in OPTION_ROWS if (gpu or not r[2]) and (
-        args.rows is None or any(r[0].startswith(w) for w in args.rows))]
+        args.rows is None or any(r[0] == w or (w.endswith("*") and r[0].startswith(w[:-1])) for w in args.rows))]
     results = []
     if args.resume:
         with open(args.resume) as f:
@@ -300,10 +303,14 @@ def main(argv=None):
         with open(args.out + ".json", "w") as f:
             json.dump(doc, f)
 
+    sweep_rows = (("AdamW", ["--optimizer", "adam"], args.adam_lrs), ("DMuon defaults", [], args.dmuon_lrs))
     if not args.skip_sweep:
-        sweep = [spec("AdamW", ["--optimizer", "adam"], lr, seed) for seed in args.seeds for lr in args.adam_lrs]
-        sweep += [spec("DMuon defaults", [], lr, seed) for seed in args.seeds for lr in args.dmuon_lrs]
-        run_all(todo(sweep), args, gpu, results, save)
+        seeds = args.sweep_seeds or args.seeds
+        run_all(todo([spec(row, flags, lr, seed) for row, flags, lrs in sweep_rows for seed in seeds for lr in lrs]),
+                args, gpu, results, save)
+        rest = [spec(row, flags, best["lr"], seed) for row, flags, lrs in sweep_rows
+                for best in [best_lr(results, row, lrs)] if best for seed in args.seeds]
+        run_all(todo(rest), args, gpu, results, save)  # the best lr of each sweep: every seed
     if dmuon_lr is None:
         best = best_lr(results, "DMuon defaults", args.dmuon_lrs)
         if best is None:

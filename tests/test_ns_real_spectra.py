@@ -71,9 +71,15 @@ def test_recorded_momenta_are_low_rank_with_a_heavy_tail():
         assert float(s[1]) < 0.8, label
 
 
-# NS rounding allowed on these spectra (relative Frobenius distance to the same schedule in exact
-# arithmetic; measured: bf16 standard 0.02-0.05, fp16 Gram 0.003-0.02, fp32 < 1e-4)
-ROUNDING = {torch.bfloat16: 0.08, torch.float32: 1e-3}
+def _error(out: torch.Tensor, exact: torch.Tensor) -> float:
+    return float(((out - exact).flatten(1).norm(dim=1) / exact.flatten(1).norm(dim=1)).max())
+
+
+def _megatron_bf16_error(x: torch.Tensor, settings: MuonSettings) -> float:
+    """The rounding error of Megatron's own 16-bit path (standard NS in bf16, what torch.optim.Muon
+    computes bit for bit) with the same schedule: what every fast path is held to."""
+    reference = MuonSettings(ns_method="standard", coefficients=settings.coefficients, ns_dtype=torch.bfloat16)
+    return _error(default_orthogonalizer(reference)(x).double(), _exact(x, settings))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -91,8 +97,10 @@ def test_every_owner_ns_path_stays_near_exact_arithmetic_on_real_spectra(device,
         assert torch.isfinite(out).all(), label
         # no direction blown up: within 5% of what the schedule reaches in exact arithmetic
         assert float(sigma.max()) <= 1.05 * peak, (label, sigma.tolist(), peak)
-        error = ((out - exact).flatten(1).norm(dim=1) / exact.flatten(1).norm(dim=1)).max()
-        assert float(error) <= ROUNDING[precision], (label, float(error))
+        # rounding: fp32 close to exact arithmetic; 16-bit no worse than Megatron's bf16 standard NS
+        # (whose own error reaches 0.26 on the spiked spectra: their tails sit below bf16's resolution)
+        bound = 1e-3 if precision == torch.float32 else 1.5 * _megatron_bf16_error(x, settings) + 0.01
+        assert _error(out, exact) <= bound, (label, _error(out, exact), bound)
 
 
 def test_the_probe_estimate_sees_what_the_svd_sees():
@@ -103,8 +111,9 @@ def test_the_probe_estimate_sees_what_the_svd_sees():
     out[1] += 4.0 * torch.outer(torch.randn(128), torch.randn(352)) / 352 ** 0.5  # one direction out of bounds
     true = torch.linalg.matrix_norm(out.double(), ord=2) ** 2 - 1
     estimate = orthogonality_overshoot(out, generator=torch.Generator().manual_seed(0)).double()
-    assert (estimate <= true + 1e-4).all(), (estimate, true)
-    assert (estimate >= true - 0.02 * true.abs() - 1e-3).all(), (estimate, true)
+    assert (estimate <= true * (1 + 1e-5) + 1e-4).all(), (estimate, true)  # a Rayleigh quotient: never above
+    assert float(estimate[1]) >= 0.98 * float(true[1]), (estimate, true)  # the blown-up direction dominates
+    assert (estimate >= true - 0.1).all(), (estimate, true)  # healthy: near-equal top values, close enough
     assert float(estimate[1]) > settings.ns_check_limit(128, 352) > float(estimate[0])
     assert settings.ns_check_limit(128, 352) == pytest.approx(
         (1.25 * schedule_peak(get_coefficients("you", 5), 5)) ** 2 - 1)
