@@ -40,7 +40,7 @@ MODELS = {
     "tiny": dict(flags=["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "352",
                         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "128",
                         "--micro-batch-size", "4", "--global-batch-size", "16", "--lr-warmup-iters", "5"],
-                 iters=200, eval_interval=25, adam_lrs=(1e-3, 3e-3, 1e-2), dmuon_lrs=(3e-3, 6e-3, 1.2e-2)),
+                 iters=200, eval_interval=25, adam_lrs=(3e-4, 1e-3, 3e-3), dmuon_lrs=(3e-3, 6e-3, 1.2e-2, 2.4e-2)),
     # 6 x 512, FFN 1408, 8 heads / 4 groups: 18M matrix params
     "small": dict(flags=["--num-layers", "6", "--hidden-size", "512", "--ffn-hidden-size", "1408",
                          "--num-attention-heads", "8", "--num-query-groups", "4", "--seq-length", "512",
