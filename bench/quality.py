@@ -80,7 +80,15 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def run_job(spec: dict, workdir: str, nproc: int, gpu: bool, port: int) -> dict:
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(spec: dict, workdir: str, nproc: int, gpu: bool) -> dict:
     """One main-job run; its curves and summary, or the error."""
     out = os.path.join(workdir, f"{spec['key']}.json")
     if os.path.exists(out):  # an earlier attempt of this run (same flags) finished
@@ -88,14 +96,21 @@ def run_job(spec: dict, workdir: str, nproc: int, gpu: bool, port: int) -> dict:
     flags = [*spec["flags"], "--timing-json", out, "--log-interval", "1000000"]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     if gpu and nproc == 1:  # one process, no torchrun: its own rendezvous port
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         cmd = [sys.executable, JOB, "--bf16", *flags]
     else:
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), JOB,
                *(["--bf16"] if gpu else []), *flags]
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for attempt in range(2):  # a run that lost a race for memory or a port gets one more try
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        transient = any(t in proc.stdout + proc.stderr for t in ("out of memory", "EADDRINUSE"))
+        if proc.returncode == 0 or not transient or attempt:
+            break
+        time.sleep(30)
+        if "MASTER_PORT" in env and gpu and nproc == 1:
+            env["MASTER_PORT"] = str(free_port())
     if proc.returncode != 0 or not os.path.exists(out):
         return {**spec, "error": (proc.stdout + proc.stderr)[-2500:], "wall_s": time.time() - start}
     return {**_load_run(spec, out), "wall_s": time.time() - start}
@@ -122,11 +137,11 @@ def run_all(specs: list, args, gpu: bool, results: list, save) -> None:
     os.makedirs(args.workdir, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         pending = {}
-        for i, spec in enumerate(specs):
+        for spec in specs:
             if deadline and time.time() > deadline:
                 results.append({**spec, "error": "not started: --budget-s reached"})
                 continue
-            pending[pool.submit(run_job, spec, args.workdir, args.nproc, gpu, 29700 + (os.getpid() + i) % 2000)] = spec
+            pending[pool.submit(run_job, spec, args.workdir, args.nproc, gpu)] = spec
             while len(pending) >= args.jobs:
                 done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 for fut in done:
@@ -151,7 +166,8 @@ def summarize(results: list, row: str, lr: float) -> dict | None:
     its = [v[0] for v in runs[0]["val"]]
     curve = [statistics.fmean(r["val"][i][1] for r in runs) for i in range(len(its))] if all(
         len(r["val"]) == len(its) for r in runs) else None
-    return {"row": row, "lr": lr, "seeds": len(runs), "mean": statistics.fmean(finals),
+    return {"row": row, "lr": lr, "seeds": len(runs), "per_seed": {r["seed"]: r["final_val_loss"] for r in runs},
+            "mean": statistics.fmean(finals),
             "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "train_tail": statistics.fmean(r["final_train_loss"] for r in runs),
             "skipped": sum(r["skipped"] for r in runs), "iterations": its, "curve": curve}
@@ -178,30 +194,44 @@ def iterations_to_reach(summary: dict, target: float) -> float | None:
     return None
 
 
+def paired_delta(row: dict, ref: dict) -> float | None:
+    """Mean over the seeds both rows ran of row − ref (same seed: same init and data order)."""
+    common = [s for s in row["per_seed"] if s in ref["per_seed"]]
+    return statistics.fmean(row["per_seed"][s] - ref["per_seed"][s] for s in common) if common else None
+
+
 def within_spread(row: dict, ref: dict) -> bool:
     return row["mean"] - ref["mean"] <= 2 * max(row["std"], ref["std"], SPREAD_FLOOR)
 
 
 def table(doc: dict) -> str:
-    rows, adam, exact = doc["rows"], doc["adam_best"], doc.get("exact")
+    rows, adam, exact, dmuon = doc["rows"], doc["adam_best"], doc.get("exact"), doc.get("dmuon_best")
     lines = [f"{doc['model']} model, {doc['iters']} iterations, {doc['seeds']} seeds, on {doc['machine']}; final "
              f"validation loss (mean ± std over seeds), last-10% training loss; 'to AdamW' = iterations to reach "
-             f"AdamW's best final validation loss ({adam['mean']:.4f}) / AdamW's iterations",
-             "", "| row | lr | final val loss | train loss (last 10%) | to AdamW | vs exact DMuon |",
-             "|---|---:|---:|---:|---:|---|"]
+             f"AdamW's best final validation loss ({adam['mean']:.4f}) /",
+             f"AdamW's iterations; 'paired Δ' = mean over common seeds of (row − DMuon defaults at the same lr)", "",
+             "| row | lr | seeds | final val loss | train loss (last 10%) | to AdamW | paired Δ | vs exact DMuon |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for s in rows:
         reach = iterations_to_reach(s, adam["mean"])
         ratio = "never" if reach is None else f"{reach / doc['iters']:.2f}"
         verdict = "" if exact is None or s["row"] == EXACT or s["row"] == "AdamW" else (
             "within spread" if within_spread(s, exact) else f"worse (+{s['mean'] - exact['mean']:.4f})")
-        lines.append(f"| {s['row']} | {s['lr']:g} | {s['mean']:.4f} ± {s['std']:.4f} | {s['train_tail']:.4f} | "
-                     f"{ratio} | {verdict} |")
-    lines += ["", "lr sweeps (final validation loss, mean ± std over seeds):", "", "| row | lr | final val loss |",
-              "|---|---:|---:|"]
+        delta = paired_delta(s, dmuon) if dmuon and s["lr"] == dmuon["lr"] and s is not dmuon else None
+        lines.append(f"| {s['row']} | {s['lr']:g} | {s['seeds']} | {s['mean']:.4f} ± {s['std']:.4f} | "
+                     f"{s['train_tail']:.4f} | {ratio} | {'' if delta is None else f'{delta:+.4f}'} | {verdict} |")
+    lines += ["", "lr sweeps (final validation loss, mean ± std over seeds):", "", "| row | lr | seeds | final val loss |",
+              "|---|---:|---:|---:|"]
     for s in doc["sweeps"]:
-        lines.append(f"| {s['row']} | {s['lr']:g} | {s['mean']:.4f} ± {s['std']:.4f} |")
+        lines.append(f"| {s['row']} | {s['lr']:g} | {s['seeds']} | {s['mean']:.4f} ± {s['std']:.4f} |")
+    seen = set()
     for e in doc["errors"]:
-        lines.append(f"\nnot run / failed: {e['row']} lr={e['lr']:g} seed={e['seed']}: {e['error'][-300:]!r}")
+        key = (e["row"], e["lr"], e["seed"])
+        if key in seen or any((r["row"], r["lr"], r["seed"]) == key for r in doc["runs"] if "error" not in r):
+            continue
+        seen.add(key)
+        last = next((line.strip() for line in reversed(e["error"].splitlines()) if "Error" in line), e["error"][-200:])
+        lines.append(("\n" if not seen - {key} else "") + f"- not run / failed: {e['row']} lr={e['lr']:g} seed={e['seed']}: {last[:240]}")
     return "\n".join(lines) + "\n"
 
 
@@ -262,7 +292,9 @@ def main(argv=None):
     p.add_argument("--rows", nargs="+", default=None,
                    help="phase-2 rows: names, or prefixes ending in '*' (default: every row that runs here)")
     p.add_argument("--skip-sweep", action="store_true", help="phase 2 only (needs --dmuon-lr)")
-    p.add_argument("--jobs", type=int, default=1, help="concurrent runs")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="concurrent runs (one H200: 12 of the small model; the medium one takes ~20 GiB each, so "
+                        "at most 6)")
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (CPU: gloo)")
     p.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--resume", default=None, help="a previous <out>.json: its finished runs are reused")
@@ -276,9 +308,18 @@ def main(argv=None):
     args.adam_lrs = args.adam_lrs or list(model["adam_lrs"])
     args.dmuon_lrs = args.dmuon_lrs or list(model["dmuon_lrs"])
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="quality_")
-    if args.report:
+    if args.report:  # the tables again from the runs (any version of this script wrote them)
         with open(args.out + ".json") as f:
-            return write_report(json.load(f), args.out)
+            old = json.load(f)
+        runs = old["runs"]
+        args.iters, args.seeds = old["iters"], sorted({r["seed"] for r in runs})
+        args.adam_lrs = sorted({r["lr"] for r in runs if r["row"] == "AdamW"})
+        args.dmuon_lrs = sorted({r["lr"] for r in runs if r["row"] == "DMuon defaults"})
+        present = {r["row"] for r in runs}
+        rows = [r for r in OPTION_ROWS if r[0] in present]
+        gpu = old["machine"].startswith("one H200")
+        best = best_lr(runs, "DMuon defaults", args.dmuon_lrs)
+        return write_report(build_doc(runs, args, model, gpu, rows, args.dmuon_lr or best["lr"]), args.out)
     gpu = has_cuda()
     option_rows = [r for r in OPTION_ROWS if (gpu or not r[2]) and (
         args.rows is None or any(r[0] == w or (w.endswith("*") and r[0].startswith(w[:-1])) for w in args.rows))]

@@ -31,6 +31,9 @@ from examples.gpt_data import TokenSource, check_indexed_dataset, parse_split  #
 # an AdamW one (Moonlight), so one --lr serves the Muon matrices and the AdamW params alike.
 # bench/quality.py measured them (docs/quality.md). The library's DMuonConfig() and the
 # Megatron-LM hook keep Megatron's own defaults (0.9, no Nesterov, extra scale 1).
+# --lr when none is given: each optimizer at its best lr of bench/quality.py's sweeps on the tiny
+# (this job's default model) and small GPTs (docs/quality.md); larger models want less (3e-3 at 12 x 768)
+DEFAULT_LR = {"dmuon": 6e-3, "adam": 1e-3}
 MAIN_JOB_MUON_DEFAULTS = dict(muon_momentum=0.95, muon_nesterov=True, muon_scale_mode="spectral",
                               muon_extra_scale_factor=0.2)
 
@@ -55,8 +58,9 @@ def parse_args(argv=None):
     a("--micro-batch-size", type=int, default=4)
     a("--global-batch-size", type=int, default=16)
     a("--train-iters", type=int, default=60)
-    a("--lr", type=float, default=3e-3)
-    a("--min-lr", type=float, default=3e-4)
+    a("--lr", type=float, default=None,
+      help=f"peak lr (default: each optimizer's best of bench/quality.py's sweeps: {DEFAULT_LR})")
+    a("--min-lr", type=float, default=None, help="final lr of the cosine decay (default: --lr / 10)")
     a("--lr-warmup-iters", type=int, default=5)
     a("--weight-decay", type=float, default=0.1)
     a("--clip-grad", type=float, default=1.0)
@@ -119,6 +123,10 @@ def add_checkpoint_args(p):
 
 def validate_args(p, args):
     """Every argument checked before anything is built; errors name the flag (argparse exit 2)."""
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.optimizer]
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
     positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                 "tensor_model_parallel_size", "pipeline_model_parallel_size")

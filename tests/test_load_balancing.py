@@ -458,7 +458,7 @@ def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_
     adaptive = ddp_options_from_args(parser.parse_args(["--dmuon-coefficients", "adaptive"]))["cost_fn"]
     ratio = adaptive((3584, 18944)) / adaptive((3584, 3584))
     assert ratio == pytest.approx(owner_ns_cost((18944, 3584), "adaptive") / owner_ns_cost((3584, 3584), "adaptive"))
-    assert 1.3 < ratio < 1.6 and ns_cost((3584, 18944)) / ns_cost((3584, 3584)) > 3.5
+    assert 1.9 < ratio < 2.3 and ns_cost((3584, 18944)) / ns_cost((3584, 3584)) > 3.5  # adaptive, Gram restart
     assert plain["cost_fn"]((512, 3584)) == owner_ns_cost((512, 3584), "keller", 5, "auto")
 
 

@@ -17,9 +17,12 @@ import sys
 import pytest
 import torch
 
+from megatron_dmuon.algorithms.coefficients import get_coefficients
+from megatron_dmuon.algorithms.ns_metrics import orthogonality_overshoot, schedule_peak
 from megatron_dmuon.runtime import owner_step
 from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 from megatron_dmuon.testing.multiproc import run_distributed
+from test_ns_real_spectra import heavy_tailed  # noqa: E402  (tests/ is on the path under pytest)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -74,6 +77,31 @@ def test_the_check_runs_only_on_its_interval_and_leaves_healthy_outputs_alone():
     clean_unchecked, _ = _run(MuonSettings(**fast, ns_check_interval=0), plant=False)
     assert opt_clean.ns_check.recomputed_total == 0  # bf16 NS on these matrices is within bounds
     assert all(torch.equal(a, b) for a, b in zip(clean_checked, clean_unchecked))  # a check changes nothing
+
+
+def test_the_probe_estimate_sees_what_the_svd_sees():
+    """orthogonality_overshoot: a lower bound of σ_max² − 1 that finds a blown-up direction."""
+    x = torch.stack([heavy_tailed(128, 352, s) for s in range(3)])
+    settings = MuonSettings(ns_method="standard", coefficients="you", ns_dtype=torch.float32)
+    out = owner_step.default_orthogonalizer(settings)(x)
+    out[1] += 4.0 * torch.outer(torch.randn(128), torch.randn(352)) / 352 ** 0.5  # one direction out of bounds
+    true = torch.linalg.matrix_norm(out.double(), ord=2) ** 2 - 1
+    estimate = orthogonality_overshoot(out, generator=torch.Generator().manual_seed(0)).double()
+    assert (estimate <= true * (1 + 1e-5) + 1e-4).all(), (estimate, true)  # a Rayleigh quotient: never above
+    assert float(estimate[1]) >= 0.98 * float(true[1]), (estimate, true)  # the blown-up direction dominates
+    assert (estimate >= true - 0.1).all(), (estimate, true)  # healthy: near-equal top values, close enough
+    assert float(estimate[1]) > settings.ns_check_limit(128, 352) > float(estimate[0])
+    assert settings.ns_check_limit(128, 352) == pytest.approx(
+        (1.25 * schedule_peak(get_coefficients("you", 5), 5)) ** 2 - 1)
+
+
+def test_schedule_peaks():
+    grid = torch.linspace(0, 1, 20001, dtype=torch.float64)
+    from megatron_dmuon.algorithms.ns_metrics import schedule_map
+
+    for name in ("keller", "you", "polar_express"):
+        assert schedule_peak(name) == pytest.approx(float(schedule_map(grid, name).max()), abs=1e-4)
+    assert schedule_peak("keller") == pytest.approx(1.2024, abs=1e-3)
 
 
 def test_bad_check_settings_name_the_flag():

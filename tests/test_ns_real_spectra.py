@@ -17,9 +17,8 @@ import os
 import pytest
 import torch
 
-from megatron_dmuon.algorithms.coefficients import get_coefficients
 from megatron_dmuon.algorithms.newton_schulz import newton_schulz_reference
-from megatron_dmuon.algorithms.ns_metrics import orthogonality_overshoot, schedule_peak
+from megatron_dmuon.algorithms.ns_metrics import schedule_map
 from megatron_dmuon.runtime.owner_step import MuonSettings, default_orthogonalizer
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "momenta_tiny_it20.pt")
@@ -59,8 +58,9 @@ def _exact(x: torch.Tensor, settings: MuonSettings) -> torch.Tensor:
 
 
 def _peak(settings: MuonSettings, rows: int, cols: int) -> float:
+    """The largest singular value the schedule gives in exact arithmetic (its polynomial's maximum)."""
     kw = settings.ns_schedule(rows, cols)
-    return schedule_peak(kw["coefficients"], kw["steps"])
+    return float(schedule_map(torch.linspace(0, 1, 20001, dtype=torch.float64), kw["coefficients"], kw["steps"]).max())
 
 
 def test_recorded_momenta_are_low_rank_with_a_heavy_tail():
@@ -101,19 +101,3 @@ def test_every_owner_ns_path_stays_near_exact_arithmetic_on_real_spectra(device,
         # (whose own error reaches 0.26 on the spiked spectra: their tails sit below bf16's resolution)
         bound = 1e-3 if precision == torch.float32 else 1.5 * _megatron_bf16_error(x, settings) + 0.01
         assert _error(out, exact) <= bound, (label, _error(out, exact), bound)
-
-
-def test_the_probe_estimate_sees_what_the_svd_sees():
-    """orthogonality_overshoot: a lower bound of σ_max² − 1 that finds a blown-up direction."""
-    x = torch.stack([heavy_tailed(128, 352, s) for s in range(3)])
-    settings = MuonSettings(ns_method="standard", coefficients="you", ns_dtype=torch.float32)
-    out = default_orthogonalizer(settings)(x)
-    out[1] += 4.0 * torch.outer(torch.randn(128), torch.randn(352)) / 352 ** 0.5  # one direction out of bounds
-    true = torch.linalg.matrix_norm(out.double(), ord=2) ** 2 - 1
-    estimate = orthogonality_overshoot(out, generator=torch.Generator().manual_seed(0)).double()
-    assert (estimate <= true * (1 + 1e-5) + 1e-4).all(), (estimate, true)  # a Rayleigh quotient: never above
-    assert float(estimate[1]) >= 0.98 * float(true[1]), (estimate, true)  # the blown-up direction dominates
-    assert (estimate >= true - 0.1).all(), (estimate, true)  # healthy: near-equal top values, close enough
-    assert float(estimate[1]) > settings.ns_check_limit(128, 352) > float(estimate[0])
-    assert settings.ns_check_limit(128, 352) == pytest.approx(
-        (1.25 * schedule_peak(get_coefficients("you", 5), 5)) ** 2 - 1)
