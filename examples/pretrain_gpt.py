@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from examples.gpt_data import TokenSource, check_indexed_dataset, parse_split  # noqa: E402
+from examples.job_checks import JobArgumentParser, SaveLock, token_source, validate_args  # noqa: E402
 
 # The main job's Muon settings (what the launch recipes use): momentum 0.95 with Nesterov, and
 # Megatron's 'spectral' scale sqrt(max(rows, cols)) times 0.2, which gives a Muon update the RMS of
@@ -41,10 +41,10 @@ MAIN_JOB_MUON_DEFAULTS = dict(muon_momentum=0.95, muon_nesterov=True, muon_scale
 def parse_args(argv=None):
     from megatron_dmuon.megatron.config import add_dmuon_args
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = JobArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--optimizer", default="dmuon", choices=["dmuon", "adam"])
-    add_dmuon_args(p)  # Megatron's --muon-* flags and DMuon's --dmuon-* flags
+    add_dmuon_args(p, validate=False)  # Megatron's --muon-* flags and DMuon's --dmuon-* flags (checked below)
     p.set_defaults(**MAIN_JOB_MUON_DEFAULTS)
     a("--muon-no-nesterov", dest="muon_nesterov", action="store_false",
       help="plain momentum (Megatron's default; this job's default is Nesterov)")
@@ -84,9 +84,13 @@ def parse_args(argv=None):
       help="profile the optimizer step of this iteration (torch.profiler, rank 0): a kernel table on stdout, "
            "and a Chrome trace at --profile-out")
     a("--profile-out", default=None, help="Chrome trace file for --profile-optimizer-at")
+    a("--exit-after-skipped-iterations", type=int, default=10, metavar="K",
+      help="stop with an error after K consecutive iterations whose update was skipped (non-finite gradients) "
+           "or whose loss was not finite; 0: never")
+    a("--parse-only", action="store_true", help="check the arguments (and the data, paths, memory bound) and exit")
     add_checkpoint_args(p)
     args = p.parse_args(argv)
-    validate_args(p, args)
+    validate_args(p, args, DEFAULT_LR)
     # what Megatron-LM reads from --use-distributed-optimizer: DMuon's owners need it, the
     # all-reduce baseline must not have it
     args.use_distributed_optimizer = not (args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute")
@@ -119,80 +123,6 @@ def add_checkpoint_args(p):
     a("--fail-at-iteration", type=int, default=None,
       help="fault injection: SIGKILL --fail-rank at the start of this iteration, on the first torchrun attempt only")
     a("--fail-rank", type=int, default=-1, help="global rank --fail-at-iteration kills (-1: the last)")
-
-
-def validate_args(p, args):
-    """Every argument checked before anything is built; errors name the flag (argparse exit 2)."""
-    if args.lr is None:
-        args.lr = DEFAULT_LR[args.optimizer]
-    if args.min_lr is None:
-        args.min_lr = args.lr / 10
-    positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
-                "tensor_model_parallel_size", "pipeline_model_parallel_size")
-    for name in positive:
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
-    for name in ("lr_warmup_iters", "weight_decay", "clip_grad", "min_lr", "dmuon_ranks_per_node", "eval_iters"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)}); "
-                    + ("--clip-grad 0 turns clipping off" if name == "clip_grad" else ""))
-    if not args.lr > 0:
-        p.error(f"--lr must be > 0 (got {args.lr})")
-    if args.min_lr > args.lr:
-        p.error(f"--min-lr ({args.min_lr}) must not exceed --lr ({args.lr})")
-    for name in ("adam_beta1", "adam_beta2"):  # the --muon-*/--dmuon-* flags: add_dmuon_args checks them
-        if not 0 <= getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be in [0, 1) (got {getattr(args, name)})")
-    if args.lr_warmup_iters >= args.train_iters:
-        p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters ({args.train_iters})")
-    if args.hidden_size % args.num_attention_heads:
-        p.error(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads {args.num_attention_heads}")
-    if args.num_attention_heads % args.num_query_groups:
-        p.error(f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups "
-                f"{args.num_query_groups}")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    for name in ("num_query_groups", "num_attention_heads", "ffn_hidden_size"):
-        if getattr(args, name) % tp:
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be divisible by --tensor-model-parallel-size {tp}")
-    if args.num_layers % pp:
-        p.error(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp}")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world % (tp * pp):
-        p.error(f"the world size {world} must be a multiple of --tensor-model-parallel-size x "
-                f"--pipeline-model-parallel-size = {tp * pp}")
-    dp = world // (tp * pp)
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        p.error(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x DP = "
-                f"{args.micro_batch_size} x {dp}")
-    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
-        p.error("--save-interval needs --save DIR and must be >= 1")
-    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
-        p.error(f"--save {args.save} exists and is not a directory")
-    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
-        p.error(f"--load {args.load} is not a directory")
-    if (args.save or args.load) and args.optimizer == "dmuon" and args.dmuon_mode != "dmuon":
-        p.error(f"--save/--load support --dmuon-mode dmuon (and --optimizer adam); --dmuon-mode {args.dmuon_mode} "
-                "is a comparison baseline without checkpoints")
-    if args.profile_optimizer_at is not None and not 1 <= args.profile_optimizer_at <= args.train_iters:
-        p.error(f"--profile-optimizer-at must be in [1, --train-iters] (got {args.profile_optimizer_at})")
-    if args.profile_out and args.profile_optimizer_at is None:
-        p.error("--profile-out needs --profile-optimizer-at ITER (the iteration whose optimizer step to profile)")
-    if args.fail_at_iteration is not None and not 1 <= args.fail_at_iteration <= args.train_iters:
-        p.error(f"--fail-at-iteration must be in [1, --train-iters] (got {args.fail_at_iteration})")
-    if args.eval_interval is not None and args.eval_interval < 1:
-        p.error(f"--eval-interval must be >= 1 (got {args.eval_interval}); --eval-iters 0 turns validation off")
-    try:
-        parse_split(args.split)
-    except ValueError as e:
-        p.error(str(e))
-    if args.data_path:
-        try:
-            check_indexed_dataset(args.data_path)
-        except ValueError as e:
-            p.error(str(e))
-    elif args.vocab_size < 256:
-        p.error("--vocab-size must be >= 256 for the byte-level default data")
 
 
 def setup_distributed():
@@ -287,10 +217,10 @@ class IntervalLog:
         else:
             self.nan += 1
 
-    def line(self, it, lr, grad_norm) -> str:
+    def line(self, it, lr, grad_norm, consumed_samples: int) -> str:
         a, ms = self.args, self.step_ms / self.n
         loss = self.loss / self.finite if self.finite else float("nan")
-        out = (f" iteration {it:8d}/{a.train_iters:8d} | consumed samples: {it * a.global_batch_size:10d} | "
+        out = (f" iteration {it:8d}/{a.train_iters:8d} | consumed samples: {consumed_samples:10d} | "
                f"elapsed time per iteration (ms): {ms:.1f} | optimizer (ms): {self.opt_ms / self.n:.1f} | "
                f"throughput per GPU (TFLOP/s/GPU): {self.flops / (ms / 1e3) / self.world / 1e12:.2f} | "
                f"tokens per second per GPU: {self.tokens / (ms / 1e3) / self.world:.0f} | "
@@ -327,6 +257,9 @@ def _memory_summary(opt, ddp, dp_size) -> dict:
     return out
 
 
+_SAVE_LOCKS = {}  # held until the process ends
+
+
 def validation_runner(args, data, dp_size, dp_rank, rank, loss_of):
     """``evaluate(iteration) -> loss`` over the held-out split (printed as Megatron-LM prints it),
     or None when validation is off. Every evaluation reads the same --eval-iters x
@@ -355,7 +288,17 @@ def validation_runner(args, data, dp_size, dp_rank, rank, loss_of):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.parse_only:
+        if os.environ.get("RANK", "0") == "0":
+            print("> arguments checked", flush=True)
+        return
     rank, world, backend = setup_distributed()
+    if args.save:  # one writer per --save directory (rank 0 holds the lock for the run)
+        holder = [_SAVE_LOCKS.setdefault(args.save, SaveLock(args.save)).acquire() if rank == 0 else None]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        if holder[0]:
+            job_error(f"--save {args.save} is being written by another run ({holder[0]}, "
+                      f"{os.path.join(args.save, SaveLock.NAME)}): wait for it, or save elsewhere", 2)
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -396,7 +339,7 @@ def main(argv=None):
         lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style="cosine",
         start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant")
-    data = TokenSource(args)
+    data = token_source(args)
     sync = torch.cuda.synchronize if on_gpu() else (lambda: None)
     # time the optimizer step inside train_step by wrapping step()
     opt_ms = []
@@ -427,6 +370,10 @@ def main(argv=None):
     evaluate = validation_runner(args, data, dp_size, dp_rank, rank, lambda micro: eval_loss(
         [ddp], micro, args.seq_length, args.micro_batch_size))
     start = load_if_requested(args, ddp, opt, sched, rank)
+    if start >= args.train_iters and rank == 0:
+        print(f"> the checkpoint is at iteration {start} and --train-iters is {args.train_iters}: nothing to train "
+              "(raise --train-iters to continue)", flush=True)
+    streak = 0  # consecutive iterations without a finite loss and an applied update
     for it in range(start + 1, args.train_iters + 1):
         maybe_fail(args, it, rank, world)
         sync()
@@ -436,35 +383,43 @@ def main(argv=None):
         sync()
         step_ms = (time.perf_counter() - t0) * 1e3
         if ok:
-            sched.step(increment=args.global_batch_size)  # Megatron counts samples
+            sched.step(increment=args.global_batch_size)  # Megatron counts samples (consumed samples)
         skipped += not ok  # a non-finite gradient: skipped on every rank, nothing changed
+        streak = 0 if ok and math.isfinite(loss) else streak + 1
+        stop_if_not_learning(args, it, streak, loss, ok, opt, rank)
         if args.save and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
+            if not params_finite(opt):
+                job_error(f"the parameters are not finite after iteration {it}: not saved (the last checkpoint in "
+                          f"{args.save} is still the latest); lower --lr or keep --clip-grad on", 1)
             save(args, it, ddp, opt, sched, rank)
         timings.append({"iteration": it, "step_ms": step_ms, "optimizer_ms": opt_ms[-1], "loss": loss})
         log.add(step_ms, opt_ms[-1], loss, ok)
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
-        if it % args.log_interval == 0 or it == 1:
-            line = log.line(it, opt.param_groups[0]["lr"], grad_norm)
-            if rank == 0 and timings:
+        if it % args.log_interval == 0 or it == 1 or it == args.train_iters:
+            line = log.line(it, opt.param_groups[0]["lr"], grad_norm, sched.num_steps)
+            if rank == 0:
                 print(line, flush=True)
         if evaluate and (it == args.train_iters or (args.eval_interval and it % args.eval_interval == 0)):
             validation.append({"iteration": it, "loss": evaluate(it)})
+    if evaluate and not timings:  # nothing trained: the loaded model's validation loss
+        validation.append({"iteration": start, "loss": evaluate(start)})
     steady = timings[len(timings) // 2:] or timings
+    median = (lambda key: sorted(t[key] for t in steady)[len(steady) // 2]) if steady else (lambda key: None)
     # every rank's median optimizer step: an owner with more NS work than rank 0 shows up here
     # (the others then wait for its bucket in the next forward's param all-gather)
     per_rank_opt = [None] * world
-    if timings:
-        torch.distributed.all_gather_object(per_rank_opt, sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2])
-    if rank == 0 and timings:
+    torch.distributed.all_gather_object(per_rank_opt, median("optimizer_ms"))
+    if rank == 0:
         summary = {"optimizer": args.optimizer, "mode": args.dmuon_mode if args.optimizer == "dmuon" else "adam",
                    "dp": dp_size, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+                   "iteration": max(start, args.train_iters) if timings or start else 0,
+                   "trained_iterations": len(timings), "consumed_samples": sched.num_steps,
                    "first_loss": first_loss, "last_loss": last_loss, "skipped_iterations": skipped,
                    "val_loss": validation[-1]["loss"] if validation else None,
                    **({k: v for k, v in opt.dmuon_stats().items() if k.startswith("ns_")} if hasattr(opt, "dmuon_stats")
                       else {}),
-                   "median_step_ms": sorted(t["step_ms"] for t in steady)[len(steady) // 2],
-                   "median_optimizer_ms": sorted(t["optimizer_ms"] for t in steady)[len(steady) // 2],
+                   "median_step_ms": median("step_ms"), "median_optimizer_ms": median("optimizer_ms"),
                    "median_optimizer_ms_per_rank": per_rank_opt,
                    **_memory_summary(opt, ddp, dp_size)}
         print("> summary " + json.dumps(summary), flush=True)
@@ -473,6 +428,44 @@ def main(argv=None):
                 json.dump({"summary": summary, "iterations": timings, "validation": validation, "args": vars(args)},
                           f, indent=1)
     torch.distributed.destroy_process_group()
+
+
+def job_error(message: str, code: int) -> None:
+    """A run-time error every rank reached together: rank 0 prints it once, every rank exits."""
+    if torch.distributed.get_rank() == 0:
+        sys.stderr.write(f"pretrain_gpt.py: error: {message}\n")
+        sys.stderr.flush()
+    torch.distributed.destroy_process_group()
+    raise SystemExit(code)
+
+
+@torch.no_grad()
+def params_finite(opt) -> bool:
+    """Whether every parameter the optimizer holds (the main params: fp32 shards) is finite on
+    every rank (one all-reduce)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    bad = torch.zeros(1, device=device)
+    for p in params:
+        if p.numel() and not bool(torch.isfinite(p).all()):
+            bad.fill_(1.0)
+            break
+    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return not bool(bad.item())
+
+
+def stop_if_not_learning(args, it, streak, loss, ok, opt, rank) -> None:
+    """--exit-after-skipped-iterations: K consecutive iterations without a finite loss and an
+    applied update stop the run; an applied update after a non-finite loss (Megatron's AdamW does
+    not skip it) stops it at once if it made the parameters non-finite."""
+    limit = args.exit_after_skipped_iterations
+    if limit and streak >= limit:
+        job_error(f"{streak} consecutive iterations up to {it} had non-finite gradients or loss (the updates were "
+                  f"skipped): the run cannot recover; lower --lr, check the data, or raise "
+                  f"--exit-after-skipped-iterations", 1)
+    if ok and not math.isfinite(loss) and not params_finite(opt):
+        job_error(f"iteration {it} had a non-finite loss and its update made the parameters non-finite: the "
+                  f"run cannot recover (nothing saved after it); lower --lr or keep --clip-grad on", 1)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def test_cache_keys_hold_the_software_versions():
 def test_cache_of_an_older_version_is_ignored_with_a_warning(tmp_path):
     path = tmp_path / "tune.json"
     path.write_text(json.dumps({"version": 2, "entries": {"op|NVIDIA H200|sm90|syrk|m8|k8|b1|float16": {}}}))
-    with pytest.warns(UserWarning, match="older version"):
+    with pytest.warns(RuntimeWarning, match="older version"):
         assert autotune.AutotuneCache(path).entries == {}
 
 
@@ -212,19 +212,56 @@ def _dataset(prefix, truncate=False):
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
     (["--hidden-size", "130"], "--hidden-size 130 must be divisible by --num-attention-heads 4"),
     (["--num-query-groups", "3"], "--num-attention-heads 4 must be divisible by --num-query-groups 3"),
-    (["--lr", "0"], "--lr must be > 0"),
-    (["--clip-grad", "-1"], "--clip-grad must be >= 0"),
+    (["--lr", "0"], "--lr 0.0 must be a finite number in (0, inf)"),
+    (["--clip-grad", "-1"], "--clip-grad -1.0 must be a finite number in [0, inf); 0 turns clipping off"),
     (["--global-batch-size", "6"], "--global-batch-size 6 must be a multiple of --micro-batch-size x DP"),
     (["--save-interval", "5"], "--save-interval needs --save DIR"),
     (["--save", "ck", "--dmuon-mode", "gather_then_compute"], "--save/--load support --dmuon-mode dmuon"),
     (["--fail-at-iteration", "0"], "--fail-at-iteration must be in"),
     (["--data-path", "PREFIX"], "PREFIX.bin does not exist"),
     (["--data-path", "TRUNCATED", "--vocab-size", "64"], "TRUNCATED.bin is truncated"),
-    (["--dmuon-balance", "milp", "--dmuon-plan-budget", "0"], "--dmuon-plan-budget 0.0 must be > 0 seconds"),
+    (["--dmuon-balance", "milp", "--dmuon-plan-budget", "0"], "--dmuon-plan-budget 0.0 must be a finite number in (0"),
+    # [bad-input-2]: values that would silently ruin or disable a run
+    (["--muon-extra-scale-factor", "0"], "--muon-extra-scale-factor 0.0 must be a finite number in (0, inf); 0 would freeze"),
+    (["--muon-extra-scale-factor", "-1"], "--muon-extra-scale-factor -1.0 must be a finite number in (0, inf)"),
+    (["--muon-extra-scale-factor", "nan"], "--muon-extra-scale-factor nan must be a finite number"),
+    (["--lr", "inf"], "--lr inf must be a finite number in (0, inf)"),
+    (["--optimizer", "adam", "--lr", "nan"], "--lr nan must be a finite number"),
+    (["--clip-grad", "nan"], "--clip-grad nan must be a finite number in [0, inf); 0 turns clipping off"),
+    (["--weight-decay", "nan"], "--weight-decay nan must be a finite number in [0, inf)"),
+    (["--weight-decay", "-1"], "--weight-decay -1.0 must be a finite number in [0, inf); 0 turns weight decay off"),
+    (["--min-lr", "nan"], "--min-lr nan must be a finite number"),
+    (["--muon-momentum", "1.5"], "--muon-momentum 1.5 must be a finite number in [0, 1)"),
+    (["--muon-num-ns-steps", "0"], "--muon-num-ns-steps 0 must be an integer >= 1"),
+    (["--dmuon-ns-check-bound", "-2"], "--dmuon-ns-check-bound -2.0 must be a finite number in (0, inf)"),
+    (["--dmuon-ns-check-interval", "-1"], "--dmuon-ns-check-interval -1 must be an integer >= 0"),
+    (["--exit-after-skipped-iterations", "-1"], "--exit-after-skipped-iterations must be >= 0"),
+    # [bad-input-2]: what needs the data or the file system, before the model is built
+    (["--data-path", "BIGVOCAB", "--vocab-size", "32"], "--vocab-size 32 is smaller than the dataset's max token id 49"),
+    (["--data-path", "BIGVOCAB", "--vocab-size", "64", "--seq-length", "1000"], "the train split has"),
+    (["--seq-length", "100000"], "needs at least"),
+    (["--timing-json", "NOFOLDER/t.json"], "its folder"),
+    (["--timing-json", "TMP"], "is a directory"),
+    (["--save", "AFILE/ck"], "cannot be created"),
+    (["--save", "AFILE"], "exists and is not a directory"),
+    # [bad-input-2]: the parallel layout's own error first
+    (["--tensor-model-parallel-size", "3"], "the world size 2 must be a multiple of --tensor-model-parallel-size"),
 ], ids=["layers0", "mbs0", "hidden_heads", "heads_groups", "lr0", "clip_negative", "batch_split", "interval_no_save",
-        "save_baseline_mode", "fail_iteration", "missing_bin", "truncated_bin", "plan_budget0"])
+        "save_baseline_mode", "fail_iteration", "missing_bin", "truncated_bin", "plan_budget0",
+        "extra_scale0", "extra_scale_negative", "extra_scale_nan", "lr_inf", "adam_lr_nan", "clip_nan", "wd_nan",
+        "wd_negative", "min_lr_nan", "momentum_1_5", "ns_steps0", "check_bound_negative", "check_interval_negative",
+        "skip_limit_negative", "vocab_below_max_id", "data_shorter_than_seq", "absurd_seq_length",
+        "timing_json_folder", "timing_json_dir", "save_uncreatable", "save_file", "tp3_on_2_ranks"])
 def test_main_job_validates_its_arguments(tmp_path, capsys, monkeypatch, argv, message):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2") if "3" in argv else monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "afile").write_text("x")
+    if "BIGVOCAB" in argv:
+        prefix = str(tmp_path / "corpus")
+        _dataset(prefix)  # token ids 0..49
+        argv = [prefix if a == "BIGVOCAB" else a for a in argv]
+    argv = [a.replace("NOFOLDER", str(tmp_path / "nofolder")).replace("AFILE", str(tmp_path / "afile"))
+            if isinstance(a, str) else a for a in argv]
+    argv = [str(tmp_path) if a == "TMP" else a for a in argv]
     if "TRUNCATED" in argv:
         prefix = str(tmp_path / "corpus")
         _dataset(prefix, truncate=True)
@@ -235,7 +272,16 @@ def test_main_job_validates_its_arguments(tmp_path, capsys, monkeypatch, argv, m
     with pytest.raises(SystemExit) as exit_info:
         _example().parse_args(argv)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("error:") == 1 and not err.rstrip().endswith(";")
+
+
+def test_usage_errors_print_on_rank_0_only(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        _example().parse_args(["--num-layers", "0"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
 
 
 def test_main_job_accepts_a_complete_dataset(tmp_path, monkeypatch):
@@ -253,13 +299,67 @@ def test_main_job_accepts_a_complete_dataset(tmp_path, monkeypatch):
     ("verify", ["--resume-dp", "1"], "--resume-dp / --resume-tp need --resume-at K"),
     ("verify", ["--dp", "2", "--resume-at", "2", "--resume-dp", "3"], "--resume-dp 3 must divide the global batch"),
     ("check", ["--dp", "2", "--corrupt-rank", "5"], "--corrupt-rank must be a rank in [0, 2)"),
+    ("verify", ["--dp", "0"], "--dp must be >= 1 (got 0)"),
+    ("verify", ["--tol", "-1"], "--tol must be a finite number > 0"),
+    ("verify", ["--tp", "3"], "--tp 3 must divide the checked GPT's attention heads (4)"),
+    ("verify", ["--ep", "3"], "--ep 3 must divide the checked MoE GPT's 4 experts"),
 ])
 def test_cli_flags_are_validated(capsys, cli, argv, message):
     import importlib
 
     with pytest.raises(SystemExit) as exit_info:
         importlib.import_module(f"megatron_dmuon.testing.{cli}_cli").main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+    assert "--steps 0 would check nothing" not in err or "--steps" in argv
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "qwen2.5-7b", "--dp", "0"], "--dp must be >= 1 (got 0)"),
+    (["--preset", "qwen2.5-7b", "--dp", "8", "--tp", "3"], "--tp 3 must divide the model's attention heads (28)"),
+    (["--preset", "qwen2.5-7b", "--dp", "8", "--stage", "2"], "--stage 2 must be a pipeline stage in [0, --pp) = [0, 1)"),
+    (["--preset", "qwen2.5-7b", "--dp", "8", "--time-limit", "nan"], "--time-limit must be a finite number"),
+])
+def test_dmuon_plan_validates_its_arguments(capsys, argv, message):
+    from megatron_dmuon.planning import plan_cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        plan_cli.main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["directory", "uncreatable"])
+def test_a_cache_path_that_cannot_be_written_is_named_and_leaves_nothing(tmp_path, monkeypatch, kind):
+    from megatron_dmuon.megatron.config import check_cache_paths
+    from megatron_dmuon.planning.profile import PlanCache
+
+    (tmp_path / "afile").write_text("x")
+    target = tmp_path / "plans" if kind == "directory" else tmp_path / "afile" / "plans.json"
+    if kind == "directory":
+        target.mkdir()
+    monkeypatch.setenv("DMUON_PLAN_CACHE", str(target))
+    with pytest.raises(ValueError, match=r"the DMuon owner plan cache .* point \$DMUON_PLAN_CACHE at a writable file"):
+        check_cache_paths(SimpleNamespace())
+    with pytest.raises(ValueError, match="owner plan cache"):  # a direct write says the same, and leaves no file
+        PlanCache(target).put("k", {"a": 1})
+    assert sorted(os.listdir(tmp_path)) == (["afile", "plans"] if kind == "directory" else ["afile"])
+    if kind == "directory":
+        assert os.listdir(target) == []
+
+
+def test_run_main_keeps_dmuon_warnings_visible():
+    """launch/run_main.sh silences Megatron's notices (UserWarning...) but not DMuon's RuntimeWarnings
+    (a corrupt plan cache is re-planned with a warning the user sees)."""
+    import re
+    import subprocess
+    import sys
+
+    text = open(os.path.join(ROOT, "launch", "run_main.sh")).read()
+    value = re.search(r'PYTHONWARNINGS="\$\{PYTHONWARNINGS:-([^}]*)\}"', text).group(1)
+    code = "import warnings; warnings.warn('seen', RuntimeWarning); warnings.warn('hidden', UserWarning)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONWARNINGS=value))
+    assert "seen" in proc.stderr and "hidden" not in proc.stderr
 
 
 def test_every_row_of_the_bad_input_table_names_existing_tests():

@@ -274,7 +274,7 @@ def test_corrupt_or_stale_profile_cache_is_rebuilt_with_a_warning(tmp_path, dama
         data["entries"][key]["points"].pop("128x128")
         cache_path.write_text(json.dumps(data))
     calls = []
-    with pytest.warns(UserWarning):
+    with pytest.warns(RuntimeWarning):
         table = measure_profile(shapes, 3, _fake_timer(calls), META, cache=ProfileCache(cache_path))
     per_shape = len(profile_batches(3))
     expected = per_shape if damage == "missing_points" else 2 * per_shape
@@ -290,7 +290,7 @@ def test_corrupt_or_stale_profile_cache_is_rebuilt_with_a_warning(tmp_path, dama
 def test_profiling_stops_at_its_budget():
     clock = iter(range(100)).__next__
     calls = []
-    with pytest.warns(UserWarning, match="budget"):
+    with pytest.warns(RuntimeWarning, match="budget"):
         table = measure_profile([(64, 256), (128, 128), (32, 32)], 4, _fake_timer(calls), META, budget_s=2.5,
                                 clock=clock)
     assert len(calls) == 2 and sum(len(v) for v in table.points.values()) == 2  # clock 1, 2 < 2.5; 3 stops
@@ -301,7 +301,7 @@ def test_plan_cache_round_trip_and_corruption(tmp_path):
     PlanCache(path).put("k", {"a": 1})
     assert PlanCache(path).get("k") == {"a": 1}
     path.write_text("]")
-    with pytest.warns(UserWarning, match="owner plan cache"):
+    with pytest.warns(RuntimeWarning, match="owner plan cache"):
         assert PlanCache(path).get("k") is None
 
 

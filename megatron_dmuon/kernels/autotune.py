@@ -97,6 +97,7 @@ class AutotuneCache:
 
     version = CACHE_VERSION
     label = "autotune cache"
+    env = f"${CACHE_ENV} (or --dmuon-autotune-cache)"  # where a user points it
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path).expanduser() if path is not None else default_cache_path()
@@ -108,12 +109,12 @@ class AutotuneCache:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
-            warnings.warn(f"{self.label} {self.path} is unreadable ({exc}); starting from an empty cache")
+            warnings.warn(f"{self.label} {self.path} is unreadable ({exc}); starting from an empty cache", RuntimeWarning)
             return {}
         if not isinstance(data, dict) or data.get("version") != self.version or not isinstance(data.get("entries"), dict):
             warnings.warn(
                 f"{self.label} {self.path} has an unknown format or an older version "
-                f"(expected version {self.version}); ignoring its contents, they are rebuilt on use"
+                f"(expected version {self.version}); ignoring its contents, they are rebuilt on use", RuntimeWarning
             )
             return {}
         return data["entries"]
@@ -132,16 +133,39 @@ class AutotuneCache:
         if save:
             self.save()
 
+    def writable_problem(self) -> str | None:
+        """Why this cache's file cannot be written (or None): a directory in its place, or a folder
+        that cannot be created."""
+        path = self.path
+        if path.is_dir():
+            return "is a directory"
+        base = path.parent
+        while not base.exists() and base != base.parent:
+            base = base.parent
+        if not base.is_dir():
+            return f"cannot be created: {base} is not a directory"
+        if not os.access(base, os.W_OK | os.X_OK):
+            return f"cannot be created: {base} is not writable"
+        return None
+
     def save(self) -> None:
+        problem = self.writable_problem()
+        if problem:
+            raise ValueError(f"{self.label} {self.path} {problem}: point {self.env} at a writable file path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive_lock(self.path.with_name(self.path.name + ".lock")):
             merged = self._read_file()  # under the lock: every other writer's keys are in it
             merged.update(self.entries)
             self._entries = merged
-            fd, tmp = tempfile.mkstemp(prefix=".autotune.", suffix=".json", dir=self.path.parent)
-            with os.fdopen(fd, "w") as fh:
-                json.dump({"version": self.version, "entries": merged}, fh, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.", suffix=".json.tmp", dir=self.path.parent)
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump({"version": self.version, "entries": merged}, fh, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
+            except BaseException:
+                if os.path.exists(tmp):  # no half-written temp files left behind
+                    os.unlink(tmp)
+                raise
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ Torch format (Megatron-LM ``--ckpt-format torch``): ``state_dict()`` plus
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -615,6 +616,36 @@ def latest_iteration(root: str) -> Optional[int]:
         raise CheckpointMismatchError(f"{tracker} is corrupt: {text[:40]!r} is not an iteration number") from None
 
 
+def complete_iterations(root: str) -> List[int]:
+    """The iterations under ``root`` whose checkpoint directory is complete (has metadata.json)."""
+    import os
+    import re
+
+    if not os.path.isdir(root):
+        return []
+    found = [int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"iter_(\d{7})", name))]
+    return sorted(i for i in found if os.path.isfile(os.path.join(checkpoint_dir(root, i), "metadata.json")))
+
+
+def resume_iteration(root: str) -> Optional[int]:
+    """``latest_iteration(root)``, checked: the tracker must name a complete checkpoint. Else a
+    ``CheckpointMismatchError`` names the last complete one and how to resume from it."""
+    import os
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    path = checkpoint_dir(root, iteration)
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return iteration
+    complete = complete_iterations(root)
+    state = "is missing" if not os.path.isdir(path) else "is incomplete (no metadata.json)"
+    tracker = os.path.join(root, TRACKER)
+    hint = (f"the last complete checkpoint there is iteration {complete[-1]}: write {complete[-1]} into {tracker} "
+            f"to resume from it" if complete else "no complete checkpoint is there: remove the tracker to start fresh")
+    raise CheckpointMismatchError(f"{tracker} names iteration {iteration}, but {path} {state}; {hint}")
+
+
 def _fresh_data(state) -> None:
     """Point every model ShardedTensor / factory at an empty tensor of its shape (in place)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -632,6 +663,53 @@ def _fresh_data(state) -> None:
             visit(value)
 
 
+def _materialize_torch_adam_state(parts) -> None:
+    """Megatron's DistributedOptimizer without Apex/TE reads every param's AdamW ``step`` in
+    ``state_dict()``, which a load calls before any step has created the state: create it as the
+    optimizer's own ``init_state_fn`` does (plus step 0); the load then overwrites all of it."""
+    for part in parts:
+        inner = getattr(part, "optimizer", None)
+        if inner is None or getattr(part, "init_state_fn", None) is None:
+            continue
+        part.init_state_fn(inner, getattr(part, "config", None))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+@contextlib.contextmanager
+def _torch_adam_step_fix(parts):
+    """megatron-core 0.19's DistributedOptimizer without Apex/TE (torch's AdamW) has two bugs on
+    load: ``load_state_dict`` gives every param one shared ``step`` tensor (torch's AdamW then adds 1
+    to it once per param per step, so the bias correction runs ahead), and it copies each state
+    tensor from the checkpoint's per-param tensors, which hold no ``step`` (it travels in the param
+    groups): a KeyError on any load. During the load a missing entry is skipped (its code already
+    skips non-tensor entries); after it every param gets its own copy of the step. DMuon's own
+    optimizer does not take this path."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+    needed = not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True) and not all(
+        hasattr(p, "dmuon_model_chunks") for p in parts)
+    if needed:
+        def tolerant(self, model_param, tensors):
+            from collections import defaultdict
+
+            return original(self, model_param, defaultdict(lambda: None, tensors))
+
+        cls._set_main_param_and_optimizer_states = tolerant
+    try:
+        yield
+    finally:
+        cls._set_main_param_and_optimizer_states = original
+    if needed:
+        for part in parts:
+            for state in getattr(getattr(part, "optimizer", None), "state", {}).values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+
 def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = True) -> dict:
     """Load a ``save_checkpoint`` directory into built model chunks and optimizer; returns the
     loaded common entries (iteration, ``extra``). The optimizer record is checked on every rank
@@ -643,15 +721,17 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (no metadata.json)")
     metadata = dist_checkpointing.load_content_metadata(path) or _content_metadata("fully_reshardable")
-    if load_optimizer:
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if load_optimizer and all(hasattr(p, "dmuon_model_chunks") for p in parts):  # (else Megatron's own optimizer)
         common = dist_checkpointing.load_common_state_dict(path)
         saved = common.get("optimizer") if isinstance(common, dict) else None
-        parts = getattr(optimizer, "chained_optimizers", [optimizer])
         meta = model_sharded_metadata(model_state(_chunks(parts)))
         agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
                                     gather_record(parts, meta)))
     state = model_state(model_chunks, metadata)
     if load_optimizer:
+        if not all(hasattr(p, "dmuon_model_chunks") for p in parts):
+            _materialize_torch_adam_state(parts)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
     # read into fresh tensors: a load that fails midway (truncated or missing files) leaves the
     # model as it was (the optimizer part is fresh already); copied in once everything is read
@@ -667,7 +747,8 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
     for i, chunk in enumerate(model_chunks):
         unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
     if load_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _torch_adam_step_fix(parts):
+            optimizer.load_state_dict(loaded["optimizer"])
     else:
         optimizer.reload_model_params()
     return {k: v for k, v in loaded.items() if k != "optimizer" and not k.startswith("model")}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 from typing import Optional
 
@@ -352,6 +353,70 @@ def _validate_on_parse(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------------- checks
+def _number_check(args, name: str, low: float, high: float = math.inf, low_open: bool = False,
+                  high_open: bool = False, fix: str = "") -> None:
+    """ValueError naming ``--name`` if the parsed value is NaN, infinite or outside its range (a
+    flag the parser does not have, or left at None, is not checked)."""
+    value = getattr(args, name, None)
+    if value is None or isinstance(value, bool):
+        return
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if math.isfinite(value) and above and below:
+        return
+    if isinstance(value, int) and not math.isfinite(high):
+        raise ValueError(f"--{name.replace('_', '-')} {value} must be an integer >= {low}" + (f"; {fix}" if fix else ""))
+    interval = ("(" if low_open else "[") + f"{low:g}, " + (f"{high:g}" if math.isfinite(high) else "inf") + \
+        (")" if high_open or not math.isfinite(high) else "]")
+    raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number in {interval}" + (f"; {fix}" if fix else ""))
+
+
+def check_training_numbers(args) -> None:
+    """The optimizer numbers every run reads (Megatron-LM's flags, our example's): finite and in
+    range, so that nothing is accepted that would silently ruin or disable a run."""
+    _number_check(args, "lr", 0.0, low_open=True, fix="the peak learning rate, e.g. 3e-4")
+    _number_check(args, "min_lr", 0.0, fix="0 decays to zero")
+    lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
+    if lr is not None and min_lr is not None and min_lr > lr:
+        raise ValueError(f"--min-lr ({min_lr}) must not exceed --lr ({lr})")
+    _number_check(args, "weight_decay", 0.0, fix="0 turns weight decay off")
+    _number_check(args, "clip_grad", 0.0, fix="0 turns clipping off")
+    for beta in ("adam_beta1", "adam_beta2"):
+        _number_check(args, beta, 0.0, 1.0, high_open=True)
+    _number_check(args, "adam_eps", 0.0, low_open=True, fix="e.g. 1e-8")
+
+
+def check_muon_numbers(args) -> None:
+    """Every --muon-* / --dmuon-* number of ``--optimizer dmuon``, in the flag's words."""
+    _number_check(args, "muon_momentum", 0.0, 1.0, high_open=True, fix="0.95 with --muon-nesterov is the usual choice")
+    _number_check(args, "muon_extra_scale_factor", 0.0, low_open=True,
+                  fix="0 would freeze every Muon matrix and a negative factor ascends the loss; 0.2 with "
+                      "--muon-scale-mode spectral matches AdamW's update size")
+    _number_check(args, "muon_num_ns_steps", 1, fix="Megatron's default is 5")
+    _number_check(args, "dmuon_plan_budget", 0.0, low_open=True, fix=f"default {STARTUP_BUDGET_S:g} s")
+    _number_check(args, "dmuon_fraction", 0.0, 1.0, low_open=True, fix="the share of rows Dion3 orthogonalizes")
+    _number_check(args, "dmuon_normuon_beta2", 0.0, 1.0, high_open=True)
+    _number_check(args, "dmuon_ranks_per_node", 0, fix="0 turns the two-level reduce/publish off")
+    _number_check(args, "dmuon_ns_check_interval", 0, fix="0 turns the check off")
+    _number_check(args, "dmuon_ns_check_bound", 0.0, low_open=True, fix="leave it unset for the per-schedule bound")
+
+
+def check_cache_paths(args) -> None:
+    """The caches DMuon writes (autotune, owner plans, NS profile) must be writable files: a
+    directory or an uncreatable path there fails now, naming the cache and where it is set, instead
+    of at the first write in the middle of start-up."""
+    from ..kernels.autotune import AutotuneCache
+    from ..planning.profile import PlanCache, ProfileCache, default_plan_cache_path
+    from ..runtime.ns_profile import default_profile_cache_path
+
+    caches = [AutotuneCache(getattr(args, "dmuon_autotune_cache", None)), PlanCache(default_plan_cache_path()),
+              ProfileCache(default_profile_cache_path())]
+    for cache in caches:
+        problem = cache.writable_problem()
+        if problem:
+            raise ValueError(f"the {cache.label} {cache.path} {problem}: point {cache.env} at a writable file path")
+
+
 class _ArgsView:
     """Parsed args seen as OptimizerConfig / DDP config / model config (Megatron-LM's flags have
     those fields' names). A flag the parser does not have reads as the value DMuon needs: the
@@ -394,6 +459,8 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
     Returns the config; raises ValueError naming the flag and the fix."""
     if getattr(args, "optimizer", "dmuon") != "dmuon":
         return None
+    check_training_numbers(args)
+    check_muon_numbers(args)
     cfg = DMuonConfig.from_args(args)
     view = _ArgsView(args, cfg)
     check_dmuon_config(view, view, cfg, model_config=view)
@@ -406,9 +473,7 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
     if cfg.publish_dtype != "param" and getattr(args, "dmuon_ranks_per_node", 0):
         raise ValueError(f"--dmuon-publish-dtype {cfg.publish_dtype} is not implemented with the two-level publish: "
                          "drop --dmuon-ranks-per-node or use --dmuon-publish-dtype param")
-    budget = getattr(args, "dmuon_plan_budget", STARTUP_BUDGET_S)
-    if not budget > 0:
-        raise ValueError(f"--dmuon-plan-budget {budget} must be > 0 seconds (default {STARTUP_BUDGET_S:g})")
+    check_cache_paths(args)
     # the data-parallel size is known here under torchrun (WORLD_SIZE); else only at DDP build
     check_two_level_config(view, _data_parallel_size(args) or max(args.dmuon_ranks_per_node, 1),
                            args.dmuon_ranks_per_node)

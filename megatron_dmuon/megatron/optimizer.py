@@ -293,11 +293,41 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
     def get_grad_norm(self):
         cached, self._dmuon_grad_norm = getattr(self, "_dmuon_grad_norm", None), None
-        norm = cached if cached is not None else super().get_grad_norm()
+        norm = cached if cached is not None else self._float64_grad_norm()
         for part, max_norm in self._dmuon_folded_clip:  # Megatron's clip_grad_by_total_norm_fp32 rule
             coefficient = max_norm / (norm + 1.0e-6)
             part.dmuon_inner.grad_scale = coefficient if coefficient < 1.0 else None
         return norm
+
+    @torch.no_grad()
+    def _float64_grad_norm(self) -> float:
+        """Megatron's grad norm (the same grads, ``get_grads_for_grad_norm``, over the same groups)
+        with every partial sum in float64. The owner plan decides which rank sums which grads; with
+        Megatron's float32 partial sums the norm, and so the clip coefficient, depended on the plan in
+        its last bits (a resume under another --dmuon-balance was not bit-identical). In float64 the
+        plans differ by ~1e-16 relative, below the float32 rounding of the coefficient that scales
+        the grads."""
+        parts = self.chained_optimizers
+
+        def squares(opts) -> torch.Tensor:
+            grads = [g for o in opts for g in o.get_grads_for_grad_norm()]
+            from .gpt import on_gpu
+
+            device = grads[0].device if grads else (
+                torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu"))
+            total = torch.zeros(1, dtype=torch.float64, device=device)
+            for g in grads:
+                total += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+            return total
+
+        def reduced(total, group):
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
+            return float(total.item())
+
+        if len(parts) == 1 or self.grads_states_parallel_group_is_shared():
+            return reduced(squares(parts), self.get_grad_stats_parallel_group()) ** 0.5
+        return math.sqrt(sum(reduced(squares([o]), o.get_grad_stats_parallel_group()) for o in parts))
 
     def _norm_covers_every_grad(self) -> bool:
         """Whether Megatron's main grad norm sees every grad: no param in a separately clipped

@@ -97,7 +97,8 @@ def device_spec_for(name: str, config: Optional[dict] = None, warn: bool = True)
             return device_spec(known, config)
     fallback = next(iter(config["devices"]))
     if warn:
-        warnings.warn(f"no cluster-config device matches {name!r}; the analytic part of the cost model uses {fallback}'s")
+        warnings.warn(f"no cluster-config device matches {name!r}; the analytic part of the cost model uses {fallback}'s",
+                      RuntimeWarning)
     return device_spec(fallback, config)
 
 

@@ -50,7 +50,7 @@ PAD_TIE = 1e-7  # per bucket, for a full S_max - S_min of growth: prefer less pa
 OBJ_SCALE = 0.0  # pattern feasibility IPs: any packing will do (an objective makes the solver prove optimality)
 
 
-class MilpFallbackWarning(UserWarning):
+class MilpFallbackWarning(RuntimeWarning):
     """The MILP planner used another backend or the greedy plan; the message says why."""
 
 

@@ -145,9 +145,37 @@ def _table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
+    """Every number and the layout, before any planning; argparse errors naming the flag (exit 2)."""
+    for name in ("dp", "tp", "pp", "ep", "etp", "nodes", "gpus_per_node", "num_layers", "hidden", "ffn", "heads",
+                 "query_groups", "vocab", "ns_steps", "bucket_size"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+    if args.experts is not None and args.experts < 0:
+        p.error(f"--experts must be >= 0 (got {args.experts})")
+    if not (0 < args.time_limit < float("inf")):
+        p.error(f"--time-limit must be a finite number of seconds > 0 (got {args.time_limit})")
+    try:
+        dp = par.dp_size
+    except ValueError as e:
+        p.error(f"{e} (--nodes x --gpus-per-node must be a multiple of --tp x --pp)")
+    if dp < 1:
+        p.error(f"--dp must be >= 1 (got {dp})")
+    if not 0 <= args.stage < par.pp:
+        p.error(f"--stage {args.stage} must be a pipeline stage in [0, --pp) = [0, {par.pp})")
+    for what, size in (("attention heads", model.heads), ("query groups", model.groups), ("FFN width", model.ffn_hidden)):
+        if size % par.tp:
+            p.error(f"--tp {par.tp} must divide the model's {what} ({size})")
+    if model.num_layers % par.pp:
+        p.error(f"--pp {par.pp} must divide the model's {model.num_layers} layers")
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     model, par, extra = _model_and_parallel(args)
+    _check(parser, args, model, par)
     config = load_config(args.config)
     cluster = cluster_spec(args.cluster, config)
     table = load_profile(args.profile, args.ns_steps) if args.profile else None

@@ -35,6 +35,7 @@ class ProfileCache(AutotuneCache):
 
     version = PROFILE_VERSION
     label = "DMuon NS profile cache"
+    env = "$DMUON_PROFILE_CACHE"
 
 
 class PlanCache(AutotuneCache):
@@ -42,6 +43,7 @@ class PlanCache(AutotuneCache):
 
     version = 1
     label = "DMuon owner plan cache"
+    env = "$DMUON_PLAN_CACHE"
 
 
 PLAN_CACHE_ENV = "DMUON_PLAN_CACHE"
@@ -132,23 +134,23 @@ def measure_profile(
                 table = CostTable.from_json(entry)
                 if {k: table.meta.get(k) for k in META_KEYS} != meta:
                     warnings.warn(f"{cache.label} {cache.path}: the profile stored under {key} was measured with "
-                                  f"{table.meta}; measuring again")
+                                  f"{table.meta}; measuring again", RuntimeWarning)
                     table = None
             except (KeyError, TypeError, ValueError) as exc:
                 warnings.warn(f"{cache.label} {cache.path}: the profile stored under {key} is corrupt ({exc}); "
-                              "measuring again")
+                              "measuring again", RuntimeWarning)
                 table = None
     if table is None:
         table = CostTable(meta=dict(meta, source="profile"), points={})
     todo = _covers(table, shapes, batches)
     if table.points and todo:
-        warnings.warn(f"NS profile {key} lacks {len(todo)} (shape, batch) points; measuring them")
+        warnings.warn(f"NS profile {key} lacks {len(todo)} (shape, batch) points; measuring them", RuntimeWarning)
     start = clock()
     measured = 0
     for shape, batch in todo:
         if budget_s is not None and clock() - start > budget_s:
             warnings.warn(f"NS profiling stopped after its {budget_s:g} s budget; {len(todo) - measured} "
-                          "(shape, batch) points left to the analytic cost model")
+                          "(shape, batch) points left to the analytic cost model", RuntimeWarning)
             break
         ms = float(time_fn(shape, batch, repeats))
         table.add(shape, batch, ms)

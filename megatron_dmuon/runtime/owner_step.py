@@ -75,11 +75,11 @@ class MuonSettings:
 
         validate_update_settings(self)
         if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"dmuon momentum must be in [0, 1), got {self.momentum}")
+            raise ValueError(f"--muon-momentum {self.momentum} must be in [0, 1) (MuonSettings.momentum)")
         if self.ns_method not in NS_METHODS:
-            raise ValueError(f"dmuon ns_method {self.ns_method!r} unknown; valid: {NS_METHODS}")
+            raise ValueError(f"--dmuon-ns-method {self.ns_method!r} unknown; valid: {', '.join(NS_METHODS)}")
         if self.ns_steps < 1:
-            raise ValueError(f"dmuon ns_steps must be >= 1, got {self.ns_steps}")
+            raise ValueError(f"--muon-num-ns-steps {self.ns_steps} must be >= 1 (MuonSettings.ns_steps)")
         if self.ns_launch not in NS_LAUNCH_MODES:
             raise ValueError(f"dmuon ns_launch {self.ns_launch!r} unknown (--dmuon-ns-launch); valid: {NS_LAUNCH_MODES}")
         if self.tp_method not in TP_METHODS:
@@ -91,8 +91,8 @@ class MuonSettings:
         if self.coefficients == ADAPTIVE_SCHEDULE:
             if self.ns_steps != 5:
                 raise ValueError(
-                    f"dmuon coefficients 'adaptive' choose the step count per shape (4 for aspect >= 2, else 5); "
-                    f"ns_steps={self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
+                    f"--dmuon-coefficients adaptive chooses the step count per shape (4 for aspect >= 2, else 5); "
+                    f"--muon-num-ns-steps {self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
                 )
         else:
             from ..algorithms.coefficients import get_coefficients

@@ -97,7 +97,21 @@ def _parser():
 def _check(args, p):
     for name in ("dp", "tp", "pp", "ep", "steps", "grad_accum"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)}); --steps 0 would check nothing")
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})"
+                    + ("; --steps 0 would check nothing" if name == "steps" else ""))
+    if args.tol is not None and not (0 < args.tol < float("inf")):
+        p.error(f"--tol must be a finite number > 0 (got {args.tol}): the largest relative difference allowed per tensor")
+    from ..megatron.gpt import GPTShape
+
+    shape = GPTShape()  # the checked model (verify's workers build it)
+    for what, size in (("attention heads", shape.num_attention_heads), ("query groups", shape.num_query_groups),
+                       ("FFN width", shape.ffn_hidden_size)):
+        if size % args.tp:
+            p.error(f"--tp {args.tp} must divide the checked GPT's {what} ({size}): use --tp 1 or 2")
+    if shape.num_layers % args.pp:
+        p.error(f"--pp {args.pp} must divide the checked GPT's {shape.num_layers} layers: use --pp 1 or 2")
+    if 4 % args.ep:
+        p.error(f"--ep {args.ep} must divide the checked MoE GPT's 4 experts: use --ep 1, 2 or 4")
     if args.bf16:
         args.precision = "bf16"
     if args.fraction is not None and (args.update != "dion3" or not 0.0 < args.fraction <= 1.0):

@@ -1,0 +1,166 @@
+"""Bad input the main job meets while it runs (docs/bad_input.md rows 32-44): checkpoints of the
+AdamW baseline, resumes under another global batch or another owner plan, a loaded iteration past
+--train-iters, a tracker naming a lost iteration, two writers of one --save directory, runs that
+stop learning, and a usage error under launch/run_main.sh. Each case is one real 2-rank run of
+examples/pretrain_gpt.py (gloo); runs that several tests read are shared (module fixtures)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
+         "--micro-batch-size", "2", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "1"]
+
+
+def job(*argv, nproc=2, expect=0):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), JOB,
+           *SMALL, *map(str, argv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 if expect == 0 else proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def summary(proc) -> dict:
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("> summary "))
+    return json.loads(line[len("> summary "):])
+
+
+def losses(proc) -> dict:
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(" iteration"):
+            it = int(line.split()[1].split("/")[0])
+            out[it] = line.split("lm loss: ")[1].split()[0]
+    return out
+
+
+def tensors(root, iteration) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(root, f"flat_{iteration}.pt")
+    dcp_to_torch_save(os.path.join(root, f"iter_{iteration:07d}"), out)
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+def stop_at(src, dst, iteration):
+    """A copy of checkpoint root ``src`` whose latest checkpoint is ``iteration``."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.pt", ".dmuon_save.lock"))
+    for name in os.listdir(dst):
+        if name.startswith("iter_") and int(name[5:]) > iteration:
+            shutil.rmtree(os.path.join(dst, name))
+    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    return dst
+
+
+def same_tensors(a, b):
+    assert set(a) == set(b)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, different[:5]
+
+
+# ------------------------------------------------------------------------- the AdamW baseline
+@pytest.fixture(scope="module")
+def adam(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("adam")
+    full = job("--optimizer", "adam", "--train-iters", 8, "--save", tmp / "full", "--save-interval", 4)
+    resumed = job("--optimizer", "adam", "--train-iters", 8, "--load", stop_at(tmp / "full", tmp / "resumed", 4),
+                  "--save", tmp / "resumed")
+    return tmp, full, resumed
+
+
+def test_adam_baseline_resumes_bit_identically(adam):
+    tmp, full, resumed = adam
+    assert "loaded checkpoint" in resumed.stdout
+    assert {k: v for k, v in losses(full).items() if k > 4} == losses(resumed)
+    same_tensors(tensors(tmp / "full", 8), tensors(tmp / "resumed", 8))
+
+
+def test_resume_under_another_global_batch_counts_consumed_samples(adam):
+    tmp, _, _ = adam
+    run = job("--optimizer", "adam", "--train-iters", 6, "--global-batch-size", 16,
+              "--load", stop_at(tmp / "full", tmp / "gbs", 4))
+    lines = [l for l in run.stdout.splitlines() if l.startswith(" iteration        5/")]
+    assert "consumed samples:         48 |" in lines[0], lines  # 4 x 8 + 16 (not 5 x 16 = 80)
+    assert summary(run)["consumed_samples"] == 64
+
+
+def test_a_loaded_iteration_at_train_iters_trains_nothing_and_says_so(adam):
+    tmp, _, _ = adam
+    run = job("--optimizer", "adam", "--train-iters", 8, "--load", tmp / "full")
+    assert "nothing to train (raise --train-iters to continue)" in run.stdout
+    s = summary(run)
+    assert s["trained_iterations"] == 0 and s["iteration"] == 8 and s["val_loss"] is not None
+
+
+def test_a_tracker_naming_a_lost_iteration_names_the_last_complete_one(adam, capsys):
+    tmp, _, _ = adam
+    broken = stop_at(tmp / "full", tmp / "lost", 8)
+    shutil.rmtree(broken / "iter_0000008")
+    proc = subprocess.run([sys.executable, JOB, "--optimizer", "adam", "--load", str(broken), "--parse-only"],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 2
+    assert "names iteration 8, but" in proc.stderr and "is missing" in proc.stderr
+    assert "the last complete checkpoint there is iteration 4: write 4 into" in proc.stderr
+
+
+# ----------------------------------------------------------------- DMuon: another owner plan
+def test_resume_under_another_owner_plan_is_bit_identical(tmp_path):
+    """The grad norm (and so clipping) no longer depends on which rank owns what (float64 partial
+    sums): a run resumed under --dmuon-balance round_robin ends equal to one that kept 'cost'."""
+    full = job("--train-iters", 8, "--save", tmp_path / "cost", "--save-interval", 4, "--dmuon-balance", "cost")
+    resumed = job("--train-iters", 8, "--load", stop_at(tmp_path / "cost", tmp_path / "rr", 4), "--save",
+                  tmp_path / "rr", "--dmuon-balance", "round_robin")
+    assert {k: v for k, v in losses(full).items() if k > 4} == losses(resumed)
+    same_tensors(tensors(tmp_path / "cost", 8), tensors(tmp_path / "rr", 8))
+
+
+# --------------------------------------------------------------------------- runs that go wrong
+def test_a_second_writer_of_a_save_directory_fails_at_start_up(tmp_path):
+    sys.path.insert(0, ROOT)
+    from examples.job_checks import SaveLock
+
+    held = SaveLock(str(tmp_path / "ck"))
+    assert held.acquire() is None
+    run = job("--train-iters", 4, "--save", tmp_path / "ck", expect=1)
+    assert run.returncode != 0 and run.stderr.count("is being written by another run") == 1
+    assert f"pid {os.getpid()}" in run.stderr and not os.path.exists(tmp_path / "ck" / "iter_0000004")
+
+
+def test_a_run_whose_updates_keep_failing_stops_with_an_error(tmp_path):
+    """DMuon skips every step with non-finite gradients; K of them in a row end the run (exit 1)."""
+    run = job("--train-iters", 30, "--lr", "1e30", "--clip-grad", 0, "--exit-after-skipped-iterations", 3,
+              "--save", tmp_path / "ck", "--save-interval", 1, expect=1)
+    assert run.stderr.count("3 consecutive iterations up to") == 1, run.stderr[-2000:]
+    saved = [int(n[5:]) for n in os.listdir(tmp_path / "ck") if n.startswith("iter_")]
+    assert saved and all(torch.isfinite(t).all() for t in tensors(tmp_path / "ck", max(saved)).values()
+                         if t.is_floating_point())
+
+
+def test_adam_parameters_that_turn_non_finite_stop_the_run_before_a_save(tmp_path):
+    """Megatron's AdamW (bf16 without a scaler, or fp32) applies a step with NaN gradients: the job
+    sees the non-finite loss, finds the parameters non-finite and stops; no checkpoint holds them."""
+    run = job("--optimizer", "adam", "--train-iters", 30, "--lr", "1e30", "--clip-grad", 0, "--save", tmp_path / "ck",
+              "--save-interval", 1, expect=1)
+    assert "the parameters are not finite" in run.stderr or "made the parameters non-finite" in run.stderr, \
+        run.stderr[-2000:]
+    saved = sorted(int(n[5:]) for n in os.listdir(tmp_path / "ck") if n.startswith("iter_"))
+    if saved:
+        assert all(torch.isfinite(t).all() for t in tensors(tmp_path / "ck", saved[-1]).values() if t.is_floating_point())
+
+
+def test_a_usage_error_under_run_main_prints_once_and_exits_2():
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "run_main.sh"), "--num-layers", "0"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count("error:") == 1 and "--num-layers must be >= 1" in proc.stderr
+    assert "ChildFailedError" not in proc.stderr + proc.stdout
