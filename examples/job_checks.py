@@ -109,7 +109,8 @@ def _check_checkpointing(p, args) -> None:
         p.error(f"--save/--load support --dmuon-mode dmuon (and --optimizer adam); --dmuon-mode {args.dmuon_mode} "
                 "is a comparison baseline without checkpoints")
     if args.load:
-        from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError, resume_iteration
+        from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError
+        from megatron_dmuon.megatron.checkpoint_io import resume_iteration
 
         try:
             resume_iteration(args.load)

@@ -4,12 +4,15 @@
     torchrun --nproc-per-node 8 examples/pretrain_gpt.py --optimizer dmuon --bf16 # all GPUs (NCCL)
 
 Data: byte-level tokens of the Python standard library's source (on every machine), or a Megatron
-indexed dataset with --data-path PREFIX (the .bin/.idx pair). Prints Megatron-style progress lines.
+indexed dataset with --data-path PREFIX (the .bin/.idx pair); the last 5% held out (--split) for the
+validation loss. Prints Megatron-style progress lines. Every flag, the data, the paths and a memory
+bound are checked before anything is built (examples/job_checks.py; --parse-only stops there).
 
 Checkpoints as Megatron-LM's: --save DIR --save-interval N writes DIR/iter_NNNNNNN (torch_dist:
 model, DMuon's per-parameter optimizer state, scheduler) and DIR/latest_checkpointed_iteration.txt;
 --load DIR resumes from the latest one (and starts fresh if DIR holds none, so one command line
-serves a first run and its restarts under `torchrun --max-restarts`).
+serves a first run and its restarts under `torchrun --max-restarts`). One run writes a --save
+directory at a time (a lock file in it).
 """
 from __future__ import annotations
 
@@ -153,7 +156,7 @@ def setup_distributed():
 
 def load_if_requested(args, ddp, opt, sched, rank) -> int:
     """Resume from --load's latest checkpoint; the iteration to continue after (0: fresh start)."""
-    from megatron_dmuon.megatron.checkpoint import checkpoint_dir, latest_iteration, load_checkpoint
+    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, latest_iteration, load_checkpoint
 
     if not args.load:
         return 0
@@ -178,7 +181,7 @@ def load_if_requested(args, ddp, opt, sched, rank) -> int:
 
 
 def save(args, iteration, ddp, opt, sched, rank) -> None:
-    from megatron_dmuon.megatron.checkpoint import save_checkpoint
+    from megatron_dmuon.megatron.checkpoint_io import save_checkpoint
 
     path = save_checkpoint(args.save, iteration, [ddp], opt, extra={"opt_param_scheduler": sched.state_dict()})
     if rank == 0:
@@ -194,7 +197,8 @@ def maybe_fail(args, iteration, rank, world) -> None:
 
 
 class IntervalLog:
-    """Megatron-style progress line: averages over the log interval, throughput per GPU, and the
+    """Megatron-style progress line: averages over the log interval (ms, optimizer ms, throughput
+    per GPU, lm loss), the last iteration's lr and grad norm (as Megatron-LM prints them), and the
     interval's skipped (update not applied) and NaN/Inf-loss iteration counts."""
 
     def __init__(self, args, world: int, flops_per_iter: float):

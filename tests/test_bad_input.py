@@ -77,14 +77,16 @@ def test_corrupt_owner_plan_in_a_checkpoint_is_named():
 
 
 def test_checkpoint_tracker_and_directory_errors(tmp_path):
-    assert ckpt.latest_iteration(str(tmp_path)) is None  # no checkpoint: a fresh start
-    (tmp_path / ckpt.TRACKER).write_text("5\n")
-    assert ckpt.latest_iteration(str(tmp_path)) == 5
-    (tmp_path / ckpt.TRACKER).write_text("\x00garbage")
+    from megatron_dmuon.megatron import checkpoint_io
+
+    assert checkpoint_io.latest_iteration(str(tmp_path)) is None  # no checkpoint: a fresh start
+    (tmp_path / checkpoint_io.TRACKER).write_text("5\n")
+    assert checkpoint_io.latest_iteration(str(tmp_path)) == 5
+    (tmp_path / checkpoint_io.TRACKER).write_text("\x00garbage")
     with pytest.raises(ckpt.CheckpointMismatchError, match="is corrupt"):
-        ckpt.latest_iteration(str(tmp_path))
+        checkpoint_io.latest_iteration(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="not a complete dist checkpoint"):
-        ckpt.load_checkpoint(str(tmp_path / "iter_0000005"), [], None)
+        checkpoint_io.load_checkpoint(str(tmp_path / "iter_0000005"), [], None)
 
 
 @pytest.mark.parametrize("kind", ["fsdp_dtensor", "dp_zero_gather_scatter"])

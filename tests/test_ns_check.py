@@ -145,7 +145,7 @@ def test_planted_failure_is_caught_and_logged_under_megatron_lm_flags():
 
 def test_the_main_job_logs_the_check():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--train-iters", "6", "--log-interval", "3",
+           os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--train-iters", "6", "--log-interval", "100",
            "--seq-length", "32", "--dmuon-ns-check-interval", "3", "--eval-iters", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
@@ -153,3 +153,5 @@ def test_the_main_job_logs_the_check():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("> DMuon NS check at step")]
     assert [line.split(":")[0] for line in lines] == ["> DMuon NS check at step 3", "> DMuon NS check at step 6"]
     assert all("recomputed by the exact fp32 NS: 0 (0 in all)" in line for line in lines), lines
+    # a log interval beyond the run still logs the last iteration ([bad-input-2])
+    assert [l.split()[1] for l in proc.stdout.splitlines() if l.startswith(" iteration")] == ["1/", "6/"]

@@ -380,7 +380,7 @@ def _save(run, root, iteration, fmt):
 
     from megatron.core import parallel_state as ps
 
-    from megatron_dmuon.megatron.checkpoint import save_checkpoint
+    from megatron_dmuon.megatron.checkpoint_io import save_checkpoint
 
     if fmt == "dist":
         save_checkpoint(root, iteration, [run.ddp], run.opt, extra={"scheduler": run.sched.state_dict()})
@@ -403,7 +403,7 @@ def _load(run, root, iteration, fmt, optimizer_only=False):
 
     from megatron.core import parallel_state as ps
 
-    from megatron_dmuon.megatron.checkpoint import checkpoint_dir, load_checkpoint
+    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint
 
     if fmt == "dist":
         if optimizer_only:  # the masters alone: the publish must reach every replica
@@ -574,7 +574,7 @@ def checkpoint_bad_loads(rank, world_size, root, **kw):
     import os
     import shutil
 
-    from megatron_dmuon.megatron.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint, save_checkpoint
 
     init_parallel()
     good = _build(**kw)

@@ -1,0 +1,210 @@
+"""Job-level checkpoints in Megatron-LM's torch_dist layout: ``ROOT/iter_NNNNNNN`` (model, optimizer,
+scheduler, iteration) and ``ROOT/latest_checkpointed_iteration.txt``, for the main job, the tests
+and any megatron-core loop (Megatron-LM itself saves through its own code and DMuon's
+``sharded_state_dict``). DMuon's optimizer state format is ``checkpoint.py``'s; Megatron's own
+optimizers (the AdamW baseline) load through Megatron's code.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import List, Optional
+
+import torch
+
+from .checkpoint import (
+    CheckpointMismatchError, _chunks, _content_metadata, agree_or_raise, check_record, gather_record,
+    model_sharded_metadata, model_state, unwrap,
+)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    import os
+
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, extra: Optional[dict] = None,
+                    sharding_type: str = "fully_reshardable") -> str:
+    """Megatron-LM's torch_dist layout: ``root/iter_NNNNNNN`` holds the model, the optimizer and
+    ``extra`` (common: iteration, scheduler...); ``root/latest_checkpointed_iteration.txt`` is
+    written only once every rank finished, so a crash mid-save leaves the previous one current."""
+    import os
+    import shutil
+
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_dir(root, iteration)
+    if torch.distributed.get_rank() == 0:
+        if os.path.isdir(path):  # an incomplete save of a killed attempt
+            shutil.rmtree(path)
+        os.makedirs(path)
+    torch.distributed.barrier()
+    metadata = _content_metadata(sharding_type)
+    state = model_state(model_chunks, metadata)
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+    state.update(extra or {})
+    state["iteration"] = iteration
+    dist_checkpointing.save(state, path, content_metadata=metadata)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER))
+    torch.distributed.barrier()
+    return path
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration of the last complete checkpoint under ``root`` (None: no checkpoint)."""
+    import os
+
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointMismatchError(f"{tracker} is corrupt: {text[:40]!r} is not an iteration number") from None
+
+
+def complete_iterations(root: str) -> List[int]:
+    """The iterations under ``root`` whose checkpoint directory is complete (has metadata.json)."""
+    import os
+    import re
+
+    if not os.path.isdir(root):
+        return []
+    found = [int(m.group(1)) for name in os.listdir(root) if (m := re.fullmatch(r"iter_(\d{7})", name))]
+    return sorted(i for i in found if os.path.isfile(os.path.join(checkpoint_dir(root, i), "metadata.json")))
+
+
+def resume_iteration(root: str) -> Optional[int]:
+    """``latest_iteration(root)``, checked: the tracker must name a complete checkpoint. Else a
+    ``CheckpointMismatchError`` names the last complete one and how to resume from it."""
+    import os
+
+    iteration = latest_iteration(root)
+    if iteration is None:
+        return None
+    path = checkpoint_dir(root, iteration)
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return iteration
+    complete = complete_iterations(root)
+    state = "is missing" if not os.path.isdir(path) else "is incomplete (no metadata.json)"
+    tracker = os.path.join(root, TRACKER)
+    hint = (f"the last complete checkpoint there is iteration {complete[-1]}: write {complete[-1]} into {tracker} "
+            f"to resume from it" if complete else "no complete checkpoint is there: remove the tracker to start fresh")
+    raise CheckpointMismatchError(f"{tracker} names iteration {iteration}, but {path} {state}; {hint}")
+
+
+def _fresh_data(state) -> None:
+    """Point every model ShardedTensor / factory at an empty tensor of its shape (in place)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def visit(d):
+        items = d.items() if isinstance(d, dict) else enumerate(d)
+        for k, v in list(items):
+            if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and v.data is not None:
+                d[k] = replace(v, data=torch.empty_like(v.data))
+            elif isinstance(v, (dict, list)):
+                visit(v)
+
+    for key, value in state.items():
+        if key.startswith("model"):
+            visit(value)
+
+
+def _materialize_torch_adam_state(parts) -> None:
+    """Megatron's DistributedOptimizer without Apex/TE reads every param's AdamW ``step`` in
+    ``state_dict()``, which a load calls before any step has created the state: create it as the
+    optimizer's own ``init_state_fn`` does (plus step 0); the load then overwrites all of it."""
+    for part in parts:
+        inner = getattr(part, "optimizer", None)
+        if inner is None or getattr(part, "init_state_fn", None) is None:
+            continue
+        part.init_state_fn(inner, getattr(part, "config", None))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+@contextlib.contextmanager
+def _torch_adam_step_fix(parts):
+    """megatron-core 0.19's DistributedOptimizer without Apex/TE (torch's AdamW) has two bugs on
+    load: ``load_state_dict`` gives every param one shared ``step`` tensor (torch's AdamW then adds 1
+    to it once per param per step, so the bias correction runs ahead), and it copies each state
+    tensor from the checkpoint's per-param tensors, which hold no ``step`` (it travels in the param
+    groups): a KeyError on any load. During the load a missing entry is skipped (its code already
+    skips non-tensor entries); after it every param gets its own copy of the step. DMuon's own
+    optimizer does not take this path."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+    needed = not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True) and not all(
+        hasattr(p, "dmuon_model_chunks") for p in parts)
+    if needed:
+        def tolerant(self, model_param, tensors):
+            from collections import defaultdict
+
+            return original(self, model_param, defaultdict(lambda: None, tensors))
+
+        cls._set_main_param_and_optimizer_states = tolerant
+    try:
+        yield
+    finally:
+        cls._set_main_param_and_optimizer_states = original
+    if needed:
+        for part in parts:
+            for state in getattr(getattr(part, "optimizer", None), "state", {}).values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+
+
+def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = True) -> dict:
+    """Load a ``save_checkpoint`` directory into built model chunks and optimizer; returns the
+    loaded common entries (iteration, ``extra``). The optimizer record is checked on every rank
+    before anything is read (a checkpoint of another model or optimizer fails here, loudly)."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(f"{path} is not a complete dist checkpoint (no metadata.json)")
+    metadata = dist_checkpointing.load_content_metadata(path) or _content_metadata("fully_reshardable")
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if load_optimizer and all(hasattr(p, "dmuon_model_chunks") for p in parts):  # (else Megatron's own optimizer)
+        common = dist_checkpointing.load_common_state_dict(path)
+        saved = common.get("optimizer") if isinstance(common, dict) else None
+        meta = model_sharded_metadata(model_state(_chunks(parts)))
+        agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
+                                    gather_record(parts, meta)))
+    state = model_state(model_chunks, metadata)
+    if load_optimizer:
+        if not all(hasattr(p, "dmuon_model_chunks") for p in parts):
+            _materialize_torch_adam_state(parts)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    # read into fresh tensors: a load that fails midway (truncated or missing files) leaves the
+    # model as it was (the optimizer part is fresh already); copied in once everything is read
+    _fresh_data(state)
+    try:
+        loaded = dist_checkpointing.load(state, path)
+    except Exception:
+        raise
+    except BaseException as e:  # torch DCP's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise RuntimeError(f"reading the checkpoint {path} failed (nothing was loaded): {e}") from e
+    for i, chunk in enumerate(model_chunks):
+        unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
+    if load_optimizer:
+        with _torch_adam_step_fix(parts):
+            optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        optimizer.reload_model_params()
+    return {k: v for k, v in loaded.items() if k != "optimizer" and not k.startswith("model")}
