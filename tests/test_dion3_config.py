@@ -30,8 +30,8 @@ def test_update_flags_reach_the_owner_settings():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--dmuon-update", "dion3", "--dmuon-fraction", "0"], r"--dmuon-fraction 0.0 must be in \(0, 1\]"),
-    (["--dmuon-update", "dion3", "--dmuon-fraction", "1.5"], r"--dmuon-fraction 1.5 must be in \(0, 1\]"),
+    (["--dmuon-update", "dion3", "--dmuon-fraction", "0"], r"--dmuon-fraction 0.0 must be a finite number in \(0, 1\]"),
+    (["--dmuon-update", "dion3", "--dmuon-fraction", "1.5"], r"--dmuon-fraction 1.5 must be a finite number in \(0, 1\]"),
     (["--dmuon-fraction", "0.5"], "applies to --dmuon-update dion3 only.*drop --dmuon-fraction"),
     (["--dmuon-update", "normuon", "--dmuon-fraction", "0.5"], "applies to --dmuon-update dion3 only"),
     (["--dmuon-update", "normuon", "--dmuon-momentum-dtype", "bf16"], "drop --dmuon-momentum-dtype bf16"),
@@ -39,7 +39,7 @@ def test_update_flags_reach_the_owner_settings():
     (["--dmuon-update", "dion3", "--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"],
      "--tensor-model-parallel-size 1"),
     (["--dmuon-update", "dion3", "--dmuon-mode", "megatron_layerwise"], "needs --dmuon-mode dmuon"),
-    (["--dmuon-update", "normuon", "--dmuon-normuon-beta2", "1"], "--dmuon-normuon-beta2 1.0 must be in"),
+    (["--dmuon-update", "normuon", "--dmuon-normuon-beta2", "1"], "--dmuon-normuon-beta2 1.0 must be a finite number in"),
 ], ids=["fraction0", "fraction_over_1", "fraction_with_muon", "fraction_with_normuon", "bf16_momentum", "nesterov", "tp2",
         "layerwise", "beta2"])
 def test_bad_update_flags_fail_at_parse_time(argv, message):

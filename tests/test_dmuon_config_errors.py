@@ -32,7 +32,7 @@ def test_gather_then_compute_with_distributed_optimizer_is_rejected():
 
 @pytest.mark.parametrize("muon,match", [
     (MuonSettings(momentum=1.0), "momentum"),
-    (MuonSettings(ns_method="svd"), "ns_method"),
+    (MuonSettings(ns_method="svd"), "--dmuon-ns-method"),
     (MuonSettings(ns_steps=0), "ns_steps"),
     (MuonSettings(coefficients="nope"), "nope"),
     (MuonSettings(scale_mode="bogus"), "bogus"),

@@ -373,6 +373,16 @@ def test_install_rejects_at_parse_time(stand_in_megatron_training, capsys):
     assert "--optimizer muon --use-distributed-optimizer" in capsys.readouterr().err
 
 
+def test_dmuon_parse_errors_print_on_rank_0_only(capsys, monkeypatch):
+    """Under torchrun every rank parses: DMuon's refusal is printed by rank 0, the others exit 2 silently."""
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_info:
+            megatron_lm_parser().parse_args(MODEL + ["--optimizer", "dmuon", "--muon-extra-scale-factor", "0"])
+        assert exit_info.value.code == 2
+        assert ("--muon-extra-scale-factor 0.0 must be" in capsys.readouterr().err) == printed
+
+
 def _megatron_lm_checkout():
     path = os.environ.get("DMUON_MEGATRON_LM") or os.path.join(ROOT, ".mlm")
     return path if os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")) else None

@@ -346,6 +346,8 @@ def _validate_on_parse(parser: argparse.ArgumentParser) -> None:
         try:
             validate_dmuon_args(args)
         except ValueError as e:
+            if os.environ.get("RANK", "0") != "0":  # every rank fails alike: one of them says why
+                raise SystemExit(2) from None
             parser.error(str(e))
         return args, rest
 
