@@ -101,11 +101,11 @@ class MuonSettings:
         muon_lr_scale(2, 1, self.scale_mode)  # raises if the mode is unknown
         if isinstance(self.ns_check_interval, bool) or not isinstance(self.ns_check_interval, int) \
                 or self.ns_check_interval < 0:
-            raise ValueError(f"dmuon ns_check_interval must be an int >= 0 (--dmuon-ns-check-interval; 0 turns the "
-                             f"check off), got {self.ns_check_interval!r}")
+            raise ValueError(f"--dmuon-ns-check-interval {self.ns_check_interval!r} must be an integer >= 0 (0 turns "
+                             "the check off; MuonSettings.ns_check_interval)")
         if self.ns_check_bound is not None and not (0 < self.ns_check_bound < float("inf")):
-            raise ValueError(f"dmuon ns_check_bound must be a finite number > 0 (--dmuon-ns-check-bound), got "
-                             f"{self.ns_check_bound!r}")
+            raise ValueError(f"--dmuon-ns-check-bound {self.ns_check_bound!r} must be a finite number > 0 "
+                             "(MuonSettings.ns_check_bound)")
 
     def ns_check_limit(self, rows: int, cols: int) -> float:
         """The largest estimate of top-eig(OᵀO − I) an NS output of a [rows, cols] matrix may have."""
