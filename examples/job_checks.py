@@ -42,10 +42,11 @@ def validate_args(p, args, default_lr: dict) -> None:
     for name in ("lr_warmup_iters", "eval_iters", "exit_after_skipped_iterations"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
-    try:
-        check_training_numbers(args)  # lr, min-lr, weight decay, clipping, Adam betas: finite, in range
-    except ValueError as e:
-        p.error(str(e))
+    if args.optimizer != "dmuon":  # (for dmuon, validate_dmuon_args below checks them with the rest)
+        try:
+            check_training_numbers(args)  # lr, min-lr, weight decay, clipping, Adam betas: finite, in range
+        except ValueError as e:
+            p.error(str(e))
     if args.lr_warmup_iters >= args.train_iters:
         p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters ({args.train_iters})")
     _check_layout(p, args)

@@ -6,6 +6,7 @@ optimizers (the AdamW baseline) load through Megatron's code.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import replace
 from typing import List, Optional
@@ -119,51 +120,45 @@ def _fresh_data(state) -> None:
             visit(value)
 
 
-def _materialize_torch_adam_state(parts) -> None:
-    """Megatron's DistributedOptimizer without Apex/TE reads every param's AdamW ``step`` in
-    ``state_dict()``, which a load calls before any step has created the state: create it as the
-    optimizer's own ``init_state_fn`` does (plus step 0); the load then overwrites all of it."""
+@contextlib.contextmanager
+def _megatron_torch_adam_load(parts):
+    """Work around megatron-core 0.19's DistributedOptimizer without Apex/TE (torch's AdamW) for
+    one load (a no-op elsewhere; DMuon's own optimizer never takes this path). Three bugs:
+    ``state_dict()``, which the load calls first, reads every param's ``step`` before any step has
+    created the state (so: the state is created as the optimizer's own ``init_state_fn`` does, plus
+    step 0; the load overwrites all of it); ``load_state_dict`` copies each state tensor from the
+    checkpoint's per-param tensors, which hold no ``step`` (it travels in the param groups), a
+    KeyError (so: a missing entry is skipped, as its code already skips non-tensor entries); and it
+    gives every param one shared ``step`` tensor, which torch's AdamW then increments once per param
+    per step (so: every param gets its own copy)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        yield
+        return
+    inners = [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
     for part in parts:
-        inner = getattr(part, "optimizer", None)
-        if inner is None or getattr(part, "init_state_fn", None) is None:
-            continue
-        part.init_state_fn(inner, getattr(part, "config", None))
+        if getattr(part, "init_state_fn", None) is not None and getattr(part, "optimizer", None) is not None:
+            part.init_state_fn(part.optimizer, getattr(part, "config", None))
+    for inner in inners:
         for group in inner.param_groups:
             for p in group["params"]:
                 inner.state[p].setdefault("step", torch.tensor(0.0))
-
-
-@contextlib.contextmanager
-def _torch_adam_step_fix(parts):
-    """megatron-core 0.19's DistributedOptimizer without Apex/TE (torch's AdamW) has two bugs on
-    load: ``load_state_dict`` gives every param one shared ``step`` tensor (torch's AdamW then adds 1
-    to it once per param per step, so the bias correction runs ahead), and it copies each state
-    tensor from the checkpoint's per-param tensors, which hold no ``step`` (it travels in the param
-    groups): a KeyError on any load. During the load a missing entry is skipped (its code already
-    skips non-tensor entries); after it every param gets its own copy of the step. DMuon's own
-    optimizer does not take this path."""
-    from megatron.core.optimizer import distrib_optimizer
-
     cls = distrib_optimizer.DistributedOptimizer
     original = cls._set_main_param_and_optimizer_states
-    needed = not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True) and not all(
-        hasattr(p, "dmuon_model_chunks") for p in parts)
-    if needed:
-        def tolerant(self, model_param, tensors):
-            from collections import defaultdict
 
-            return original(self, model_param, defaultdict(lambda: None, tensors))
+    def tolerant(self, model_param, tensors):
+        return original(self, model_param, collections.defaultdict(lambda: None, tensors))
 
-        cls._set_main_param_and_optimizer_states = tolerant
+    cls._set_main_param_and_optimizer_states = tolerant
     try:
         yield
     finally:
         cls._set_main_param_and_optimizer_states = original
-    if needed:
-        for part in parts:
-            for state in getattr(getattr(part, "optimizer", None), "state", {}).values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
+    for inner in inners:
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = True) -> dict:
@@ -178,16 +173,22 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (no metadata.json)")
     metadata = dist_checkpointing.load_content_metadata(path) or _content_metadata("fully_reshardable")
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    if load_optimizer and all(hasattr(p, "dmuon_model_chunks") for p in parts):  # (else Megatron's own optimizer)
+    dmuon = all(hasattr(p, "dmuon_model_chunks") for p in parts)  # else one of Megatron's own optimizers
+    if load_optimizer and dmuon:
         common = dist_checkpointing.load_common_state_dict(path)
         saved = common.get("optimizer") if isinstance(common, dict) else None
         meta = model_sharded_metadata(model_state(_chunks(parts)))
         agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
                                     gather_record(parts, meta)))
+    with contextlib.nullcontext() if dmuon or not load_optimizer else _megatron_torch_adam_load(parts):
+        return _load(path, model_chunks, optimizer, load_optimizer, metadata)
+
+
+def _load(path, model_chunks, optimizer, load_optimizer, metadata) -> dict:
+    from megatron.core import dist_checkpointing
+
     state = model_state(model_chunks, metadata)
     if load_optimizer:
-        if not all(hasattr(p, "dmuon_model_chunks") for p in parts):
-            _materialize_torch_adam_state(parts)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
     # read into fresh tensors: a load that fails midway (truncated or missing files) leaves the
     # model as it was (the optimizer part is fresh already); copied in once everything is read
@@ -203,8 +204,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
     for i, chunk in enumerate(model_chunks):
         unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
     if load_optimizer:
-        with _torch_adam_step_fix(parts):
-            optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(loaded["optimizer"])
     else:
         optimizer.reload_model_params()
     return {k: v for k, v in loaded.items() if k != "optimizer" and not k.startswith("model")}

@@ -282,7 +282,8 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                    help="dmuon: owners (needs --use-distributed-optimizer); gather_then_compute: the "
                         "all-reduce baseline; megatron_layerwise: Megatron's own LayerWise Muon")
     g.add_argument("--dmuon-ns-method", default="auto", choices=NS_METHODS,
-                   help="Newton-Schulz variant: standard, gram (in the small Gram space), auto (the "
+                   help="Newton-Schulz variant: standard, gram (in the small Gram space; a 16-bit "
+                        "--muon-fp32-matmul-prec runs it in fp16, where it is stable, not bf16), auto (the "
                         "kernels' measured fastest per shape; standard off CUDA)")
     g.add_argument("--dmuon-coefficients", default=None, choices=COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,),
                    help="DMuon's NS schedule instead of --muon-coefficient-type (adaptive: per shape, "

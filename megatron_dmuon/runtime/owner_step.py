@@ -188,27 +188,16 @@ class MatrixInfo:
                         self.partition_dim, self.partition_stride)
 
 
-def fp32_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The float32 torch path of the same NS (method, schedule): the retry for non-finite outputs."""
-    method = "standard" if settings.ns_method == "auto" else settings.ns_method
+def fp32_orthogonalizer(settings: MuonSettings, method: Optional[str] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The float32 torch path of the same NS schedule: with the settings' method (the retry for
+    non-finite outputs), or ``method`` ('standard': the online check's exact repair)."""
+    method = method or ("standard" if settings.ns_method == "auto" else settings.ns_method)
 
     def orth(stack: torch.Tensor) -> torch.Tensor:
         from ..algorithms.ns_dispatch import orthogonalize
 
         kw = settings.ns_schedule(stack.size(-2), stack.size(-1))
         return orthogonalize(stack.float(), method=method, compute_dtype=torch.float32, check_finite=False, **kw)
-
-    return orth
-
-
-def exact_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The float32 standard NS of the same schedule (torch path): the online check's repair."""
-
-    def orth(stack: torch.Tensor) -> torch.Tensor:
-        from ..algorithms.ns_dispatch import orthogonalize
-
-        kw = settings.ns_schedule(stack.size(-2), stack.size(-1))
-        return orthogonalize(stack.float(), method="standard", compute_dtype=torch.float32, check_finite=False, **kw)
 
     return orth
 
@@ -252,7 +241,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             )
         self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
         self._fp32_orthogonalizer = fp32_orthogonalizer(self.muon)
-        self.ns_check = NSQualityCheck(self.muon, exact_orthogonalizer(self.muon))
+        self.ns_check = NSQualityCheck(self.muon, fp32_orthogonalizer(self.muon, method="standard"))
         self.tp = TPExchange(tp_group)
         if self.muon.update != "muon" and self.tp.size > 1:
             from .row_update_step import tp_refusal
@@ -538,15 +527,17 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         else:
             from ..kernels import GraphedGroups, orthogonalize_groups
 
-            methods, per_stack = zip(*(s.ns_call(x) for x in stacks))
+            def calls():  # (methods, per-stack kwargs): MuonSettings.ns_call of every stack
+                methods, per_stack = zip(*(s.ns_call(x) for x in stacks))
+                return dict(method=list(methods), per_stack_kwargs=list(per_stack))
+
             if s.ns_launch == "streams":
-                outputs = orthogonalize_groups(stacks, list(methods), per_stack_kwargs=list(per_stack))
+                outputs = orthogonalize_groups(stacks, **calls())
             else:
                 key = self._graph_key(plan, stacks[0].device)
                 graph = self._graphs.get(key)
                 if graph is None:  # captured on these very stacks: they become its input buffers
-                    graph = self._graphs[key] = GraphedGroups(stacks, list(methods), per_stack_kwargs=list(per_stack),
-                                                              adopt_inputs=True)
+                    graph = self._graphs[key] = GraphedGroups(stacks, adopt_inputs=True, **calls())
                 outputs = graph(stacks)  # the graph's static outputs: consumed before the next step
         if s.retry_nonfinite:
             outputs = [self._retry_nonfinite(o, x) for o, x in zip(outputs, stacks)]
