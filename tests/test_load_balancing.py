@@ -18,8 +18,9 @@ from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
 from megatron_dmuon.planning.profile import PlanCache, ProfileCache, measure_profile, profile_batches
 
 HERE = os.path.dirname(__file__)
-ROOT = os.path.dirname(HERE)
-BENCH = os.path.join(ROOT, "docs", "bench_kernels_h200.json")
+# the H200 kernel benchmark cut to what load_bench_kernels_profile reads
+# (from docs/results/kernels/bench_kernels_h200_2026-11-30.json)
+BENCH = os.path.join(HERE, "data", "bench_kernels_h200_profile.json")
 
 
 # ----------------------------------------------------------------------------- brute force
@@ -387,11 +388,12 @@ def test_megatron_argv_and_text_output(capsys):
 
 def test_simulation_matches_the_measured_h200_runs():
     """Predicted vs measured optimizer step of the 4-layer Qwen2.5-7B-shaped GPT
-    (docs/scaling_h200x2.json; no overlap flags): the 2-H200 run within 25%."""
+    (docs/results/scaling/scaling_h200x2_2026-11-30.json, its e2e rows in tests/data; no overlap
+    flags): the 2-H200 run within 25%."""
     from megatron_dmuon.planning.models import PRESETS, ParallelSpec
     from megatron_dmuon.planning.simulate import predict_adamw_step, predict_optimizer_step
 
-    measured = json.load(open(os.path.join(ROOT, "docs", "scaling_h200x2.json")))
+    measured = json.load(open(os.path.join(HERE, "data", "scaling_h200x2_e2e.json")))
     model = CostModel(device_spec("H200"), load_bench_kernels_profile(BENCH))
     cluster = cluster_spec("h200")
     for gpus, tol in (("2", 0.25), ("1", 0.25)):
