@@ -1,6 +1,6 @@
 """Owner-step time of Muon, NorMuon and Dion3 (f = 1, 1/4, 1/8) on Qwen2.5-7B layer shapes.
 
-    python bench/dion3.py [--layers 1] [--fractions 1 0.25 0.125] [--reps 10] [--out docs/bench_dion3_h200]
+    python bench/dion3.py [--layers 1] [--fractions 1 0.25 0.125] [--reps 10] [--out docs/results/dion3/bench_dion3_h200]
 
 One process, no process group: ``OwnerMuonAdamW`` (the owner step DMuon runs) owns every matrix
 of ``--layers`` decoder layers (q, o 3584x3584; k, v 512x3584; gate, up 18944x3584; down

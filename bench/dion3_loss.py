@@ -1,6 +1,6 @@
 """Loss curves of Muon, NorMuon and Dion3 on the small GPT of examples/pretrain_gpt.py.
 
-    python bench/dion3_loss.py [--nproc 1] [--iters 300] [--out docs/dion3_loss_h200] [--extra ...]
+    python bench/dion3_loss.py [--nproc 1] [--iters 300] [--out docs/results/dion3/dion3_loss_h200] [--extra ...]
 
 Runs the project's main job once per rule under torchrun (same data, seed, lr schedule and model;
 bf16 on GPUs), reads each run's per-iteration losses from ``--timing-json`` and writes
@@ -83,7 +83,7 @@ def main():
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--rules", nargs="+", default=[label for label, _ in RULES])
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "dion3_loss"))
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "dion3", "dion3_loss"))
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
     results = []

@@ -1,6 +1,6 @@
 """Benchmark of the Gram Newton–Schulz kernels on Qwen2.5-7B layer shapes (JSON + markdown).
 
-    python bench/kernels.py [--out-dir docs] [--name bench_kernels_h200] [--coefficients polar_express]
+    python bench/kernels.py [--out-dir docs/results/kernels] [--name bench_kernels_h200] [--coefficients polar_express]
                             [--peers .peers] [--cache PATH] [--smoke]
 
 Measures, for each Qwen2.5-7B matrix shape as a batch of 8 (and for one whole layer):
@@ -519,7 +519,7 @@ def markdown(report) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out-dir", default=str(ROOT / "docs"))
+    parser.add_argument("--out-dir", default=str(ROOT / "docs" / "results" / "kernels"))
     parser.add_argument("--name", default="bench_kernels")
     parser.add_argument("--coefficients", default="polar_express")
     parser.add_argument("--batch", type=int, default=8)

@@ -2,7 +2,7 @@
 bf16 publish, FP8 publish (e4m3, e5m2) and bf16 momentum at DP=2, and the bf16 distance to the fp32
 reference at DP=1, 2, 4 (20 steps, synthetic tokens, as tests/test_mixed_precision.py).
 
-    python bench/mixed_precision_cpu.py --steps 60 --out docs/mixed_precision_cpu   # ~3 min on 2 cores
+    python bench/mixed_precision_cpu.py --steps 60 --out docs/results/mixed_precision/mixed_precision_cpu   # ~3 min on 2 cores
 """
 from __future__ import annotations
 

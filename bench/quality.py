@@ -1,6 +1,6 @@
 """Training quality: AdamW, DMuon's defaults and every fast option, by validation loss over seeds.
 
-    python bench/quality.py --model small --jobs 12 --out docs/results/quality_small_h200   # one GPU
+    python bench/quality.py --model small --jobs 12 --out docs/results/quality/quality_small_h200   # one GPU
     python bench/quality.py --model tiny --nproc 2 --seeds 3 --out /tmp/quality_tiny          # CPU, gloo
 
 Every run is the project's main job (examples/pretrain_gpt.py: megatron-core GPT, Megatron's

@@ -16,7 +16,7 @@ Plans (``planning.plans.plan_stage`` with the job's NS cost function and bucket 
   (QKV split) plus the element-wise work the layout gives each rank
   (``planning.cost_model.elementwise_costs``);
 * ``milp_elementwise`` (``--milp``): ``--dmuon-balance milp`` on the measured H200 NS profile
-  (docs/bench_kernels_h200.json; shapes it lacks analytic), pieces and element-wise work in ms.
+  (docs/results/kernels/bench_kernels_h200_2026-11-30.json; shapes it lacks analytic), pieces and element-wise work in ms.
 
     python bench/rank_balance.py [--preset qwen7b-4l] [--dp 2] [--iters 12] [--out STEM]
 
@@ -68,7 +68,7 @@ def plans_for(model, dp, bucket_size, cfg, milp=False):
     }
     if milp:
         h200 = device_spec("H200")
-        profile = CostModel(h200, load_bench_kernels_profile(ROOT / "docs" / "bench_kernels_h200.json"))
+        profile = CostModel(h200, load_bench_kernels_profile(ROOT / "docs/results/kernels/bench_kernels_h200_2026-11-30.json"))
         plans["milp_elementwise"] = plan_stage(model, par, profile, "milp", bucket_size=bucket_size, split=split,
                                           elementwise=elementwise_costs(h200, "ms"),
                                           milp_options={"time_limit_s": 20.0})

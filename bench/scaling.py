@@ -1,6 +1,6 @@
 """ms/iteration vs GPU count for DMuon, gather_then_compute and Megatron AdamW ([multi-gpu-dp]).
 
-    python bench/scaling.py --gpus 1 2 4 8 --preset qwen7b-4l --iters 12 --out docs/scaling
+    python bench/scaling.py --gpus 1 2 4 8 --preset qwen7b-4l --iters 12 --out docs/results/scaling/scaling
 
 For each GPU count runs bench/e2e.py (global batch scaled with DP: 8 x GPUs) and `dmuon-verify`
 under torchrun (bf16, NCCL); writes <out>.json, <out>.md and <out>.png.
@@ -39,7 +39,7 @@ def main():
     p.add_argument("--preset", default="qwen7b-4l")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--modes", nargs="+", default=MODES)
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "scaling"))
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "scaling", "scaling"))
     args = p.parse_args()
     results = {}
     for n in args.gpus:

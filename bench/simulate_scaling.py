@@ -1,7 +1,7 @@
 """Predicted DMuon optimizer step at 8-256 GPUs (planning/simulate.py), next to the DMuon paper's
 published point, and validated against every optimizer step measured on the H200s lent here.
 
-    python bench/simulate_scaling.py --out docs/load_balancing_sim
+    python bench/simulate_scaling.py --out docs/results/scaling/simulate_scaling
 
 Writes <out>.json, <out>.md (tables) and <out>.png (plot; needs matplotlib).
 """
@@ -28,10 +28,10 @@ PAPER = {"model": "qwen2.5-7b", "gpus": 256, "device": "A800", "optimizer_step_m
 # 32k vocab; ns-method auto, Keller 5 steps, no split rules, greedy NS-FLOP plans).
 MEASURED = [
     # (label, dp, tp, overlap_param_gather, mode, ms, source)
-    ("1 H200", 1, 1, False, "dmuon", None, "docs/scaling_h200x2.json ['1']"),
-    ("1 H200", 1, 1, False, "adam", None, "docs/scaling_h200x2.json ['1']"),
-    ("2 H200, DP=2", 2, 1, False, "dmuon", None, "docs/scaling_h200x2.json ['2']"),
-    ("2 H200, DP=2", 2, 1, False, "adam", None, "docs/scaling_h200x2.json ['2']"),
+    ("1 H200", 1, 1, False, "dmuon", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['1']"),
+    ("1 H200", 1, 1, False, "adam", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['1']"),
+    ("2 H200, DP=2", 2, 1, False, "dmuon", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['2']"),
+    ("2 H200, DP=2", 2, 1, False, "adam", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['2']"),
     ("2 H200, DP=2 (bench/e2e.py)", 2, 1, False, "dmuon", 45.3, "FACTS.md, no overlap flags"),
     ("2 H200, DP=2 (bench/e2e.py)", 2, 1, False, "adam", 21.9, "FACTS.md, no overlap flags"),
     ("2 H200, DP=2, overlap", 2, 1, True, "dmuon", 39.8, "FACTS.md, --overlap-grad-reduce --overlap-param-gather"),
@@ -44,7 +44,7 @@ MEASURED = [
 
 
 def validate(cost_model, cluster):
-    scaling = json.load(open(os.path.join(ROOT, "docs", "scaling_h200x2.json")))
+    scaling = json.load(open(os.path.join(ROOT, "docs/results/scaling/scaling_h200x2_2026-11-30.json")))
     rows = []
     for label, dp, tp, overlap, mode, ms, source in MEASURED:
         if ms is None:
@@ -142,17 +142,17 @@ def plot(rows, path):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "load_balancing_sim"))
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "scaling", "simulate_scaling"))
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     p.add_argument("--clusters", nargs="+", default=["h200", "a800"])
     args = p.parse_args()
     warnings.simplefilter("ignore")
-    profile = load_bench_kernels_profile(os.path.join(ROOT, "docs", "bench_kernels_h200.json"))
+    profile = load_bench_kernels_profile(os.path.join(ROOT, "docs/results/kernels/bench_kernels_h200_2026-11-30.json"))
     h200 = CostModel(device_spec("H200"), profile)
     valid = validate(h200, cluster_spec("h200"))
     rows = scale(args.gpus, args.clusters, profile)
     report = {"validation": valid, "scaling": rows, "paper": PAPER,
-              "cost_model": "H200: docs/bench_kernels_h200.json profile + analytic at its measured rate; "
+              "cost_model": "H200: docs/results/kernels/bench_kernels_h200_2026-11-30.json profile + analytic at its measured rate; "
                             "A800: analytic (planning/clusters.json)"}
     with open(args.out + ".json", "w") as f:
         json.dump(report, f, indent=1)

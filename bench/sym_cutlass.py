@@ -5,7 +5,7 @@
    c and diag) × dtype on small and odd shapes, against the float32 torch backend; the result
    must be exactly symmetric.
 3. Timing, interleaved rounds (median): cuBLAS (full product), the two best Triton variants of
-   docs/bench_sym_tiles_h200.md, each CUTLASS variant, the best CUTLASS variant without its
+   docs/results/kernels/bench_sym_tiles_h200_2026-11-30.md, each CUTLASS variant, the best CUTLASS variant without its
    mirror pass ("sep") and with the fused mirror ("fused"), each variant without any mirror,
    and the separate mirror pass alone.
 

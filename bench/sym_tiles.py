@@ -5,7 +5,7 @@ batch sizes one Qwen2.5-7B layer produces, every kernel variant in ``VARIANTS`` 
 full product are checked against the float32 torch path and timed with CUDA events, side by
 side in one process. Prints JSON and a markdown table; ``--out`` writes both.
 
-    python bench/sym_tiles.py [--out docs/bench_sym_tiles_h200] [--quick]
+    python bench/sym_tiles.py [--out docs/results/kernels/bench_sym_tiles_h200] [--quick]
 
 TFLOP/s counts the symmetric FLOPs (m²k per matrix, half a full product) for every column,
 cuBLAS included, so the numbers compare the time to produce the same symmetric result.

@@ -10,7 +10,7 @@ Writes a JSON with per-block curves; ``report.py`` turns it into the table and p
 Example (what docs/demuon.md ran on one H200; see there for the exact command)::
 
     python examples/demuon/gpt_experiment.py --device cuda --amp --time-budget 200 \
-        --out docs/demuon/gpt_results.json
+        --out docs/results/demuon/gpt_results.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ agent draws a minibatch of rows (stochastic gradients). Measured at the averaged
 error ``‖X − 1⊗X̄‖_F``. Step size ``η_k = η₀/√k`` for every method; η₀ from a grid, all grid
 points run side by side as disjoint graph copies in one simulator.
 
-    python examples/demuon/matrix_regression.py --out docs/demuon/regression_results.json
+    python examples/demuon/matrix_regression.py --out docs/results/demuon/regression_results.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tables (markdown) and plots (PNG) from the JSON written by the two DeMuon experiments.
 
-    python examples/demuon/report.py regression docs/demuon/regression_results.json docs/demuon
-    python examples/demuon/report.py gpt docs/demuon/gpt_results.json docs/demuon
+    python examples/demuon/report.py regression docs/results/demuon/regression_results_cpu_2026-11-29.json docs/results/demuon
+    python examples/demuon/report.py gpt docs/results/demuon/gpt_results_h200_2026-11-29.json docs/results/demuon
 
 Step-size selection: for every (method, graph) the grid point with the best final metric
 (f(X̄) − f* for regression; validation loss of the averaged model for GPT) among non-diverged

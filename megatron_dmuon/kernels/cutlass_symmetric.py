@@ -228,9 +228,10 @@ def cutlass_usable(t: Tensor) -> bool:
 
 
 def default_config(m: int, k: int, batch: int) -> CutlassConfig:
-    """The variant used when none was tuned (from docs/bench_sym_cutlass_h200.md, fp16): the
-    separate mirror pass everywhere; 128x128 tiles for small m, 128x128 pingpong for batches of
-    big products, 128x256 (2x1 cluster) for a single big product."""
+    """The variant used when none was tuned (from
+    docs/results/kernels/bench_sym_cutlass_fp16_h200_2026-12-01.md): the separate mirror pass
+    everywhere; 128x128 tiles for small m, 128x128 pingpong for batches of big products, 128x256
+    (2x1 cluster) for a single big product."""
     if m < 2048:
         return CutlassConfig(0, 1)
     return CutlassConfig(3 if batch >= 2 else 2, 1)

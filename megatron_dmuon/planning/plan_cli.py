@@ -3,7 +3,7 @@
     dmuon plan --preset qwen2.5-7b --dp 8
     dmuon plan --preset qwen2.5-7b --dp 64 --json
     dmuon plan --megatron-argv "--num-layers 28 --hidden-size 3584 ... --tensor-model-parallel-size 2" --nodes 4
-    dmuon plan --preset qwen7b-4l --dp 2 --profile docs/bench_kernels_h200.json --simulate
+    dmuon plan --preset qwen7b-4l --dp 2 --profile docs/results/kernels/bench_kernels_h200_2026-11-30.json --simulate
 
 For round-robin, numel-LPT (Megatron 0.19 LayerWise), the NS-FLOP greedy (ours until now) and the
 MILP: per-rank predicted owner time, bytes reduced and published per rank, padding, makespan and
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--cluster", default="h200", help="cluster in the config (default h200; also a800)")
     cost.add_argument("--config", help="cluster config JSON (default: planning/clusters.json)")
     cost.add_argument("--profile", help="measured NS times: a profile cache entry / CostTable JSON, or the "
-                                        "kernel benchmark's JSON (docs/bench_kernels_h200.json)")
+                                        "kernel benchmark's JSON "
+                                        "(docs/results/kernels/bench_kernels_h200_2026-11-30.json)")
     cost.add_argument("--ns-method", default="auto", choices=["auto", "gram", "standard"])
     cost.add_argument("--ns-steps", type=int, default=5)
     cost.add_argument("--backend", default="auto", choices=BACKENDS)
