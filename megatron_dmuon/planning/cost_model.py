@@ -154,7 +154,8 @@ def ns_flops(rows: int, cols: int, steps: int = 5, ns_method: str = "auto") -> f
 
 
 def ns_kernel_count(method: str, steps: int = 5, restarts: int = RESTARTS) -> int:
-    """Kernels of one batched NS call (the measured breakdown of docs/bench_kernels_h200.md):
+    """Kernels of one batched NS call (the measured breakdown of
+    docs/results/kernels/bench_kernels_h200_2026-11-30.md):
     standard: prep + 3 products per step + cast; Gram: prep, one SYRK per segment, 4T - 3(r+1)
     m x m products, Q X per restart, the final Q X."""
     if method == "standard":
@@ -267,7 +268,7 @@ class CostModel:
 
 def load_bench_kernels_profile(path, steps: int = 5) -> CostTable:
     """A ``CostTable`` from the kernel benchmark's JSON (``bench/kernels.py``, e.g.
-    docs/bench_kernels_h200.json), our production NS path only:
+    docs/results/kernels/bench_kernels_h200_2026-11-30.json), our production NS path only:
 
     * ``autotune`` ``method|...`` entries: the time of the chosen method of one shape group at its
       batch (q,o 3584x3584 b2; k,v 512x3584 b2; gate,up,down 3584x18944 b3);
