@@ -18,10 +18,8 @@ for aspect ratio ``α = n/m`` well above 1 this costs far less than standard NS 
 ``flops.py``). When ``max(m,n)/min(m,n) < min_aspect_ratio`` the function falls back to
 ``newton_schulz`` with the same schedule and compute dtype (square matrices gain nothing).
 
-Agreement with standard NS (same schedule, relative Frobenius; measured by
-bench/ns_accuracy.py): float64 ≤ 2.3e-13 (tests assert 1e-10); float16 Gram vs exact NS ≤ 0.019
-on Gaussian and ≤ 0.041 on cond-1e4 matrices (asserted 0.03 / 0.06); bf16 Gram is 5–10× worse
-than fp16 (0.14 / 0.34). Table and bounds: docs/algorithms.md.
+Its measured agreement with standard NS per dtype (bench/ns_accuracy.py) and the bounds the tests
+assert: docs/algorithms.md, "Error metrics and bounds".
 """
 
 from __future__ import annotations

@@ -33,30 +33,8 @@ errors are reported with three metrics (``megatron_dmuon.algorithms.ns_metrics``
 * ``round`` rounding error ``‖NS(x) − NS_exact(x)‖_F / ‖NS_exact(x)‖_F`` against the same
   polynomials applied to the exact singular values in float64 (``newton_schulz_reference``).
 
-Measured (bench/ns_accuracy.py: 5 steps, safety 1.01, CPU torch 2.13, maxima over Gaussian
-96×160, 160×96, 128×128, 64×256 and cond-1e4 96×192, 192×96 matrices, 3 seeds), standard NS:
-
-=============  =====  =========  =========  ===========  ==========  =========
-set            band   dtype      wc         round gauss  round cond  fro gauss
-=============  =====  =========  =========  ===========  ==========  =========
-keller         0.318  float64    0.318      6e-15        3e-14       0.222
-keller                float32    0.318      1.5e-6       4.5e-6      0.222
-keller                bfloat16   0.321      0.015        0.11        0.222
-keller                float16    0.318      0.0018       0.011       0.222
-polar_express  0.124  float64    0.124      9e-15        5e-14       0.113
-polar_express         float32    0.124      3.1e-6       7.6e-6      0.113
-polar_express         bfloat16   0.128      0.022        0.17        0.113
-polar_express         float16    0.124      0.0020       0.016       0.113
-you            0.032  float64    0.032      4e-15        3e-14       0.085
-you                   float32    0.032      1.1e-6       4.6e-6      0.085
-you                   bfloat16   0.036      0.0081       0.10        0.084
-you                   float16    0.032      0.0009       0.010       0.085
-=============  =====  =========  =========  ===========  ==========  =========
-
-``fro`` on the cond-1e4 matrices is 0.45–0.55 for every set and dtype: the unconverged small
-singular values dominate it. The asserted bounds (``ns_metrics.DOCUMENTED_BOUNDS``: wc ≤ band +
-0.01 / 0.002 / 1e-4 for bf16 / fp16 / fp32; round ≤ 0.04 gauss, 0.3 cond in bf16; ≤ 0.005,
-0.03 in fp16; ≤ 2e-5 in fp32; ≤ 1e-12 in fp64) and the Gram numbers are in docs/algorithms.md.
+Measured accuracy of every coefficient set per dtype (bench/ns_accuracy.py) and the bounds the tests
+assert (``ns_metrics.DOCUMENTED_BOUNDS``): docs/algorithms.md, "Error metrics and bounds".
 """
 
 from __future__ import annotations

@@ -18,13 +18,8 @@ start an order of magnitude higher and the greedy design can aim at a narrower i
   cushion=0.005)``;
 * nearer square: 5 steps, ``design_polar_express(5, lower=1e-3, cushion=0.005)``.
 
-Error ``‖NS(X) − U Vᵀ‖_F / ‖U Vᵀ‖_F`` in exact arithmetic on the spectra of bench/ns_schedules.py
-(Gaussian, power-law σᵢ ∝ i^-0.5, a rank-32 signal 3x or 30x above a Gaussian bulk; Qwen2.5-7B
-shapes): ≤ 0.01 for every wide shape with 4 steps (the published 5-step schedule with ‖X‖_F:
-0.087–0.095), ≤ 0.090 on 3584x3584 with 5 steps except the 30x signal (0.143; the previous
-6-step choice: 0.131). Tables and the stress case σᵢ ∝ 1/i, which no schedule of ≤ 6 steps
-brings under 0.1 with either normalisation: docs/algorithms.md. ``POLAR_EXPRESS_6`` (6 steps
-for ‖X‖_F) stays available as explicit coefficients.
+Their measured errors vs the polar factor (bench/ns_schedules.py): docs/algorithms.md, "Fewer steps".
+``POLAR_EXPRESS_6`` (6 steps for ‖X‖_F) stays available as explicit coefficients.
 """
 
 from __future__ import annotations
