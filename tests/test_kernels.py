@@ -22,7 +22,7 @@ from megatron_dmuon.kernels import (
     syrk,
 )
 from megatron_dmuon.kernels import autotune, autotune_cli, metrics, symmetric_ops
-from megatron_dmuon.kernels.gram_ns_triton import default_method
+from megatron_dmuon.algorithms.flops import ns_method_for
 
 
 def _rel(a, b):
@@ -141,11 +141,16 @@ def test_fast_entry_point_argument_errors():
         orthogonalize_batched(torch.randn(2, 4, 8), method="svd")
 
 
-def test_default_method_follows_flops():
-    assert default_method(3584, 3584) == "standard"
-    assert default_method(512, 3584) == "gram"
-    assert default_method(18944, 3584) == "gram"
-    assert default_method(100, 150) == "standard"  # below min_aspect_ratio Gram would run standard anyway
+def test_auto_method_follows_flops():
+    assert ns_method_for(3584, 3584) == "standard"
+    assert ns_method_for(512, 3584) == "gram"
+    assert ns_method_for(18944, 3584) == "gram"
+    assert ns_method_for(100, 150) == "standard"  # below min_aspect_ratio Gram would run standard anyway
+    # a forced method is what runs: Gram only where it applies
+    assert ns_method_for(100, 150, ns_method="gram") == "standard" and ns_method_for(100, 200, ns_method="gram") == "gram"
+    assert ns_method_for(512, 3584, ns_method="standard") == "standard"
+    with pytest.raises(ValueError, match="ns_method must be one of"):
+        ns_method_for(512, 3584, ns_method="svd")
     x = torch.randn(2, 8, 40)
     assert torch.equal(orthogonalize_batched(x, "auto"), gram_newton_schulz_fast(x))
     sq = torch.randn(2, 12, 12)

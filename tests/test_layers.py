@@ -10,12 +10,15 @@ too, relative ones resolved to module names.
 (d) only decentralized/ imports ``megatron_dmuon.decentralized``, and decentralized/ takes
     nothing from the DMuon path but the math of algorithms/;
 (e) the layers import only downward: algorithms < kernels < planning < runtime < megatron
-    (and none of them imports the console script cli.py).
+    (and none of them imports the console script cli.py);
+(f) planning/ is pure data: it imports only algorithms/ of the package, and outside it only the
+    standard library, torch, numpy, scipy and mip (python-mip).
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
+import sys
 from pathlib import Path
 
 PACKAGE = "megatron_dmuon"
@@ -33,6 +36,9 @@ TESTING = f"{PACKAGE}.testing"
 TESTING_IMPORTERS = (TESTING,)
 DECENTRALIZED = f"{PACKAGE}.decentralized"
 DECENTRALIZED_MAY_IMPORT = (DECENTRALIZED, f"{PACKAGE}.algorithms")
+PLANNING = f"{PACKAGE}.planning"
+PLANNING_MAY_IMPORT = (PLANNING, f"{PACKAGE}.algorithms")
+PLANNING_THIRD_PARTY = ("torch", "numpy", "scipy", "mip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,3 +279,19 @@ def test_known_violations_are_still_in_the_code():
     pairs = {(i.importer, i.imported) for i in all_imports()}
     stale = sorted(KNOWN_VIOLATIONS - pairs)
     assert not stale, f"KNOWN_VIOLATIONS entries no longer in the code, remove them: {stale}"
+
+
+def test_planning_imports_only_algorithms_and_its_libraries():
+    bad = []
+    for i in checked_imports():
+        if not within(i.importer, PLANNING):
+            continue
+        top = i.imported.split(".")[0]
+        if within(i.imported, PACKAGE):
+            ok = within_any(i.imported, PLANNING_MAY_IMPORT)
+        else:
+            ok = top == "__future__" or top in sys.stdlib_module_names or top in PLANNING_THIRD_PARTY
+        if not ok:
+            bad.append(i)
+    assert not bad, _report(bad, "planning/ imports more than algorithms/, the standard library, "
+                                 f"{', '.join(PLANNING_THIRD_PARTY)}")

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .gram_newton_schulz import restart_points
+from .gram_newton_schulz import GRAM_MIN_ASPECT_RATIO, default_restarts, gram_applies, restart_points
 
-__all__ = ["newton_schulz_flops", "cheaper_ns_method", "FLOP_METHODS"]
+__all__ = ["newton_schulz_flops", "ns_method_for", "FLOP_METHODS", "NS_METHODS"]
 
 FLOP_METHODS: tuple[str, ...] = ("standard", "gram")
+NS_METHODS: tuple[str, ...] = ("auto", "gram", "standard")  # what a caller may ask ns_method_for
 
 
 def _check_dim(name: str, value: int) -> int:
@@ -50,7 +51,7 @@ def newton_schulz_flops(
     restarts: int | None = None,
     *,
     restart_after: Iterable[int] | None = None,
-    min_aspect_ratio: float = 2.0,
+    min_aspect_ratio: float = GRAM_MIN_ASPECT_RATIO,
 ) -> float:
     """FLOPs (multiply-add = 2) of orthogonalizing one ``rows × cols`` matrix.
 
@@ -76,7 +77,7 @@ def newton_schulz_flops(
     square = 2 * m * m * m  # one m×m @ m×m product (integers: exact for any real shape)
     wide = 2 * m * m * n  # one m×m @ m×n product, or X Xᵀ
 
-    if method == "gram" and n / m < min_aspect_ratio:
+    if method == "gram" and not gram_applies(m, n, min_aspect_ratio):
         method = "standard"
     if method == "standard":
         return float(steps * (half * wide + half * square + wide))  # X Xᵀ, A², B X
@@ -96,10 +97,25 @@ def newton_schulz_flops(
     return float(half * square_products * square + (half * wide_symmetric + wide_full) * wide)
 
 
-def cheaper_ns_method(rows: int, cols: int, steps: int = 5, restart_after: Iterable[int] = (2,),
-                      min_aspect_ratio: float = 2.0) -> str:
-    """'gram' when Gram NS needs fewer FLOPs than standard NS on symmetric kernels, else
-    'standard' (the kernels' choice for a shape nobody measured)."""
+def ns_method_for(rows: int, cols: int, steps: int = 5, ns_method: str = "auto",
+                  restart_after: Iterable[int] | None = None, min_aspect_ratio: float = GRAM_MIN_ASPECT_RATIO,
+                  normalisation: str = "frobenius") -> str:
+    """The NS variant that runs on one ``rows x cols`` matrix when no measurement decides:
+    'gram' or 'standard'. The one rule of the kernels (a shape the autotune cache has not
+    measured), the planner's cost model and its owner costs.
+
+    ``'standard'``: standard. ``'gram'``: Gram where it applies (``gram_applies``; below
+    ``min_aspect_ratio`` Gram NS runs standard NS). ``'auto'``: Gram when it needs fewer FLOPs than
+    standard NS on symmetric kernels, with its restarts at ``restart_after`` (None:
+    ``default_restarts(normalisation)``), else standard."""
+    if ns_method not in NS_METHODS:
+        raise ValueError(f"ns_method must be one of {', '.join(NS_METHODS)}; got {ns_method!r}")
+    if ns_method == "standard":
+        return "standard"
+    if ns_method == "gram":
+        return "gram" if gram_applies(rows, cols, min_aspect_ratio) else "standard"
+    if restart_after is None:
+        restart_after = default_restarts(normalisation)
     gram = newton_schulz_flops(rows, cols, steps, "gram", symmetric=True, restart_after=restart_after,
                                min_aspect_ratio=min_aspect_ratio)
     return "gram" if gram < newton_schulz_flops(rows, cols, steps, "standard", symmetric=True) else "standard"

@@ -43,7 +43,20 @@ from .newton_schulz import (
 )
 
 __all__ = ["gram_newton_schulz", "gram_newton_schulz_sharded", "gram_segments", "gram_space_polynomial",
-           "default_restarts", "restart_points"]
+           "default_restarts", "restart_points", "GRAM_MIN_ASPECT_RATIO", "gram_applies", "validate_min_aspect_ratio"]
+
+GRAM_MIN_ASPECT_RATIO = 2.0  # below this max(m,n)/min(m,n), Gram NS runs standard NS (square matrices gain nothing)
+
+
+def gram_applies(rows: int, cols: int, min_aspect_ratio: float = GRAM_MIN_ASPECT_RATIO) -> bool:
+    """Whether a Gram NS request on a ``rows x cols`` matrix runs the Gram iteration: aspect ratio
+    ``max/min >= min_aspect_ratio`` (else ``gram_newton_schulz`` and the kernels run standard NS)."""
+    return max(rows, cols) / min(rows, cols) >= min_aspect_ratio
+
+
+def validate_min_aspect_ratio(min_aspect_ratio: float) -> None:
+    if not (float(min_aspect_ratio) >= 1.0):
+        raise ValueError(f"min_aspect_ratio must be >= 1.0, got {min_aspect_ratio!r}")
 
 
 def default_restarts(normalisation: str) -> tuple[int, ...]:
@@ -168,7 +181,7 @@ def gram_newton_schulz(
     eps: float = NS_EPS,
     safety: float = 1.01,
     restart_after: Iterable[int] | None = None,
-    min_aspect_ratio: float = 2.0,
+    min_aspect_ratio: float = GRAM_MIN_ASPECT_RATIO,
     check_finite: bool = True,
     normalisation: str = "frobenius",
 ) -> Tensor:
@@ -188,13 +201,11 @@ def gram_newton_schulz(
     quartic = validate_normalisation(normalisation)
     schedule = get_coefficients(coefficients, steps, safety)
     restarts = restart_points(default_restarts(normalisation) if restart_after is None else restart_after, steps)
-    if not (float(min_aspect_ratio) >= 1.0):
-        raise ValueError(f"min_aspect_ratio must be >= 1.0, got {min_aspect_ratio!r}")
+    validate_min_aspect_ratio(min_aspect_ratio)
     if x.numel() == 0:
         return torch.zeros_like(x)
 
-    rows, cols = x.size(-2), x.size(-1)
-    if max(rows, cols) / min(rows, cols) < min_aspect_ratio:
+    if not gram_applies(x.size(-2), x.size(-1), min_aspect_ratio):
         return newton_schulz(
             x, schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False,
             normalisation=normalisation,

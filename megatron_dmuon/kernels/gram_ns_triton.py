@@ -33,7 +33,10 @@ import torch
 from torch import Tensor
 
 from ..algorithms.coefficients import get_coefficients
-from ..algorithms.gram_newton_schulz import default_restarts, gram_newton_schulz, restart_points
+from ..algorithms.flops import NS_METHODS, ns_method_for
+from ..algorithms.gram_newton_schulz import (
+    GRAM_MIN_ASPECT_RATIO, default_restarts, gram_applies, gram_newton_schulz, restart_points, validate_min_aspect_ratio,
+)
 from ..algorithms.newton_schulz import (
     NS_EPS, PLAIN_NORM_MIN, safe_reciprocal, newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input,
     validate_normalisation,
@@ -44,11 +47,10 @@ from .metrics import NONFINITE_METRICS, retry_nonfinite
 
 __all__ = [
     "gram_newton_schulz_fast", "newton_schulz_fast", "orthogonalize_batched", "fast_path_usable",
-    "resolve_method", "default_method",
+    "resolve_method",
 ]
 
 FAST_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
-METHODS: tuple[str, ...] = ("auto", "gram", "standard")
 
 
 def fast_path_usable(x: Tensor, compute_dtype: torch.dtype) -> bool:
@@ -227,6 +229,51 @@ def _finish(out_wide: Tensor, transposed: bool, x: Tensor, out_dtype: torch.dtyp
     return out.reshape(x.shape).to(out_dtype)
 
 
+def _validated(x: Tensor, backend: str, check_finite: bool, compute_dtype: torch.dtype, eps: float,
+               normalisation: str, coefficients, steps: int, safety: float) -> tuple:
+    """Both drivers' argument checks; returns (schedule, quartic)."""
+    _check_backend(backend)
+    validate_matrix_input(x, check_finite)
+    validate_compute_dtype(compute_dtype)
+    validate_eps(eps)
+    quartic = validate_normalisation(normalisation)
+    return get_coefficients(coefficients, steps, safety), quartic
+
+
+def _kernels_usable(x: Tensor, compute_dtype: torch.dtype, backend: str) -> bool:
+    """Whether the kernel path runs for ``x``; backend='triton' where it cannot is an error."""
+    usable = fast_path_usable(x, compute_dtype)
+    if backend == "triton" and not usable:
+        raise ValueError(
+            f"backend='triton' needs compute_dtype float16/bfloat16 (got {compute_dtype}) and a CUDA GPU of "
+            f"compute capability >= 8.0 or TRITON_INTERPRET=1 (x is on {x.device}); use backend='torch'"
+        )
+    return usable
+
+
+def _run_kernels(method: str, x: Tensor, core, torch_fn, torch_kwargs: dict, *, compute_dtype: torch.dtype, eps: float,
+                 backend: str, autotune: bool, cache_path, check_finite: bool, out_dtype: torch.dtype) -> Tensor:
+    """The kernel path of one driver: ``core(X, plan, transposed)`` on the normalised wide stack
+    with this shape's kernel choices, the torch path ``torch_fn(x, **torch_kwargs)`` where that
+    choice fails (``_fast_or_torch``), and with ``check_finite`` the fp32 retry of non-finite
+    outputs."""
+    def fast():
+        stack = x.reshape(-1, x.size(-2), x.size(-1))
+        X, transposed = _normalised_wide(stack, compute_dtype, eps)
+        plan = shape_plan(
+            X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
+            autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
+        )
+        return core(X, plan, transposed)
+
+    out = _fast_or_torch((method, tuple(x.shape), compute_dtype, str(x.device)), fast,
+                         lambda: torch_fn(x, **torch_kwargs).to(out_dtype), forced=backend == "triton")
+    if check_finite:
+        fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
+        out = retry_nonfinite(out, x, lambda sub: torch_fn(sub, **fp32_kwargs))
+    return out
+
+
 def newton_schulz_fast(
     x: Tensor,
     coefficients="keller",
@@ -244,39 +291,19 @@ def newton_schulz_fast(
     """Standard NS with symmetric kernels for A = X Xᵀ and b A + c A²; contract of
     ``algorithms.newton_schulz`` (its default compute dtype bf16 too). ``cache_path``
     overrides the autotune cache location; ``out_dtype`` the result's dtype (default x's)."""
-    _check_backend(backend)
-    validate_matrix_input(x, check_finite)
-    validate_compute_dtype(compute_dtype)
-    validate_eps(eps)
-    quartic = validate_normalisation(normalisation)
-    schedule = get_coefficients(coefficients, steps, safety)
-    usable = fast_path_usable(x, compute_dtype)
-    if backend == "triton" and not usable:
-        raise ValueError(
-            f"backend='triton' needs compute_dtype float16/bfloat16 (got {compute_dtype}) and a CUDA GPU of "
-            f"compute capability >= 8.0 or TRITON_INTERPRET=1 (x is on {x.device}); use backend='torch'"
-        )
+    schedule, quartic = _validated(x, backend, check_finite, compute_dtype, eps, normalisation, coefficients, steps,
+                                   safety)
+    usable = _kernels_usable(x, compute_dtype, backend)
     torch_kwargs = dict(coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=False,
                         normalisation=normalisation)
     out_dtype = out_dtype or x.dtype
     if backend == "torch" or not usable or x.numel() == 0:
         return newton_schulz(x, **torch_kwargs).to(out_dtype)
-
-    def fast():
-        stack = x.reshape(-1, x.size(-2), x.size(-1))
-        X, transposed = _normalised_wide(stack, compute_dtype, eps)
-        plan = shape_plan(
-            X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
-            autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
-        )
-        return _finish(standard_core(X, schedule, plan, quartic), transposed, x, out_dtype)
-
-    out = _fast_or_torch(("standard", tuple(x.shape), compute_dtype, str(x.device)), fast,
-                         lambda: newton_schulz(x, **torch_kwargs).to(out_dtype), forced=backend == "triton")
-    if check_finite:
-        fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
-        out = retry_nonfinite(out, x, lambda sub: newton_schulz(sub, **fp32_kwargs))
-    return out
+    return _run_kernels(
+        "standard", x, lambda X, plan, transposed: _finish(standard_core(X, schedule, plan, quartic), transposed, x,
+                                                           out_dtype),
+        newton_schulz, torch_kwargs, compute_dtype=compute_dtype, eps=eps, backend=backend, autotune=autotune,
+        cache_path=cache_path, check_finite=check_finite, out_dtype=out_dtype)
 
 
 def gram_newton_schulz_fast(
@@ -287,7 +314,7 @@ def gram_newton_schulz_fast(
     eps: float = NS_EPS,
     safety: float = 1.01,
     restart_after: Iterable[int] | None = None,
-    min_aspect_ratio: float = 2.0,
+    min_aspect_ratio: float = GRAM_MIN_ASPECT_RATIO,
     check_finite: bool = False,
     backend: str = "auto",
     autotune: bool = True,
@@ -308,22 +335,12 @@ def gram_newton_schulz_fast(
         out_dtype: the result's dtype (default x's). The compute dtype lets the last product
             write its own rounding and skips a float32 result its consumer would only read.
     """
-    _check_backend(backend)
-    validate_matrix_input(x, check_finite)
-    validate_compute_dtype(compute_dtype)
-    validate_eps(eps)
-    quartic = validate_normalisation(normalisation)
-    schedule = get_coefficients(coefficients, steps, safety)
+    schedule, quartic = _validated(x, backend, check_finite, compute_dtype, eps, normalisation, coefficients, steps,
+                                   safety)
     restart_after = default_restarts(normalisation) if restart_after is None else tuple(restart_after)
     restarts = restart_points(restart_after, steps)
-    if not (float(min_aspect_ratio) >= 1.0):
-        raise ValueError(f"min_aspect_ratio must be >= 1.0, got {min_aspect_ratio!r}")
-    usable = fast_path_usable(x, compute_dtype)
-    if backend == "triton" and not usable:
-        raise ValueError(
-            f"backend='triton' needs compute_dtype float16/bfloat16 (got {compute_dtype}) and a CUDA GPU of "
-            f"compute capability >= 8.0 or TRITON_INTERPRET=1 (x is on {x.device}); use backend='torch'"
-        )
+    validate_min_aspect_ratio(min_aspect_ratio)
+    usable = _kernels_usable(x, compute_dtype, backend)
     torch_kwargs = dict(
         coefficients=schedule, steps=steps, compute_dtype=compute_dtype, eps=eps,
         restart_after=restart_after, min_aspect_ratio=min_aspect_ratio, check_finite=False, normalisation=normalisation,
@@ -331,43 +348,25 @@ def gram_newton_schulz_fast(
     out_dtype = out_dtype or x.dtype
     if backend == "torch" or not usable or x.numel() == 0:
         return gram_newton_schulz(x, **torch_kwargs).to(out_dtype)
-
-    rows, cols = x.size(-2), x.size(-1)
-    if max(rows, cols) / min(rows, cols) < min_aspect_ratio:
+    if not gram_applies(x.size(-2), x.size(-1), min_aspect_ratio):
         # As the algorithms do: near-square matrices run standard NS (same schedule and dtype).
         return newton_schulz_fast(
             x, schedule, steps=steps, compute_dtype=compute_dtype, eps=eps, check_finite=check_finite,
             backend=backend, autotune=autotune, cache_path=cache_path, normalisation=normalisation,
             out_dtype=out_dtype,
         )
-    def fast():
-        stack = x.reshape(-1, rows, cols)
-        X, transposed = _normalised_wide(stack, compute_dtype, eps)
-        plan = shape_plan(
-            X.size(1), X.size(2), X.size(0), compute_dtype, X.device,
-            autotune=autotune, cache_path=cache_path, force_triton=(backend == "triton"),
-        )
-        return gram_core(X, schedule, restarts, plan, transposed, out_dtype, quartic).reshape(x.shape).to(out_dtype)
-
-    out = _fast_or_torch(("gram", tuple(x.shape), compute_dtype, str(x.device)), fast,
-                         lambda: gram_newton_schulz(x, **torch_kwargs).to(out_dtype), forced=backend == "triton")
-    if check_finite:
-        fp32_kwargs = dict(torch_kwargs, compute_dtype=torch.float32)
-        out = retry_nonfinite(out, x, lambda sub: gram_newton_schulz(sub, **fp32_kwargs))
-    return out
-
-
-def default_method(rows: int, cols: int, steps: int = 5, restart_after=(2,), min_aspect_ratio: float = 2.0) -> str:
-    """FLOP-based choice (symmetric kernels): Gram when it needs fewer FLOPs, else standard."""
-    from ..algorithms.flops import cheaper_ns_method
-
-    return cheaper_ns_method(rows, cols, steps, restart_after, min_aspect_ratio)
+    return _run_kernels(
+        "gram", x, lambda X, plan, transposed: gram_core(X, schedule, restarts, plan, transposed, out_dtype,
+                                                         quartic).reshape(x.shape).to(out_dtype),
+        gram_newton_schulz, torch_kwargs, compute_dtype=compute_dtype, eps=eps, backend=backend, autotune=autotune,
+        cache_path=cache_path, check_finite=check_finite, out_dtype=out_dtype)
 
 
 def resolve_method(x: Tensor, method: str, kwargs: dict) -> str:
-    """'gram' or 'standard' for this stack: explicit, else the autotune cache's, else by FLOPs."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    """'gram' or 'standard' for this stack: explicit, else the autotune cache's, else
+    ``algorithms.flops.ns_method_for`` (by FLOPs)."""
+    if method not in NS_METHODS:
+        raise ValueError(f"method must be one of {', '.join(NS_METHODS)}; got {method!r}")
     if method != "auto":
         return method
     rows, cols = x.size(-2), x.size(-1)
@@ -377,17 +376,15 @@ def resolve_method(x: Tensor, method: str, kwargs: dict) -> str:
     cached = cached_method(min(rows, cols), max(rows, cols), batch, dtype, x.device, steps, kwargs.get("cache_path"))
     if cached is not None:
         return cached
-    restart_after = kwargs.get("restart_after")
-    if restart_after is None:
-        restart_after = default_restarts(kwargs.get("normalisation", "frobenius"))
-    return default_method(rows, cols, steps, restart_after, kwargs.get("min_aspect_ratio", 2.0))
+    return ns_method_for(rows, cols, steps, "auto", kwargs.get("restart_after"),
+                         kwargs.get("min_aspect_ratio", GRAM_MIN_ASPECT_RATIO), kwargs.get("normalisation", "frobenius"))
 
 
 def orthogonalize_batched(x: Tensor, method: str = "auto", **kwargs) -> Tensor:
     """Orthogonalize a same-shape stack [B, m, n] (any leading dims) in one batched call.
 
     method: 'gram', 'standard', or 'auto' = the autotune cache's measured choice for this
-    (GPU, shape, batch, dtype), else the FLOP-based ``default_method``. ``kwargs`` go to
+    (GPU, shape, batch, dtype), else the FLOP-based ``algorithms.flops.ns_method_for``. ``kwargs`` go to
     ``gram_newton_schulz_fast`` / ``newton_schulz_fast`` (each keeps its own default
     compute dtype: fp16 for Gram, bf16 for standard); Gram-only keys are dropped for standard.
     """

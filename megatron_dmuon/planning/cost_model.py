@@ -11,7 +11,7 @@ Two sources, one interface (``CostModel.shape_cost``):
   profiler on the real GPU (runtime/ns_profile.py) or from the kernel benchmark already in the repo
   (``load_bench_kernels_profile``); each shape's points are fitted by ``fit_affine``;
 * the **analytic model** for shapes the profile lacks (or with no profile: on CPU, profiling off):
-  FLOPs of the NS method the kernels pick (symmetric-kernel counts of algorithms/flops.py) at the
+  FLOPs of the NS method the kernels pick (``params.ns_flops``: symmetric-kernel counts) at the
   device's sustained rate, plus the kernel count x a small-kernel floor. With a profile, the rate is
   re-fitted to the profile's large shapes, so unprofiled shapes are predicted at the measured speed.
 
@@ -27,11 +27,12 @@ import warnings
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..algorithms.flops import newton_schulz_flops
+from ..algorithms.flops import ns_method_for
+from .params import ns_flops
 
 __all__ = [
     "DEFAULT_CONFIG", "DeviceSpec", "Link", "ClusterSpec", "ShapeCost", "CostTable", "CostModel",
-    "load_config", "device_spec", "device_spec_for", "elementwise_costs", "cluster_spec", "fit_affine", "ns_method_for", "ns_kernel_count",
+    "load_config", "device_spec", "device_spec_for", "elementwise_costs", "cluster_spec", "fit_affine", "ns_kernel_count",
     "analytic_shape_cost", "load_bench_kernels_profile", "shape_key",
 ]
 
@@ -138,21 +139,6 @@ def shape_key(shape: Sequence[int]) -> Tuple[int, int]:
     return (min(r, c), max(r, c))
 
 
-def ns_method_for(rows: int, cols: int, steps: int = 5, ns_method: str = "auto") -> str:
-    """'gram' or 'standard': forced, or for 'auto' the kernels' FLOP rule (kernels.default_method,
-    what runs when the autotune cache has no measured choice)."""
-    if ns_method in ("gram", "standard"):
-        return ns_method if (ns_method == "standard" or max(rows, cols) / min(rows, cols) >= 2.0) else "standard"
-    from ..kernels.gram_ns_triton import default_method
-
-    return default_method(rows, cols, steps)
-
-
-def ns_flops(rows: int, cols: int, steps: int = 5, ns_method: str = "auto") -> float:
-    method = ns_method_for(rows, cols, steps, ns_method)
-    return newton_schulz_flops(rows, cols, steps, method, symmetric=True, restarts=RESTARTS)
-
-
 def ns_kernel_count(method: str, steps: int = 5, restarts: int = RESTARTS) -> int:
     """Kernels of one batched NS call (the measured breakdown of
     docs/results/kernels/bench_kernels_h200_2026-11-30.md):
@@ -169,7 +155,7 @@ def analytic_shape_cost(shape: Sequence[int], device: DeviceSpec, steps: int = 5
     method = ns_method_for(rows, cols, steps, ns_method)
     rate = (tflops or device.ns_tflops) * 1e12
     return ShapeCost(launch_ms=ns_kernel_count(method, steps) * device.kernel_floor_us * 1e-3,
-                     per_matrix_ms=ns_flops(rows, cols, steps, ns_method) / rate * 1e3)
+                     per_matrix_ms=ns_flops(rows, cols, steps, ns_method, restarts=RESTARTS) / rate * 1e3)
 
 
 def fit_affine(points: Iterable[Sequence[float]], min_per_matrix_ms: float = 0.0) -> ShapeCost:
@@ -233,7 +219,7 @@ class CostModel:
         self.tflops = device.ns_tflops
         if table is not None:
             for key, pts in table.points.items():
-                floor = ns_flops(*key, steps, ns_method) / (2 * device.ns_tflops * 1e12) * 1e3  # half the FLOP time
+                floor = ns_flops(*key, steps, ns_method, restarts=RESTARTS) / (2 * device.ns_tflops * 1e12) * 1e3  # half the FLOP time
                 self._fits[key] = fit_affine(pts, min_per_matrix_ms=floor)
             self.tflops = self._measured_rate() or device.ns_tflops
 
@@ -242,7 +228,7 @@ class CostModel:
         flops = ms = 0.0
         for key, fit in self._fits.items():
             if fit.per_matrix_ms >= fit.launch_ms:
-                flops += ns_flops(*key, self.steps, self.ns_method)
+                flops += ns_flops(*key, self.steps, self.ns_method, restarts=RESTARTS)
                 ms += fit.per_matrix_ms
         return flops / (ms * 1e-3) / 1e12 if ms > 0 else None
 

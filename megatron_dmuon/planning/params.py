@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..algorithms.flops import cheaper_ns_method, newton_schulz_flops
+from ..algorithms.flops import newton_schulz_flops, ns_method_for
 from ..algorithms.gram_newton_schulz import default_restarts
 from ..algorithms.schedules import schedule_for_shape
 
-__all__ = ["is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_cost", "owner_ns_cost"]
+__all__ = ["is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_flops", "ns_cost", "owner_ns_cost"]
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:
@@ -44,16 +44,28 @@ def check_muon_matrix_shape(name: str, shape: Sequence[int]) -> tuple[int, int]:
     return shape
 
 
+def ns_flops(rows: int, cols: int, steps: int = 5, ns_method: str = "auto", *, normalisation: str = "frobenius",
+             symmetric: bool = True, restarts: int | None = None) -> float:
+    """FLOPs of the NS that runs on one ``rows x cols`` matrix, the one count behind every NS cost
+    of the planner: the method ``algorithms.flops.ns_method_for`` picks, Gram with its restarts
+    at ``default_restarts(normalisation)`` (``restarts``: that many instead), products with
+    symmetric results at half cost as the kernels compute them (``symmetric=False``: full GEMMs)."""
+    restart_after = default_restarts(normalisation)
+    method = ns_method_for(rows, cols, steps, ns_method, restart_after)
+    return float(newton_schulz_flops(rows, cols, steps, method, symmetric, restarts,
+                                     restart_after=restart_after if restarts is None else None))
+
+
 def ns_cost(shape: Sequence[int], steps: int = 5) -> float:
     """Predicted NS cost of one full matrix: FLOPs of the standard iteration (planner's unit)."""
     rows, cols = check_muon_matrix_shape("matrix", shape)
-    return float(newton_schulz_flops(rows, cols, steps, method="standard"))
+    return ns_flops(rows, cols, steps, "standard", symmetric=False)
 
 
 def owner_ns_cost(shape: Sequence[int], coefficients: str = "keller", steps: int = 5, ns_method: str = "auto") -> float:
     """FLOPs of the NS the owner step runs on one ``shape`` matrix under ``--dmuon-coefficients`` /
-    ``--muon-num-ns-steps`` / ``--dmuon-ns-method``: the per-shape adaptive schedule (4 or 5 steps)
-    or ``steps``, Gram NS with its restart after step 2; ``'auto'`` is
+    ``--muon-num-ns-steps`` / ``--dmuon-ns-method`` (``ns_flops``): the per-shape adaptive schedule
+    (4 or 5 steps) or ``steps``, Gram NS with its restart after step 2; ``'auto'`` is
     the FLOP-cheaper method (the kernels' choice for an unmeasured shape); symmetric products at
     half cost, as the kernels compute them. (Under the adaptive schedule a 3584 x 18944 matrix
     costs 2.09 times a 3584² one with the restart, 1.44 without; ``ns_cost``'s standard 5-step count says 3.86.)"""
@@ -62,6 +74,4 @@ def owner_ns_cost(shape: Sequence[int], coefficients: str = "keller", steps: int
     if coefficients == "adaptive":
         schedule = schedule_for_shape(rows, cols)
         steps, normalisation = schedule["steps"], schedule["normalisation"]
-    restart_after = default_restarts(normalisation)
-    method = cheaper_ns_method(rows, cols, steps, restart_after) if ns_method == "auto" else ns_method
-    return float(newton_schulz_flops(rows, cols, steps, method, symmetric=True, restart_after=restart_after))
+    return ns_flops(rows, cols, steps, ns_method, normalisation=normalisation)

@@ -1,4 +1,5 @@
-"""Start-up profile of the owner step's NS calls, and the owner plan, cached on disk.
+"""Start-up profile of the owner step's NS calls (a measured ``CostTable``), and the start-up budget
+that profiling and the owner MILP share.
 
 ``measure_profile`` times each distinct matrix shape at batch sizes 1..B with a timer it is given
 (the real one, runtime/ns_profile.py, runs the owner step's own orthogonalizer on the GPU; tests
@@ -8,51 +9,22 @@ A corrupt cache file, or one written by another format version, is ignored with 
 rebuilt; a cached profile whose settings differ from the key it is stored under, or that lacks a
 requested (shape, batch), is measured again with a warning.
 
-``PlanCache`` keeps finished owner plans under a hash of everything the plan depends on (the
-parameters, sizes, options and costs), so a restart with the same model reuses the plan as is.
+The caches themselves (``ProfileCache``, and ``PlanCache`` for finished owner plans) are
+planning/caches.py's.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..kernels.autotune import AutotuneCache
+from .caches import PROFILE_VERSION, PlanCache, ProfileCache, default_plan_cache_path, plan_key  # noqa: F401
 from .cost_model import CostTable, shape_key
 
-__all__ = ["PROFILE_VERSION", "ProfileCache", "PlanCache", "profile_key", "profile_batches", "measure_profile",
-           "plan_key", "default_plan_cache_path", "STARTUP_BUDGET_S", "profile_budget", "milp_time_limit"]
+__all__ = ["profile_key", "profile_batches", "measure_profile", "STARTUP_BUDGET_S", "profile_budget",
+           "milp_time_limit"]
 
-PROFILE_VERSION = 1
 META_KEYS = ("device", "dtype", "torch", "triton", "steps", "coefficients", "ns_method")
-
-
-class ProfileCache(AutotuneCache):
-    """``{"version": PROFILE_VERSION, "entries": {profile_key: CostTable JSON}}`` (atomic writes)."""
-
-    version = PROFILE_VERSION
-    label = "DMuon NS profile cache"
-    env = "$DMUON_PROFILE_CACHE"
-
-
-class PlanCache(AutotuneCache):
-    """``{"version": PLAN_VERSION, "entries": {plan_key: plan JSON}}``."""
-
-    version = 1
-    label = "DMuon owner plan cache"
-    env = "$DMUON_PLAN_CACHE"
-
-
-PLAN_CACHE_ENV = "DMUON_PLAN_CACHE"
-
-
-def default_plan_cache_path() -> str:
-    env = os.environ.get(PLAN_CACHE_ENV)
-    return os.path.expanduser(env) if env else os.path.join(os.path.expanduser("~"), ".cache", "megatron_dmuon",
-                                                            "owner_plans.json")
 
 
 def profile_key(meta: Dict[str, object]) -> str:
@@ -60,20 +32,6 @@ def profile_key(meta: Dict[str, object]) -> str:
     if missing:
         raise ValueError(f"profile meta lacks {', '.join(missing)}")
     return "|".join(f"{k}={meta[k]}" for k in META_KEYS)
-
-
-def plan_key(payload) -> str:
-    """Hash of a JSON-able description of everything a plan depends on. A ``time_limit_s`` inside
-    it is left out: the limit a start-up budget leaves varies from start to start, the problem
-    does not."""
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k != "time_limit_s"}
-        if isinstance(value, (list, tuple)):
-            return [strip(v) for v in value]
-        return value
-
-    return hashlib.sha256(json.dumps(strip(payload), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def profile_batches(max_batch: int) -> List[int]:

@@ -12,6 +12,7 @@ TP=5 with one restart). Both ways give the same matrix in exact arithmetic.
 from __future__ import annotations
 
 from ..algorithms.flops import newton_schulz_flops
+from ..algorithms.gram_newton_schulz import GRAM_MIN_ASPECT_RATIO, gram_applies
 
 __all__ = ["TP_METHODS", "distributed_gram_eligible", "tp_method_costs", "choose_tp_method"]
 
@@ -20,12 +21,13 @@ PEAK_FLOPS = 4.0e14  # sustained half-precision GEMM rate of an H100/H200-class 
 LINK_BYTES_PER_S = 1.0e11  # effective intra-node (NVLink) bandwidth per GPU for these collectives
 
 
-def distributed_gram_eligible(shape, partition_dim, split, ns_method: str, min_aspect_ratio: float = 2.0) -> bool:
+def distributed_gram_eligible(shape, partition_dim, split, ns_method: str,
+                              min_aspect_ratio: float = GRAM_MIN_ASPECT_RATIO) -> bool:
     rows, cols = int(shape[0]), int(shape[1])
     if partition_dim is None or split is not None or ns_method not in ("gram", "auto"):
         return False
     long_dim = 0 if rows >= cols else 1
-    return partition_dim == long_dim and max(rows, cols) / min(rows, cols) >= min_aspect_ratio
+    return partition_dim == long_dim and gram_applies(rows, cols, min_aspect_ratio)
 
 
 def tp_method_costs(shape, tp_size: int, steps: int = 5, restarts: int = 1, master_bytes: int = 4,

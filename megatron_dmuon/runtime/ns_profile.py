@@ -1,28 +1,20 @@
 """Start-up NS profile on the real GPU: the owner step's own orthogonalizer, timed per shape and
-batch size, cached on disk (planning/profile.py), turned into the planner's ``CostModel``.
+batch size, cached on disk (planning/caches.py), turned into the planner's ``CostModel``.
 
 Run on the one rank that plans (megatron/layout.py plans on rank 0 of the stage and broadcasts).
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
 
+from ..planning.caches import ProfileCache, default_profile_cache_path
 from ..planning.cost_model import CostModel, device_spec_for, load_config
-from ..planning.profile import ProfileCache, measure_profile
+from ..planning.profile import measure_profile
 from .owner_step import MuonSettings, default_orthogonalizer
 
-__all__ = ["profile_meta", "cuda_ns_timer", "profiled_cost_model", "default_profile_cache_path", "device_name"]
-
-CACHE_ENV = "DMUON_PROFILE_CACHE"
-
-
-def default_profile_cache_path() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "megatron_dmuon" / "ns_profile.json"
+__all__ = ["profile_meta", "cuda_ns_timer", "profiled_cost_model", "device_name"]
 
 
 def device_name(device) -> str:
