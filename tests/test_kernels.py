@@ -141,6 +141,33 @@ def test_fast_entry_point_argument_errors():
         orthogonalize_batched(torch.randn(2, 4, 8), method="svd")
 
 
+class _CudaLikeStack:
+    """What MuonSettings.ns_call reads of a CUDA stack; on the CPU device no autotune entry exists."""
+
+    is_cuda = True
+    device = torch.device("cpu")
+
+    def __init__(self, *shape):
+        self.shape = torch.Size(shape)
+
+    def size(self, dim):
+        return self.shape[dim]
+
+    def numel(self):
+        return self.shape.numel()
+
+
+def test_owner_step_auto_method_comes_from_the_kernels():
+    """--dmuon-ns-method auto on CUDA: the owner step asks the kernels (megatron_dmuon.kernels.resolve_method),
+    so a wide stack runs Gram NS (an import that fails would silently run standard NS everywhere)."""
+    from megatron_dmuon.runtime.owner_step import MuonSettings
+
+    settings = MuonSettings(ns_method="auto", ns_dtype=torch.bfloat16)
+    assert settings.ns_call(_CudaLikeStack(2, 512, 3584))[0] == "gram"
+    assert settings.ns_call(_CudaLikeStack(2, 512, 512))[0] == "standard"
+    assert settings.ns_call(torch.randn(2, 8, 64))[0] == "standard"  # off CUDA: the torch path's standard NS
+
+
 def test_auto_method_follows_flops():
     assert ns_method_for(3584, 3584) == "standard"
     assert ns_method_for(512, 3584) == "gram"

@@ -4,7 +4,9 @@ Public API (Triton is imported lazily; everything falls back to torch where it c
 
 * ``gram_newton_schulz_fast(x, ...)`` / ``newton_schulz_fast(x, ...)`` – drop-in fast versions
   of ``megatron_dmuon.algorithms.gram_newton_schulz`` / ``newton_schulz``.
-* ``orthogonalize_batched(x, method='auto'|'gram'|'standard', **kw)`` – one same-shape stack.
+* ``orthogonalize_batched(x, method='auto'|'gram'|'standard', **kw)`` – one same-shape stack;
+  ``resolve_method(x, method, kw)`` – the method it runs ('auto': the autotune cache's measured
+  choice, else ``algorithms.flops.ns_method_for``).
 * ``syrk``, ``sym_poly``, ``sym_axpby``, ``sym_matmul`` – the symmetric-output products.
 * ``orthogonalize_groups`` / ``GraphedGroups`` – several shape groups at once, one CUDA stream
   each (an owner's whole Muon step), optionally captured as one graph.
@@ -16,7 +18,7 @@ The Polar Express schedules (``design_polar_express``, ``POLAR_EXPRESS_6``,
 """
 
 from .autotune import AutotuneCache, default_cache_path, tune_op
-from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched
+from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched, resolve_method
 from .method_tuning import tune_method
 from .multi_stream import GraphedGroups, orthogonalize_groups
 from .metrics import NONFINITE_METRICS, nonfinite_metrics, reset_nonfinite_metrics, retry_nonfinite
@@ -33,6 +35,7 @@ __all__ = [
     "orthogonalize_batched",
     "orthogonalize_groups",
     "reset_nonfinite_metrics",
+    "resolve_method",
     "retry_nonfinite",
     "sym_axpby",
     "sym_matmul",
