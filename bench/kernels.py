@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.ns import time_calls, warm_up_clocks  # noqa: E402
 from megatron_dmuon.algorithms.flops import newton_schulz_flops  # noqa: E402
-from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz  # noqa: E402
+from megatron_dmuon.algorithms.gram_newton_schulz import gram_applies, gram_newton_schulz  # noqa: E402
 from megatron_dmuon.algorithms.newton_schulz import msgn_svd, newton_schulz  # noqa: E402
 from megatron_dmuon.algorithms.schedules import schedule_for_shape  # noqa: E402
 from megatron_dmuon.kernels import (  # noqa: E402
@@ -171,11 +171,9 @@ def methods_for(args, device, peers):
 
 
 def flops_of(method, rows, cols, batch, symmetric, steps=5):
-    if method in ("auto", "gram") and max(rows, cols) / min(rows, cols) < 2.0:
-        method = "standard"  # what runs below min_aspect_ratio=2
-    if method == "auto":
+    if method in ("auto", "gram"):
         # What runs: Gram when the aspect ratio allows it (min_aspect_ratio=2), else standard.
-        method = "gram" if max(rows, cols) / min(rows, cols) >= 2.0 else "standard"
+        method = "gram" if gram_applies(rows, cols) else "standard"
     return batch * newton_schulz_flops(rows, cols, steps, method, symmetric=symmetric)
 
 
@@ -350,7 +348,7 @@ def breakdown(args, device, report):
         X, _ = _normalised_wide(x, torch.float16, 1e-7)
         plan = shape_plan(m, n, b, torch.float16, device, cache_path=args.cache)
         R = _syrk(plan.syrk, X)
-        gram = max(m, n) / min(m, n) >= 2.0
+        gram = gram_applies(m, n)
         if gram:
             restarts = len(restart_points((2,), steps))
             segments = [2, steps - 2] if restarts else [steps]

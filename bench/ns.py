@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dmuon.algorithms.flops import newton_schulz_flops  # noqa: E402
-from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz  # noqa: E402
+from megatron_dmuon.algorithms.gram_newton_schulz import gram_applies, gram_newton_schulz  # noqa: E402
 from megatron_dmuon.algorithms.newton_schulz import newton_schulz  # noqa: E402
 
 QWEN25_7B_LAYER = "3584x3584x2,512x3584x2,18944x3584x2,3584x18944x1"
@@ -118,7 +118,7 @@ def main() -> None:
                 kwargs["compute_dtype"] = DTYPES[args.dtype]
             fn = functions[method]
             compute_dtype = kwargs.get("compute_dtype", torch.bfloat16 if method == "standard" else torch.float16)
-            falls_back = method == "gram" and max(rows, cols) / min(rows, cols) < 2.0
+            falls_back = method == "gram" and not gram_applies(rows, cols)
             times = time_calls(lambda: fn(x, **kwargs), reps, warmup, device)
             ms = statistics.median(times)
             flops = count * newton_schulz_flops(rows, cols, args.steps, method)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Sequence, Tuple
 
+from .dp_shards import shard_overlap, shard_range
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -62,13 +64,13 @@ def plan_publish(bucket_numel: int, world: int, params: Sequence[Tuple[int, int,
     runs, sizes = [], []
     fp8_total = raw_total = scale_total = 0
     for r in range(world):
-        lo, hi = r * shard, (r + 1) * shard
+        lo, hi = shard_range(r, shard)
         fp8 = sorted((s, e, k) for s, e, is_fp8, k in params if is_fp8 and s < hi and e > lo)
         for s, e, k in fp8:
             if s < lo or e > hi:
                 raise ValueError(f"FP8-published matrix {k} [{s}, {e}) crosses the shard [{lo}, {hi}) of rank {r}: "
                                  "its owner would not hold it whole")
-        raw = _merge([(max(s, lo), min(e, hi)) for s, e, is_fp8, _ in params if not is_fp8 and s < hi and e > lo])
+        raw = _merge([shard_overlap(s, e, r, shard) for s, e, is_fp8, _ in params if not is_fp8 and s < hi and e > lo])
         offset = 4 * len(fp8)
         rank_runs = []
         for s, e in raw:

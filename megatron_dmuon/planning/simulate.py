@@ -23,6 +23,7 @@ import math
 from typing import Dict, List, Optional
 
 from .cost_model import ClusterSpec, CostModel, Link, load_config
+from .dp_shards import shard_overlap
 from .models import ModelSpec, ParallelSpec, stage_params
 from .owner_layout import megatron_bucket_size
 from .plans import gpu_cells, plan_stage, predict_stage
@@ -72,10 +73,9 @@ def adamw_fragments_in_shard(layout, params, dp_rank: int) -> List[int]:
             continue
         s, e, b = layout.param_ranges[p.name]
         bucket = layout.buckets[b]
-        lo = bucket.start + dp_rank * bucket.shard_size
-        overlap = min(e, lo + bucket.shard_size) - max(s, lo)
-        if overlap > 0:
-            sizes.append(overlap)
+        lo, hi = shard_overlap(s, e, dp_rank, bucket.shard_size, bucket.start)
+        if hi > lo:
+            sizes.append(hi - lo)
     return sizes
 
 

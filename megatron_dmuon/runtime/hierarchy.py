@@ -20,6 +20,8 @@ from typing import List
 
 import torch
 
+from ..planning.dp_shards import shard_range
+
 
 @dataclasses.dataclass
 class NodeTopology:
@@ -72,5 +74,5 @@ def chunk_views(bucket_data: torch.Tensor, topo: NodeTopology):
     n = bucket_data.numel()
     chunk = n // topo.ranks_per_node
     sub = chunk // topo.num_nodes
-    c = bucket_data[topo.local_rank * chunk:(topo.local_rank + 1) * chunk]
-    return c, c[topo.node * sub:(topo.node + 1) * sub]
+    c = bucket_data[slice(*shard_range(topo.local_rank, chunk))]
+    return c, c[slice(*shard_range(topo.node, sub))]
