@@ -41,6 +41,8 @@ import warnings
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .placement import least_loaded_cell
+
 __all__ = ["OwnerProblem", "OwnerSolution", "evaluate", "lower_bound", "greedy_cells", "solve_owner_milp",
            "BACKENDS", "MilpFallbackWarning"]
 
@@ -180,9 +182,8 @@ def greedy_cells(problem: OwnerProblem) -> List[int]:
         def after(c):
             return loads[c] + problem.per_matrix[i] + (0.0 if (g, c) in present else problem.launch.get(g, 0.0))
 
-        fits = [c for c in range(problem.cells) if used[b, c // problem.tp_size] + n <= cap]
-        c = (min(fits, key=lambda c: (after(c), used[b, c // problem.tp_size], c)) if fits
-             else min(range(problem.cells), key=lambda c: (used[b, c // problem.tp_size], after(c), c)))
+        c = least_loaded_cell(range(problem.cells), problem.tp_size, lambda d: used[b, d] + n <= cap, after,
+                              lambda d: used[b, d])
         loads[c] = after(c)
         present.add((g, c))
         used[b, c // problem.tp_size] += n
