@@ -23,6 +23,8 @@ import json
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .dp_shards import shard_range
+
 PARAM_ALIGN = 64  # Megatron aligns param starts to 64 elements; keeps matrix views GEMM-friendly.
 
 
@@ -110,8 +112,8 @@ class OwnerLayout:
             require(bucket.start <= s and e <= bucket.end, f"{it.name} runs past its bucket")
             if it.is_matrix:
                 r = self.owners[it.name]
-                lo = bucket.start + r * bucket.shard_size
-                require(lo <= s and e <= lo + bucket.shard_size, f"matrix {it.name} crosses its owner's shard")
+                lo, hi = shard_range(r, bucket.shard_size, bucket.start)
+                require(lo <= s and e <= hi, f"matrix {it.name} crosses its owner's shard")
                 require(0 <= self.tp_owners.get(it.name, 0) < self.tp_size, f"TP owner of {it.name} out of range")
         for bucket in self.buckets:
             require(bucket.end - bucket.start == bucket.shard_size * self.world_size,
@@ -344,7 +346,7 @@ def _try_pour(items, mats_of, block, fillers, world_size, start, shard):
     cursor = start
     f = 0
     for r in range(world_size):
-        lo, hi = start + r * shard, start + (r + 1) * shard
+        lo, hi = shard_range(r, shard, start)
         # fillers that fit before this rank's block
         while f < len(fillers):
             n = items[fillers[f]].numel
