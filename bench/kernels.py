@@ -337,7 +337,7 @@ def breakdown(args, device, report):
         return
     from megatron_dmuon.algorithms.gram_newton_schulz import restart_points
     from megatron_dmuon.kernels.autotune import shape_plan
-    from megatron_dmuon.kernels.gram_ns_triton import _apply_q, _normalised_wide, _sym, _syrk
+    from megatron_dmuon.kernels.ns_driver import _apply_q, _normalised_wide, _sym, _syrk
 
     layer = SMOKE_LAYER if args.smoke else QWEN_LAYER
     result = {}

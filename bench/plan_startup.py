@@ -8,7 +8,7 @@ both cached on disk; run it twice (two processes) to see the second start reuse 
 It plans what rank 0 plans in megatron/layout.py::compute_owner_aligned_layout (the same
 ``plan_owner_layout(balance='milp')`` on the same items; the model itself is not built): the
 parameters of pipeline stage 0 from planning/models.py, the owner step's orthogonalizer profiled
-per shape at batch sizes 1 and 8 (runtime/ns_profile.py; the kernels' autotuning of each new shape
+per shape at batch sizes 1 and 8 (runtime/ns_timing.py; the kernels' autotuning of each new shape
 happens inside the first timed calls), then the MILP (CBC, or HiGHS where python-mip is missing).
 """
 from __future__ import annotations
@@ -46,8 +46,9 @@ def main():
     from megatron_dmuon.megatron.config import DMuonConfig
     from megatron_dmuon.planning.cost_model import elementwise_costs
     from megatron_dmuon.planning.plans import buffer_items, split_pieces
-    from megatron_dmuon.planning.profile import STARTUP_BUDGET_S, PlanCache, milp_time_limit, plan_key, profile_budget
-    from megatron_dmuon.runtime.ns_profile import profiled_cost_model
+    from megatron_dmuon.planning.caches import PlanCache, plan_key
+    from megatron_dmuon.planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
+    from megatron_dmuon.runtime.ns_timing import profiled_cost_model
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
     t_import = time.perf_counter()

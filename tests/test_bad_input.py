@@ -14,7 +14,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
-from megatron_dmuon.kernels import autotune, gram_ns_triton, metrics, symmetric_ops
+from megatron_dmuon.kernels import autotune, metrics, ns_driver, symmetric_ops
 from megatron_dmuon.megatron import checkpoint as ckpt
 from megatron_dmuon.megatron.optimizer import DMuonConfig, check_dmuon_config
 from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
@@ -150,9 +150,9 @@ def test_a_failing_kernel_choice_falls_back_to_the_torch_path(monkeypatch):
     from megatron_dmuon.algorithms.newton_schulz import newton_schulz
 
     choice = autotune.OpChoice("triton", autotune.default_config(torch.device("cpu"), 16, 32))
-    monkeypatch.setattr(gram_ns_triton, "_FAILED", {})
-    monkeypatch.setattr(gram_ns_triton, "fast_path_usable", lambda x, dtype: True)
-    monkeypatch.setattr(gram_ns_triton, "shape_plan", lambda *a, **k: autotune.ShapePlan(choice, choice))
+    monkeypatch.setattr(ns_driver, "_FAILED", {})
+    monkeypatch.setattr(ns_driver, "fast_path_usable", lambda x, dtype: True)
+    monkeypatch.setattr(ns_driver, "shape_plan", lambda *a, **k: autotune.ShapePlan(choice, choice))
 
     def broken(*a, **k):
         raise RuntimeError("out of resource: shared memory (a cached config this Triton cannot build)")
@@ -161,14 +161,14 @@ def test_a_failing_kernel_choice_falls_back_to_the_torch_path(monkeypatch):
     metrics.reset_nonfinite_metrics()
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
     with pytest.warns(RuntimeWarning, match="runs the torch path from now on"):
-        out = gram_ns_triton.newton_schulz_fast(x, compute_dtype=torch.bfloat16)
+        out = ns_driver.newton_schulz_fast(x, compute_dtype=torch.bfloat16)
     assert torch.equal(out, newton_schulz(x, compute_dtype=torch.bfloat16))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per shape
-        gram_ns_triton.newton_schulz_fast(x, compute_dtype=torch.bfloat16)
+        ns_driver.newton_schulz_fast(x, compute_dtype=torch.bfloat16)
     assert metrics.nonfinite_metrics()["kernel_fallbacks"] == 2
     with pytest.raises(RuntimeError):  # an explicit backend='triton' is not second-guessed: no fallback
-        gram_ns_triton.newton_schulz_fast(x, compute_dtype=torch.bfloat16, backend="triton")
+        ns_driver.newton_schulz_fast(x, compute_dtype=torch.bfloat16, backend="triton")
 
 
 def _write_keys(path, rank, count):
@@ -333,7 +333,7 @@ def test_dmuon_plan_validates_its_arguments(capsys, argv, message):
 @pytest.mark.parametrize("kind", ["directory", "uncreatable"])
 def test_a_cache_path_that_cannot_be_written_is_named_and_leaves_nothing(tmp_path, monkeypatch, kind):
     from megatron_dmuon.megatron.config import check_cache_paths
-    from megatron_dmuon.planning.profile import PlanCache
+    from megatron_dmuon.planning.caches import PlanCache
 
     (tmp_path / "afile").write_text("x")
     target = tmp_path / "plans" if kind == "directory" else tmp_path / "afile" / "plans.json"

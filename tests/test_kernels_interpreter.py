@@ -181,16 +181,16 @@ def test_child_ill_conditioned_and_zero_inputs_stay_finite():
 @child_only
 def test_child_nonfinite_output_is_retried_in_fp32(monkeypatch):
     from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
-    from megatron_dmuon.kernels import gram_ns_triton, gram_newton_schulz_fast, nonfinite_metrics
+    from megatron_dmuon.kernels import gram_newton_schulz_fast, nonfinite_metrics, ns_driver
 
-    real_core = gram_ns_triton.gram_core
+    real_core = ns_driver.gram_core
 
     def core_with_overflow(X, *args):
         out = real_core(X, *args)
         out[1, 0, 0] = float("inf")  # as if fp16 had overflowed in matrix 1
         return out
 
-    monkeypatch.setattr(gram_ns_triton, "gram_core", core_with_overflow)
+    monkeypatch.setattr(ns_driver, "gram_core", core_with_overflow)
     x = torch.randn(3, 16, 48, generator=torch.Generator().manual_seed(8))
     before = nonfinite_metrics()
     out = gram_newton_schulz_fast(x, "polar_express", backend="triton", check_finite=True)
@@ -200,7 +200,7 @@ def test_child_nonfinite_output_is_retried_in_fp32(monkeypatch):
     assert after["fp32_retries"] - before["fp32_retries"] == 1
     fp32 = gram_newton_schulz(x[1:2], "polar_express", compute_dtype=torch.float32)
     assert torch.equal(out[1:2], fp32)
-    monkeypatch.setattr(gram_ns_triton, "gram_core", real_core)
+    monkeypatch.setattr(ns_driver, "gram_core", real_core)
     clean = gram_newton_schulz_fast(x, "polar_express", backend="triton")
     assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
     unchecked = gram_newton_schulz_fast(x, "polar_express", backend="triton", check_finite=False)
@@ -277,7 +277,7 @@ def test_child_scale_cast_transposes_and_scales(dtype):
 def test_child_gram_core_with_tma_plan_matches_pointer_plan():
     from megatron_dmuon.algorithms.coefficients import get_coefficients
     from megatron_dmuon.kernels.autotune import OpChoice, ShapePlan
-    from megatron_dmuon.kernels.gram_ns_triton import _normalised_wide, gram_core
+    from megatron_dmuon.kernels.ns_driver import _normalised_wide, gram_core
 
     x = torch.randn(2, 96, 32, generator=torch.Generator().manual_seed(12))  # tall: result comes back tall
     X, transposed = _normalised_wide(x, torch.float16, 1e-7)

@@ -15,7 +15,8 @@ from megatron_dmuon.planning.cost_model import (CostModel, analytic_shape_cost, 
                                                 load_bench_kernels_profile)
 from megatron_dmuon.planning.milp import MilpFallbackWarning, OwnerProblem, evaluate, solve_owner_milp
 from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
-from megatron_dmuon.planning.profile import PlanCache, ProfileCache, measure_profile, profile_batches
+from megatron_dmuon.planning.caches import PlanCache, ProfileCache
+from megatron_dmuon.planning.startup_profile import measure_profile, profile_batches
 
 HERE = os.path.dirname(__file__)
 # the H200 kernel benchmark cut to what load_bench_kernels_profile reads
@@ -424,7 +425,8 @@ def test_milp_plans_are_identical_across_ranks_gloo(tmp_path):
 
 
 def test_startup_budget_splits_between_profile_and_milp_and_the_plan_key_ignores_the_limit():
-    from megatron_dmuon.planning.profile import STARTUP_BUDGET_S, milp_time_limit, plan_key, profile_budget
+    from megatron_dmuon.planning.caches import plan_key
+    from megatron_dmuon.planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 
     assert profile_budget() == pytest.approx(STARTUP_BUDGET_S * 2 / 3)
     assert milp_time_limit(30.0, 12.0) == pytest.approx(18.0)

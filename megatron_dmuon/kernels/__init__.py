@@ -18,7 +18,7 @@ The Polar Express schedules (``design_polar_express``, ``POLAR_EXPRESS_6``,
 """
 
 from .autotune import AutotuneCache, default_cache_path, tune_op
-from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched, resolve_method
+from .ns_driver import gram_newton_schulz_fast, newton_schulz_fast, orthogonalize_batched, resolve_method
 from .method_tuning import tune_method
 from .multi_stream import GraphedGroups, orthogonalize_groups
 from .metrics import NONFINITE_METRICS, nonfinite_metrics, reset_nonfinite_metrics, retry_nonfinite

@@ -9,7 +9,7 @@ Two kinds of decisions are tuned per (GPU, shape, batch, dtype) and cached:
   float32 torch fallback first and dropped if it disagrees.
 * ``method`` entries – whether Gram or standard NS orthogonalizes a [B, m, n] stack faster,
   each checked against the torch reference path of the same method. They are measured by
-  ``method_tuning.tune_method`` (it runs the NS drivers of ``gram_ns_triton``, which build on
+  ``method_tuning.tune_method`` (it runs the NS drivers of ``ns_driver``, which build on
   this module) and read here by ``cached_method``.
 
 The cache is a JSON file: ``cache_path`` argument, else ``$DMUON_AUTOTUNE_CACHE``, else
@@ -19,7 +19,7 @@ reusing a choice that may no longer compile. A write takes an exclusive lock on 
 re-reads the file, merges and replaces it atomically, so concurrent ranks neither corrupt it
 nor drop each other's keys. Lookups are memoised in-process. A cached kernel choice that fails
 when it runs is reported once (warning), counted (``metrics.NONFINITE_METRICS
-['kernel_fallbacks']``) and that shape runs the torch path from then on (gram_ns_triton).
+['kernel_fallbacks']``) and that shape runs the torch path from then on (ns_driver).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class AutotuneCache:
     ``version`` holds ``CACHE_VERSION`` (a file with any other value is ignored and its shapes
     re-tuned); ``entries`` maps ``op_key`` / ``method_key`` strings (GPU, shape, batch, dtype)
     to what ``tune_op`` / ``tune_method`` measured. Subclasses set their own ``version`` and
-    ``label`` (planning/profile.py keeps NS profiles and owner plans in the same kind of file).
+    ``label`` (planning/caches.py keeps NS profiles and owner plans in files of the same format).
     """
 
     version = CACHE_VERSION

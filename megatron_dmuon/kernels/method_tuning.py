@@ -1,7 +1,7 @@
 """Gram vs standard NS per [B, m, n] stack: measured on the GPU, stored in the autotune cache.
 
-Kept above both ``autotune`` (cache, keys, timing) and ``gram_ns_triton`` (the NS drivers it
-times) so the imports run one way: ``method_tuning`` → ``gram_ns_triton`` → ``autotune``.
+Kept above both ``autotune`` (cache, keys, timing) and ``ns_driver`` (the NS drivers it
+times) so the imports run one way: ``method_tuning`` → ``ns_driver`` → ``autotune``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ..algorithms.gram_newton_schulz import gram_newton_schulz
 from ..algorithms.ns_dispatch import method_compute_dtype
 from ..algorithms.newton_schulz import newton_schulz
 from .autotune import device_key, get_cache, method_key, relative_error, time_cuda_ms
-from .gram_ns_triton import gram_newton_schulz_fast, newton_schulz_fast
+from .ns_driver import gram_newton_schulz_fast, newton_schulz_fast
 
 __all__ = ["tune_method", "METHOD_TOLERANCE"]
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .gram_ns_triton import orthogonalize_batched, resolve_method
+from .ns_driver import orthogonalize_batched, resolve_method
 from .metrics import retry_nonfinite
 
 __all__ = ["GraphedGroups", "orthogonalize_groups"]

@@ -28,7 +28,7 @@ from ..algorithms.muon import LR_SCALE_MODES
 from ..kernels.autotune import CACHE_ENV
 from ..planning.owner_layout import BALANCE
 from ..planning.params import owner_ns_cost
-from ..planning.profile import STARTUP_BUDGET_S
+from ..planning.startup_profile import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, NS_METHODS, MuonSettings
 from ..runtime.row_update_step import UPDATE_RULES, tp_refusal
@@ -409,8 +409,7 @@ def check_cache_paths(args) -> None:
     directory or an uncreatable path there fails now, naming the cache and where it is set, instead
     of at the first write in the middle of start-up."""
     from ..kernels.autotune import AutotuneCache
-    from ..planning.profile import PlanCache, ProfileCache, default_plan_cache_path
-    from ..runtime.ns_profile import default_profile_cache_path
+    from ..planning.caches import PlanCache, ProfileCache, default_plan_cache_path, default_profile_cache_path
 
     caches = [AutotuneCache(getattr(args, "dmuon_autotune_cache", None)), PlanCache(default_plan_cache_path()),
               ProfileCache(default_profile_cache_path())]

@@ -13,8 +13,8 @@ from ..planning.owner_layout import OwnerLayout, ParamItem, megatron_bucket_size
 from ..algorithms.tp_shards import tp_full_shape
 from ..planning.params import is_muon_param, ns_cost
 from ..planning.plans import matrix_pieces
-from ..planning.profile import (STARTUP_BUDGET_S, PlanCache, default_plan_cache_path, milp_time_limit, plan_key,
-                                profile_budget)
+from ..planning.caches import PlanCache, default_plan_cache_path, plan_key
+from ..planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 
 
 def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = False, pp_rank: int = 0):
@@ -34,7 +34,7 @@ def milp_planning_options(settings, startup_budget_s: float = STARTUP_BUDGET_S, 
     """Layout options of ``--dmuon-balance milp``: profile the owner step's NS on this GPU (cached
     per device and software versions), then the MILP, both inside ``startup_budget_s`` on rank 0;
     the finished plan is cached, so the next start with the same model plans nothing."""
-    from ..runtime.ns_profile import profiled_cost_model
+    from ..runtime.ns_timing import profiled_cost_model
 
     return dict(cost_model_fn=functools.partial(profiled_cost_model, settings=settings,
                                                 budget_s=profile_budget(startup_budget_s)),
@@ -100,11 +100,11 @@ def compute_owner_aligned_layout(
     NS FLOPs, or ms with `cost_model_fn`); None: NS only.
 
     `cost_model_fn(shapes, max_batch) -> planning.cost_model.CostModel` (e.g.
-    runtime.ns_profile.profiled_cost_model: the start-up profile) replaces `cost_fn` with predicted
+    runtime.ns_timing.profiled_cost_model: the start-up profile) replaces `cost_fn` with predicted
     ms and batched-launch costs; it runs on rank 0 only. `milp_options` go to the MILP
     (balance='milp'). `plan_cache` (a path): rank 0 reuses a plan made for the same parameters,
     sizes, options and costs. `startup_budget_s`: the MILP's time limit shrinks to what profiling
-    left of it (planning.profile.milp_time_limit).
+    left of it (planning.startup_profile.milp_time_limit).
 
     Returns (FullParamLayout, {BufferKey: OwnerLayout}, {param: name}).
     """
@@ -249,7 +249,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
         self.dmuon_param_names = name_of
         self.dmuon_topology = None
         if ranks_per_node:
-            from ..runtime.hierarchy import build_node_topology
+            from ..runtime.node_topology import build_node_topology
             from .hierarchy import make_two_level
 
             topo = build_node_topology(dp_group, ranks_per_node)

@@ -3,7 +3,7 @@
 Megatron's `_ParamAndGradBucketGroup.start_param_sync` all-gathers each bucket's `param_data` in
 the model's dtype. The subclass below (swapped onto DDP's bucket groups, as megatron/hierarchy.py
 does for two-level groups) sends one packed byte block per rank and bucket instead
-(planning/publish_layout.py): every Muon matrix as FP8 bytes quantized by its owner from the fp32
+(planning/fp8_blocks.py): every Muon matrix as FP8 bytes quantized by its owner from the fp32
 master with a per-tensor scale (algorithms/fp8.py), plus that scale; the rest in the model's dtype.
 Every rank, the owner included, decodes the gathered block into `param_data` in
 `_post_param_sync`, which Megatron calls after the collective on every path: synchronous (the
@@ -18,7 +18,7 @@ import torch
 
 from ..algorithms.fp8 import dequantize, fp8_dtype, quantize_per_tensor
 from ..planning.params import is_muon_param
-from ..planning.publish_layout import PublishLayout, plan_publish
+from ..planning.fp8_blocks import PublishLayout, plan_publish
 from .hierarchy import HandleGroup
 
 PUBLISH_DTYPES = ("param", "fp8_e4m3", "fp8_e5m2")

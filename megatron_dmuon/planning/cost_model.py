@@ -8,7 +8,7 @@ launch; the MILP planner (planning/milp.py) uses exactly this.
 Two sources, one interface (``CostModel.shape_cost``):
 
 * a **profile** (``CostTable``): measured (batch, ms) points per distinct shape, from the start-up
-  profiler on the real GPU (runtime/ns_profile.py) or from the kernel benchmark already in the repo
+  profiler on the real GPU (runtime/ns_timing.py) or from the kernel benchmark already in the repo
   (``load_bench_kernels_profile``); each shape's points are fitted by ``fit_affine``;
 * the **analytic model** for shapes the profile lacks (or with no profile: on CPU, profiling off):
   FLOPs of the NS method the kernels pick (``params.ns_flops``: symmetric-kernel counts) at the

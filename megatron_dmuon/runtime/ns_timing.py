@@ -11,7 +11,7 @@ import torch
 
 from ..planning.caches import ProfileCache, default_profile_cache_path
 from ..planning.cost_model import CostModel, device_spec_for, load_config
-from ..planning.profile import measure_profile
+from ..planning.startup_profile import measure_profile
 from .owner_step import MuonSettings, default_orthogonalizer
 
 __all__ = ["profile_meta", "cuda_ns_timer", "profiled_cost_model", "device_name"]

@@ -2,7 +2,7 @@
 that profiling and the owner MILP share.
 
 ``measure_profile`` times each distinct matrix shape at batch sizes 1..B with a timer it is given
-(the real one, runtime/ns_profile.py, runs the owner step's own orthogonalizer on the GPU; tests
+(the real one, runtime/ns_timing.py, runs the owner step's own orthogonalizer on the GPU; tests
 pass a fake), a few repeats each, within a time budget, and returns a ``CostTable``. Profiles are
 cached per (device, dtype, torch/triton versions, NS settings): the next start measures nothing.
 A corrupt cache file, or one written by another format version, is ignored with a warning and
@@ -18,7 +18,7 @@ import time
 import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .caches import PROFILE_VERSION, PlanCache, ProfileCache, default_plan_cache_path, plan_key  # noqa: F401
+from .caches import ProfileCache
 from .cost_model import CostTable, shape_key
 
 __all__ = ["profile_key", "profile_batches", "measure_profile", "STARTUP_BUDGET_S", "profile_budget",
