@@ -1,7 +1,7 @@
 """Node topology arithmetic of the two-level reduce/publish (pure, no process groups)."""
 import pytest
 
-from megatron_dmuon.runtime.node_topology import NodeTopology
+from megatron_dmuon.runtime.node_groups import NodeTopology
 
 
 @pytest.mark.parametrize("L,N", [(2, 2), (4, 2), (8, 4), (1, 3), (3, 1)])

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from ..runtime.node_topology import NodeTopology, chunk_views
+from ..runtime.node_groups import NodeTopology, chunk_views
 
 
 def check_two_level_config(ddp_config, dp_size: int, ranks_per_node: int) -> None:

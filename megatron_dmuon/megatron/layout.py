@@ -249,7 +249,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
         self.dmuon_param_names = name_of
         self.dmuon_topology = None
         if ranks_per_node:
-            from ..runtime.node_topology import build_node_topology
+            from ..runtime.node_groups import build_node_topology
             from .hierarchy import make_two_level
 
             topo = build_node_topology(dp_group, ranks_per_node)
