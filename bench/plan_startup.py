@@ -5,7 +5,7 @@ both cached on disk; run it twice (two processes) to see the second start reuse 
     python bench/plan_startup.py --preset qwen2.5-7b --dp 8 --cache-dir /tmp/dmuon --out /tmp/dmuon/start1.json
     python bench/plan_startup.py --preset qwen2.5-7b --dp 8 --cache-dir /tmp/dmuon --out /tmp/dmuon/start2.json
 
-It plans what rank 0 plans in megatron/layout.py::compute_owner_aligned_layout (the same
+It plans what rank 0 plans in megatron/layout.py::build_plan (the same
 ``plan_owner_layout(balance='milp')`` on the same items; the model itself is not built): the
 parameters of pipeline stage 0 from planning/models.py, the owner step's orthogonalizer profiled
 per shape at batch sizes 1 and 8 (runtime/ns_timing.py; the kernels' autotuning of each new shape

@@ -169,7 +169,7 @@ def load_if_requested(args, ddp, opt, sched, rank) -> int:
     sched.load_state_dict(common["opt_param_scheduler"])
     if rank == 0:
         print(f"> loaded checkpoint {checkpoint_dir(args.load, iteration)} at iteration {iteration}", flush=True)
-    if hasattr(ddp, "dmuon_owner_plans"):
+    if hasattr(ddp, "dmuon_plan"):
         from megatron_dmuon.megatron.replicas import check_replicas
 
         report = check_replicas([ddp])

@@ -25,6 +25,7 @@ def milp_layouts(rank, world_size, cache_dir):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron.config import with_overrides
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
     from megatron_dmuon.planning import owner_layout
     from megatron_dmuon.testing.workers import init_parallel
@@ -48,10 +49,10 @@ def milp_layouts(rank, world_size, cache_dir):
 
     def plan(stage_group, cache=None, budget=None):
         g = dict(groups, stage=stage_group)
-        _, plans, _ = layout_mod.compute_owner_aligned_layout(
-            model, ddp_config, g, bucket_size=None, balance="milp", cost_model_fn=cost_model_fn,
-            milp_options={"time_limit_s": 20.0}, plan_cache=cache, startup_budget_s=budget)
-        return [p.to_json() for p in plans.values()]
+        cfg = with_overrides(None, dict(balance="milp", cost_model_fn=cost_model_fn, milp_options={"time_limit_s": 20.0},
+                                        plan_cache=cache, plan_budget_s=budget))
+        dmuon_plan, _ = layout_mod.build_plan(model, ddp_config, g, bucket_size=None, cfg=cfg)
+        return [p.to_json() for p in dmuon_plan.layouts.values()]
 
     alone = [torch.distributed.new_group([r]) for r in range(world_size)]  # collective: every rank makes both
     local = plan(alone[rank])  # what this rank would plan on its own costs
@@ -67,12 +68,14 @@ def milp_layouts(rank, world_size, cache_dir):
 
 
 def layout_item_costs(rank, world_size, split):
-    """The planner items compute_owner_aligned_layout builds for a real megatron-core GPT (GQA,
+    """The planner items build_plan makes for a real megatron-core GPT (GQA,
     SwiGLU) under ``split``, and the element-wise credit it plans with."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron.config import with_overrides
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
+    from megatron_dmuon.planning.params import ns_cost
     from megatron_dmuon.testing.workers import init_parallel
 
     init_parallel()
@@ -88,8 +91,8 @@ def layout_item_costs(rank, world_size, split):
         return plan(items, *args, **kwargs)
 
     layout_mod.plan_owner_layout = capture
-    layout_mod.compute_owner_aligned_layout(model, ddp_config, groups, bucket_size=None, model_config=model.config,
-                                            split=split)
+    cfg = with_overrides(None, dict(split=split, cost_fn=ns_cost))
+    layout_mod.build_plan(model, ddp_config, groups, bucket_size=None, cfg=cfg, model_config=model.config)
     config = model.config
     return {**seen, "heads": config.num_attention_heads, "groups": config.num_query_groups,
             "kv_channels": config.kv_channels, "hidden": config.hidden_size, "ffn": config.ffn_hidden_size}

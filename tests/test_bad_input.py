@@ -103,7 +103,7 @@ def test_a_state_with_diverged_adamw_steps_is_not_checkpointed():
     inner.init_state()
     v.grad = torch.ones(4)  # w had no grad: torch AdamW does not step it
     inner.step()
-    part = SimpleNamespace(dmuon_inner=inner, optimizer=inner, grad_scaler=None)
+    part = SimpleNamespace(optimizer=inner, grad_scaler=None)
     with pytest.raises(ValueError, match=r"AdamW step counts differ between params \(\[0.0, 1.0\]\)"):
         ckpt.optimizer_state_dict([part])
 

@@ -62,6 +62,21 @@ def test_dp4_overlap_resume_is_bit_identical_and_reshards_to_dp2(tmp_path):
     assert uninterrupted[0]["layouts"] != resumed[0]["resumed"]["layouts"]  # really another plan
 
 
+def test_a_checkpoint_written_before_the_plan_object_loads(tmp_path):
+    # tests/data/ckpt_before_plan_dp2_fp64: written at step 3 of 5 by the code before DMuonPlan (commit
+    # 3156eae: the record holds the owner layouts, no 'dmuon_plans'; owners planned by another cost)
+    import shutil
+
+    fixture = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "ckpt_before_plan_dp2_fp64"), fixture)
+    common = dict(resume_at=3, steps=5, grad_accum=2, ns_dtype="float64",
+                  shape_kw=dict(fp64=True, num_layers=1, hidden_size=32, ffn_hidden_size=64))
+    now = run_distributed(RESUME, 2, kwargs=dict(common, resume_here=False))
+    resumed = run_distributed(RESUME, 2, kwargs=dict(common, load_dir=str(fixture)))
+    worst_params, worst_state = _diffs([r["uninterrupted"] for r in now], [r["resumed"] for r in resumed])
+    assert worst_params <= 1e-10 and worst_state <= 1e-10, (worst_params, worst_state)
+
+
 def test_tp2_to_tp1_reshards(tmp_path):
     common = dict(resume_at=3, steps=5, grad_accum=2, **FP64)
     saved = run_distributed(RESUME, 2, kwargs=dict(common, tp=2, save_dir=str(tmp_path), resume_here=False))

@@ -440,30 +440,26 @@ def test_startup_budget_splits_between_profile_and_milp_and_the_plan_key_ignores
 def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_path):
     import argparse
 
-    from megatron_dmuon.megatron.config import add_dmuon_args, ddp_options_from_args
+    from megatron_dmuon.megatron.config import DMuonConfig, add_dmuon_args
 
     monkeypatch.setenv("DMUON_PLAN_CACHE", str(tmp_path / "plans.json"))
     parser = add_dmuon_args(argparse.ArgumentParser(), validate=False)
-    options = ddp_options_from_args(parser.parse_args(["--dmuon-balance", "milp", "--dmuon-plan-budget", "12"]))
-    assert options["balance"] == "milp" and options["startup_budget_s"] == 12.0
-    assert options["plan_cache"] == str(tmp_path / "plans.json")
-    assert options["cost_model_fn"].keywords["budget_s"] == pytest.approx(8.0)
-    plain = ddp_options_from_args(parser.parse_args([]))
-    assert set(plain) == {"ranks_per_node", "balance", "cost_fn", "split"}
-    assert plain["split"] == dict(split_qkv=True, split_glu=False, per_head=False)
-    from megatron_dmuon.megatron.config import DMuonConfig
-    from megatron_dmuon.megatron.layout import DEFAULT_SPLIT
-
-    assert DEFAULT_SPLIT == DMuonConfig().split_flags() == plain["split"]  # the layout's default split
+    layout = DMuonConfig.from_args(parser.parse_args(["--dmuon-balance", "milp", "--dmuon-plan-budget", "12"])).layout
+    assert layout.balance == "milp" and layout.plan_budget_s == 12.0 and layout.profile
+    assert layout.plan_cache == str(tmp_path / "plans.json")
+    plain = DMuonConfig.from_args(parser.parse_args([]))
+    assert plain.layout == DMuonConfig().layout and not plain.layout.profile and plain.layout.plan_cache is None
+    assert plain.split_flags() == DMuonConfig().split_flags() == dict(split_qkv=True, split_glu=False, per_head=False)
     # owners are balanced by what the run's NS costs: the adaptive schedule makes the wide
     # matrices far cheaper relative to square ones than the standard 5-step count says
+    from megatron_dmuon.megatron.layout import owner_cost_fn
     from megatron_dmuon.planning.params import ns_cost, owner_ns_cost
 
-    adaptive = ddp_options_from_args(parser.parse_args(["--dmuon-coefficients", "adaptive"]))["cost_fn"]
+    adaptive = owner_cost_fn(DMuonConfig.from_args(parser.parse_args(["--dmuon-coefficients", "adaptive"])).muon)
     ratio = adaptive((3584, 18944)) / adaptive((3584, 3584))
     assert ratio == pytest.approx(owner_ns_cost((18944, 3584), "adaptive") / owner_ns_cost((3584, 3584), "adaptive"))
     assert 1.9 < ratio < 2.3 and ns_cost((3584, 18944)) / ns_cost((3584, 3584)) > 3.5  # adaptive, Gram restart
-    assert plain["cost_fn"]((512, 3584)) == owner_ns_cost((512, 3584), "keller", 5, "auto")
+    assert owner_cost_fn(plain.muon)((512, 3584)) == owner_ns_cost((512, 3584), "you", 5, "auto")
 
 
 # ----------------------------------------------------------------------------- element-wise work

@@ -101,6 +101,11 @@ def train_from_argv(rank, world_size, argv, iters=6):
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, wire_sync_funcs
     from megatron_dmuon.megatron.megatron_lm import ddp_class_for, optimizer_factory_for
 
+    from megatron_dmuon.megatron.config import DMuonConfig
+
+    parses = []
+    from_args = DMuonConfig.from_args.__func__
+    DMuonConfig.from_args = classmethod(lambda cls, a: parses.append(1) or from_args(cls, a))  # counted
     args = parse(argv)
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     torch.manual_seed(7)
@@ -139,12 +144,15 @@ def train_from_argv(rank, world_size, argv, iters=6):
         assert ok
         losses.append(loss)
     parts = getattr(opt, "chained_optimizers", [opt])
-    inner = getattr(parts[0], "dmuon_inner", None)
-    return {"losses": losses, "ddp": type(ddp).__mro__[1].__name__ if ddp_class is not DistributedDataParallel
+    from megatron_dmuon.runtime.owner_step import OwnerMuonAdamW
+
+    inner = parts[0].optimizer if isinstance(getattr(parts[0], "optimizer", None), OwnerMuonAdamW) else None
+    return {"losses": losses, "from_args_calls": len(parses),
+            "ddp": type(ddp).__mro__[1].__name__ if ddp_class is not DistributedDataParallel
             else "DistributedDataParallel", "parts": [type(p).__name__ for p in parts],
             "muon": None if inner is None else inner.muon,
             "splits": {} if inner is None else {i.name: getattr(i.split, "kind", "none")
-                                                for p in parts for i in p.dmuon_inner.matrix_info.values()}}
+                                                for p in parts for i in p.optimizer.matrix_info.values()}}
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +165,7 @@ def test_megatron_lm_argv_trains_a_gpt_with_dmuon_on_two_ranks(trained):
     a, b = trained
     assert a["losses"] == b["losses"]  # one loss per iteration, reduced over DP
     assert a["ddp"] == "DMuonDDP" and set(a["parts"]) == {"DMuonDistributedOptimizer"}
+    assert a["from_args_calls"] == b["from_args_calls"] == 1  # one DMuonConfig per run: DDP and optimizer share it
     assert a["losses"][-1] < a["losses"][0] - 0.3, a["losses"]
     # Megatron's flags arrived as Megatron means them
     muon = a["muon"]

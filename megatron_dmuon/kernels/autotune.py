@@ -79,8 +79,20 @@ class ShapePlan:
     square: OpChoice
 
 
+_RUN_CACHE_PATH: "Path | None" = None  # this run's --dmuon-autotune-cache (use_cache_file)
+
+
+def use_cache_file(path) -> None:
+    """Point this process's kernels at ``path`` (a run's ``DMuonConfig.autotune_cache``; None: the
+    default again). The config reaches the kernels here, not through the environment."""
+    global _RUN_CACHE_PATH
+    _RUN_CACHE_PATH = Path(path).expanduser() if path else None
+
+
 def default_cache_path() -> Path:
-    env = os.environ.get(CACHE_ENV)
+    if _RUN_CACHE_PATH is not None:
+        return _RUN_CACHE_PATH
+    env = os.environ.get(CACHE_ENV)  # the default's default, read where no run set a file
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "megatron_dmuon" / "autotune.json"

@@ -103,7 +103,7 @@ class Piece:
 
 def local_pieces(opt) -> List[Piece]:
     """Every parameter piece of a DMuonDistributedOptimizer, in buffer order."""
-    inner = opt.dmuon_inner
+    inner = opt.optimizer
     main_of = {}
     for model_groups, main_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
                                       (opt.model_fp32_groups, opt.shard_fp32_groups)):
@@ -210,7 +210,7 @@ def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid):
 
 def _sharded_param_state(opt, meta: dict, is_loading: bool) -> dict:
     """{param id: {state key: ShardedTensor or [ShardedTensor blocks]}} of one part's pieces."""
-    tp_rank = opt.dmuon_inner.tp.rank
+    tp_rank = opt.optimizer.tp.rank
     out = {}
     for piece in local_pieces(opt):
         sh = meta.get(piece.model_param)
@@ -238,20 +238,22 @@ def _local_record(parts, meta: Optional[dict]) -> dict:
     """This rank's part of the record: params (id -> [global shape, kind]), plans, AdamW steps."""
     from megatron.core import parallel_state as ps
 
-    params, plans, steps = {}, {}, set()
+    params, plans, dmuon_plans, steps = {}, {}, {}, set()
     pp = ps.get_pipeline_model_parallel_rank()
-    rules = sorted({opt.dmuon_inner.muon.update for opt in parts})
+    rules = sorted({opt.optimizer.muon.update for opt in parts})
     for opt in parts:
         if meta is not None:
             for piece in local_pieces(opt):
                 sh = meta[piece.model_param]
                 params[param_id(sh)] = [list(_global_shape(sh)), "muon" if piece.muon else "adamw"]
-        for i, chunk in enumerate(opt.dmuon_model_chunks):
-            for key, plan in (getattr(chunk, "dmuon_owner_plans", None) or {}).items():
-                kind = "expert" if key.is_expert_parallel else "dense"
-                plans[f"pp{pp}/chunk{i}/{kind}/{key.param_dtype}"] = plan.to_json()
-        steps |= opt.dmuon_inner.adam_steps()
-    return {"params": params, "plans": plans, "adam_steps": sorted(steps), "updates": rules}
+        for i, chunk in enumerate(opt.model_chunks):
+            plan = chunk.dmuon_plan
+            for buffer, layout in plan.layouts.items():  # 'dense|expert/param dtype': as written before the plan
+                plans[f"pp{pp}/chunk{i}/{'/'.join(buffer.split('/')[:2])}"] = layout.to_json()
+            dmuon_plans[f"pp{pp}/chunk{i}"] = plan.to_json()
+        steps |= opt.optimizer.adam_steps()
+    return {"params": params, "plans": plans, "dmuon_plans": dmuon_plans, "adam_steps": sorted(steps),
+            "updates": rules}
 
 
 def parallel_sizes() -> dict:
@@ -267,10 +269,11 @@ def gather_record(parts, meta: Optional[dict], group=None) -> dict:
     identical on each of them."""
     everyone = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(everyone, _local_record(parts, meta), group=group)
-    params, plans, steps, rules = {}, {}, set(), set()
+    params, plans, dmuon_plans, steps, rules = {}, {}, {}, set(), set()
     for r in everyone:
         params.update(r["params"])
         plans.update(r["plans"])
+        dmuon_plans.update(r["dmuon_plans"])
         steps.update(r["adam_steps"])
         rules.update(r["updates"])
     if len(steps) > 1:
@@ -278,7 +281,8 @@ def gather_record(parts, meta: Optional[dict], group=None) -> dict:
             f"DMuon checkpoint: AdamW step counts differ between params ({sorted(steps)}); every element-wise "
             "param must step together (Megatron's DistributedOptimizer gives each one a gradient every step)")
     return {"format": FORMAT, "parallel": parallel_sizes(), "params": dict(sorted(params.items())),
-            "plans": dict(sorted(plans.items())), "adam_step": steps.pop() if steps else None,
+            "plans": dict(sorted(plans.items())), "dmuon_plans": dict(sorted(dmuon_plans.items())),
+            "adam_step": steps.pop() if steps else None,
             "update": ",".join(sorted(rules))}
 
 
@@ -298,6 +302,16 @@ def check_record(record, current: dict) -> Optional[str]:
             OwnerLayout.from_json(text)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the same corruption
             return f"the checkpoint's DMuon owner plan {name!r} is corrupt ({type(exc).__name__}: {exc})"
+    from ..planning.plan import DMuonPlan
+
+    saved_plans = record.get("dmuon_plans", {})  # (checkpoints written before the plan object have none)
+    if not isinstance(saved_plans, dict):
+        return "the checkpoint's DMuon record is corrupt: field 'dmuon_plans' is not a mapping"
+    for name, text in saved_plans.items():
+        try:
+            DMuonPlan.from_json(text)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the same corruption
+            return f"the checkpoint's DMuon plan {name!r} is corrupt ({type(exc).__name__}: {exc})"
     saved_rule, rule = record.get("update", "muon"), current.get("update", "muon")
     if saved_rule != rule:  # the momenta mean different things (an average vs an accumulation)
         return (f"it was saved with --dmuon-update {saved_rule}, this run has --dmuon-update {rule}: resume with "
@@ -340,14 +354,14 @@ def _check_sharding_type(metadata, sharding_type=None) -> None:
 
 
 def _chunks(parts) -> list:
-    return parts[0].dmuon_model_chunks
+    return parts[0].model_chunks
 
 
 def optimizer_state_dict(parts) -> dict:
     """Megatron's non-parameter optimizer state (param groups of every part, grad scaler) plus the
     DMuon format tag and this rank's AdamW step. Not collective (Megatron-LM's torch format calls
     it on some ranks only)."""
-    steps = set().union(*(p.dmuon_inner.adam_steps() for p in parts))
+    steps = set().union(*(p.optimizer.adam_steps() for p in parts))
     if len(steps) > 1:
         raise ValueError(f"DMuon: AdamW step counts differ between params ({sorted(steps)}); cannot checkpoint one step")
     groups = [{k: v for k, v in g.items() if k != "params"} for p in parts for g in p.optimizer.param_groups]
@@ -375,7 +389,7 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
         state["param_state"].update(_sharded_param_state(opt, meta, is_loading))
     state["param_state_sharding_type"] = SHARDING_TYPE
     if is_loading:  # the loaded dict carries the checkpoint's record: keep the current one
-        parts[0]._dmuon_pending_load = (state["dmuon"], {p: param_id(sh) for p, sh in meta.items()})
+        parts[0]._pending_load = (state["dmuon"], {p: param_id(sh) for p, sh in meta.items()})
     return state
 
 
@@ -385,8 +399,8 @@ def load_optimizer_state(parts, state_dict) -> None:
     changes; a dist load ends with the publish."""
     info = state_dict.get("dmuon") if isinstance(state_dict, dict) else None
     param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
-    pending = getattr(parts[0], "_dmuon_pending_load", None)
-    parts[0]._dmuon_pending_load = None
+    pending = getattr(parts[0], "_pending_load", None)
+    parts[0]._pending_load = None
     if param_state is not None:  # dist_checkpointing: every rank is here
         if pending is None:
             meta = model_sharded_metadata(model_state(_chunks(parts)))
@@ -405,9 +419,9 @@ def load_optimizer_state(parts, state_dict) -> None:
     for opt in parts:
         _restore_param_groups(opt, state_dict["optimizer"]["param_groups"])
         if info.get("adam_step") is not None:
-            opt.dmuon_inner.set_adam_step(info["adam_step"])
+            opt.optimizer.set_adam_step(info["adam_step"])
             # the online NS check counts the same steps (its cadence and probes continue exactly)
-            opt.dmuon_inner.ns_check.steps = int(info["adam_step"])
+            opt.optimizer.ns_check.steps = int(info["adam_step"])
         if opt.grad_scaler and "grad_scaler" in state_dict:
             opt.grad_scaler.load_state_dict(state_dict["grad_scaler"])
     if param_state is not None:

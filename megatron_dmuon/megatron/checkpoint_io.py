@@ -173,7 +173,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (no metadata.json)")
     metadata = dist_checkpointing.load_content_metadata(path) or _content_metadata("fully_reshardable")
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    dmuon = all(hasattr(p, "dmuon_model_chunks") for p in parts)  # else one of Megatron's own optimizers
+    dmuon = all(hasattr(getattr(p, "model_chunks", [None])[0], "dmuon_plan") for p in parts)  # else one of Megatron's own
     if load_optimizer and dmuon:
         common = dist_checkpointing.load_common_state_dict(path)
         saved = common.get("optimizer") if isinstance(common, dict) else None

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import math
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -27,7 +26,7 @@ from ..algorithms.coefficients import COEFFICIENT_SETS, YOU
 from ..algorithms.muon import LR_SCALE_MODES
 from ..kernels.autotune import CACHE_ENV
 from ..planning.owner_layout import BALANCE
-from ..planning.params import owner_ns_cost
+from ..planning.caches import default_plan_cache_path
 from ..planning.startup_profile import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, NS_METHODS, MuonSettings
@@ -85,6 +84,36 @@ def megatron_muon_settings(**overrides) -> MuonSettings:
 
 
 @dataclasses.dataclass
+class LayoutOptions:
+    """How the DDP lays out buffers and places owners (the plan's inputs beyond the Muon settings)."""
+
+    ranks_per_node: int = 0  # > 0: two-level reduce/publish, node-striped owners (--dmuon-ranks-per-node)
+    balance: str = "cost"  # owner placement (--dmuon-balance)
+    # one bucket per buffer even with --overlap-grad-reduce: every same-shape group is reduced and
+    # published by the buffer's one collective (--dmuon-megabatch; docs/dion3.md)
+    megabatch: bool = False
+    max_bucket_padding: float = 0.02
+    # --dmuon-balance milp from the flags: profile the owner NS on this GPU, then the MILP, both
+    # inside plan_budget_s on rank 0; the plan is cached in plan_cache
+    profile: bool = False
+    plan_budget_s: Optional[float] = None
+    plan_cache: Optional[str] = None
+    milp_options: Optional[dict] = None
+    elementwise: object = "auto"  # (AdamW, Muon) work per element, 'auto' (cluster config) or None
+    # planner inputs for experiments and tests (not flags): cost_fn(shape) -> NS cost of one piece
+    # (None: the owner step's NS FLOPs under the config's Muon settings); cost_model_fn(shapes,
+    # max_batch) -> planning.cost_model.CostModel
+    cost_fn: Optional[Callable] = dataclasses.field(default=None, compare=False)
+    cost_model_fn: Optional[Callable] = dataclasses.field(default=None, compare=False)
+
+    def validate(self) -> None:
+        if self.ranks_per_node < 0:
+            raise ValueError(f"--dmuon-ranks-per-node must be >= 0, got {self.ranks_per_node}")
+        if self.balance not in BALANCE:
+            raise ValueError(f"--dmuon-balance {self.balance!r} unknown; valid: {', '.join(BALANCE)}")
+
+
+@dataclasses.dataclass
 class DMuonConfig:
     """Everything DMuon's optimizer reads. Defaults = Megatron-LM's Muon defaults + DMuon's own
     (`--dmuon-ns-method auto`: the kernels' measured fastest NS per shape)."""
@@ -98,11 +127,15 @@ class DMuonConfig:
     # a step whose gradients hold NaN/Inf is skipped on every rank (no loss scaler needed, e.g. bf16)
     skip_nonfinite: bool = True
     # how Megatron's param all-gather publishes Muon matrices: 'param' (the model's dtype), or
-    # owner-quantized FP8 bytes + a per-tensor scale (megatron/publish.py; the DDP must be built
-    # with the same value: ddp_options_from_args passes it)
+    # owner-quantized FP8 bytes + a per-tensor scale (megatron/publish.py; the DDP plans with it)
     publish_dtype: str = "param"
+    # clipping applied inside the owner step (the same coefficient and roundings as Megatron's
+    # separate pass; False: Megatron's pass, which the tests compare it with)
+    fold_clipping: bool = True
+    layout: LayoutOptions = dataclasses.field(default_factory=LayoutOptions)
 
     def validate(self) -> None:
+        self.layout.validate()
         if self.mode not in MODES:
             raise ValueError(f"--dmuon-mode {self.mode!r} unknown; valid: {', '.join(MODES)}")
         if self.publish_dtype not in PUBLISH_DTYPES:
@@ -114,6 +147,15 @@ class DMuonConfig:
         if self.mode == "megatron_layerwise" and self.muon.update != "muon":
             raise ValueError(f"--dmuon-mode megatron_layerwise runs Megatron's own Muon; --dmuon-update "
                              f"{self.muon.update} needs --dmuon-mode dmuon (or gather_then_compute)")
+
+    def plan_summary(self) -> dict:
+        """What a plan records of the config it was made from (plain data; ``plan_matches``)."""
+        m = self.muon
+        return {"mode": self.mode, "split": self.split_flags(), "publish_dtype": self.publish_dtype,
+                "ns_method": m.ns_method, "tp_method": m.tp_method, "ns_steps": m.ns_steps,
+                "coefficients": m.coefficients if isinstance(m.coefficients, str) else [list(c) for c in m.coefficients],
+                "ranks_per_node": self.layout.ranks_per_node, "balance": self.layout.balance,
+                "megabatch": self.layout.megabatch}
 
     def split_flags(self) -> dict:
         """``rule_for_megatron_param``'s split flags: how the optimizer cuts matrices before NS."""
@@ -157,14 +199,10 @@ class DMuonConfig:
                   split_per_head=args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
                   autotune_cache=args.dmuon_autotune_cache,
                   skip_nonfinite=not getattr(args, "dmuon_no_skip_nonfinite", False),
-                  publish_dtype=getattr(args, "dmuon_publish_dtype", "param"))
+                  publish_dtype=getattr(args, "dmuon_publish_dtype", "param"),
+                  layout=_layout_options_from_args(args))
         cfg.validate()
         return cfg
-
-    def apply_environment(self) -> None:
-        """Process-wide settings the config implies (the autotune cache location)."""
-        if self.autotune_cache:
-            os.environ[CACHE_ENV] = self.autotune_cache
 
 
 # Dion3's share of rows when --dmuon-fraction is not given (microsoft/dion's NorDion2 default)
@@ -225,26 +263,53 @@ def megatron_muon_fields(cfg: DMuonConfig, tp_mode: str = "duplicated") -> dict:
                 muon_fp32_matmul_prec=precision, muon_tp_mode=tp_mode, muon_scalar_optimizer="adam")
 
 
-def ddp_options_from_args(args) -> dict:
-    """Keyword arguments of `build_dmuon_ddp` / `DMuonDDP` from the flags (layout, hierarchy)."""
-    cfg = DMuonConfig.from_args(args)
-    muon = cfg.muon
-    # owners are balanced by the NS this run's settings will run (schedule, steps, method) on the
-    # pieces the optimizer will split matrices into
-    options = dict(ranks_per_node=args.dmuon_ranks_per_node, balance=args.dmuon_balance,
-                   cost_fn=functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
-                                             ns_method=muon.ns_method),
-                   split=cfg.split_flags())
-    # beyond that, only what a run asks for beyond the defaults
-    if getattr(args, "dmuon_publish_dtype", "param") != "param":
-        options["publish_dtype"] = args.dmuon_publish_dtype
-    if getattr(args, "dmuon_megabatch", False):
-        options["megabatch"] = True
-    if args.dmuon_balance == "milp":
-        from .layout import milp_planning_options
+_LEGACY_LAYOUT_NAMES = {"startup_budget_s": "plan_budget_s"}
 
-        options.update(milp_planning_options(muon, args.dmuon_plan_budget))
-    return options
+
+def with_overrides(cfg: Optional[DMuonConfig], overrides: dict) -> DMuonConfig:
+    """``cfg`` (default ``DMuonConfig()``) with keyword overrides of the Python API applied: layout
+    options by name (``ranks_per_node``, ``balance``, ``megabatch``, ``cost_fn``, ...),
+    ``publish_dtype``, and ``split`` (``split_flags()``'s dict). Validated; ``cfg`` is not changed."""
+    cfg = cfg or DMuonConfig()
+    if not overrides:
+        cfg.validate()
+        return cfg
+    layout_fields = {f.name for f in dataclasses.fields(LayoutOptions)}
+    layout, top = {}, {}
+    for name, value in overrides.items():
+        name = _LEGACY_LAYOUT_NAMES.get(name, name)
+        if name in layout_fields:
+            layout[name] = value
+        elif name == "publish_dtype":
+            top[name] = value
+        elif name == "split":
+            top.update(split_qkv=value.get("split_qkv", False), split_glu=value.get("split_glu", False),
+                       split_per_head=value.get("per_head", False))
+        else:
+            raise TypeError(f"DMuonDDP got an unknown option {name!r}: the layout options are "
+                            f"{', '.join(sorted(layout_fields))}, plus publish_dtype and split")
+    out = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, **layout), **top)
+    out.validate()
+    return out
+
+
+def _layout_options_from_args(args) -> LayoutOptions:
+    balance = getattr(args, "dmuon_balance", "cost")
+    milp = balance == "milp"
+    return LayoutOptions(ranks_per_node=getattr(args, "dmuon_ranks_per_node", 0), balance=balance,
+                         megabatch=getattr(args, "dmuon_megabatch", False), profile=milp,
+                         plan_budget_s=getattr(args, "dmuon_plan_budget", STARTUP_BUDGET_S) if milp else None,
+                         plan_cache=default_plan_cache_path() if milp else None)
+
+
+def config_of(args) -> DMuonConfig:
+    """This run's DMuonConfig: parsed from the flags once (``validate_dmuon_args`` at parse time,
+    or the first reader) and kept with them, so the DDP, the optimizer and the job read one object."""
+    cfg = getattr(args, "dmuon_config", None)
+    if cfg is None:
+        cfg = DMuonConfig.from_args(args)
+        args.dmuon_config = cfg
+    return cfg
 
 
 def config_from_args(cls, args, **overrides):
@@ -464,6 +529,7 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
     check_training_numbers(args)
     check_muon_numbers(args)
     cfg = DMuonConfig.from_args(args)
+    args.dmuon_config = cfg  # the one parse of the run (config_of)
     view = _ArgsView(args, cfg)
     check_dmuon_config(view, view, cfg, model_config=view)
     for flag in ("use_torch_fsdp2", "use_megatron_fsdp", "use_mup"):

@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from ..runtime.node_groups import NodeTopology, chunk_views
+from .bucket_groups import extend_bucket_groups
 
 
 def check_two_level_config(ddp_config, dp_size: int, ranks_per_node: int) -> None:
@@ -37,18 +38,23 @@ def check_two_level_config(ddp_config, dp_size: int, ranks_per_node: int) -> Non
         )
 
 
-def make_two_level(bucket_group, topo: NodeTopology) -> None:
-    """Turn one of DDP's (distributed-optimizer) bucket groups into a two-level one."""
-    if isinstance(bucket_group, _TwoLevelBucketGroup):
-        return
-    base = type(bucket_group)
-    bucket_group.__class__ = type("TwoLevel" + base.__name__, (_TwoLevelBucketGroup, base), {})
-    bucket_group.dmuon_topology = topo
-    bucket_group.intra_distributed_optimizer_instance_group = topo.intra_group
-    bucket_group.intra_distributed_optimizer_instance_size = topo.ranks_per_node
-    bucket_group.intra_distributed_optimizer_instance_rank = topo.local_rank
-    bucket_group.cached_grad_buffer_shard_list = [None] * len(bucket_group.buckets)
-    bucket_group.cached_param_buffer_shard_list = [None] * len(bucket_group.buckets)
+def make_two_level(ddp, topo: NodeTopology) -> None:
+    """Turn every (distributed-optimizer) bucket group of a DMuon DDP into a two-level one, and
+    tell each buffer which reduce-scatter shard this rank receives (node-striped owners)."""
+
+    def state_of(bucket_group):
+        bucket_group.intra_distributed_optimizer_instance_group = topo.intra_group
+        bucket_group.intra_distributed_optimizer_instance_size = topo.ranks_per_node
+        bucket_group.intra_distributed_optimizer_instance_rank = topo.local_rank
+        bucket_group.cached_grad_buffer_shard_list = [None] * len(bucket_group.buckets)
+        bucket_group.cached_param_buffer_shard_list = [None] * len(bucket_group.buckets)
+        return topo
+
+    extend_bucket_groups(ddp, _TwoLevelBucketGroup, state_of)
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        # read by DMuonDistributedOptimizer._build_model_gbuf_range, a classmethod Megatron calls
+        # with the buffer alone (the one attribute DMuon sets on a Megatron buffer)
+        buffer.dmuon_shard_index = topo.shard_index
 
 
 class HandleGroup:
@@ -68,15 +74,16 @@ def _side_stream(bucket_group):
     compute stream blocks (overlap)."""
     if not (torch.cuda.is_available() and bucket_group.buckets[0].grad_data.is_cuda):
         return contextlib.nullcontext()
-    stream = getattr(bucket_group, "_dmuon_stream", None)
+    stream = getattr(bucket_group, "_second_stage_stream", None)
     if stream is None:
-        stream = bucket_group._dmuon_stream = torch.cuda.Stream()
+        stream = bucket_group._second_stage_stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     return torch.cuda.stream(stream)
 
 
 class _TwoLevelBucketGroup:
-    dmuon_topology: NodeTopology
+    state_name = "two_level"
+    two_level: NodeTopology
 
     def start_grad_sync(self, force_all_reduce=False):
         if force_all_reduce:
@@ -84,7 +91,7 @@ class _TwoLevelBucketGroup:
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return
         super().start_grad_sync()  # Megatron's intra-node reduce-scatter (chunk l on local rank l)
-        topo = self.dmuon_topology
+        topo = self.two_level
         op = (torch.distributed.ReduceOp.AVG if self.ddp_config.average_in_collective
               else torch.distributed.ReduceOp.SUM)
         async_op = self.ddp_config.overlap_grad_reduce
@@ -102,7 +109,7 @@ class _TwoLevelBucketGroup:
     def start_param_sync(self, force_sync: bool = False):
         if force_sync and self.param_gather_handle is not None:
             return super().start_param_sync(force_sync=True)  # waits for the pending publish
-        topo = self.dmuon_topology
+        topo = self.two_level
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         with _side_stream(self) if async_op else contextlib.nullcontext():
             first = []

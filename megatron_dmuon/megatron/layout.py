@@ -1,20 +1,21 @@
-"""Hand megatron-core's DDP an owner-aligned FullParamLayout (Megatron 0.19 `full_param_layout`)."""
+"""Plan once and hand megatron-core's DDP the owner-aligned FullParamLayout (Megatron 0.19 `full_param_layout`)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import time
 from collections import Counter
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..planning.owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from ..algorithms.tp_shards import tp_full_shape
-from ..planning.params import is_muon_param, ns_cost
-from ..planning.plans import matrix_pieces
-from ..planning.caches import PlanCache, default_plan_cache_path, plan_key
+from ..planning.owner_layout import OwnerLayout, megatron_bucket_size, plan_owner_layout
+from ..planning.params import owner_ns_cost, param_routing
+from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
+from ..planning.caches import PlanCache, plan_key
 from ..planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
+from ..planning.tp_cost import choose_tp_method
 
 
 def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = False, pp_rank: int = 0):
@@ -28,17 +29,6 @@ def full_matrix_shape(param: torch.Tensor, tp_size: int):
     if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
         return tp_full_shape(param.shape, param.partition_dim, tp_size)
     return tuple(param.shape)
-
-
-def milp_planning_options(settings, startup_budget_s: float = STARTUP_BUDGET_S, plan_cache=None) -> dict:
-    """Layout options of ``--dmuon-balance milp``: profile the owner step's NS on this GPU (cached
-    per device and software versions), then the MILP, both inside ``startup_budget_s`` on rank 0;
-    the finished plan is cached, so the next start with the same model plans nothing."""
-    from ..runtime.ns_timing import profiled_cost_model
-
-    return dict(cost_model_fn=functools.partial(profiled_cost_model, settings=settings,
-                                                budget_s=profile_budget(startup_budget_s)),
-                plan_cache=plan_cache or default_plan_cache_path(), startup_budget_s=startup_budget_s)
 
 
 def layout_groups(config, ddp_config) -> Dict[str, object]:
@@ -56,11 +46,6 @@ def layout_groups(config, ddp_config) -> Dict[str, object]:
     }
 
 
-# DMuonConfig().split_flags(): the split an optimizer built with the defaults applies (config.py
-# imports this module, so the value is repeated here; tests/test_load_balancing.py checks they agree)
-DEFAULT_SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
-
-
 def _elementwise_costs(model):
     """``elementwise_costs`` in the planner's units: ms under a profiled cost model, else NS FLOPs
     at the rates of the cluster config's device matching this GPU (the first one on CPU)."""
@@ -73,41 +58,96 @@ def _elementwise_costs(model):
     return elementwise_costs(device_spec_for(torch.cuda.get_device_name() if on_gpu else "", warn=on_gpu), "flops")
 
 
-def compute_owner_aligned_layout(
-    module: torch.nn.Module,
-    ddp_config,
-    groups: Dict[str, object],
-    bucket_size: Optional[int],
-    cost_fn: Callable = ns_cost,
-    max_bucket_padding: float = 0.02,
-    balance: str = "cost",
-    cost_model_fn: Optional[Callable] = None,
-    milp_options: Optional[dict] = None,
-    plan_cache=None,
-    startup_budget_s: Optional[float] = None,
-    model_config=None,
-    split: Optional[dict] = None,
-    elementwise="auto",
-):
-    """Owner plan + FullParamLayout for every buffer of `module` (dense: DP x TP owners; expert:
-    expert-DP x expert-TP owners), planned on rank 0 of the pipeline stage and broadcast.
+def buffer_name(key) -> str:
+    """A DDP buffer's name in the plan: 'dense' or 'expert', then its param and grad dtypes."""
+    kind = "expert" if key.is_expert_parallel else "dense"
+    return f"{kind}/{key.param_dtype}/{key.grad_dtype}"
 
-    A matrix costs what the owner step will run on it: with `model_config` (the TransformerConfig)
-    and `split` (``rule_for_megatron_param``'s flags, default DMuonConfig's: QKV split), the sum
-    over its pieces (q, k, v; gate, up), else the whole matrix. `cost_fn(shape)` gives NS FLOPs.
-    `elementwise`: (AdamW, Muon) element-wise work per parameter element in the cost's units
-    (``plan_owner_layout``); 'auto': from the cluster config (``planning.cost_model.elementwise_costs``:
-    NS FLOPs, or ms with `cost_model_fn`); None: NS only.
 
-    `cost_model_fn(shapes, max_batch) -> planning.cost_model.CostModel` (e.g.
-    runtime.ns_timing.profiled_cost_model: the start-up profile) replaces `cost_fn` with predicted
-    ms and batched-launch costs; it runs on rank 0 only. `milp_options` go to the MILP
-    (balance='milp'). `plan_cache` (a path): rank 0 reuses a plan made for the same parameters,
-    sizes, options and costs. `startup_budget_s`: the MILP's time limit shrinks to what profiling
-    left of it (planning.startup_profile.milp_time_limit).
+def split_rule(name: str, full_shape, model_config, cfg):
+    """How the owner step cuts the full matrix ``name`` before NS (None: whole; TP shards are
+    merged first): ``rule_for_megatron_param`` under the config's split flags."""
+    if not (cfg.split_qkv or cfg.split_glu or cfg.split_per_head) or model_config is None:
+        return None
+    from ..algorithms.splitting import rule_for_megatron_param
 
-    Returns (FullParamLayout, {BufferKey: OwnerLayout}, {param: name}).
-    """
+    return rule_for_megatron_param(name, tuple(full_shape), model_config, **cfg.split_flags())
+
+
+def _records(named, buffers, sizes, cfg, model_config):
+    """{buffer key: [MatrixRecord without owners]} for this rank's params, in buffer order."""
+    muon = cfg.muon
+    records = {}
+    for key, (params, _) in buffers.items():
+        tp_size = sizes(key)[1]
+        out = []
+        for p in params:
+            name, shape = named[p], full_matrix_shape(p, tp_size)
+            use_muon, reason = param_routing(name, p)
+            common = dict(name=name, buffer=buffer_name(key), expert=key.is_expert_parallel, numel=p.numel(),
+                          local_shape=tuple(p.shape), full_shape=shape, use_muon=use_muon, reason=reason,
+                          own_bucket=bool(getattr(p, "shared_embedding", False)))
+            if not use_muon:
+                out.append(MatrixRecord(**common))
+                continue
+            rule = split_rule(name, shape, model_config, cfg)
+            pieces = tuple(tuple(s) for s in rule.piece_shapes(shape)) if rule is not None else (tuple(shape),)
+            sharded = bool(getattr(p, "tensor_model_parallel", False)) and tp_size > 1
+            partition_dim = p.partition_dim if sharded else None
+            out.append(MatrixRecord(
+                **common, split=rule, pieces=pieces, ns_methods=tuple(muon.ns_method for _ in pieces),
+                schedules=tuple(dict(muon.ns_schedule(*s[-2:])) for s in pieces),
+                partition_dim=partition_dim,
+                partition_stride=getattr(p, "partition_stride", 1) if sharded else 1,
+                tp_method=choose_tp_method(shape, tp_size, partition_dim, rule, muon.ns_method, muon.tp_method,
+                                           muon.ns_steps)))
+        records[key] = out
+    return records
+
+
+def _matrices_of(piece) -> Tuple[Tuple[int, int], int]:
+    """(matrix shape, count) of an NS piece: a matrix, or a [heads, rows, cols] stack of them."""
+    return (tuple(piece[-2:]), piece[0]) if len(piece) == 3 else (tuple(piece), 1)
+
+
+def _costed(records, cost_fn, model):
+    """The records with each matrix's predicted NS cost: the sum over its pieces, in ms (and
+    batched-launch ms) under a profiled cost model, else ``cost_fn`` (FLOPs)."""
+    out = {}
+    for key, recs in records.items():
+        out[key] = []
+        for r in recs:
+            if r.use_muon:
+                matrices = [_matrices_of(s) for s in r.pieces]
+                if model is not None:
+                    r = dataclasses.replace(r, cost=sum(n * model.per_matrix_ms(s) for s, n in matrices),
+                                            launch_cost=sum(model.launch_ms(s) for s in {s for s, _ in matrices}))
+                else:
+                    r = dataclasses.replace(r, cost=sum(n * cost_fn(s) for s, n in matrices))
+            out[key].append(r)
+    return out
+
+
+def owner_cost_fn(muon):
+    """NS FLOPs of one piece as the owner step runs it under ``muon`` (schedule, steps, method)."""
+    return functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
+                             ns_method=muon.ns_method)
+
+
+def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], bucket_size: Optional[int],
+               cfg, model_config=None):
+    """The DMuonPlan of `module` under the complete config `cfg` (dense buffers: DP x TP owners;
+    expert buffers: expert-DP x expert-TP owners), and the FullParamLayout DDP builds its buffers
+    from. Owners are planned on rank 0 of the pipeline stage and broadcast.
+
+    A matrix costs what the owner step will run on it: the sum over its pieces (q, k, v; gate,
+    up) under the config's split flags (with `model_config`, the TransformerConfig), by
+    ``cfg.layout.cost_fn`` (default: ``owner_cost_fn(cfg.muon)``, NS FLOPs) or, with a cost model
+    (``cfg.layout.cost_model_fn``, or the start-up profile when ``cfg.layout.profile``), predicted
+    ms and batched-launch costs (rank 0 only). The element-wise work per element
+    (``plan_owner_layout``'s `elementwise`) comes from the cluster config ('auto'). A plan cache
+    (``cfg.layout.plan_cache``) lets rank 0 reuse a plan made for the same parameters, sizes,
+    options and costs; ``cfg.layout.plan_budget_s`` bounds profiling + MILP at start-up."""
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
     from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout
 
@@ -116,95 +156,90 @@ def compute_owner_aligned_layout(
             "--optimizer dmuon needs the distributed optimizer: set "
             "DistributedDataParallelConfig(use_distributed_optimizer=True) / --use-distributed-optimizer"
         )
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    name_of = {p: n for n, p in named}
-    buffers = group_params_for_buffers([p for _, p in named], ddp_config.grad_reduce_in_fp32)
+    opts = cfg.layout
+    named = {p: n for n, p in module.named_parameters() if p.requires_grad}
+    buffers = group_params_for_buffers(list(named), ddp_config.grad_reduce_in_fp32)
     keys = list(buffers.keys())
 
     def sizes(key):
         kind = "expert_" if key.is_expert_parallel else ""
         return groups[kind + "dp"].size(), groups[kind + "tp"].size()
 
-    split = DEFAULT_SPLIT if split is None else split
+    records = _records(named, buffers, sizes, cfg, model_config)
+    cost_model_fn = opts.cost_model_fn
+    if cost_model_fn is None and opts.profile:
+        from ..runtime.ns_timing import profiled_cost_model
 
-    def pieces_of(name, shape):  # what the owner step orthogonalizes for this matrix
-        return matrix_pieces(name, shape, model_config, split) if model_config is not None else [tuple(shape)]
-
-    def items_of(key, model=None):
-        params, _ = buffers[key]
-        tp_size = sizes(key)[1]
-        items = []
-        for p in params:
-            name, shape = name_of[p], full_matrix_shape(p, tp_size)
-            matrix = is_muon_param(name, p)
-            cost = launch = 0.0
-            if matrix:
-                pieces = pieces_of(name, shape)
-                if model is not None:
-                    cost = sum(model.per_matrix_ms(s) for s in pieces)
-                    launch = sum(model.launch_ms(s) for s in set(pieces))
-                else:
-                    cost = sum(cost_fn(s) for s in pieces)
-            items.append(ParamItem(name=name, numel=p.numel(), is_matrix=matrix, cost=cost,
-                                   shape_key="x".join(map(str, shape)),  # the owner batches full matrices by shape
-                                   own_bucket=bool(getattr(p, "shared_embedding", False)), launch_cost=launch))
-        return items
-
+        cost_model_fn = functools.partial(profiled_cost_model, settings=cfg.muon,
+                                          budget_s=profile_budget(opts.plan_budget_s or STARTUP_BUDGET_S))
+    cost_fn = opts.cost_fn or owner_cost_fn(cfg.muon)
+    milp_options = opts.milp_options
     stage = groups["stage"]
     payload = [None]
     if stage.rank() == 0:
         model = None
         started = time.perf_counter()
         if cost_model_fn is not None:  # profile the shapes the owner step will orthogonalize
-            counts = Counter(s for key in keys for p in buffers[key][0] if is_muon_param(name_of[p], p)
-                             for s in pieces_of(name_of[p], full_matrix_shape(p, sizes(key)[1])))
+            counts = Counter()
+            for r in (r for recs in records.values() for r in recs):
+                for shape, n in map(_matrices_of, r.pieces):
+                    counts[shape] += n
             model = cost_model_fn(sorted(counts), min(max(counts.values(), default=1), 8))
-        if startup_budget_s is not None and balance == "milp":
-            limit = milp_time_limit(startup_budget_s, time.perf_counter() - started,
+        if opts.plan_budget_s is not None and opts.balance == "milp":
+            limit = milp_time_limit(opts.plan_budget_s, time.perf_counter() - started,
                                     (milp_options or {}).get("time_limit_s"))
             milp_options = dict(milp_options or {}, time_limit_s=limit)
-        items = {key: items_of(key, model) for key in keys}
-        if isinstance(elementwise, str):
-            elementwise = _elementwise_costs(model)
+        items = {key: [r.param_item() for r in recs] for key, recs in _costed(records, cost_fn, model).items()}
+        elementwise = _elementwise_costs(model) if isinstance(opts.elementwise, str) else opts.elementwise
         cache, cache_key = None, None
-        if plan_cache is not None:
-            cache = PlanCache(plan_cache)
+        if opts.plan_cache is not None:
+            cache = PlanCache(opts.plan_cache)
             cache_key = plan_key({"items": {str(k): [dataclasses.astuple(it) for it in items[k]] for k in keys},
                                   "sizes": {str(k): sizes(k) for k in keys}, "bucket_size": bucket_size,
-                                  "max_bucket_padding": max_bucket_padding, "balance": balance,
+                                  "max_bucket_padding": opts.max_bucket_padding, "balance": opts.balance,
                                   "milp_options": milp_options, "elementwise": elementwise})
             cached = cache.get(cache_key)
             if cached is not None and set(cached) == {str(k) for k in keys}:
-                payload = [{k: cached[str(k)] for k in keys}]
+                payload = [({k: cached[str(k)] for k in keys}, _cost_of(items))]
         if payload[0] is None:
             rank_cost: Dict[bool, List[float]] = {}
-            plans = {}
+            layouts = {}
             for key in keys:
                 dp_size, tp_size = sizes(key)
                 cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
-                plans[key] = plan_owner_layout(items[key], dp_size, bucket_size, max_bucket_padding, cost, tp_size,
-                                               balance, milp_options=milp_options, elementwise=elementwise)
+                layouts[key] = plan_owner_layout(items[key], dp_size, bucket_size, opts.max_bucket_padding, cost,
+                                                 tp_size, opts.balance, milp_options=milp_options,
+                                                 elementwise=elementwise)
             # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
-            payload = [{k: plans[k].to_json() for k in keys}]
+            payload = [({k: layouts[k].to_json() for k in keys}, _cost_of(items))]
             if cache is not None:
-                cache.put(cache_key, {str(k): v for k, v in payload[0].items()})
+                cache.put(cache_key, {str(k): v for k, v in payload[0][0].items()})
     if stage.size() > 1:
         torch.distributed.broadcast_object_list(payload, src=torch.distributed.get_global_rank(stage, 0), group=stage)
-    plans = {k: OwnerLayout.from_json(payload[0][k]) for k in keys}
+    layout_json, costs = payload[0]
+    layouts = {buffer_name(k): OwnerLayout.from_json(layout_json[k]) for k in keys}
+    costed = [dataclasses.replace(r, cost=costs[r.name][0], launch_cost=costs[r.name][1]) if r.use_muon else r
+              for k in keys for r in records[k]]
+    plan = DMuonPlan(records=merged_records(costed, layouts), layouts=layouts, settings=cfg.plan_summary(),
+                     ranks_per_node=opts.ranks_per_node, publish_dtype=cfg.publish_dtype, config=cfg)
 
-    layouts = {}
+    per_buffer = {}
     for key in keys:
         params, param_indices = buffers[key]
-        plan = plans[key]
-        plan.validate(items_of(key))  # rank 0's plan fits this rank's params (same names and sizes)
-        layouts[key] = PerBufferParamLayout(
-            param_index_map={p: plan.param_ranges[name_of[p]] for p in params},
-            bucket_indices=[(b.start, b.end) for b in plan.buckets],
-            per_bucket_numel_unpadded=[b.numel_unpadded for b in plan.buckets],
+        layout = layouts[buffer_name(key)]
+        per_buffer[key] = PerBufferParamLayout(
+            param_index_map={p: layout.param_ranges[named[p]] for p in params},
+            bucket_indices=[(b.start, b.end) for b in layout.buckets],
+            per_bucket_numel_unpadded=[b.numel_unpadded for b in layout.buckets],
             param_indices=param_indices,
             num_optimizer_shards=sizes(key)[0],
         )
-    return FullParamLayout(layouts=layouts), plans, name_of
+    return plan, FullParamLayout(layouts=per_buffer)
+
+
+def _cost_of(items) -> Dict[str, Tuple[float, float]]:
+    """{matrix name: (cost, launch cost)} rank 0 planned with (recorded in every rank's plan)."""
+    return {it.name: (it.cost, it.launch_cost) for recs in items.values() for it in recs if it.is_matrix}
 
 
 def _import_distributed_data_parallel():
@@ -217,64 +252,70 @@ class DMuonDDP(_import_distributed_data_parallel()):
     """Megatron's DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for
     DDP(...)); constructible exactly as Megatron constructs its DDP.
 
-    `full_param_layout` (Megatron's own layout, which Megatron-LM computes before it calls its DDP
-    class) is replaced by the owner-aligned one. `pg_collection` must hold Megatron's global
-    data-parallel group: owners are planned over the global parallel state.
+    ``dmuon``: the run's complete DMuonConfig (default ``DMuonConfig()``); keyword overrides of
+    its layout options (``ranks_per_node``, ``balance``, ``megabatch``, ``cost_fn``, ...) and
+    ``publish_dtype`` are accepted for the Python API. The DDP plans once (``build_plan``) and
+    carries the frozen ``dmuon_plan``, the only DMuon object on it. `full_param_layout`
+    (Megatron's own layout, which Megatron-LM computes before it calls its DDP class) is replaced
+    by the owner-aligned one. `pg_collection` must hold Megatron's global data-parallel group.
     ranks_per_node > 0 switches grad reduce and param publish to two levels (intra-node, then
     inter-node; megatron/hierarchy.py) with node-striped owners. publish_dtype 'fp8_e4m3' /
     'fp8_e5m2' publishes Muon matrices as owner-quantized FP8 bytes (megatron/publish.py)."""
 
     def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
-                 full_param_layout=None, *, ranks_per_node: int = 0, publish_dtype: str = "param",
-                 megabatch: bool = False, **layout_kwargs):
+                 full_param_layout=None, *, dmuon=None, **overrides):
         from .checks import check_model_parallel_config
+        from .config import with_overrides
         from .hierarchy import check_two_level_config
         from .publish import check_publish_config, install_fp8_publish
 
+        cfg = with_overrides(dmuon, overrides)
+        opts = cfg.layout
         check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
-        check_publish_config(publish_dtype, module.parameters(), ranks_per_node)
+        check_publish_config(cfg.publish_dtype, module.parameters(), opts.ranks_per_node)
         # megabatch: one bucket per buffer even with --overlap-grad-reduce, so every same-shape group
         # is reduced and published by the buffer's one collective, however many layers (docs/dion3.md)
-        disable_bucketing = disable_bucketing or megabatch
+        disable_bucketing = disable_bucketing or opts.megabatch
         groups = layout_groups(config, ddp_config)
         dp_group = groups["dp"]
         _check_same_group(pg_collection, dp_group)
-        check_two_level_config(ddp_config, dp_group.size(), ranks_per_node)
+        check_two_level_config(ddp_config, dp_group.size(), opts.ranks_per_node)
         bucket_size = default_bucket_size(ddp_config, dp_group.size(), disable_bucketing, groups["pp"].rank())
-        full_layout, plans, name_of = compute_owner_aligned_layout(module, ddp_config, groups, bucket_size,
-                                                                   model_config=config, **layout_kwargs)
+        plan, full_layout = build_plan(module, ddp_config, groups, bucket_size, cfg, model_config=config)
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                          full_param_layout=full_layout)
-        self.dmuon_owner_plans = plans
-        self.dmuon_param_names = name_of
-        self.dmuon_topology = None
-        if ranks_per_node:
+        self.dmuon_plan = plan
+        self._grads_reduced = False
+        self.node_topology = None  # two-level groups (runtime/node_groups.py), when ranks_per_node > 0
+        if opts.ranks_per_node:
             from ..runtime.node_groups import build_node_topology
             from .hierarchy import make_two_level
 
-            topo = build_node_topology(dp_group, ranks_per_node)
-            for bucket_group in self.bucket_groups:
-                make_two_level(bucket_group, topo)
-            for buffer in self.buffers:
-                buffer.dmuon_shard_index = topo.shard_index
-            self.dmuon_topology = topo
-        install_fp8_publish(self, publish_dtype)
+            self.node_topology = build_node_topology(dp_group, opts.ranks_per_node)
+            make_two_level(self, self.node_topology)
+        self.publish_masters = install_fp8_publish(self, plan)
+
+    def param_names(self) -> Dict[torch.Tensor, str]:
+        """{param: its name in the plan} of every trainable param."""
+        return {p: n for n, p in self.module.named_parameters() if p.requires_grad}
 
     # Whether this step's grads reached their owners: a hand-written loop that skips
     # finish_grad_sync() would otherwise step every owner on its own unreduced grads, silently.
-    dmuon_grads_reduced = False
+    @property
+    def grads_reduced(self) -> bool:
+        return self._grads_reduced
 
     def zero_grad_buffer(self):
         super().zero_grad_buffer()
-        self.dmuon_grads_reduced = False
+        self._grads_reduced = False
 
     def start_grad_sync(self, *unused):
         super().start_grad_sync(*unused)
-        self.dmuon_grads_reduced = not self.ddp_config.overlap_grad_reduce  # synchronous without overlap
+        self._grads_reduced = not self.ddp_config.overlap_grad_reduce  # synchronous without overlap
 
     def finish_grad_sync(self, *args, **kwargs):
         super().finish_grad_sync(*args, **kwargs)
-        self.dmuon_grads_reduced = True
+        self._grads_reduced = True
 
 
 def _check_same_group(pg_collection, dp_group) -> None:
@@ -289,9 +330,6 @@ def _check_same_group(pg_collection, dp_group) -> None:
         )
 
 
-def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False,
-                    ranks_per_node: int = 0, publish_dtype: str = "param", megabatch: bool = False,
-                    **layout_kwargs) -> DMuonDDP:
+def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False, dmuon=None, **overrides) -> DMuonDDP:
     """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...))."""
-    return DMuonDDP(config, ddp_config, module, disable_bucketing=disable_bucketing,
-                    ranks_per_node=ranks_per_node, publish_dtype=publish_dtype, megabatch=megabatch, **layout_kwargs)
+    return DMuonDDP(config, ddp_config, module, disable_bucketing=disable_bucketing, dmuon=dmuon, **overrides)

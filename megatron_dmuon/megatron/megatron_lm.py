@@ -31,33 +31,33 @@ import dataclasses
 import sys
 from typing import Callable, Optional
 
-from .config import DMuonConfig, add_dmuon_args, ddp_options_from_args
+from .config import add_dmuon_args, config_of
 
 _ORIGINALS: dict = {}
 
 
 def ddp_class_for(args) -> Optional[type]:
-    """The DDP class for this run: DMuonDDP bound to the `--dmuon-*` layout options, or None where
+    """The DDP class for this run: DMuonDDP bound to this run's DMuonConfig, or None where
     Megatron's own DistributedDataParallel is right (another optimizer, or the all-reduce baseline
     `--dmuon-mode gather_then_compute`)."""
     if args.optimizer != "dmuon" or args.dmuon_mode == "gather_then_compute":
         return None
     from .layout import DMuonDDP
 
-    options = ddp_options_from_args(args)
+    cfg = config_of(args)
 
     class MegatronLMDMuonDDP(DMuonDDP):
         def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
                      full_param_layout=None):
             super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
-                             pg_collection=pg_collection, full_param_layout=full_param_layout, **options)
+                             pg_collection=pg_collection, full_param_layout=full_param_layout, dmuon=cfg)
 
     return MegatronLMDMuonDDP
 
 
 def optimizer_factory_for(args, fallback: Callable) -> Callable:
     """`get_megatron_optimizer(config, model_chunks, ...)` for this run: DMuon (configured by
-    `DMuonConfig.from_args(args)`) for `config.optimizer == 'dmuon'`, else `fallback(...)`.
+    `config_of(args)`, the run's one DMuonConfig) for `config.optimizer == 'dmuon'`, else `fallback(...)`.
 
     DMuon builds its param groups with Megatron's standard overrides (no weight decay on biases and
     norms), as Megatron-LM's default `config_overrides` do; `--use-mup` is refused at parse time."""
@@ -67,8 +67,7 @@ def optimizer_factory_for(args, fallback: Callable) -> Callable:
             return fallback(config, model_chunks, *extra, **kwargs)
         from .optimizer import get_dmuon_optimizer
 
-        return get_dmuon_optimizer(dataclasses.replace(config, optimizer="adam"), model_chunks,
-                                   DMuonConfig.from_args(args))
+        return get_dmuon_optimizer(dataclasses.replace(config, optimizer="adam"), model_chunks, config_of(args))
 
     return get_megatron_optimizer
 

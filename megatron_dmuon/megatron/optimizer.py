@@ -19,20 +19,10 @@ import torch
 from . import checkpoint as ckpt
 from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
-from ..planning.tp_cost import choose_tp_method
 from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig, megatron_muon_fields  # noqa: F401 (MODES: public API)
-from .layout import full_matrix_shape
+from .layout import split_rule
 from .publish import publish_layouts, register_masters
-
-def _split_rule(name, full_shape, model_config, cfg: DMuonConfig):
-    """Split rule of the full canonical matrix (TP shards are merged before NS)."""
-    if not (cfg.split_qkv or cfg.split_glu or cfg.split_per_head):
-        return None
-    from ..algorithms.splitting import rule_for_megatron_param
-
-    return rule_for_megatron_param(name, tuple(full_shape), model_config, **cfg.split_flags())
-
 
 def _muon_adam_groups(param_groups, infos):
     """Split each Megatron param group (lr/wd multipliers intact) into a Muon and an AdamW group."""
@@ -50,31 +40,16 @@ def _init_state_fn(opt, config=None):
     opt.init_state()
 
 
-def _matrix_infos(model_chunks, cfg: DMuonConfig, tp_sizes) -> dict:
-    """{model param: MatrixInfo} for every Muon matrix of the chunks (full shape, TP shard
-    geometry, TP owner from the plan). Names are unique across chunks (virtual pipeline)."""
+def _matrix_infos(model_chunks) -> dict:
+    """{model param: MatrixInfo} for every Muon matrix of the chunks: the views of their plans'
+    records. Names are unique across chunks (virtual pipeline)."""
     infos = {}
     for idx, chunk in enumerate(model_chunks):
-        tp_owner = {n: t for plan in chunk.dmuon_owner_plans.values() for n, t in plan.tp_owners.items()}
-        expert_of = {p: key.is_expert_parallel for key, plan in chunk.dmuon_owner_plans.items()
-                     for p, n in chunk.dmuon_param_names.items() if n in plan.param_ranges}
-        for param, name in chunk.dmuon_param_names.items():
-            if not is_muon_param(name, param):
-                continue
-            tp_size = tp_sizes[expert_of[param]]
-            sharded = bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1
-            shape = full_matrix_shape(param, tp_size)
-            split = _split_rule(name, shape, chunk.config, cfg)
-            partition_dim = param.partition_dim if sharded else None
-            infos[param] = MatrixInfo(
-                name if len(model_chunks) == 1 else f"chunk{idx}/{name}", shape, split,
-                local_shape=tuple(param.shape),
-                partition_dim=partition_dim,
-                partition_stride=getattr(param, "partition_stride", 1) if sharded else 1,
-                tp_owner=tp_owner.get(name, 0),
-                tp_method=choose_tp_method(shape, tp_size, partition_dim, split, cfg.muon.ns_method,
-                                           cfg.muon.tp_method, cfg.muon.ns_steps),
-            )
+        plan = chunk.dmuon_plan
+        for param, name in chunk.param_names().items():
+            record = plan.record(name)
+            if record.use_muon:
+                infos[param] = MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}")
     return infos
 
 
@@ -91,13 +66,33 @@ def _master_pairs(opt):
             for m, s in zip(mg, sg)]
 
 
-def _check_publish_dtype(model_chunks, cfg: DMuonConfig) -> None:
-    for chunk in model_chunks:
-        built = getattr(chunk, "dmuon_publish_dtype", "param")
-        if built != cfg.publish_dtype:
+# what the owner step takes from the plan (split pieces, NS and TP method per matrix): a config given
+# to the optimizer must agree with the DDP's on these (layout options concern the DDP alone)
+OPTIMIZER_PLAN_KEYS = ("mode", "split", "ns_method", "tp_method", "ns_steps", "coefficients")
+
+
+def _planned_config(model_chunks, cfg: Optional[DMuonConfig]) -> DMuonConfig:
+    """The DMuonConfig the chunks' plans were made from; a ``cfg`` given as well must agree on
+    everything the plan decided (one config per run: pass it to build_dmuon_ddp(dmuon=...))."""
+    plans = [getattr(chunk, "dmuon_plan", None) for chunk in model_chunks]
+    if any(p is None for p in plans):
+        return cfg or DMuonConfig()  # check_owner_aligned names the fix (gather_then_compute: plain DDP)
+    planned = plans[0].config
+    if cfg is None:
+        return planned
+    for plan in plans:
+        if plan.publish_dtype != cfg.publish_dtype:
             raise ValueError(
-                f"--dmuon-publish-dtype: the DDP was built with publish_dtype={built!r} but the optimizer's "
-                f"DMuonConfig says {cfg.publish_dtype!r}; pass the same value to build_dmuon_ddp(publish_dtype=...)")
+                f"--dmuon-publish-dtype: the DDP was built with publish_dtype={plan.publish_dtype!r} but the "
+                f"optimizer's DMuonConfig says {cfg.publish_dtype!r}; pass the same value to build_dmuon_ddp "
+                "(build_dmuon_ddp(..., dmuon=config) with the optimizer's config)")
+        differ = sorted(k for k, v in cfg.plan_summary().items()
+                        if k in OPTIMIZER_PLAN_KEYS and plan.settings.get(k) != v)
+        if differ:
+            raise ValueError(
+                f"DMuon: the optimizer's DMuonConfig differs from the one the DDP planned with in {', '.join(differ)}; "
+                "pass the same config to build_dmuon_ddp(..., dmuon=config) and get_dmuon_optimizer(..., config)")
+    return cfg
 
 
 def _grad_scaler(config):
@@ -113,13 +108,15 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
     from megatron.core import parallel_state
     from megatron.core.optimizer import _get_param_groups_and_buffers, get_standard_config_overrides
 
-    cfg = dmuon or DMuonConfig()
+    cfg = _planned_config(model_chunks, dmuon)
     ddp_config = model_chunks[0].ddp_config
     check_dmuon_config(config, ddp_config, cfg, model_chunks[0].config)
-    cfg.apply_environment()
+    if cfg.autotune_cache:
+        from ..kernels.autotune import use_cache_file
+
+        use_cache_file(cfg.autotune_cache)
     if cfg.mode == "dmuon":
         DMuonDistributedOptimizer.check_owner_aligned(model_chunks)
-        _check_publish_dtype(model_chunks, cfg)
     if cfg.mode == "megatron_layerwise":
         try:
             import emerging_optimizers  # noqa: F401
@@ -143,7 +140,7 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, False)
     tp_groups = {False: parallel_state.get_tensor_model_parallel_group(),
                  True: parallel_state.get_expert_tensor_parallel_group()}
-    infos = _matrix_infos(model_chunks, cfg, {k: g.size() for k, g in tp_groups.items()})
+    infos = _matrix_infos(model_chunks)
     parts = []
     for expert in (False, True):
         param_groups, buffers = _get_param_groups_and_buffers(
@@ -169,18 +166,15 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
         )
         _register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, infos)
         _register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, infos)
+        # Megatron's get_megatron_optimizer sets these three after construction, as here
         opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
         opt.tp_group = tp_groups[False]
         opt.expert_tp_group = tp_groups[True]
-        opt.dmuon_mode = cfg.mode
-        opt.dmuon_inner = inner
-        opt.dmuon_model_chunks = model_chunks
-        opt.dmuon_is_expert = expert
         inner.init_state()  # after register_matrix: every rank holds every state key from the start
         for chunk in model_chunks:  # an FP8 publish quantizes from these fp32 masters
             register_masters(chunk, lambda o=opt: _master_pairs(o))
         parts.append(opt)
-    return DMuonChainedOptimizer(parts, skip_nonfinite=cfg.skip_nonfinite)
+    return DMuonChainedOptimizer(parts, skip_nonfinite=cfg.skip_nonfinite, fold_clipping=cfg.fold_clipping)
 
 
 def _gather_then_compute_optimizer(config, model_chunks, cfg):
@@ -193,7 +187,7 @@ def _gather_then_compute_optimizer(config, model_chunks, cfg):
     for chunk in model_chunks:
         for n, p in (chunk.module if hasattr(chunk, "module") else chunk).named_parameters():
             if is_muon_param(n, p):
-                infos[p] = MatrixInfo(n, tuple(p.shape), _split_rule(n, p.shape, chunk.config, cfg))
+                infos[p] = MatrixInfo(n, tuple(p.shape), split_rule(n, p.shape, chunk.config, cfg))
     param_groups, _ = _get_param_groups_and_buffers(
         model_chunks, 0, config, get_standard_config_overrides(config), lambda g: True, "buffers")
     inner = OwnerMuonAdamW(
@@ -212,11 +206,8 @@ def _gather_then_compute_optimizer(config, model_chunks, cfg):
     opt.grad_stats_parallel_group = parallel_state.get_model_parallel_group()
     opt.tp_group = parallel_state.get_tensor_model_parallel_group()
     opt.expert_tp_group = opt.tp_group
-    opt.dmuon_mode = cfg.mode
-    opt.dmuon_inner = inner
-    opt.dmuon_model_chunks = model_chunks
     inner.init_state()
-    return DMuonChainedOptimizer([opt], skip_nonfinite=cfg.skip_nonfinite)
+    return DMuonChainedOptimizer([opt], skip_nonfinite=cfg.skip_nonfinite, fold_clipping=cfg.fold_clipping)
 
 
 def _import_distributed_optimizer():
@@ -260,24 +251,23 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
     reduce-scatter, the flag is all-reduced over the optimizer's whole group, and a step with any
     non-finite gradient is skipped on every rank before any state changes (params, momentum,
     AdamW moments and step untouched), exactly as Megatron skips an fp16 overflow step: step()
-    returns ``(False, None, None)`` and ``dmuon_skipped_iterations`` counts it."""
+    returns ``(False, None, None)`` and ``skipped_iterations`` counts it."""
 
-    # Gradient clipping of the DMuon parts is applied by their owner step (OwnerMuonAdamW.grad_scale:
-    # inside the Muon momentum pass, and before AdamW) instead of by Megatron's separate pass over
-    # every grad; the same coefficient and roundings. False: Megatron clips (the tests compare both).
-    dmuon_fold_clipping = True
-
-    def __init__(self, chained_optimizers, skip_nonfinite: bool = True):
+    def __init__(self, chained_optimizers, skip_nonfinite: bool = True, fold_clipping: bool = True):
         super().__init__(chained_optimizers)
-        self.dmuon_skip_nonfinite = skip_nonfinite
-        self.dmuon_skipped_iterations = 0
-        self._dmuon_folded_clip = []  # the parts whose clipping this step() hands to their owner step
+        # Gradient clipping of the DMuon parts is applied by their owner step (OwnerMuonAdamW.grad_scale:
+        # inside the Muon momentum pass, and before AdamW) instead of by Megatron's separate pass over
+        # every grad; the same coefficient and roundings. False: Megatron clips (the tests compare both).
+        self.fold_clipping = fold_clipping
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_iterations = 0
+        self._folded_clip = []  # the parts whose clipping this step() hands to their owner step
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        self._dmuon_grad_norm = None
+        self._grad_norm_this_step = None
         found = super().prepare_grads()  # main grads copied (and Megatron's check with a loss scaler)
-        if self.dmuon_skip_nonfinite and not any(getattr(o, "grad_scaler", None) for o in self.chained_optimizers):
+        if self.skip_nonfinite and not any(getattr(o, "grad_scaler", None) for o in self.chained_optimizers):
             grads = [p.grad for o in self.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
             if self._norm_covers_every_grad_now():
                 # Megatron's step computes the grad norm right after this anyway (all-reduced over
@@ -286,17 +276,17 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
                 # (A finite grad whose square overflows float32, |g| > 1e19, also skips the step.)
                 norm = self.get_grad_norm()
                 found = not math.isfinite(norm)
-                self._dmuon_grad_norm = None if found else norm
+                self._grad_norm_this_step = None if found else norm
             else:
                 found = found_nonfinite(grads, self.get_grad_stats_parallel_group())
         return found
 
     def get_grad_norm(self):
-        cached, self._dmuon_grad_norm = getattr(self, "_dmuon_grad_norm", None), None
+        cached, self._grad_norm_this_step = getattr(self, "_grad_norm_this_step", None), None
         norm = cached if cached is not None else self._float64_grad_norm()
-        for part, max_norm in self._dmuon_folded_clip:  # Megatron's clip_grad_by_total_norm_fp32 rule
+        for part, max_norm in self._folded_clip:  # Megatron's clip_grad_by_total_norm_fp32 rule
             coefficient = max_norm / (norm + 1.0e-6)
-            part.dmuon_inner.grad_scale = coefficient if coefficient < 1.0 else None
+            part.optimizer.grad_scale = coefficient if coefficient < 1.0 else None
         return norm
 
     @torch.no_grad()
@@ -342,13 +332,13 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
     def _norm_covers_every_grad_now(self) -> bool:
         """``_norm_covers_every_grad()``, scanned once per step() (prepare_grads and the clipping
         both ask); outside step() scanned on every call."""
-        cached = getattr(self, "_dmuon_covers_this_step", None)
+        cached = getattr(self, "_covers_this_step", None)
         return cached if cached is not None else self._norm_covers_every_grad()
 
     def _clipping_to_fold(self) -> list:
         """(part, max_norm) of every DMuon part whose clipping its owner step can apply: Megatron's
         main norm covers every grad and the grads are the plain main grads."""
-        if not self.dmuon_fold_clipping or not self._norm_covers_every_grad_now():
+        if not self.fold_clipping or not self._norm_covers_every_grad_now():
             return []
         return [(o, o.config.clip_grad) for o in self.chained_optimizers
                 if isinstance(o, DMuonDistributedOptimizer) and o.config.clip_grad > 0.0
@@ -356,9 +346,9 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
     @torch.no_grad()
     def step(self):
-        self._dmuon_covers_this_step = self._norm_covers_every_grad()
-        self._dmuon_folded_clip = self._clipping_to_fold()
-        configs = [(part, part.config) for part, _ in self._dmuon_folded_clip]
+        self._covers_this_step = self._norm_covers_every_grad()
+        self._folded_clip = self._clipping_to_fold()
+        configs = [(part, part.config) for part, _ in self._folded_clip]
         try:
             # Megatron's step clips a part whose config asks for it: those parts get a config copy
             # without clipping for this step (their own step applies it; get_grad_norm hands it over)
@@ -369,10 +359,10 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
         finally:
             for part, config in configs:
                 part.config = config
-                part.dmuon_inner.grad_scale = None  # unused when the step was skipped
-            self._dmuon_folded_clip, self._dmuon_covers_this_step = [], None
+                part.optimizer.grad_scale = None  # unused when the step was skipped
+            self._folded_clip, self._covers_this_step = [], None
         if not out[0]:
-            self.dmuon_skipped_iterations += 1
+            self.skipped_iterations += 1
         self._report_ns_check()
         return out
 
@@ -380,10 +370,10 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
         """After a step of the online NS check (runtime/ns_check.py): every rank's findings are
         gathered (the same steps on every rank) and rank 0 logs the worst output and the repairs,
         with a warning the first time an output was recomputed."""
-        checks = [o.dmuon_inner.ns_check for o in self.chained_optimizers if hasattr(o, "dmuon_inner")]
-        if not checks or not checks[0].due() or getattr(self, "_dmuon_ns_reported", None) == checks[0].steps:
+        checks = [o.optimizer.ns_check for o in self.chained_optimizers if isinstance(getattr(o, "optimizer", None), OwnerMuonAdamW)]
+        if not checks or not checks[0].due() or getattr(self, "_ns_reported", None) == checks[0].steps:
             return
-        self._dmuon_ns_reported = checks[0].steps
+        self._ns_reported = checks[0].steps
         found = [c.last for c in checks if c.last]
         local = {"worst": max((f["worst"] for f in found), default=None),
                  "checked": sum(f["checked"] for f in found), "recomputed": sum(f["recomputed"] for f in found),
@@ -408,39 +398,39 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
               f"worst has top-eig(O^T O - I) {top['worst']:.4f} (largest singular value {sigma:.4f}; bound "
               f"{top['limit']:.4f}), {top['name']} on rank {rank}; recomputed by the exact fp32 NS: {recomputed} "
               f"({total} in all)", flush=True)
-        if recomputed and not getattr(DMuonChainedOptimizer, "_dmuon_ns_warned", False):
-            DMuonChainedOptimizer._dmuon_ns_warned = True
+        if recomputed and not getattr(DMuonChainedOptimizer, "_ns_warned", False):
+            DMuonChainedOptimizer._ns_warned = True
             print("> WARNING: DMuon's NS check found NS outputs out of bounds and recomputed them exactly; the "
                   "fast NS path is not safe on this run's matrices (checked only every --dmuon-ns-check-interval "
                   "steps): pass --dmuon-ns-method standard, or --muon-fp32-matmul-prec high", flush=True)
 
     # Checkpoints: one structure for all parts (a load may split dense/expert params differently).
     # The gather_then_compute baseline (not a DistributedOptimizer) keeps Megatron's own code.
-    def _dmuon_parts(self):
+    def _owner_parts(self):
         parts = self.chained_optimizers
         return parts if all(isinstance(p, DMuonDistributedOptimizer) for p in parts) else None
 
     def state_dict(self):
-        parts = self._dmuon_parts()
+        parts = self._owner_parts()
         return ckpt.optimizer_state_dict(parts) if parts else super().state_dict()
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, **kwargs):
-        parts = self._dmuon_parts()
+        parts = self._owner_parts()
         if not parts:
             return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         return ckpt.sharded_optimizer_state(parts, model_sharded_state_dict, is_loading,
                                             kwargs.get("metadata"), kwargs.get("sharding_type"))
 
     def load_state_dict(self, state_dict):
-        parts = self._dmuon_parts()
+        parts = self._owner_parts()
         return ckpt.load_optimizer_state(parts, state_dict) if parts else super().load_state_dict(state_dict)
 
     def save_parameter_state(self, filename: str):
-        parts = self._dmuon_parts()
+        parts = self._owner_parts()
         return ckpt.save_param_state_file(parts, filename) if parts else super().save_parameter_state(filename)
 
     def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
-        parts = self._dmuon_parts()
+        parts = self._owner_parts()
         if not parts:
             return super().load_parameter_state(filename, update_legacy_format=update_legacy_format)
         return ckpt.load_param_state_file(parts, filename)
@@ -448,9 +438,9 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
     def dmuon_stats(self) -> dict:
         """Counters for the job's log: skipped steps, NS outputs recomputed in fp32 (non-finite
         ones, and those the online NS check found out of bounds on this rank)."""
-        return {"skipped_iterations": self.dmuon_skipped_iterations,
-                "ns_fp32_retries": sum(o.dmuon_inner.stats["ns_fp32_retries_total"] for o in self.chained_optimizers),
-                "ns_check_recomputed": sum(o.dmuon_inner.ns_check.recomputed_total for o in self.chained_optimizers)}
+        return {"skipped_iterations": self.skipped_iterations,
+                "ns_fp32_retries": sum(o.optimizer.stats["ns_fp32_retries_total"] for o in self.chained_optimizers),
+                "ns_check_recomputed": sum(o.optimizer.ns_check.recomputed_total for o in self.chained_optimizers)}
 
 
 class DMuonDistributedOptimizer(_import_distributed_optimizer()):
@@ -462,7 +452,7 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
     def __init__(self, *args, **kwargs):
         self.check_owner_aligned(kwargs["model_chunks"])  # before Megatron builds any state
         super().__init__(*args, **kwargs)
-        self._dmuon_pending_load = None
+        self._pending_load = None
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer, bucket_index: int):
@@ -482,7 +472,7 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
 
     def prepare_grads(self) -> bool:
         for chunk in self.model_chunks:
-            if not getattr(chunk, "dmuon_grads_reduced", True):
+            if not getattr(chunk, "grads_reduced", True):
                 raise RuntimeError(
                     "DMuon: optimizer.step() before the gradients were reduced to their owners: call "
                     "ddp.finish_grad_sync() after backward (Megatron's schedules do it through "
@@ -531,7 +521,7 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
     @staticmethod
     def check_owner_aligned(model_chunks) -> None:
         for chunk in model_chunks:
-            if getattr(chunk, "dmuon_owner_plans", None) is None:
+            if getattr(chunk, "dmuon_plan", None) is None:
                 raise ValueError(
                     "DMuon: the model chunk was wrapped with a plain DistributedDataParallel; wrap it "
                     "with megatron_dmuon.megatron.layout.build_dmuon_ddp(...) so buckets are owner-aligned"
@@ -548,7 +538,7 @@ def comm_bytes_per_step(model_chunks, mode: str) -> dict:
     reduce_b = publish_b = inter_b = 0.0
     padded = unpadded = 0
     for chunk in model_chunks:
-        topo = getattr(chunk, "dmuon_topology", None)
+        topo = getattr(chunk, "node_topology", None)
         packed = publish_layouts(chunk)  # FP8 publish: bytes of the packed blocks
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             d = buffer.data_parallel_world_size
@@ -573,6 +563,6 @@ def comm_bytes_per_step(model_chunks, mode: str) -> dict:
                     inter_b += inter * (gbytes + pbytes)
     out = {"reduce_bytes": reduce_b, "publish_bytes": publish_b, "total_bytes": reduce_b + publish_b,
            "buffer_numel": padded, "buffer_numel_unpadded": unpadded}
-    if any(getattr(c, "dmuon_topology", None) is not None for c in model_chunks):
+    if any(getattr(c, "node_topology", None) is not None for c in model_chunks):
         out["inter_node_bytes"] = inter_b
     return out

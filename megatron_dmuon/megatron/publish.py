@@ -1,8 +1,8 @@
 """FP8 publish on Megatron's own param all-gather (`--dmuon-publish-dtype fp8_e4m3|fp8_e5m2`).
 
 Megatron's `_ParamAndGradBucketGroup.start_param_sync` all-gathers each bucket's `param_data` in
-the model's dtype. The subclass below (swapped onto DDP's bucket groups, as megatron/hierarchy.py
-does for two-level groups) sends one packed byte block per rank and bucket instead
+the model's dtype. The mixin below (given to DDP's bucket groups by megatron/bucket_groups.py, as
+for two-level groups) sends one packed byte block per rank and bucket instead
 (planning/fp8_blocks.py): every Muon matrix as FP8 bytes quantized by its owner from the fp32
 master with a per-tensor scale (algorithms/fp8.py), plus that scale; the rest in the model's dtype.
 Every rank, the owner included, decodes the gathered block into `param_data` in
@@ -17,8 +17,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ..algorithms.fp8 import dequantize, fp8_dtype, quantize_per_tensor
-from ..planning.params import is_muon_param
 from ..planning.fp8_blocks import PublishLayout, plan_publish
+from .bucket_groups import extend_bucket_groups
 from .hierarchy import HandleGroup
 
 PUBLISH_DTYPES = ("param", "fp8_e4m3", "fp8_e5m2")
@@ -51,41 +51,35 @@ class _Masters:
         return {m: s for source in self.sources for m, s in source()}
 
 
-def make_fp8_publish(bucket_group, publish_dtype: str, name_of: Dict[torch.Tensor, str], masters: _Masters) -> None:
-    """Turn one of DDP's (distributed-optimizer) bucket groups into an FP8-publishing one."""
-    if isinstance(bucket_group, _FP8PublishBucketGroup):
-        return
-    base = type(bucket_group)
-    bucket_group.__class__ = type("FP8Publish" + base.__name__, (_FP8PublishBucketGroup, base), {})
-    bucket_group.dmuon_fp8 = fp8_dtype(publish_dtype)
-    bucket_group.dmuon_masters = masters
-    bucket_group.dmuon_pending = None
-    bucket_group.dmuon_last_scales = {}  # {matrix name: scale_inv (0-dim tensor) decoded in the last publish}
-    world = bucket_group.intra_distributed_optimizer_instance_size
-    bucket_group.dmuon_layouts, bucket_group.dmuon_blocks = [], []
-    for bucket in bucket_group.buckets:
-        params = []
-        for p in bucket.params_list:
-            start, end = bucket.param_to_index[p]
-            params.append((start, end, is_muon_param(name_of[p], p), p))
-        layout = plan_publish(bucket.param_data.numel(), world, params, bucket.param_data.element_size())
-        bucket_group.dmuon_layouts.append(layout)
-        # the gathered blocks of every rank; this rank's block is a view of it (as Megatron's own)
-        bucket_group.dmuon_blocks.append(torch.zeros(layout.recv_bytes, dtype=torch.uint8,
-                                                     device=bucket.param_data.device))
-    bucket_group.dmuon_name_of = name_of
+class _FP8PublishState:
+    """One bucket group's FP8 publish: the packed-block layout and buffers of each bucket."""
+
+    def __init__(self, bucket_group, plan, name_of: Dict[torch.Tensor, str], masters: _Masters):
+        self.fp8 = fp8_dtype(plan.publish_dtype)
+        self.masters = masters
+        self.name_of = name_of
+        self.pending = None
+        self.last_scales = {}  # {matrix name: scale_inv (0-dim tensor) decoded in the last publish}
+        world = bucket_group.intra_distributed_optimizer_instance_size
+        self.layouts, self.blocks = [], []
+        for bucket in bucket_group.buckets:
+            params = []
+            for p in bucket.params_list:
+                start, end = bucket.param_to_index[p]
+                params.append((start, end, plan.record(name_of[p]).use_muon, p))
+            layout = plan_publish(bucket.param_data.numel(), world, params, bucket.param_data.element_size())
+            self.layouts.append(layout)
+            # the gathered blocks of every rank; this rank's block is a view of it (as Megatron's own)
+            self.blocks.append(torch.zeros(layout.recv_bytes, dtype=torch.uint8, device=bucket.param_data.device))
 
 
 class _FP8PublishBucketGroup:
-    dmuon_layouts: list
-    dmuon_blocks: list
-    dmuon_fp8: torch.dtype
-    dmuon_masters: _Masters
-    dmuon_pending: Optional[list]
+    state_name = "owner_fp8"
+    owner_fp8: _FP8PublishState
 
-    def _dmuon_pack(self, masters) -> None:
+    def _pack(self, masters) -> None:
         me = self.intra_distributed_optimizer_instance_rank
-        for bucket, layout, recv in zip(self.buckets, self.dmuon_layouts, self.dmuon_blocks):
+        for bucket, layout, recv in zip(self.buckets, self.owner_fp8.layouts, self.owner_fp8.blocks):
             block = recv[me * layout.block_bytes:(me + 1) * layout.block_bytes]
             flat = bucket.param_data.view(-1)
             scales = block[:4 * sum(r.scale_slot >= 0 for r in layout.runs[me])].view(torch.float32)
@@ -98,14 +92,14 @@ class _FP8PublishBucketGroup:
                 master = masters.get(run.key)
                 if master is None:
                     raise RuntimeError(
-                        f"DMuon FP8 publish: no fp32 master for {self.dmuon_name_of[run.key]} on its owner; build the "
+                        f"DMuon FP8 publish: no fp32 master for {self.owner_fp8.name_of[run.key]} on its owner; build the "
                         "optimizer with get_dmuon_optimizer(...) on this DDP before the first publish")
-                q, scale_inv = quantize_per_tensor(master.view(-1), self.dmuon_fp8)
+                q, scale_inv = quantize_per_tensor(master.view(-1), self.owner_fp8.fp8)
                 block[run.offset:run.offset + n].copy_(q.view(torch.uint8))
                 scales[run.scale_slot] = scale_inv
 
-    def _dmuon_unpack(self) -> None:
-        for bucket, layout, recv in zip(self.buckets, self.dmuon_layouts, self.dmuon_blocks):
+    def _unpack(self) -> None:
+        for bucket, layout, recv in zip(self.buckets, self.owner_fp8.layouts, self.owner_fp8.blocks):
             flat = bucket.param_data.view(-1)
             for r, runs in enumerate(layout.runs):
                 block = recv[r * layout.block_bytes:(r + 1) * layout.block_bytes]
@@ -116,11 +110,11 @@ class _FP8PublishBucketGroup:
                         nbytes = n * flat.element_size()
                         flat[run.start:run.end].copy_(block[run.offset:run.offset + nbytes].view(flat.dtype))
                         continue
-                    q = block[run.offset:run.offset + n].view(self.dmuon_fp8)
+                    q = block[run.offset:run.offset + n].view(self.owner_fp8.fp8)
                     scale_inv = scales[run.scale_slot]
                     flat[run.start:run.end].copy_(dequantize(q, scale_inv, flat.dtype))
                     # a view into the received block (no host sync); valid until the next publish
-                    self.dmuon_last_scales[self.dmuon_name_of[run.key]] = scale_inv
+                    self.owner_fp8.last_scales[self.owner_fp8.name_of[run.key]] = scale_inv
 
     def start_param_sync(self, force_sync: bool = False):
         if force_sync and self.param_gather_handle is not None:
@@ -128,46 +122,48 @@ class _FP8PublishBucketGroup:
         assert self.param_gather_handle is None
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         with torch.no_grad():
-            self._dmuon_pack(self.dmuon_masters.lookup())
+            self._pack(self.owner_fp8.masters.lookup())
             me = self.intra_distributed_optimizer_instance_rank
             handles = []
-            for layout, recv in zip(self.dmuon_layouts, self.dmuon_blocks):
+            for layout, recv in zip(self.owner_fp8.layouts, self.owner_fp8.blocks):
                 block = recv[me * layout.block_bytes:(me + 1) * layout.block_bytes]
                 handles.append(torch.distributed.all_gather_into_tensor(
                     recv, block, group=self.intra_distributed_optimizer_instance_group, async_op=async_op))
-        self.dmuon_pending = True
+        self.owner_fp8.pending = True
         self.param_gather_handle = HandleGroup(handles) if async_op else None
         if force_sync and self.ddp_config.overlap_param_gather:
             self._post_param_sync()
         self.param_gather_dispatched = True
 
     def _post_param_sync(self):
-        if self.dmuon_pending:
+        if self.owner_fp8.pending:
             with torch.no_grad():
-                self._dmuon_unpack()
-            self.dmuon_pending = None
+                self._unpack()
+            self.owner_fp8.pending = None
         super()._post_param_sync()
 
 
-def install_fp8_publish(ddp, publish_dtype: str) -> None:
-    """Swap every dense and expert bucket group of a DMuon DDP to FP8 publish."""
-    ddp.dmuon_publish_dtype = publish_dtype
-    ddp.dmuon_masters = _Masters()
-    if publish_dtype == "param":
-        return
-    for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-        make_fp8_publish(bucket_group, publish_dtype, ddp.dmuon_param_names, ddp.dmuon_masters)
+def install_fp8_publish(ddp, plan) -> _Masters:
+    """Extend every dense and expert bucket group of a DMuon DDP to FP8 publish (the plan's
+    ``publish_dtype``; nothing for 'param'); returns the registry the optimizer fills with its
+    fp32 masters (``register_masters``)."""
+    masters = _Masters()
+    if plan.publish_dtype != "param":
+        name_of = ddp.param_names()
+        extend_bucket_groups(ddp, _FP8PublishBucketGroup, lambda group: _FP8PublishState(group, plan, name_of, masters))
+    return masters
 
 
 def register_masters(ddp, pairs: Callable[[], list]) -> None:
     """The optimizer tells the publisher where the fp32 masters are (``pairs() -> [(model, main)]``)."""
-    ddp.dmuon_masters.sources.append(pairs)
+    ddp.publish_masters.sources.append(pairs)
 
 
 def publish_layouts(ddp) -> Dict[int, PublishLayout]:
     """{id(bucket): PublishLayout} of an FP8-publishing DDP (empty for the model-dtype publish)."""
     out = {}
     for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-        for bucket, layout in zip(bucket_group.buckets, getattr(bucket_group, "dmuon_layouts", ())):
+        state = getattr(bucket_group, "owner_fp8", None)
+        for bucket, layout in zip(bucket_group.buckets, state.layouts if state is not None else ()):
             out[id(bucket)] = layout
     return out

@@ -15,22 +15,37 @@ from ..algorithms.flops import newton_schulz_flops, ns_method_for
 from ..algorithms.gram_newton_schulz import default_restarts
 from ..algorithms.schedules import schedule_for_shape
 
-__all__ = ["is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_flops", "ns_cost", "owner_ns_cost"]
+__all__ = ["muon_routing", "param_routing", "is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_flops", "ns_cost", "owner_ns_cost"]
+
+
+def muon_routing(name: str, shape: Sequence[int], embedding_or_output: bool = False) -> tuple[bool, str]:
+    """``(use_muon, why)`` for a parameter: the one routing rule (see the module docstring)."""
+    if embedding_or_output:
+        return False, "embedding or output layer (Megatron marks it)"
+    if len(shape) != 2:
+        return False, f"{len(shape)}-D tensor"
+    if min(shape) < 2:
+        return False, "a vector or a single row/column"
+    lowered = name.lower()
+    if "embedding" in lowered or "output_layer" in lowered:
+        return False, "embedding or output layer (by name)"
+    return True, "hidden weight matrix"
+
+
+def param_routing(name: str, param: torch.Tensor) -> tuple[bool, str]:
+    """``muon_routing`` of a model parameter (Megatron's embedding/output marks included)."""
+    marked = getattr(param, "is_embedding_or_output_parameter", False) or getattr(param, "shared_embedding", False)
+    return muon_routing(name, param.shape, bool(marked))
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:
     """True for the hidden weight matrices (see the module docstring)."""
-    if getattr(param, "is_embedding_or_output_parameter", False) or getattr(param, "shared_embedding", False):
-        return False
-    return is_muon_matrix(name, param.shape)
+    return param_routing(name, param)[0]
 
 
 def is_muon_matrix(name: str, shape: Sequence[int]) -> bool:
     """The rule of ``is_muon_param`` on a name and a shape (no tensor needed)."""
-    if len(shape) != 2 or min(shape) < 2:
-        return False
-    lowered = name.lower()
-    return not ("embedding" in lowered or "output_layer" in lowered)
+    return muon_routing(name, shape)[0]
 
 
 def check_muon_matrix_shape(name: str, shape: Sequence[int]) -> tuple[int, int]:

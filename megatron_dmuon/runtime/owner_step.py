@@ -183,6 +183,13 @@ class MatrixInfo:
         self.shape = check_muon_matrix_shape(self.name, self.shape)
         self.local_shape = tuple(self.local_shape or self.shape)
 
+    @classmethod
+    def from_record(cls, record, name: Optional[str] = None) -> "MatrixInfo":
+        """The owner step's view of a plan record (``planning.plan.MatrixRecord``)."""
+        return cls(name or record.name, record.full_shape, record.split, local_shape=record.local_shape,
+                   partition_dim=record.partition_dim, partition_stride=record.partition_stride,
+                   tp_owner=record.tp_owner, tp_method=record.tp_method)
+
     def tp_matrix(self) -> TPMatrix:
         return TPMatrix(self.name, self.tp_owner, self.local_shape[0] * self.local_shape[1],
                         self.partition_dim, self.partition_stride)

@@ -27,7 +27,7 @@ def count_bucket_bytes(model_chunks):
     param_ptrs = {_storage(b.param_data) for b in buffers if b.param_data is not None}
     # an FP8 publish gathers packed byte blocks (megatron/publish.py) instead of param_data
     param_ptrs |= {_storage(block) for c in model_chunks for g in c.bucket_groups + c.expert_parallel_bucket_groups
-                   for block in getattr(g, "dmuon_blocks", ())}
+                   for block in (g.owner_fp8.blocks if hasattr(g, "owner_fp8") else ())}
     counts = defaultdict(float)
 
     def size(group):

@@ -72,10 +72,10 @@ def train_text(rank, world_size, steps=20, count_bytes=True, **kw):
     out = _report(run, rank, {"losses": losses, "grad_norms": [], "updated": [], "counted_bytes": counted}, [],
                   return_params=True)
     out["forward_weights"] = seen
-    out["scales"] = {name: float(s) for g in run.ddp.bucket_groups for name, s in getattr(g, "dmuon_last_scales", {}).items()}
+    out["scales"] = {name: float(s) for g in run.ddp.bucket_groups for name, s in (g.owner_fp8.last_scales if hasattr(g, "owner_fp8") else {}).items()}
     out["publish"] = [dict(fp8=l.fp8_elements, raw=l.raw_elements, scales=l.scales, recv_bytes=l.recv_bytes,
                            bucket_numel=b.param_data.numel(), param_bytes=b.param_data.element_size())
-                      for g in run.ddp.bucket_groups for b, l in zip(g.buckets, getattr(g, "dmuon_layouts", ()))]
+                      for g in run.ddp.bucket_groups for b, l in zip(g.buckets, g.owner_fp8.layouts if hasattr(g, "owner_fp8") else ())]
     return out
 
 

@@ -88,6 +88,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
 
     from megatron_dmuon.megatron.gpt import build_gpt, wire_sync_funcs
     from megatron_dmuon.megatron.layout import build_dmuon_ddp
+    from megatron_dmuon.megatron.config import LayoutOptions
     from megatron_dmuon.megatron.optimizer import DMuonConfig, get_dmuon_optimizer
     from megatron_dmuon.testing.global_params import init_params_by_name
 
@@ -107,9 +108,13 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         overlap_grad_reduce=overlap, overlap_param_gather=overlap and dist_opt,
         bucket_size=o.get("bucket_size"),
     )
+    if mode != "adam":  # one DMuonConfig for the DDP's plan and the optimizer (as a run parses it once)
+        cfg = DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
+                          publish_dtype=optimizer_publish or publish_dtype, fold_clipping=fold_clipping,
+                          layout=LayoutOptions(ranks_per_node=ranks_per_node, balance=balance, megabatch=megabatch),
+                          **_split_kwargs(split))
     if mode == "dmuon":
-        ddp = build_dmuon_ddp(model.config, ddp_config, model, ranks_per_node=ranks_per_node, balance=balance,
-                              publish_dtype=publish_dtype, megabatch=megabatch)
+        ddp = build_dmuon_ddp(model.config, ddp_config, model, dmuon=cfg, publish_dtype=publish_dtype)
     else:
         ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
@@ -122,10 +127,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
 
         opt = get_megatron_optimizer(opt_config, [ddp])
     else:
-        muon = _muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {}))
-        opt = get_dmuon_optimizer(opt_config, [ddp], DMuonConfig(mode=mode, muon=muon, publish_dtype=optimizer_publish or publish_dtype,
-                                                                 **_split_kwargs(split)))
-        opt.dmuon_fold_clipping = fold_clipping  # False: Megatron's own clipping pass
+        opt = get_dmuon_optimizer(opt_config, [ddp], cfg)
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
         lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
@@ -137,7 +139,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         from megatron_dmuon.runtime.tp_exchange import TPExchange
 
         for part in parts:
-            inner = part.dmuon_inner
+            inner = part.optimizer
             inner.tp = TPExchange(None)
             inner.matrix_info = {p: MatrixInfo(i.name, i.local_shape) for p, i in inner.matrix_info.items()}
     return SimpleNamespace(model=model, ddp=ddp, ddp_config=ddp_config, opt=opt, sched=sched, parts=parts,
@@ -191,7 +193,7 @@ def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_step
         grad_norms.append(float(grad_norm) if grad_norm is not None else None)
         updated.append(bool(ok))
         if run.parts and ns_counts is not None:  # matrices orthogonalized this step, summed over the world
-            n = torch.tensor([sum(p.dmuon_inner.stats["ns_matrices"] for p in run.parts) if ok else 0],
+            n = torch.tensor([sum(p.optimizer.stats["ns_matrices"] for p in run.parts) if ok else 0],
                              device="cuda" if on_gpu() else "cpu")
             torch.distributed.all_reduce(n)
             ns_counts.append(int(n))
@@ -220,7 +222,7 @@ def optimizer_state_shards(run) -> dict:
                      if k != "momentum_buffer" or piece.holds_momentum}
             main = piece.tensors["param"]
             if not piece.muon:
-                state["step"] = part.dmuon_inner.state[main]["step"].detach().double().reshape(1).cpu().clone()
+                state["step"] = part.optimizer.state[main]["step"].detach().double().reshape(1).cpu().clone()
             tp_size, tp_rank = _tp_of(p)
             out.setdefault(names[local_name[p]], []).append({
                 "numel": p.numel(), "start": piece.start, "end": piece.end, "shape": tuple(p.shape),
@@ -245,11 +247,11 @@ def _report(run, rank, trained, ns_counts, return_params=True):
     if return_params:
         out["shards"] = local_shards(ddp.module)
     if parts:
-        out["muon_states"] = sum(1 for part in parts for p in part.dmuon_inner.matrix_info
-                                 if part.dmuon_inner.holds_momentum(part.dmuon_inner.matrix_info[p]))
-        out["tp_bytes"] = sum(part.dmuon_inner.stats["tp_bytes"] for part in parts)
-        out["row_variance_states"] = sum("row_variance" in part.dmuon_inner.state.get(p, {}) for part in parts
-                                         for p in part.dmuon_inner.matrix_info)
+        out["muon_states"] = sum(1 for part in parts for p in part.optimizer.matrix_info
+                                 if part.optimizer.holds_momentum(part.optimizer.matrix_info[p]))
+        out["tp_bytes"] = sum(part.optimizer.stats["tp_bytes"] for part in parts)
+        out["row_variance_states"] = sum("row_variance" in part.optimizer.state.get(p, {}) for part in parts
+                                         for p in part.optimizer.matrix_info)
         out["skipped_iterations"] = run.opt.dmuon_stats()["skipped_iterations"]
         from megatron_dmuon.megatron.memory import megatron_adamw_state_bytes, optimizer_state_bytes
 
@@ -257,23 +259,21 @@ def _report(run, rank, trained, ns_counts, return_params=True):
         out["adamw_state_bytes"] = megatron_adamw_state_bytes([ddp], ps.get_data_parallel_world_size())
     if run.mode == "dmuon":
         out["optimizer_state"] = optimizer_state_shards(run)
-        topo = ddp.dmuon_topology
+        topo = ddp.node_topology
         my_shard = topo.shard_index if topo is not None else None
-        plans = ddp.dmuon_owner_plans
+        plan = ddp.dmuon_plan
         # momentum lives with the DP owner: every TP shard of a sharded matrix, a replicated
         # matrix on its TP owner only
         expected = 0
-        for key, plan in plans.items():
-            dp_me = (my_shard if (my_shard is not None and not key.is_expert_parallel)
-                     else (ps.get_expert_data_parallel_rank() if key.is_expert_parallel else dp_rank))
-            tp_me = ps.get_expert_tensor_parallel_rank() if key.is_expert_parallel else ps.get_tensor_model_parallel_rank()
-            params = {n: p for p, n in ddp.dmuon_param_names.items()}
-            for name, owner in plan.owners.items():
-                sharded = getattr(params[name], "tensor_model_parallel", False) and plan.tp_size > 1
-                expected += owner == dp_me and (sharded or plan.tp_owners.get(name, 0) == tp_me)
+        for r in plan.matrices():
+            dp_me = (my_shard if (my_shard is not None and not r.expert)
+                     else (ps.get_expert_data_parallel_rank() if r.expert else dp_rank))
+            tp_me = ps.get_expert_tensor_parallel_rank() if r.expert else ps.get_tensor_model_parallel_rank()
+            sharded = r.partition_dim is not None
+            expected += r.dp_owner == dp_me and (sharded or r.tp_owner == tp_me)
         out["owned"] = expected
-        out["owners"] = {str(k): v.owners for k, v in plans.items()}
-        out["layouts"] = [v.to_json() for v in plans.values()]
+        out["owners"] = {k: v.owners for k, v in plan.layouts.items()}
+        out["layouts"] = [v.to_json() for v in plan.layouts.values()]
     return out
 
 
@@ -443,7 +443,7 @@ def _record_reduced_grads(parts, ddp):
         pairs = [(m, s) for mg, sg in ((part.model_float16_groups, part.shard_fp32_from_float16_groups),
                                         (part.model_fp32_groups, part.shard_fp32_groups))
                  for gm, gs in zip(mg, sg) for m, s in zip(gm, gs)]
-        inner_step = part.dmuon_inner.step
+        inner_step = part.optimizer.step
 
         def step(*a, _pairs=pairs, _part=part, _inner=inner_step, **k):
             if not steps or _part is parts[0]:
@@ -454,7 +454,7 @@ def _record_reduced_grads(parts, ddp):
                     (r.start, r.end, main_param.grad.detach().clone().view(-1)))
             return _inner(*a, **k)
 
-        part.dmuon_inner.step = step
+        part.optimizer.step = step
     return steps
 
 
