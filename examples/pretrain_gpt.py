@@ -429,8 +429,9 @@ def main(argv=None):
         print("> summary " + json.dumps(summary), flush=True)
         if args.timing_json:
             with open(args.timing_json, "w") as f:
-                json.dump({"summary": summary, "iterations": timings, "validation": validation, "args": vars(args)},
-                          f, indent=1)
+                plan = json.loads(ddp.dmuon_plan.to_json()) if hasattr(ddp, "dmuon_plan") else None
+                json.dump({"summary": summary, "iterations": timings, "validation": validation, "args": vars(args),
+                           "dmuon_plan": plan}, f, indent=1)  # dmuon plan --show <this file> prints the plan
     torch.distributed.destroy_process_group()
 
 

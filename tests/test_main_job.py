@@ -31,6 +31,17 @@ def test_main_job_trains_on_stdlib_bytes(tmp_path):
     table = run["stdout"].split("> profile of the optimizer step", 1)[1]
     assert all(phase in table for phase in ("dmuon.adamw", "dmuon.momentum", "dmuon.ns", "dmuon.apply"))
     assert "traceEvents" in trace.read_text()
+    # the run's plan is in its timing JSON, and dmuon plan --show reads it back (validated)
+    from megatron_dmuon.planning.plan import DMuonPlan
+    from megatron_dmuon.planning.plan_cli import show_plan
+
+    plan = DMuonPlan.from_json(json.dumps(run["dmuon_plan"]))
+    qkv = next(r for r in plan.matrices() if r.name.endswith("linear_qkv.weight"))
+    assert qkv.split.kind == "qkv" and len(qkv.pieces) == 3 and qkv.dp_owner in (0, 1)
+    assert not plan.record("embedding.word_embeddings.weight").use_muon
+    assert show_plan(str(tmp_path / "timing.json")).endswith(f"{len(plan.matrices())} Muon matrices, "
+                                                               f"{len(plan.records) - len(plan.matrices())} AdamW params, "
+                                                               f"{len(plan.layouts)} buffers")
 
 
 def test_main_job_reads_a_megatron_indexed_dataset(tmp_path):

@@ -302,13 +302,28 @@ def _layout_options_from_args(args) -> LayoutOptions:
                          plan_cache=default_plan_cache_path() if milp else None)
 
 
+# {id(args): (args, config)}: the one parse of each run's flags. Kept beside the args, not on them:
+# Megatron-LM and the main job save, print and serialise vars(args)
+_PARSED: dict = {}
+
+
 def config_of(args) -> DMuonConfig:
     """This run's DMuonConfig: parsed from the flags once (``validate_dmuon_args`` at parse time,
-    or the first reader) and kept with them, so the DDP, the optimizer and the job read one object."""
-    cfg = getattr(args, "dmuon_config", None)
-    if cfg is None:
-        cfg = DMuonConfig.from_args(args)
-        args.dmuon_config = cfg
+    or the first reader), so the DDP, the optimizer and the job read one object. Parsed again
+    only if a flag changed since (Megatron-LM may fill args in after validation)."""
+    held = _PARSED.get(id(args))
+    if held is not None and held[0] is args and held[2] == _flags(args):
+        return held[1]
+    return _remember(args, DMuonConfig.from_args(args))
+
+
+def _flags(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k.startswith(("dmuon_", "muon_"))}
+
+
+def _remember(args, cfg: DMuonConfig) -> DMuonConfig:
+    _PARSED.clear()  # one run per process: keep only the latest args (and no stale ids)
+    _PARSED[id(args)] = (args, cfg, _flags(args))
     return cfg
 
 
@@ -332,7 +347,7 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     where the parser lacks them (with Megatron's defaults). With `validate`, parsing itself
     rejects bad combinations for `--optimizer dmuon` (`validate_dmuon_args`) via `parser.error`.
     """
-    if getattr(parser, "_dmuon_args_added", False):
+    if _has(parser, "--dmuon-mode"):  # added already (idempotent)
         return parser
     optimizer = parser._option_string_actions.get("--optimizer")
     if optimizer is not None and optimizer.choices is not None and "dmuon" not in optimizer.choices:
@@ -398,7 +413,6 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                         "NS schedule gives in exact arithmetic)^2 - 1, e.g. 1.05 for Megatron's quintic)")
     g.add_argument("--dmuon-no-skip-nonfinite", action="store_true",
                    help="do not skip a step whose gradients hold NaN/Inf (skipped on every rank by default)")
-    parser._dmuon_args_added = True
     if validate:
         _validate_on_parse(parser)
     return parser
@@ -528,8 +542,7 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
         return None
     check_training_numbers(args)
     check_muon_numbers(args)
-    cfg = DMuonConfig.from_args(args)
-    args.dmuon_config = cfg  # the one parse of the run (config_of)
+    cfg = _remember(args, DMuonConfig.from_args(args))  # the one parse of the run (config_of)
     view = _ArgsView(args, cfg)
     check_dmuon_config(view, view, cfg, model_config=view)
     for flag in ("use_torch_fsdp2", "use_megatron_fsdp", "use_mup"):

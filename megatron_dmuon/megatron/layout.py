@@ -13,6 +13,7 @@ from ..algorithms.tp_shards import tp_full_shape
 from ..planning.owner_layout import OwnerLayout, megatron_bucket_size, plan_owner_layout
 from ..planning.params import owner_ns_cost, param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
+from ..planning.plans import split_rule_for
 from ..planning.caches import PlanCache, plan_key
 from ..planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 from ..planning.tp_cost import choose_tp_method
@@ -65,13 +66,9 @@ def buffer_name(key) -> str:
 
 
 def split_rule(name: str, full_shape, model_config, cfg):
-    """How the owner step cuts the full matrix ``name`` before NS (None: whole; TP shards are
-    merged first): ``rule_for_megatron_param`` under the config's split flags."""
-    if not (cfg.split_qkv or cfg.split_glu or cfg.split_per_head) or model_config is None:
-        return None
-    from ..algorithms.splitting import rule_for_megatron_param
-
-    return rule_for_megatron_param(name, tuple(full_shape), model_config, **cfg.split_flags())
+    """How the owner step cuts the full matrix ``name`` (TP shards merged) under ``cfg``'s split
+    flags: ``planning.plans.split_rule_for``."""
+    return split_rule_for(name, full_shape, model_config, cfg.split_flags())
 
 
 def _records(named, buffers, sizes, cfg, model_config):
@@ -285,6 +282,8 @@ class DMuonDDP(_import_distributed_data_parallel()):
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                          full_param_layout=full_layout)
         self.dmuon_plan = plan
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"> {plan.routing_summary()}", flush=True)  # (this stage's params; PP stages plan their own)
         self._grads_reduced = False
         self.node_topology = None  # two-level groups (runtime/node_groups.py), when ranks_per_node > 0
         if opts.ranks_per_node:

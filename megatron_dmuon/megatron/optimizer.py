@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from . import checkpoint as ckpt
+from ..planning.dp_shards import shard_range
 from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
@@ -466,7 +467,7 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
         world = param_and_grad_buffer.data_parallel_group.size()
         bucket = param_and_grad_buffer.buckets[bucket_index]
         size = bucket.grad_data.numel() // world
-        local = Range(bucket.offset + shard * size, bucket.offset + (shard + 1) * size)
+        local = Range(*shard_range(shard, size, bucket.offset))
         return {"param_map": cls._build_model_gbuf_param_range_map(
             param_and_grad_buffer.param_index_map, local, bucket.offset)}
 

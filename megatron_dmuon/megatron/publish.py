@@ -18,6 +18,7 @@ import torch
 
 from ..algorithms.fp8 import dequantize, fp8_dtype, quantize_per_tensor
 from ..planning.fp8_blocks import PublishLayout, plan_publish
+from ..planning.dp_shards import shard_range
 from .bucket_groups import extend_bucket_groups
 from .hierarchy import HandleGroup
 
@@ -80,7 +81,7 @@ class _FP8PublishBucketGroup:
     def _pack(self, masters) -> None:
         me = self.intra_distributed_optimizer_instance_rank
         for bucket, layout, recv in zip(self.buckets, self.owner_fp8.layouts, self.owner_fp8.blocks):
-            block = recv[me * layout.block_bytes:(me + 1) * layout.block_bytes]
+            block = recv[slice(*shard_range(me, layout.block_bytes))]
             flat = bucket.param_data.view(-1)
             scales = block[:4 * sum(r.scale_slot >= 0 for r in layout.runs[me])].view(torch.float32)
             for run in layout.runs[me]:
@@ -102,7 +103,7 @@ class _FP8PublishBucketGroup:
         for bucket, layout, recv in zip(self.buckets, self.owner_fp8.layouts, self.owner_fp8.blocks):
             flat = bucket.param_data.view(-1)
             for r, runs in enumerate(layout.runs):
-                block = recv[r * layout.block_bytes:(r + 1) * layout.block_bytes]
+                block = recv[slice(*shard_range(r, layout.block_bytes))]
                 scales = block[:4 * sum(run.scale_slot >= 0 for run in runs)].view(torch.float32)
                 for run in runs:
                     n = run.end - run.start
@@ -126,7 +127,7 @@ class _FP8PublishBucketGroup:
             me = self.intra_distributed_optimizer_instance_rank
             handles = []
             for layout, recv in zip(self.owner_fp8.layouts, self.owner_fp8.blocks):
-                block = recv[me * layout.block_bytes:(me + 1) * layout.block_bytes]
+                block = recv[slice(*shard_range(me, layout.block_bytes))]
                 handles.append(torch.distributed.all_gather_into_tensor(
                     recv, block, group=self.intra_distributed_optimizer_instance_group, async_op=async_op))
         self.owner_fp8.pending = True

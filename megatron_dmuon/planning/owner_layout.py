@@ -23,7 +23,8 @@ import json
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .dp_shards import shard_range
+from .dp_shards import shard_overlap, shard_range
+from .placement import least_loaded_cell
 
 PARAM_ALIGN = 64  # Megatron aligns param starts to 64 elements; keeps matrix views GEMM-friendly.
 
@@ -146,7 +147,7 @@ def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world
         mats = sorted((items[i].numel for i in idx if items[i].is_matrix), reverse=True)
         loads = [0] * world_size
         for m in mats:
-            loads[loads.index(min(loads))] += m
+            loads[least_loaded_cell(range(world_size), 1, lambda d: True, loads.__getitem__, lambda d: 0)] += m
         shard = max(math.ceil(total / world_size), max(loads) if mats else 0)
         return shard * world_size <= total * (1.0 + max_padding)
 
@@ -226,17 +227,18 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
     cells = range(world_size * tp_size)
     for i in mats:
         it = items[i]
-        fits = [c for c in cells if owned_numel[c // tp_size] + _align(it.numel) <= shard + PARAM_ALIGN]
-        pool = fits or list(cells)
+        def has_room(d):
+            return owned_numel[d] + _align(it.numel) <= shard + PARAM_ALIGN
+
+        fits = [c for c in cells if has_room(c // tp_size)]
+        pool = cells
         if fits and net(i) < 0:
             def row_load(d):
                 return max(rank_cost[d * tp_size:(d + 1) * tp_size])
 
             heaviest = max((c // tp_size for c in fits), key=lambda d: (row_load(d), -d))
             pool = [c for c in fits if c // tp_size == heaviest]
-        key = ((lambda c: (rank_cost[c], owned_numel[c // tp_size], c)) if fits
-               else (lambda c: (owned_numel[c // tp_size], rank_cost[c], c)))
-        c = min(pool, key=key)
+        c = least_loaded_cell(pool, tp_size, has_room, rank_cost.__getitem__, owned_numel.__getitem__)
         owners[it.name], tp_owners[it.name] = divmod(c, tp_size)
         owned_numel[c // tp_size] += _align(it.numel)
         rank_cost[c] += it.cost
@@ -264,9 +266,8 @@ def _bucket_loads(items, members, owners, tp_owners, world_size, tp_size, base, 
         loads[owners[name] * tp_size + tp_owners[name]] += items[i].cost
         owned[owners[name]] += items[i].numel
     for r in range(world_size):
-        lo, hi = start + r * shard, start + (r + 1) * shard
-        steps = sum(max(0, min(pos[items[i].name][1], hi) - max(pos[items[i].name][0], lo))
-                    for i in members if not items[i].is_matrix)
+        steps = sum(hi - lo for lo, hi in (shard_overlap(*pos[items[i].name], r, shard, start)
+                                           for i in members if not items[i].is_matrix))
         for cell in range(r * tp_size, (r + 1) * tp_size):
             loads[cell] += muon * owned[r] + adamw * steps
     return loads, pos, shard
@@ -510,8 +511,7 @@ def state_bytes_per_rank(layout: OwnerLayout, param_bytes: int = 2, momentum_byt
     for name, (start, end, bucket_id) in layout.param_ranges.items():
         bucket = layout.buckets[bucket_id]
         for rank, acc in enumerate(out):
-            lo = max(start, bucket.start + rank * bucket.shard_size)
-            hi = min(end, bucket.start + (rank + 1) * bucket.shard_size)
+            lo, hi = shard_overlap(start, end, rank, bucket.shard_size, bucket.start)
             if hi <= lo:
                 continue
             acc["masters"] += master * (hi - lo)

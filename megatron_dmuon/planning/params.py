@@ -18,8 +18,13 @@ from ..algorithms.schedules import schedule_for_shape
 __all__ = ["muon_routing", "param_routing", "is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_flops", "ns_cost", "owner_ns_cost"]
 
 
-def muon_routing(name: str, shape: Sequence[int], embedding_or_output: bool = False) -> tuple[bool, str]:
-    """``(use_muon, why)`` for a parameter: the one routing rule (see the module docstring)."""
+def muon_routing(name: str, shape: Sequence[int], embedding_or_output: bool = False,
+                 use_muon: bool | None = None) -> tuple[bool, str]:
+    """``(use_muon, why)`` for a parameter: the one routing rule (see the module docstring).
+    ``use_muon=False`` is Megatron's own mark for a matrix its Muon leaves to the scalar
+    optimizer (e.g. Mamba's ``in_proj``); DMuon honours it the same way."""
+    if use_muon is False:
+        return False, "Megatron marks it use_muon=False"
     if embedding_or_output:
         return False, "embedding or output layer (Megatron marks it)"
     if len(shape) != 2:
@@ -35,7 +40,7 @@ def muon_routing(name: str, shape: Sequence[int], embedding_or_output: bool = Fa
 def param_routing(name: str, param: torch.Tensor) -> tuple[bool, str]:
     """``muon_routing`` of a model parameter (Megatron's embedding/output marks included)."""
     marked = getattr(param, "is_embedding_or_output_parameter", False) or getattr(param, "shared_embedding", False)
-    return muon_routing(name, param.shape, bool(marked))
+    return muon_routing(name, param.shape, bool(marked), getattr(param, "use_muon", None))
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:

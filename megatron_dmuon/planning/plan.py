@@ -176,6 +176,21 @@ class DMuonPlan:
                    layouts={k: OwnerLayout.from_json(json.dumps(v)) for k, v in d["layouts"].items()},
                    settings=d["settings"], ranks_per_node=d["ranks_per_node"], publish_dtype=d["publish_dtype"])
 
+    def routing_summary(self) -> str:
+        """One line: how many matrices and elements go to Muon and to AdamW, by the rule that sent
+        them there (``planning.params.muon_routing``), so no fallback goes unseen."""
+        groups: Dict[Tuple[bool, str], list] = {}
+        for r in self.records:
+            groups.setdefault((r.use_muon, r.reason), []).append(r.numel)
+        parts = []
+        for use_muon in (True, False):
+            rules = sorted((k[1], v) for k, v in groups.items() if k[0] == use_muon)
+            if rules:
+                total = sum(len(v) for _, v in rules)
+                detail = "; ".join(f"{len(v)} {why} ({sum(v):,} elements)" for why, v in rules)
+                parts.append(f"{total} params to {'Muon' if use_muon else 'AdamW'}: {detail}")
+        return "DMuon routing: " + " | ".join(parts)
+
     def describe(self) -> str:
         """One line per Muon matrix, then a summary: what ``dmuon-plan`` prints for a built model."""
         lines = []

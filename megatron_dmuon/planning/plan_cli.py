@@ -4,6 +4,7 @@
     dmuon plan --preset qwen2.5-7b --dp 64 --json
     dmuon plan --megatron-argv "--num-layers 28 --hidden-size 3584 ... --tensor-model-parallel-size 2" --nodes 4
     dmuon plan --preset qwen7b-4l --dp 2 --profile docs/results/kernels/bench_kernels_h200_2026-11-30.json --simulate
+    dmuon plan --show timing.json      # the DMuonPlan a run made (main job --timing-json, or a plan JSON)
 
 For round-robin, numel-LPT (Megatron 0.19 LayerWise), the NS-FLOP greedy (ours until now) and the
 MILP: per-rank predicted owner time, bytes reduced and published per rank, padding, makespan and
@@ -67,7 +68,29 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help='print {"plans": {...}, ...} as JSON')
     out.add_argument("--simulate", action="store_true", help="also predict the optimizer step on the cluster")
     out.add_argument("--flat", action="store_true", help="simulate flat instead of two-level collectives")
+    out.add_argument("--show", metavar="FILE", default=None,
+                     help="print the DMuonPlan a run built (planning/plan.py) from a plan JSON or the main job's "
+                          "--timing-json file, instead of planning a model")
     return p
+
+
+def show_plan(path: str, as_json: bool = False) -> str:
+    """The plan a run recorded: one line per Muon matrix and a summary (or the plan's JSON)."""
+    from .plan import DMuonPlan
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"dmuon plan: --show {path}: not a readable JSON file ({exc})")
+    if isinstance(data, dict) and "dmuon_plan" in data:  # the main job's --timing-json
+        data = data["dmuon_plan"]
+    if not isinstance(data, dict) or data.get("records") is None:
+        raise SystemExit(f"dmuon plan: --show {path}: holds no DMuon plan (a run with --optimizer dmuon writes one)")
+    try:
+        plan = DMuonPlan.from_json(json.dumps(data))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SystemExit(f"dmuon plan: --show {path}: the plan is not valid ({type(exc).__name__}: {exc})")
+    return plan.to_json() if as_json else plan.describe()
 
 
 def load_profile(path: str, steps: int = 5) -> CostTable:
@@ -175,6 +198,9 @@ def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.show:
+        print(show_plan(args.show, args.json))
+        return 0
     model, par, extra = _model_and_parallel(args)
     _check(parser, args, model, par)
     config = load_config(args.config)

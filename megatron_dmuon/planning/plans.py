@@ -25,7 +25,7 @@ from .models import ModelSpec, ParallelSpec, ParamSpec, stage_params
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
 from .params import ns_cost
 
-__all__ = ["PLANNERS", "buffer_items", "matrix_pieces", "transformer_shape", "split_pieces", "plan_stage",
+__all__ = ["PLANNERS", "buffer_items", "split_rule_for", "matrix_pieces", "transformer_shape", "split_pieces", "plan_stage",
            "predict_stage", "compare_plans"]
 
 PLANNERS = ("round_robin", "numel_lpt", "greedy", "milp")
@@ -59,15 +59,22 @@ def buffer_items(params: Sequence[ParamSpec], cost_model: Optional[CostModel] = 
     return items
 
 
-def matrix_pieces(name: str, shape: Sequence[int], config, split: dict) -> List[tuple]:
-    """Shapes the optimizer orthogonalizes for the matrix ``name`` of full ``shape`` under its split
-    flags (``split_qkv``, ``split_glu``, ``per_head``: megatron/optimizer.py's rule; ``config``: a
-    TransformerConfig or ``transformer_shape``); the whole matrix when no flag is set."""
-    if not any(split.values()):
-        return [tuple(shape)]
+def split_rule_for(name: str, shape: Sequence[int], config, split: dict):
+    """How the owner step cuts the full matrix ``name`` before NS under its split flags
+    (``split_qkv``, ``split_glu``, ``per_head``; ``config``: a TransformerConfig or
+    ``transformer_shape``): ``rule_for_megatron_param``'s rule, or None (no flag set: the whole
+    matrix). The one split policy of the package (the plan records its answer)."""
+    if not any(split.values()) or config is None:
+        return None
     from ..algorithms.splitting import rule_for_megatron_param
 
-    return rule_for_megatron_param(name, tuple(shape), config, **split).piece_shapes(shape)
+    return rule_for_megatron_param(name, tuple(shape), config, **split)
+
+
+def matrix_pieces(name: str, shape: Sequence[int], config, split: dict) -> List[tuple]:
+    """Shapes the optimizer orthogonalizes for the matrix ``name`` of full ``shape`` (``split_rule_for``)."""
+    rule = split_rule_for(name, shape, config, split)
+    return [tuple(shape)] if rule is None else rule.piece_shapes(shape)
 
 
 def transformer_shape(model: ModelSpec) -> SimpleNamespace:

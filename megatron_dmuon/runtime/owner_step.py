@@ -17,11 +17,19 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.profiler import record_function
 
+from ..algorithms.coefficients import get_coefficients
 from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale
+from ..algorithms.ns_dispatch import method_compute_dtype, orthogonalize
+from ..algorithms.ns_metrics import schedule_peak
+from ..algorithms.schedules import schedule_for_shape
+from ..kernels import GraphedGroups, orthogonalize_batched, orthogonalize_groups, resolve_method
+from ..kernels.fused_muon import muon_apply_fast_, muon_momentum_fast_  # the torch ops where they cannot fuse
+from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite
 from ..planning.params import check_muon_matrix_shape
 from ..planning.tp_cost import TP_METHODS
 from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
+from .row_update_step import row_update_step, tp_refusal, validate_update_settings
 from .tp_exchange import TPExchange, TPMatrix
 
 NS_METHODS = ("standard", "gram", "auto")
@@ -71,8 +79,6 @@ class MuonSettings:
     ns_check_bound: Optional[float] = None
 
     def validate(self) -> None:
-        from .row_update_step import validate_update_settings
-
         validate_update_settings(self)
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"--muon-momentum {self.momentum} must be in [0, 1) (MuonSettings.momentum)")
@@ -95,8 +101,6 @@ class MuonSettings:
                     f"--muon-num-ns-steps {self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
                 )
         else:
-            from ..algorithms.coefficients import get_coefficients
-
             get_coefficients(self.coefficients, self.ns_steps)  # raises a clear error if unknown
         muon_lr_scale(2, 1, self.scale_mode)  # raises if the mode is unknown
         if isinstance(self.ns_check_interval, bool) or not isinstance(self.ns_check_interval, int) \
@@ -119,8 +123,6 @@ class MuonSettings:
         """The dtype the NS ``method`` ('standard' or 'gram') runs in: ``ns_dtype`` (Megatron's
         --muon-fp32-matmul-prec), except that Gram NS runs a bf16 request in fp16
         (``algorithms.ns_dispatch.method_compute_dtype``: bf16 Gram NS diverges)."""
-        from ..algorithms.ns_dispatch import method_compute_dtype
-
         return method_compute_dtype(method, self.ns_dtype)
 
     def ns_call(self, stack: torch.Tensor) -> tuple:
@@ -129,25 +131,21 @@ class MuonSettings:
         the per-shape schedule, and that method's compute dtype, in which the kernels also return
         the result (every consumer reads it once, into float32 arithmetic)."""
         kw = dict(self.ns_schedule(stack.size(-2), stack.size(-1)))
-        method = self.ns_method
-        if method == "auto":
-            method = "standard"
-            if stack.is_cuda:
-                try:
-                    from ..kernels import resolve_method
-                except ImportError:
-                    resolve_method = None
-                if resolve_method is not None:
-                    method = resolve_method(stack, "auto", dict(kw, compute_dtype=self.ns_dtype))
+        method = self.torch_method()
+        if self.ns_method == "auto" and stack.is_cuda:
+            method = resolve_method(stack, "auto", dict(kw, compute_dtype=self.ns_dtype))
         dtype = self.compute_dtype(method)
         return method, dict(kw, compute_dtype=dtype, out_dtype=dtype)
+
+    def torch_method(self) -> str:
+        """The NS method of the torch path (CPU, float32 retries and repairs): 'auto' is standard
+        there (the kernels' measured choice exists on CUDA only)."""
+        return "standard" if self.ns_method == "auto" else self.ns_method
 
     def ns_schedule(self, rows: int, cols: int) -> dict:
         """The NS keyword arguments for a [rows, cols] matrix: ``{'coefficients', 'steps'}`` (and
         ``'normalisation'`` for the adaptive schedule)."""
         if self.coefficients == ADAPTIVE_SCHEDULE:
-            from ..algorithms.schedules import schedule_for_shape
-
             return schedule_for_shape(rows, cols)
         return {"coefficients": self.coefficients, "steps": self.ns_steps}
 
@@ -157,8 +155,6 @@ NS_CHECK_MARGIN = 1.25  # an output's largest singular value may exceed its sche
 
 @functools.lru_cache(maxsize=64)
 def _peak_limit(coefficients, steps: int) -> float:
-    from ..algorithms.ns_metrics import schedule_peak  # (algorithms: a downward import)
-
     return (NS_CHECK_MARGIN * schedule_peak(coefficients, steps)) ** 2 - 1.0
 
 
@@ -198,11 +194,9 @@ class MatrixInfo:
 def fp32_orthogonalizer(settings: MuonSettings, method: Optional[str] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The float32 torch path of the same NS schedule: with the settings' method (the retry for
     non-finite outputs), or ``method`` ('standard': the online check's exact repair)."""
-    method = method or ("standard" if settings.ns_method == "auto" else settings.ns_method)
+    method = method or settings.torch_method()
 
     def orth(stack: torch.Tensor) -> torch.Tensor:
-        from ..algorithms.ns_dispatch import orthogonalize
-
         kw = settings.ns_schedule(stack.size(-2), stack.size(-1))
         return orthogonalize(stack.float(), method=method, compute_dtype=torch.float32, check_finite=False, **kw)
 
@@ -216,14 +210,7 @@ def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], t
     def orth(stack: torch.Tensor) -> torch.Tensor:
         method, kw = settings.ns_call(stack)
         if stack.is_cuda:
-            try:
-                from ..kernels import orthogonalize_batched
-            except ImportError:
-                orthogonalize_batched = None
-            if orthogonalize_batched is not None:
-                return orthogonalize_batched(stack, method=method, **kw)
-        from ..algorithms.ns_dispatch import orthogonalize
-
+            return orthogonalize_batched(stack, method=method, **kw)
         kw.pop("out_dtype")  # the torch path returns the input's dtype (as the reference does)
         return orthogonalize(stack, method=method, check_finite=False, **kw)
 
@@ -251,8 +238,6 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.ns_check = NSQualityCheck(self.muon, fp32_orthogonalizer(self.muon, method="standard"))
         self.tp = TPExchange(tp_group)
         if self.muon.update != "muon" and self.tp.size > 1:
-            from .row_update_step import tp_refusal
-
             raise ValueError(tp_refusal(self.muon.update))
         self._graphs: Dict[tuple, object] = {}  # ns_launch='graph': one GraphedGroups per stack-shape set
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
@@ -371,8 +356,6 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         if grad_scale is not None:
             torch._foreach_mul_([p.grad for p, _, _ in entries if p.grad is not None], grad_scale)
         if s.update != "muon":
-            from .row_update_step import row_update_step
-
             return row_update_step(self, entries)
         return self._exchange_step(entries)
 
@@ -408,8 +391,6 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         buf = state["momentum_buffer"]
         # a narrower stored momentum is updated in the master's dtype and rounded back once
         wide = buf if buf.dtype == p.dtype else buf.to(p.dtype)
-        from ..kernels.fused_muon import muon_momentum_fast_  # the torch ops (muon_momentum_) where it cannot fuse
-
         update = muon_momentum_fast_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum,
                                      s.nesterov, out=out, grad_scale=grad_scale)
         if wide is not buf:
@@ -425,8 +406,6 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         into the NS input stacks and the directions applied straight from the NS outputs
         (ns_stacks.StackPlan), instead of materialising each update, stacking it, and reassembling
         split directions. The same arithmetic as the general path, in fewer passes."""
-        from ..kernels.fused_muon import muon_apply_fast_
-
         s = self.muon
         plan = self._stack_plan([StackJob(info.name, tuple(info.shape), info.split, p.dtype) for p, _, info in entries])
         with record_function("dmuon.momentum"):
@@ -532,8 +511,6 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         if s.ns_launch == "eager" or not stacks[0].is_cuda:
             outputs = [self.orthogonalizer(x) for x in stacks]
         else:
-            from ..kernels import GraphedGroups, orthogonalize_groups
-
             def calls():  # (methods, per-stack kwargs): MuonSettings.ns_call of every stack
                 methods, per_stack = zip(*(s.ns_call(x) for x in stacks))
                 return dict(method=list(methods), per_stack_kwargs=list(per_stack))
@@ -555,8 +532,6 @@ class OwnerMuonAdamW(torch.optim.AdamW):
 
     def _retry_nonfinite(self, orth: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """Matrices whose NS output holds NaN/Inf are recomputed by the float32 torch path."""
-        from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite
-
         before = NONFINITE_METRICS["fp32_retries"]
         orth = retry_nonfinite(orth, inputs, self._fp32_orthogonalizer)
         retried = NONFINITE_METRICS["fp32_retries"] - before

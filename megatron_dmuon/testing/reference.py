@@ -24,7 +24,7 @@ def _grad_dtype(param: torch.Tensor) -> torch.dtype:
 
 def orthogonalize_one(matrix: torch.Tensor, settings) -> torch.Tensor:
     """NS of one matrix with the settings' method and per-shape schedule (torch path)."""
-    method = "standard" if settings.ns_method == "auto" else settings.ns_method
+    method = settings.torch_method()
     return orthogonalize(matrix, method=method, **settings.ns_schedule(*matrix.shape[-2:]),
                          compute_dtype=settings.compute_dtype(method), check_finite=False)
 
