@@ -154,7 +154,8 @@ def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[
             )
         if forked:
             log_path = os.path.join(tmp, f"rank{rank}.log")
-            proc = _fork_context().Process(target=_forked_worker, args=(spec_path, log_path, child_env), daemon=True)
+            # not daemonic: a rank may start processes of its own (Megatron's checkpoint writer does)
+            proc = _fork_context().Process(target=_forked_worker, args=(spec_path, log_path, child_env))
             proc.start()
             procs.append((proc, log_path))
         else:
