@@ -114,6 +114,8 @@ def _model_config(**kw):
     (dict(context_parallel_size=2), "--context-parallel-size"),
     (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
           num_layers_in_first_pipeline_stage=None), "virtual"),
+    (dict(qk_clip=True), "--qk-clip"),  # Megatron's QK-clip writes weight.main_param: an owner shard here
+    (dict(gtp_weight_remat_size=2), "--gtp-weight-remat-size"),
 ])
 def test_unsupported_parallel_layouts_fail_before_any_buffer(kw, match):
     from megatron_dmuon.megatron.layout import build_dmuon_ddp
@@ -133,6 +135,11 @@ def test_gather_then_compute_is_data_parallel_only(kw):
     with pytest.raises(ValueError, match="gather_then_compute"):
         check_model_parallel_config(_model_config(**kw), "gather_then_compute")
     check_model_parallel_config(_model_config(**kw), "dmuon")  # DMuon itself runs these layouts
+
+
+def test_optimizer_cuda_graph_is_refused_by_name():
+    with pytest.raises(ValueError, match="--optimizer-cuda-graph"):
+        check_dmuon_config(_opt(optimizer_cuda_graph=True), DIST, DMuonConfig())
 
 
 def test_bad_tp_method():

@@ -25,6 +25,17 @@ def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
             "--dmuon-mode gather_then_compute is the DP-only baseline (per-shard NS under TP/EP would not "
             "be Muon); use --dmuon-mode dmuon with --tensor-model-parallel-size / --expert-model-parallel-size"
         )
+    if get("qk_clip", False):
+        raise ValueError(
+            "--optimizer dmuon does not support --qk-clip yet: Megatron's QK-clip rescales the Q/K rows through "
+            "weight.main_param, which under DMuon is an owner's flat shard (the rescale would be lost or misplaced); "
+            "drop --qk-clip, or use --optimizer muon")
+    for name, flag in (("gtp_weight_remat_size", "--gtp-weight-remat-size"),
+                       ("expert_gtp_weight_remat_size", "--expert-gtp-weight-remat-size")):
+        if get(name) > 1:
+            raise ValueError(
+                f"--optimizer dmuon does not support GTP weight rematerialization ({flag} {get(name)}): its params "
+                f"are re-gathered outside DMuon's owner-aligned buffers; drop {flag} (leave it at 1)")
     from .te_fp8 import check_fp8_param_gather
 
     check_fp8_param_gather(model_config)
@@ -51,6 +62,10 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
         raise ValueError(
             f"--optimizer dmuon runs AdamW on the element-wise params; --muon-scalar-optimizer "
             f"{config.muon_scalar_optimizer} is not supported: drop the flag")
+    if getattr(config, "optimizer_cuda_graph", False):
+        raise ValueError(
+            "--optimizer dmuon does not support --optimizer-cuda-graph (Megatron's capture of its own optimizer "
+            "step); drop the flag (DMuon's NS can run as a CUDA graph: --dmuon-ns-launch graph)")
     if config.optimizer_cpu_offload:
         raise ValueError("--optimizer dmuon does not support --optimizer-cpu-offload; drop the flag")
     if config.use_precision_aware_optimizer:
