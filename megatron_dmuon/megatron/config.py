@@ -302,18 +302,17 @@ def _layout_options_from_args(args) -> LayoutOptions:
                          plan_cache=default_plan_cache_path() if milp else None)
 
 
-# {id(args): (args, config)}: the one parse of each run's flags. Kept beside the args, not on them:
-# Megatron-LM and the main job save, print and serialise vars(args)
-_PARSED: dict = {}
+# (args, config, flags) of this process's run: the one parse of its flags. Kept beside the args, not
+# on them: Megatron-LM and the main job save, print and serialise vars(args)
+_PARSED: Optional[tuple] = None
 
 
 def config_of(args) -> DMuonConfig:
     """This run's DMuonConfig: parsed from the flags once (``validate_dmuon_args`` at parse time,
     or the first reader), so the DDP, the optimizer and the job read one object. Parsed again
-    only if a flag changed since (Megatron-LM may fill args in after validation)."""
-    held = _PARSED.get(id(args))
-    if held is not None and held[0] is args and held[2] == _flags(args):
-        return held[1]
+    only for other args, or if a flag changed since (Megatron-LM may fill args in after validation)."""
+    if _PARSED is not None and _PARSED[0] is args and _PARSED[2] == _flags(args):
+        return _PARSED[1]
     return _remember(args, DMuonConfig.from_args(args))
 
 
@@ -322,8 +321,8 @@ def _flags(args) -> dict:
 
 
 def _remember(args, cfg: DMuonConfig) -> DMuonConfig:
-    _PARSED.clear()  # one run per process: keep only the latest args (and no stale ids)
-    _PARSED[id(args)] = (args, cfg, _flags(args))
+    global _PARSED
+    _PARSED = (args, cfg, _flags(args))
     return cfg
 
 
