@@ -67,6 +67,7 @@ OPTION_ROWS = [  # in the order they run (the most telling first, all seeds of a
     ("normuon", ["--dmuon-update", "normuon"], False),
     ("dion3 f=1/4 (no Nesterov)", ["--dmuon-update", "dion3", "--dmuon-fraction", "0.25", "--muon-no-nesterov"], False),
     ("megabatch", ["--dmuon-megabatch"], False),
+    ("decoupled lr 1e-3 (embedding, output)", ["--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-4"], False),
     ("Megatron's Muon defaults (0.9, no Nesterov, extra scale 1)",
      ["--muon-momentum", "0.9", "--muon-no-nesterov", "--muon-extra-scale-factor", "1.0"], False),
 ]
@@ -123,7 +124,8 @@ def _load_run(spec: dict, path: str) -> dict:
     tail = losses[-max(1, len(losses) // 10):]
     return {**spec, "val": [[v["iteration"], v["loss"]] for v in doc["validation"]],
             "train_loss": losses, "final_val_loss": doc["summary"]["val_loss"],
-            "final_train_loss": sum(tail) / len(tail), "skipped": doc["summary"]["skipped_iterations"]}
+            "final_train_loss": sum(tail) / len(tail), "skipped": doc["summary"]["skipped_iterations"],
+            "ns_paths": doc["summary"].get("ns_paths", {})}
 
 
 def job_flags(model: dict, base: list, row_flags: list, lr: float, seed: int, iters: int) -> list:
@@ -170,7 +172,17 @@ def summarize(results: list, row: str, lr: float) -> dict | None:
             "mean": statistics.fmean(finals),
             "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "train_tail": statistics.fmean(r["final_train_loss"] for r in runs),
-            "skipped": sum(r["skipped"] for r in runs), "iterations": its, "curve": curve}
+            "skipped": sum(r["skipped"] for r in runs), "iterations": its, "curve": curve,
+            "ns_path": ns_path_words(runs)}
+
+
+def ns_path_words(runs: list) -> str:
+    """The NS paths a row's runs ran ('auto' resolved on the device), e.g. 'gram float16 you x5
+    (4 shapes); standard bfloat16 you x5 (2)'; '' for AdamW and runs from before it was recorded."""
+    counts: dict = {}
+    for path in (runs[0].get("ns_paths") or {}).values():
+        counts[path] = counts.get(path, 0) + 1
+    return "; ".join(f"{p} ({n})" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def best_lr(results: list, row: str, lrs) -> tuple:
@@ -206,20 +218,23 @@ def within_spread(row: dict, ref: dict) -> bool:
 
 def table(doc: dict) -> str:
     rows, adam, exact, dmuon = doc["rows"], doc["adam_best"], doc.get("exact"), doc.get("dmuon_best")
+    target = f"({adam['mean']:.4f})" if adam else "(no AdamW run here)"
     lines = [f"{doc['model']} model, {doc['iters']} iterations, {doc['seeds']} seeds, on {doc['machine']}; final "
              f"validation loss (mean ± std over seeds), last-10% training loss; 'to AdamW' = iterations to reach "
-             f"AdamW's best final validation loss ({adam['mean']:.4f}) /",
-             f"AdamW's iterations; 'paired Δ' = mean over common seeds of (row − DMuon defaults at the same lr)", "",
-             "| row | lr | seeds | final val loss | train loss (last 10%) | to AdamW | paired Δ | vs exact DMuon |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             f"AdamW's best final validation loss {target} /",
+             f"AdamW's iterations; 'paired Δ' = mean over common seeds of (row − DMuon defaults at the same lr); "
+             f"'NS path' = what each run's owner step ran (method, dtype, schedule, steps: number of matrix shapes)", "",
+             "| row | lr | seeds | final val loss | train loss (last 10%) | to AdamW | paired Δ | vs exact DMuon | NS path |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for s in rows:
-        reach = iterations_to_reach(s, adam["mean"])
-        ratio = "never" if reach is None else f"{reach / doc['iters']:.2f}"
+        reach = iterations_to_reach(s, adam["mean"]) if adam else None
+        ratio = "" if adam is None else "never" if reach is None else f"{reach / doc['iters']:.2f}"
         verdict = "" if exact is None or s["row"] == EXACT or s["row"] == "AdamW" else (
             "within spread" if within_spread(s, exact) else f"worse (+{s['mean'] - exact['mean']:.4f})")
         delta = paired_delta(s, dmuon) if dmuon and s["lr"] == dmuon["lr"] and s is not dmuon else None
         lines.append(f"| {s['row']} | {s['lr']:g} | {s['seeds']} | {s['mean']:.4f} ± {s['std']:.4f} | "
-                     f"{s['train_tail']:.4f} | {ratio} | {'' if delta is None else f'{delta:+.4f}'} | {verdict} |")
+                     f"{s['train_tail']:.4f} | {ratio} | {'' if delta is None else f'{delta:+.4f}'} | {verdict} | "
+                     f"{s.get('ns_path', '')} |")
     lines += ["", "lr sweeps (final validation loss, mean ± std over seeds):", "", "| row | lr | seeds | final val loss |",
               "|---|---:|---:|---:|"]
     for s in doc["sweeps"]:

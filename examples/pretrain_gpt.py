@@ -34,9 +34,10 @@ from examples.job_checks import JobArgumentParser, SaveLock, token_source, valid
 # an AdamW one (Moonlight), so one --lr serves the Muon matrices and the AdamW params alike.
 # bench/quality.py measured them (docs/quality.md). The library's DMuonConfig() and the
 # Megatron-LM hook keep Megatron's own defaults (0.9, no Nesterov, extra scale 1).
-# --lr when none is given: each optimizer at its best lr of bench/quality.py's sweeps on the tiny
-# (this job's default model) and small GPTs (docs/quality.md); larger models want less (3e-3 at 12 x 768)
-DEFAULT_LR = {"dmuon": 6e-3, "adam": 1e-3}
+# --lr when none is given: each optimizer at its best lr of bench/quality.py's sweeps on the GPU
+# models (6 x 512 at 800 iterations and 12 x 768: DMuon 3e-3 on both; AdamW 1e-3 and 3e-4;
+# docs/quality.md). This job's tiny default model would take more (1.2e-2), larger models less.
+DEFAULT_LR = {"dmuon": 3e-3, "adam": 1e-3}
 MAIN_JOB_MUON_DEFAULTS = dict(muon_momentum=0.95, muon_nesterov=True, muon_scale_mode="spectral",
                               muon_extra_scale_factor=0.2)
 
@@ -65,6 +66,9 @@ def parse_args(argv=None):
       help=f"peak lr (default: each optimizer's best of bench/quality.py's sweeps: {DEFAULT_LR})")
     a("--min-lr", type=float, default=None, help="final lr of the cosine decay (default: --lr / 10)")
     a("--lr-warmup-iters", type=int, default=5)
+    a("--decoupled-lr", type=float, default=None,
+      help="peak lr of the input embedding and output layer (Megatron-LM's flag; default: --lr)")
+    a("--decoupled-min-lr", type=float, default=None, help="their final lr (Megatron-LM's flag)")
     a("--weight-decay", type=float, default=0.1)
     a("--clip-grad", type=float, default=1.0)
     a("--adam-beta1", type=float, default=0.9)

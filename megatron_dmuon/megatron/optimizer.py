@@ -438,10 +438,12 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
     def dmuon_stats(self) -> dict:
         """Counters for the job's log: skipped steps, NS outputs recomputed in fp32 (non-finite
-        ones, and those the online NS check found out of bounds on this rank)."""
+        ones, and those the online NS check found out of bounds on this rank), and the NS path
+        each matrix shape ran on this rank (what 'auto' resolved to)."""
         return {"skipped_iterations": self.skipped_iterations,
                 "ns_fp32_retries": sum(o.optimizer.stats["ns_fp32_retries_total"] for o in self.chained_optimizers),
-                "ns_check_recomputed": sum(o.optimizer.ns_check.recomputed_total for o in self.chained_optimizers)}
+                "ns_check_recomputed": sum(o.optimizer.ns_check.recomputed_total for o in self.chained_optimizers),
+                "ns_paths": {k: v for o in self.chained_optimizers for k, v in sorted(o.optimizer.ns_paths.items())}}
 
 
 class DMuonDistributedOptimizer(_import_distributed_optimizer()):

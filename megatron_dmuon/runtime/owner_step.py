@@ -137,6 +137,13 @@ class MuonSettings:
         dtype = self.compute_dtype(method)
         return method, dict(kw, compute_dtype=dtype, out_dtype=dtype)
 
+    def ns_path(self, stack: torch.Tensor) -> str:
+        """What ``ns_call`` runs on ``stack``, in words: method, compute dtype, schedule and steps
+        (e.g. 'gram float16 quintic x5'); the job's summary reports it per shape."""
+        method, kw = self.ns_call(stack)
+        schedule = self.coefficients if isinstance(self.coefficients, str) else "custom"
+        return f"{method} {str(kw['compute_dtype']).replace('torch.', '')} {schedule} x{kw['steps']}"
+
     def torch_method(self) -> str:
         """The NS method of the torch path (CPU, float32 retries and repairs): 'auto' is standard
         there (the kernels' measured choice exists on CUDA only)."""
@@ -233,6 +240,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 f"dmuon ns_launch={self.muon.ns_launch!r} runs the kernels' own group launcher; it cannot "
                 "wrap a custom orthogonalizer: pass ns_launch='eager' with it"
             )
+        self._default_orthogonalizer = orthogonalizer is None
         self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
         self._fp32_orthogonalizer = fp32_orthogonalizer(self.muon)
         self.ns_check = NSQualityCheck(self.muon, fp32_orthogonalizer(self.muon, method="standard"))
@@ -243,6 +251,9 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
         # ns_matrices / ns_calls / ns_fp32_retries of the last step; ns_matrices_total, ns_fp32_retries_total
         self.stats = defaultdict(int)
+        # '<rows>x<cols>' -> the NS path its stacks ran (MuonSettings.ns_path; 'custom' for an
+        # orthogonalizer passed in), recorded on first use: shows what 'auto' chose on this device
+        self.ns_paths: Dict[str, str] = {}
         # gradient clipping handed to the step (DMuonChainedOptimizer): the next step() multiplies
         # every grad by it first, as Megatron's clip would (same roundings), but inside the Muon
         # momentum pass instead of a pass of its own; consumed by that step
@@ -508,6 +519,11 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.stats["ns_fp32_retries"] = 0
         if not stacks:
             return []
+        for x in stacks:
+            shape = f"{x.size(-2)}x{x.size(-1)}"
+            if shape not in self.ns_paths:
+                custom = s.ns_launch == "eager" and not self._default_orthogonalizer
+                self.ns_paths[shape] = "custom" if custom else s.ns_path(x)
         if s.ns_launch == "eager" or not stacks[0].is_cuda:
             outputs = [self.orthogonalizer(x) for x in stacks]
         else:
