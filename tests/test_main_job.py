@@ -27,6 +27,8 @@ def test_main_job_trains_on_stdlib_bytes(tmp_path):
     summary = run["summary"]
     assert summary["dp"] == 2 and summary["mode"] == "dmuon"
     assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
+    # what NS ran, per matrix shape ('auto' is standard NS off CUDA; Megatron's bf16 NS precision)
+    assert len(summary["ns_paths"]) >= 3 and set(summary["ns_paths"].values()) == {"standard bfloat16 you x5"}, summary
     # the profiled step: a kernel/op table with the owner step's phases, and a Chrome trace
     table = run["stdout"].split("> profile of the optimizer step", 1)[1]
     assert all(phase in table for phase in ("dmuon.adamw", "dmuon.momentum", "dmuon.ns", "dmuon.apply"))
@@ -56,3 +58,22 @@ def test_main_job_reads_a_megatron_indexed_dataset(tmp_path):
     builder.finalize(prefix + ".idx")
     summary = _torchrun(tmp_path, "--data-path", prefix, "--vocab-size", "64", "--dmuon-ranks-per-node", "1")["summary"]
     assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
+
+
+def test_main_job_passes_decoupled_lr_to_megatron():
+    """--decoupled-lr reaches Megatron's OptimizerConfig, whose param-group overrides give the
+    embedding and output layer their own max/min lr (the scheduler then follows them)."""
+    from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
+
+    from megatron_dmuon.megatron.config import config_from_args
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import pretrain_gpt
+    finally:
+        sys.path.pop(0)
+    args = pretrain_gpt.parse_args(["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-5"])
+    config = config_from_args(OptimizerConfig, args)
+    assert (config.decoupled_lr, config.decoupled_min_lr) == (1e-4, 1e-5)
+    overrides = [o for o in get_standard_config_overrides(config).values() if "max_lr" in o]
+    assert overrides == [{"max_lr": 1e-4, "min_lr": 1e-5}], overrides
