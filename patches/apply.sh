@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Apply the megatron_dmuon hook to a Megatron-LM checkout (tag core_v0.19.0): pretrain_gpt.py then
+# Apply the megatron_dmuon hook to a Megatron-LM checkout (tag core_v0.19.0, or main of 2026-08-22:
+# megatron-core 0.20): pretrain_gpt.py then
 # calls megatron_dmuon.megatron.install() before it parses its arguments.
 #
 #   patches/apply.sh /path/to/Megatron-LM
@@ -61,5 +62,8 @@ fi
 apply_patch --dry-run >/dev/null 2>&1 \
   || die "$TREE/pretrain_gpt.py does not take pretrain_gpt.patch (megatron-core $version; the patch is for $SUPPORTED): check out $SUPPORTED, or add the two lines of patches/pretrain_gpt.patch before parse_and_validate_args yourself"
 apply_patch
-[ "${version%.*}" = "0.19" ] || echo "patches/apply.sh: note: tree reports megatron-core $version; the hook is tested on $SUPPORTED" >&2
+case "${version%.*}" in
+  0.19|0.20) ;;
+  *) echo "patches/apply.sh: note: tree reports megatron-core $version; the hook is tested on $SUPPORTED and main (0.20.0)" >&2 ;;
+esac
 echo "patches/apply.sh: patched $TREE/pretrain_gpt.py: --optimizer dmuon is available (put megatron_dmuon on PYTHONPATH or pip install it)"

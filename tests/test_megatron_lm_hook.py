@@ -392,6 +392,55 @@ def test_dmuon_parse_errors_print_on_rank_0_only(capsys, monkeypatch):
         assert ("--muon-extra-scale-factor 0.0 must be" in capsys.readouterr().err) == printed
 
 
+def test_every_muon_flag_dmuon_registers_has_a_stated_handling():
+    from megatron_dmuon.megatron.config import MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING
+
+    assert {flag for flag, _ in MEGATRON_MUON_FLAGS} == set(MUON_FLAG_HANDLING)
+
+
+def test_a_muon_flag_dmuon_does_not_know_is_refused_when_set(capsys):
+    """A newer Megatron-LM's --muon-* flag (here a made-up one) would be ignored by DMuon: set, it is
+    refused by name; at its default it is harmless; Megatron's own Muon (megatron_layerwise) reads it."""
+    def parser():
+        p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+        p.add_argument("--optimizer", type=str, default="adam", choices=MEGATRON_OPTIMIZERS)
+        p.add_argument("--use-distributed-optimizer", action="store_true")
+        p.add_argument("--muon-layer-sharding", type=str, default="off")
+        return add_dmuon_args(p)
+
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-layer-sharding", "on"])
+    err = capsys.readouterr().err
+    assert "--muon-layer-sharding 'on' is a Megatron-LM Muon flag that --optimizer dmuon does not know" in err, err
+    assert parser().parse_args(["--optimizer", "dmuon", "--use-distributed-optimizer"]).muon_layer_sharding == "off"
+    args = parser().parse_args(["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-mode",
+                                "megatron_layerwise", "--muon-layer-sharding", "on"])
+    assert args.muon_layer_sharding == "on"
+
+
+def _megatron_lm_trees():
+    """Megatron-LM trees to read: $DMUON_MEGATRON_LM_TREES (a path list), $DMUON_MEGATRON_LM, .mlm/."""
+    paths = [*filter(None, os.environ.get("DMUON_MEGATRON_LM_TREES", "").split(os.pathsep)),
+             os.environ.get("DMUON_MEGATRON_LM") or os.path.join(ROOT, ".mlm")]
+    return [p for p in dict.fromkeys(paths) if os.path.isfile(os.path.join(p, "megatron", "training", "arguments.py"))]
+
+
+@pytest.mark.skipif(not _megatron_lm_trees(), reason="no Megatron-LM tree ($DMUON_MEGATRON_LM_TREES, "
+                                                    "$DMUON_MEGATRON_LM or .mlm/)")
+@pytest.mark.parametrize("tree", _megatron_lm_trees() or [None])
+def test_every_muon_flag_of_a_megatron_lm_tree_is_honoured_or_refused(tree):
+    """Each --muon-* flag a tree's arguments.py registers is in DMuon's table (honoured, accepted,
+    or refused at start-up for the values DMuon cannot run)."""
+    import re
+
+    from megatron_dmuon.megatron.config import MUON_FLAG_HANDLING
+
+    with open(os.path.join(tree, "megatron", "training", "arguments.py")) as f:
+        flags = set(re.findall(r"""add_argument\(\s*['"](--muon-[a-z0-9-]+)['"]""", f.read()))
+    assert len(flags) >= 10, flags  # the tree's parser was read
+    assert flags <= set(MUON_FLAG_HANDLING), sorted(flags - set(MUON_FLAG_HANDLING))
+
+
 def _megatron_lm_checkout():
     path = os.environ.get("DMUON_MEGATRON_LM") or os.path.join(ROOT, ".mlm")
     return path if os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")) else None

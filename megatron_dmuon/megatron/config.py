@@ -65,14 +65,53 @@ MEGATRON_MUON_FLAGS = (
     ("--muon-coefficient-type", dict(type=str, default="quintic", choices=MUON_COEFFICIENT_TYPES,
                                      help="Newton-Schulz coefficients")),
     ("--muon-num-ns-steps", dict(type=int, default=5, help="Newton-Schulz steps")),
-    ("--muon-tp-mode", dict(type=str, default="blockwise", choices=MUON_TP_MODES,
+    # Megatron-LM main's default (core_v0.19.0's is blockwise, which DMuon refuses under TP > 1)
+    ("--muon-tp-mode", dict(type=str, default="duplicated", choices=MUON_TP_MODES,
                             help="TP-sharded matrices: DMuon always orthogonalizes the whole matrix "
                                  "(duplicated/distributed); blockwise is refused under TP > 1 except for "
                                  "--dmuon-mode megatron_layerwise, which hands it to Megatron's own Muon")),
+    ("--muon-use-syrk", dict(action="store_true",
+                             help="Megatron's Triton SYRK Gram kernel (same math); DMuon's kernels choose "
+                                  "their own symmetric products, so it changes nothing under --optimizer dmuon")),
     ("--muon-extra-scale-factor", dict(type=float, default=1.0, help="extra factor on the Muon update")),
     ("--muon-scalar-optimizer", dict(type=str, default="adam", choices=MUON_SCALAR_OPTIMIZERS,
                                      help="optimizer of embeddings, output layer, norms, biases")),
 )
+
+# How --optimizer dmuon treats every --muon-* flag of Megatron-LM's arguments.py (core_v0.19.0 and
+# main of 2026-08-22); tests/test_megatron_lm_hook.py fails on a tree's flag missing here. A
+# --muon-* flag a newer tree adds is refused at start-up when set (``refuse_unknown_muon_flags``).
+MUON_FLAG_HANDLING = {
+    "--muon-momentum": "honoured",
+    "--muon-no-split-qkv": "honoured (Q, K, V apart by default, per GQA group)",
+    "--muon-nesterov": "honoured",
+    "--muon-scale-mode": "honoured",
+    "--muon-fp32-matmul-prec": "honoured: medium (bf16 NS), high (fp32); low refused",
+    "--muon-coefficient-type": "honoured: simple, quintic, polar_express (<= 5 steps); others refused",
+    "--muon-num-ns-steps": "honoured",
+    "--muon-tp-mode": "honoured: duplicated, distributed (whole-matrix NS); blockwise refused at TP > 1 "
+                      "(except --dmuon-mode megatron_layerwise); other modes refused",
+    "--muon-use-syrk": "accepted: a kernel choice of the same math; DMuon's kernels choose their own",
+    "--muon-extra-scale-factor": "honoured",
+    "--muon-scalar-optimizer": "honoured: adam; lion refused",
+}
+# --muon-* flags a parser had that DMuon does not know: dest -> (flag, the parser's default)
+_UNKNOWN_MUON_FLAGS: dict = {}
+
+
+def refuse_unknown_muon_flags(args) -> None:
+    """A --muon-* flag DMuon does not know (a newer Megatron-LM tree's), set to other than its
+    default, would be ignored silently: refuse it by name (Megatron's own Muon, under
+    ``--dmuon-mode megatron_layerwise``, reads its flags itself)."""
+    if getattr(args, "dmuon_mode", "dmuon") == "megatron_layerwise":
+        return
+    for dest, (flag, default) in _UNKNOWN_MUON_FLAGS.items():
+        value = getattr(args, dest, default)
+        if value != default:
+            raise ValueError(
+                f"{flag} {value!r} is a Megatron-LM Muon flag that --optimizer dmuon does not know (this "
+                f"Megatron-LM tree is newer than DMuon's table, megatron/config.py MUON_FLAG_HANDLING), so "
+                f"it would be ignored: drop the flag, or train with --optimizer muon")
 
 
 def megatron_muon_settings(**overrides) -> MuonSettings:
@@ -165,6 +204,7 @@ class DMuonConfig:
     def from_args(cls, args) -> "DMuonConfig":
         """The config of parsed `add_dmuon_args` flags; a value DMuon cannot honour raises a
         ValueError naming the flag and the fix."""
+        refuse_unknown_muon_flags(args)
         steps = args.muon_num_ns_steps
         coefficients = args.dmuon_coefficients or _coefficients_for(args.muon_coefficient_type, steps)
         if args.muon_fp32_matmul_prec not in MUON_FP32_MATMUL_PREC:
@@ -181,7 +221,7 @@ class DMuonConfig:
             raise ValueError(f"--muon-tp-mode {args.muon_tp_mode!r} unknown; valid: {', '.join(MUON_TP_MODES)}")
         if args.muon_tp_mode == "blockwise" and tp > 1 and args.dmuon_mode != "megatron_layerwise":
             raise ValueError(
-                "--muon-tp-mode blockwise (Megatron's default) orthogonalizes every TP shard on its own, so "
+                "--muon-tp-mode blockwise (core_v0.19.0's default) orthogonalizes every TP shard on its own, so "
                 "the update depends on the TP size (it is not Muon); --optimizer dmuon orthogonalizes whole "
                 "matrices: pass --muon-tp-mode duplicated (same math as Megatron's duplicated/distributed)")
         update_kw = _update_settings_from_args(args, tp)
@@ -351,6 +391,10 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     optimizer = parser._option_string_actions.get("--optimizer")
     if optimizer is not None and optimizer.choices is not None and "dmuon" not in optimizer.choices:
         optimizer.choices = list(optimizer.choices) + ["dmuon"]
+    _UNKNOWN_MUON_FLAGS.clear()
+    _UNKNOWN_MUON_FLAGS.update({action.dest: (flag, action.default)
+                                for flag, action in parser._option_string_actions.items()
+                                if flag.startswith("--muon-") and flag not in MUON_FLAG_HANDLING})
     missing = [(flag, kw) for flag, kw in MEGATRON_MUON_FLAGS if not _has(parser, flag)]
     if missing:
         group = parser.add_argument_group("Muon (Megatron-LM's flags; same meaning under --optimizer dmuon)")

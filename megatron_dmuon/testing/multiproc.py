@@ -8,7 +8,7 @@ Ranks are forked from a fork server that has imported torch and megatron-core on
 interpreter spends ~7 s of CPU importing them, which was most of the test suite's time on two
 cores). Each rank still starts clean: its own process, this call's environment, the CPU shim
 installed and the process group created after the fork. ``DMUON_TEST_SPAWN=subprocess`` starts
-every rank as a fresh interpreter instead.
+every rank as a fresh interpreter instead, as does a call whose ``env`` sets PYTHONPATH.
 """
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ def _forked_worker(spec_path: str, log_path: str, env: Dict[str, str]) -> None:
 
     os.environ.clear()
     os.environ.update(env)
+    # the fork server made its start method ours; a fresh interpreter has the platform's default
+    # (Megatron's data loader workers, started from a rank, must not need pickling)
+    multiprocessing.set_start_method(None, force=True)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -127,7 +130,9 @@ def run_distributed(
 
 def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[Any]:
     procs, outs = [], []
-    forked = os.environ.get("DMUON_TEST_SPAWN", "fork") != "subprocess"
+    # a call that sets PYTHONPATH (e.g. a Megatron-LM checkout's own megatron.core) needs fresh
+    # interpreters: the fork server's preloaded modules came from this process's path
+    forked = os.environ.get("DMUON_TEST_SPAWN", "fork") != "subprocess" and "PYTHONPATH" not in (env or {})
     # children are their own gloo world: drop a surrounding torchrun's rendezvous variables
     # (TORCHELASTIC_USE_AGENT_STORE etc. would point their init at the launcher's store)
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
