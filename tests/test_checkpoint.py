@@ -11,7 +11,7 @@ import pytest
 from megatron_dmuon.testing.compare import full_optimizer_state, full_params, rel_diffs, state_diffs
 from megatron_dmuon.testing.multiproc import run_distributed
 
-RESUME = "megatron_dmuon.testing.workers:dmuon_resume"
+RESUME = "megatron_dmuon.testing.checkpoint_workers:dmuon_resume"
 FP64 = dict(shape_kw=dict(fp64=True), ns_dtype="float64")
 
 
@@ -86,7 +86,7 @@ def test_tp2_to_tp1_reshards(tmp_path):
 
 
 def test_bad_loads_fail_loudly_and_touch_nothing(tmp_path):
-    out = run_distributed("megatron_dmuon.testing.workers:checkpoint_bad_loads", 2, kwargs=dict(root=str(tmp_path)))
+    out = run_distributed("megatron_dmuon.testing.checkpoint_workers:checkpoint_bad_loads", 2, kwargs=dict(root=str(tmp_path)))
     for rank_result in out:  # every rank raises (none is left waiting in a collective)
         other, adam, truncated = rank_result["other_model"], rank_result["adam_checkpoint"], rank_result["truncated_file"]
         assert "CheckpointMismatchError" in other[0] and "different model" in other[0], other[0]

@@ -25,6 +25,12 @@ def run_reference(dp: int, layouts=None, **kw) -> dict:
     return run_distributed(f"{WORKERS}:reference", 1, kwargs=dict(dp=dp, layouts=layouts, **kw))[0]
 
 
+def every_layout(results: List[dict]) -> List[str]:
+    """The owner layouts of every pipeline stage and model chunk (each once), under global names:
+    the reference then sums every param's DP replicas in its reduce-scatter's order."""
+    return sorted({text for r in results for text in r["layouts"]})
+
+
 def full_params(results: List[dict]) -> Dict[str, torch.Tensor]:
     """Every parameter of the whole model, merged from all ranks' TP shards, PP stages and EP
     experts (raises if two DP replicas differ)."""
