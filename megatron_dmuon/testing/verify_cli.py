@@ -116,16 +116,21 @@ def _check(args, p):
                        ("FFN width", shape.ffn_hidden_size)):
         if size % args.tp:
             p.error(f"--tp {args.tp} must divide the checked GPT's {what} ({size}): use --tp 1 or 2")
-    if shape.num_layers % args.pp:
+    interleaved = max(args.vpp, args.resume_vpp or 1) > 1  # the checked GPT: one layer per model chunk
+    if not interleaved and shape.num_layers % args.pp:
         p.error(f"--pp {args.pp} must divide the checked GPT's {shape.num_layers} layers: use --pp 1 or 2")
     for flag, vpp in (("--vpp", args.vpp), ("--resume-vpp", args.resume_vpp)):
-        if vpp is not None and vpp < 1:
-            p.error(f"{flag} must be >= 1 (got {vpp})")
         if vpp is not None and vpp > 1 and args.pp < 2:
             p.error(f"{flag} {vpp} needs --pp > 1: virtual stages interleave a pipeline (got --pp {args.pp})")
-    if args.vpp > 1 and args.grad_accum < args.pp:
-        p.error(f"--grad-accum {args.grad_accum} must be >= --pp {args.pp} with --vpp: Megatron's interleaved "
-                "schedule runs at least one micro-batch per pipeline stage")
+    runs = [(args.vpp, args.grad_accum)]  # (virtual stages, micro-batches per rank) of each run
+    if args.resume_at is not None and args.resume_dp and (args.dp * args.grad_accum) % args.resume_dp == 0:
+        runs.append((args.resume_vpp or args.vpp, args.dp * args.grad_accum // args.resume_dp))
+    elif args.resume_at is not None:
+        runs.append((args.resume_vpp or args.vpp, args.grad_accum))
+    for vpp, micro in runs:
+        if vpp > 1 and micro < args.pp:
+            p.error(f"--grad-accum {args.grad_accum} gives {micro} micro-batch(es) per rank, fewer than --pp {args.pp}: "
+                    "Megatron's interleaved schedule (--vpp / --resume-vpp) needs at least one per pipeline stage")
     if 4 % args.ep:
         p.error(f"--ep {args.ep} must divide the checked MoE GPT's 4 experts: use --ep 1, 2 or 4")
     if args.bf16:
@@ -136,7 +141,7 @@ def _check(args, p):
         p.error(f"--resume-at must be in [1, --steps) = [1, {args.steps}) (got {args.resume_at})")
     if args.resume_at is None and (args.resume_dp or args.resume_tp or args.resume_vpp):
         p.error("--resume-dp / --resume-tp / --resume-vpp need --resume-at K")
-    for name in ("resume_dp", "resume_tp"):
+    for name in ("resume_dp", "resume_tp", "resume_vpp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.resume_dp and (args.dp * args.grad_accum) % args.resume_dp:
@@ -200,16 +205,6 @@ def _reference_kwargs(kw, precision):
     return ref
 
 
-def _each_matrix_once(results, ref, steps) -> bool:
-    """Every Muon matrix orthogonalized exactly once per step: the world's count is the model's
-    matrix count each step, every rank counted what its plans give it, and those sets of global
-    names split the model's matrices with no name twice."""
-    counted = results[0]["ns_counts"] == [ref["num_matrices"]] * steps
-    per_rank = all(r["local_ns_counts"] == [len(r["ns_owned"])] * steps for r in results if "ns_owned" in r)
-    names = [n for r in results for n in r.get("ns_owned", [])]
-    return counted and per_rank and len(names) == len(set(names)) == ref["num_matrices"]
-
-
 def _report(diffs, tol, as_json, meta):
     worst = max(diffs.values())
     ok = worst <= tol and meta.get("each_matrix_once", True)
@@ -238,7 +233,7 @@ def main(argv=None) -> int:
     _check(args, parser)
     if "LOCAL_RANK" in os.environ:  # under torchrun: NCCL on GPUs
         return _main_torchrun(args)
-    from .compare import every_layout, full_params, rel_diffs, run_dmuon, run_reference
+    from .compare import every_layout, full_params, orthogonalized_once, rel_diffs, run_dmuon, run_reference
 
     precision = _precision(args, on_gpu=False)
     kw = _run_kwargs(args, precision)
@@ -250,7 +245,7 @@ def main(argv=None) -> int:
                         **_reference_kwargs(kw, precision))
     meta = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "backend": "gloo",
             "precision": precision, "update": args.update,
-            "each_matrix_once": _each_matrix_once(results, ref, args.steps),
+            "each_matrix_once": orthogonalized_once(results, ref["num_matrices"], args.steps),
             # per rank, counted from the state tensors; Megatron's AdamW DistributedOptimizer's figure beside it
             "optimizer_state_bytes": [r["state_bytes"] for r in results],
             "adamw_distopt_state_bytes": [r["adamw_state_bytes"] for r in results]}
