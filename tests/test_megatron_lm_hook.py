@@ -161,7 +161,7 @@ def train_from_argv(rank, world_size, argv, iters=6):
 
     inner = parts[0].optimizer if isinstance(getattr(parts[0], "optimizer", None), OwnerMuonAdamW) else None
     return {"losses": losses, "from_args_calls": len(parses), "chunks": len(chunks),
-            "layers": [[layer.layer_number for layer in m.decoder.layers] for m in models],
+            "layers": [[layer.layer_number for layer in getattr(m, "module", m).decoder.layers] for m in models],
             "ns_matrices": sum(p.optimizer.stats["ns_matrices_total"] for p in parts) if inner is not None else 0,
             "ddp": type(chunks[0]).__mro__[1].__name__ if ddp_class is not DistributedDataParallel
             else "DistributedDataParallel", "parts": [type(p).__name__ for p in parts],
