@@ -79,7 +79,7 @@ def test_dmuon_verify_cli_passes_for_row_rules(update):
     assert report["max_rel_diff"] <= FP32_TOL
 
 
-RESUME = "megatron_dmuon.testing.workers:dmuon_resume"
+RESUME = "megatron_dmuon.testing.checkpoint_workers:dmuon_resume"
 DION3 = dict(update="dion3", fraction=0.5, nesterov=False)
 
 

@@ -112,8 +112,6 @@ def _model_config(**kw):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(context_parallel_size=2), "--context-parallel-size"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-          num_layers_in_first_pipeline_stage=None), "virtual"),
     (dict(qk_clip=True), "--qk-clip"),  # Megatron's QK-clip writes weight.main_param: an owner shard here
     (dict(gtp_weight_remat_size=2), "--gtp-weight-remat-size"),
 ])

@@ -91,14 +91,23 @@ def counting_tokens(it, micro, rank, mbs, seq, period=50):
     return (starts + torch.arange(seq + 1)) % period
 
 
+def virtual_stages_of(args):
+    """Megatron-LM's validate_args: virtual stages per pipeline rank from either flag (None: 1)."""
+    vpp = args.num_virtual_stages_per_pipeline_rank
+    if vpp is None and args.num_layers_per_virtual_pipeline_stage:
+        vpp = args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
+    return vpp if vpp and vpp > 1 else None
+
+
 def train_from_argv(rank, world_size, argv, iters=6):
-    """What Megatron-LM does with these flags once the hook is installed, on a tiny GPT."""
+    """What Megatron-LM does with these flags once the hook is installed, on a tiny GPT (one model
+    chunk per virtual stage under the interleaved schedule, as its get_model builds them)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, wire_sync_funcs
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, transformer_config, virtual_stages, wire_sync_funcs
     from megatron_dmuon.megatron.megatron_lm import ddp_class_for, optimizer_factory_for
 
     from megatron_dmuon.megatron.config import DMuonConfig
@@ -107,7 +116,8 @@ def train_from_argv(rank, world_size, argv, iters=6):
     from_args = DMuonConfig.from_args.__func__
     DMuonConfig.from_args = classmethod(lambda cls, a: parses.append(1) or from_args(cls, a))  # counted
     args = parse(argv)
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                             virtual_pipeline_model_parallel_size=virtual_stages_of(args))
     torch.manual_seed(7)
     model_parallel_cuda_manual_seed(7)
     shape = GPTShape(num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
@@ -117,38 +127,43 @@ def train_from_argv(rank, world_size, argv, iters=6):
         from megatron.core.optimizer.grad_scaler import MegatronGradScaler
         from megatron.core.transformer.module import Float16Module
 
-        from megatron_dmuon.megatron.gpt import transformer_config
-
         # the CPU shim keeps Tensor.float() of float64 in float64 (its fp64 mode); the scaler's
         # inv_scale goes through .double().float(), so give the CPU run the fp32 value directly
         MegatronGradScaler.inv_scale = property(lambda self: (1.0 / self._scale.double()).to(torch.float32))
         config = transformer_config(shape, fp16=True, params_dtype=torch.float16, pipeline_dtype=torch.float16)
-        model = Float16Module(config, build_gpt(shape, config))  # as Megatron-LM's get_model wraps fp16
+        models = [Float16Module(config, build_gpt(shape, config))]  # as Megatron-LM's get_model wraps fp16
     else:
-        model = build_gpt(shape)
-    ddp_config = config_from_args(DistributedDataParallelConfig, args, grad_reduce_in_fp32=True)
+        interleaved = virtual_stages_of(args) is not None  # Megatron-LM: overlapped p2p, aligned param gathers
+        config = transformer_config(shape, overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved)
+        models = [build_gpt(shape, config, vp_stage=v) for v in virtual_stages()]
+    ddp_config = config_from_args(DistributedDataParallelConfig, args, grad_reduce_in_fp32=True,
+                                  align_param_gather=len(models) > 1)
     ddp_class = ddp_class_for(args) or DistributedDataParallel
-    # called as Megatron-LM's get_model / _ddp_wrap call their DDP class
-    ddp = ddp_class(config=model.config, ddp_config=ddp_config, module=model, disable_bucketing=False)
-    ddp.broadcast_params()
-    wire_sync_funcs([ddp], ddp_config)
-    opt = optimizer_factory_for(args, get_megatron_optimizer)(config_from_args(OptimizerConfig, args), [ddp])
-    ddp.config.grad_scale_func = opt.scale_loss  # as Megatron-LM's train() sets it
+    # called as Megatron-LM's get_model / _ddp_wrap call their DDP class (bucketing off past chunk 0)
+    chunks = [ddp_class(config=m.config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+              for i, m in enumerate(models)]
+    for ddp in chunks:
+        ddp.broadcast_params()
+    wire_sync_funcs(chunks, ddp_config)
+    opt = optimizer_factory_for(args, get_megatron_optimizer)(config_from_args(OptimizerConfig, args), chunks)
+    chunks[0].config.grad_scale_func = opt.scale_loss  # as Megatron-LM's train() sets it
     dp = parallel_state.get_data_parallel_world_size()
     accum = args.global_batch_size // (args.micro_batch_size * dp)
     losses = []
     for it in range(iters):
         micro = [counting_tokens(it, m, parallel_state.get_data_parallel_rank(), args.micro_batch_size,
                                  shape.seq_length) for m in range(accum)]
-        loss, _, _, ok = train_step([ddp], opt, micro, shape.seq_length, args.micro_batch_size)
+        loss, _, _, ok = train_step(chunks, opt, micro, shape.seq_length, args.micro_batch_size)
         assert ok
         losses.append(loss)
     parts = getattr(opt, "chained_optimizers", [opt])
     from megatron_dmuon.runtime.owner_step import OwnerMuonAdamW
 
     inner = parts[0].optimizer if isinstance(getattr(parts[0], "optimizer", None), OwnerMuonAdamW) else None
-    return {"losses": losses, "from_args_calls": len(parses),
-            "ddp": type(ddp).__mro__[1].__name__ if ddp_class is not DistributedDataParallel
+    return {"losses": losses, "from_args_calls": len(parses), "chunks": len(chunks),
+            "layers": [[layer.layer_number for layer in getattr(m, "module", m).decoder.layers] for m in models],
+            "ns_matrices": sum(p.optimizer.stats["ns_matrices_total"] for p in parts) if inner is not None else 0,
+            "ddp": type(chunks[0]).__mro__[1].__name__ if ddp_class is not DistributedDataParallel
             else "DistributedDataParallel", "parts": [type(p).__name__ for p in parts],
             "muon": None if inner is None else inner.muon,
             "splits": {} if inner is None else {i.name: getattr(i.split, "kind", "none")
@@ -178,6 +193,21 @@ def test_megatron_lm_argv_trains_a_gpt_with_dmuon_on_two_ranks(trained):
     assert set(splits.values()) == {"qkv", "none"} and len(splits) == 8  # 4 matrices per layer
 
 
+def test_the_interleaved_schedule_passes_through_the_hook():
+    # --num-virtual-stages-per-pipeline-rank 2 at PP=2 x DP=2, overlap flags on: one DMuonDDP per
+    # model chunk (built as Megatron-LM's get_model builds them), one optimizer over all chunks
+    argv = USER_ARGV + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                        "--num-virtual-stages-per-pipeline-rank", "2"]
+    out = run_distributed("test_megatron_lm_hook:train_from_argv", 4, kwargs={"argv": argv, "iters": 4},
+                          sys_path=[HERE], timeout=600)
+    assert all(r["losses"] == out[0]["losses"] for r in out)
+    assert out[0]["losses"][-1] < out[0]["losses"][0], out[0]["losses"]
+    assert {r["ddp"] for r in out} == {"DMuonDDP"} and {r["chunks"] for r in out} == {2}
+    # chunk v of pipeline rank p holds layer 2v + p + 1 (1-based): the interleaved assignment
+    assert sorted(r["layers"] for r in out) == [[[1], [3]]] * 2 + [[[2], [4]]] * 2
+    assert sum(r["ns_matrices"] for r in out) == 4 * 16  # 4 iterations x 4 layers x 4 matrices, each once
+
+
 def test_fp16_with_a_constant_loss_scale_trains_like_fp32():
     base = ["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-fp32-matmul-prec", "high"]
     fp32 = run_distributed("test_megatron_lm_hook:train_from_argv", 2, kwargs={"argv": base, "iters": 4},
@@ -202,10 +232,6 @@ def test_every_other_optimizer_is_untouched():
     (["--optimizer", "dmuon"], "--use-distributed-optimizer"),
     (["--optimizer", "dmuon", "--use-distributed-optimizer", "--fp16"], "--loss-scale"),
     (["--optimizer", "dmuon", "--use-distributed-optimizer", "--context-parallel-size", "2"], "--context-parallel-size"),
-    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-      "--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage"),
-    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
-      "--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank"),
     (["--optimizer", "dmuon", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], "--muon-tp-mode"),
     (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-scalar-optimizer", "lion"],
      "--muon-scalar-optimizer"),
@@ -246,9 +272,14 @@ def test_hierarchy_must_divide_the_data_parallel_size_known_under_torchrun(capsy
     # the megatron_layerwise baseline hands --muon-tp-mode to Megatron's own Muon, blockwise included
     ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-mode", "megatron_layerwise",
      "--tensor-model-parallel-size", "2"],
-    # PP with one virtual stage per rank is the plain 1F1B schedule (Megatron: no interleaving)
+    # PP with one virtual stage per rank is the plain 1F1B schedule (Megatron: no interleaving);
+    # the interleaved schedule, given either way, passes through (DMuon plans every model chunk)
     ["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
      "--num-layers-per-virtual-pipeline-stage", "1"],
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+     "--num-layers-per-virtual-pipeline-stage", "1", "--overlap-grad-reduce", "--overlap-param-gather"],
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
+     "--num-virtual-stages-per-pipeline-rank", "2"],
     # other optimizers keep every combination Megatron allows, dmuon flags or not
     ["--optimizer", "muon", "--tensor-model-parallel-size", "2", "--muon-fp32-matmul-prec", "low"],
     ["--optimizer", "adam", "--fp16", "--dmuon-ranks-per-node", "3"],

@@ -6,18 +6,14 @@ from __future__ import annotations
 def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
     """Parallel layouts DMuon runs exactly; everything else fails here, before any state exists.
 
-    Supported: TP (owners over the TP x DP grid), PP (each stage plans its own params), EP with
-    expert TP (expert buffers get expert-DP x expert-TP owners), sequence parallelism."""
+    Supported: TP (owners over the TP x DP grid), PP (each stage plans its own params) with or
+    without the interleaved schedule (each model chunk's DDP plans its own), EP with expert TP
+    (expert buffers get expert-DP x expert-TP owners), sequence parallelism."""
     get = lambda name, default=1: getattr(model_config, name, default) or default  # noqa: E731
     if get("context_parallel_size") > 1:
         raise ValueError(
             "--optimizer dmuon does not support --context-parallel-size > 1 yet (its owner plan and "
             "exactness tests cover TP/PP/EP/DP); use --context-parallel-size 1 or --optimizer adam"
-        )
-    if get("virtual_pipeline_model_parallel_size", None) not in (None, 1):
-        raise ValueError(
-            "--optimizer dmuon does not support the interleaved pipeline schedule yet: drop "
-            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
     if mode == "gather_then_compute" and (get("tensor_model_parallel_size") > 1
                                           or get("expert_model_parallel_size") > 1):

@@ -548,15 +548,10 @@ class _ArgsView:
 
     def __init__(self, args, cfg: DMuonConfig):
         get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-        virtual = get("num_virtual_stages_per_pipeline_rank")
-        layers_per_stage = get("num_layers_per_virtual_pipeline_stage")
-        if virtual is None and layers_per_stage:  # Megatron: num_layers / (PP x layers per virtual stage)
-            virtual = (get("num_layers") or 0) // (layers_per_stage * (get("pipeline_model_parallel_size") or 1)) or 2
         self._args = args
         self._derived = dict(
             use_distributed_optimizer=get("use_distributed_optimizer", cfg.mode != "gather_then_compute"),
             num_distributed_optimizer_instances=get("num_distributed_optimizer_instances", 1),
-            virtual_pipeline_model_parallel_size=get("virtual_pipeline_model_parallel_size") or virtual,
             fp8_param=get("fp8_param_gather", False),
             decoupled_weight_decay=get("decoupled_weight_decay", True),
         )

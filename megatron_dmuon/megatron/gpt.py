@@ -44,7 +44,17 @@ def _parallel_sizes():
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
     )
+
+
+def virtual_stages() -> List[Optional[int]]:
+    """The vp_stage of every model chunk this rank builds: [None] without the interleaved
+    schedule, else 0 .. VPP-1 (Megatron-LM's get_model builds one chunk per virtual stage)."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else None
+    return [None] if vpp is None else list(range(vpp))
 
 
 def transformer_config(shape: GPTShape, **overrides):
@@ -85,8 +95,10 @@ def transformer_config(shape: GPTShape, **overrides):
     return TransformerConfig(**kw)
 
 
-def build_gpt(shape: GPTShape, config=None):
-    """This pipeline stage's megatron-core GPTModel with the local (non-TE) layer spec."""
+def build_gpt(shape: GPTShape, config=None, vp_stage: Optional[int] = None):
+    """This pipeline stage's megatron-core GPTModel with the local (non-TE) layer spec; under the
+    interleaved schedule the model chunk of virtual stage ``vp_stage`` (its layers, and the
+    embedding / output layer only on the first / last virtual stage of the first / last rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -94,8 +106,9 @@ def build_gpt(shape: GPTShape, config=None):
     config = config or transformer_config(shape)
     spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
                                     normalization="RMSNorm")
-    first = not ps.model_parallel_is_initialized() or ps.is_pipeline_first_stage()
-    last = not ps.model_parallel_is_initialized() or ps.is_pipeline_last_stage()
+    parallel = ps.model_parallel_is_initialized()
+    first = not parallel or ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = not parallel or ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -105,6 +118,7 @@ def build_gpt(shape: GPTShape, config=None):
         max_sequence_length=shape.seq_length,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
+        vp_stage=vp_stage,
     )
     if shape.bf16 or shape.fp64:
         model = model.to(model_dtype(shape))
@@ -181,6 +195,14 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
+def _data_iterators(model_chunks, micro_batches, device):
+    """Megatron's data_iterator argument: one iterator, or under the interleaved schedule one per
+    model chunk (each virtual stage reads every micro-batch, as Megatron-LM's loaders do)."""
+    if len(model_chunks) == 1:
+        return iter([causal_batch(t.to(device)) for t in micro_batches])
+    return [iter([causal_batch(t.to(device)) for t in micro_batches]) for _ in model_chunks]
+
+
 def _token_mean_loss(losses, device) -> float:
     """The token-averaged loss of a forward_backward_func's outputs over every rank (only the last
     pipeline stage has losses; TP copies count alike in tokens and loss, so the ratio is unchanged)."""
@@ -207,7 +229,7 @@ def eval_loss(model_chunks: List[torch.nn.Module], micro_batches: List[torch.Ten
         chunk.eval()
     try:
         device = torch.cuda.current_device() if on_gpu() else "cpu"
-        data = iter([causal_batch(t.to(device)) for t in micro_batches])
+        data = _data_iterators(model_chunks, micro_batches, device)
         losses = get_forward_backward_func()(
             forward_step_func=_forward_step, data_iterator=data, model=model_chunks,
             num_microbatches=len(micro_batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -237,7 +259,7 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     device = torch.cuda.current_device() if on_gpu() else "cpu"
-    data = iter([causal_batch(t.to(device)) for t in micro_batches])
+    data = _data_iterators(model_chunks, micro_batches, device)
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step,
         data_iterator=data,

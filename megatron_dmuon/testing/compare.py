@@ -25,6 +25,22 @@ def run_reference(dp: int, layouts=None, **kw) -> dict:
     return run_distributed(f"{WORKERS}:reference", 1, kwargs=dict(dp=dp, layouts=layouts, **kw))[0]
 
 
+def every_layout(results: List[dict]) -> List[str]:
+    """The owner layouts of every pipeline stage and model chunk (each once), under global names:
+    the reference then sums every param's DP replicas in its reduce-scatter's order."""
+    return sorted({text for r in results for text in r["layouts"]})
+
+
+def orthogonalized_once(results: List[dict], num_matrices: int, steps: int) -> bool:
+    """Every Muon matrix orthogonalized exactly once per step: the world's count is the model's
+    matrix count each step, every rank counted what its plans give it, and those sets of global
+    names split the model's matrices with no name twice."""
+    counted = results[0]["ns_counts"] == [num_matrices] * steps
+    per_rank = all(r["local_ns_counts"] == [len(r["ns_owned"])] * steps for r in results)
+    names = [n for r in results for n in r["ns_owned"]]
+    return counted and per_rank and len(names) == len(set(names)) == num_matrices
+
+
 def full_params(results: List[dict]) -> Dict[str, torch.Tensor]:
     """Every parameter of the whole model, merged from all ranks' TP shards, PP stages and EP
     experts (raises if two DP replicas differ)."""

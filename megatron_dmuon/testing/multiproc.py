@@ -35,7 +35,8 @@ def free_port() -> int:
 # what the fork server imports once (its children inherit the loaded modules, not their state)
 PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.distributed",
            "megatron.core.optimizer", "megatron.core.models.gpt", "megatron_dmuon.megatron.optimizer",
-           "megatron_dmuon.megatron.gpt", "megatron_dmuon.testing.cpu_shim", "megatron_dmuon.testing.workers")
+           "megatron_dmuon.megatron.gpt", "megatron_dmuon.testing.cpu_shim", "megatron_dmuon.testing.workers",
+           "megatron_dmuon.testing.checkpoint_workers")
 _CONTEXT = None
 
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 import torch
 
 
-def init_parallel(tp=1, pp=1, ep=1, seed=1234):
-    """Initialise Megatron's parallel state (once per process) and seed every RNG as Megatron does."""
+def init_parallel(tp=1, pp=1, ep=1, vpp=None, seed=1234):
+    """Initialise Megatron's parallel state (once per process) and seed every RNG as Megatron does.
+    ``vpp``: virtual stages per pipeline rank (Megatron's interleaved 1F1B schedule)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep)
+                                                 expert_model_parallel_size=ep,
+                                                 virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -74,19 +76,44 @@ def _freeze(model, freeze):
                 p.requires_grad_(False)
 
 
+def expected_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, vp_stage: int):
+    """0-based global layers of virtual stage ``vp_stage`` on pipeline rank ``pp_rank`` under
+    Megatron's interleaved assignment (stated here, not asked of Megatron: model chunk v of rank p
+    holds the (v x pp + p)-th of pp x vpp equal runs of layers)."""
+    per_chunk = num_layers // (pp * vpp)
+    first = (vp_stage * pp + pp_rank) * per_chunk
+    return list(range(first, first + per_chunk))
+
+
+def _check_layer_assignment(chunks, shape) -> None:
+    from megatron.core import parallel_state as ps
+
+    vpp = len(chunks)
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    for v, model in enumerate(chunks):
+        got = [layer.layer_number - 1 for layer in model.decoder.layers]
+        want = expected_layers(shape.num_layers, pp, vpp, pp_rank, v) if vpp > 1 else got
+        if got != want:
+            raise AssertionError(f"PP rank {pp_rank} chunk {v} holds layers {got}, the interleaved schedule's {want}")
+
+
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
            split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
            grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, megabatch=False,
-           fold_clipping=True, **kw):
-    """Model, DDP, optimizer and scheduler of one run (parallel state already initialized).
-    ``perturb``: scale the weights (a 'fresh' model that differs from the saved one)."""
+           fold_clipping=True, align_param_gather=False, **kw):
+    """Model chunks, DDPs, optimizer and scheduler of one run (parallel state already initialized):
+    one chunk, or under the interleaved schedule one per virtual stage, each in its own DDP (as
+    Megatron-LM's get_model: bucketing off for every chunk but the first).
+    ``perturb``: scale the weights (a 'fresh' model that differs from the saved one).
+    ``align_param_gather``: under --overlap-param-gather the schedule starts each chunk's param
+    all-gather (config.param_sync_func), as Megatron-LM sets it for the interleaved schedule."""
     from types import SimpleNamespace
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_dmuon.megatron.gpt import build_gpt, wire_sync_funcs
+    from megatron_dmuon.megatron.gpt import build_gpt, transformer_config, virtual_stages, wire_sync_funcs
     from megatron_dmuon.megatron.layout import build_dmuon_ddp
     from megatron_dmuon.megatron.config import LayoutOptions
     from megatron_dmuon.megatron.optimizer import DMuonConfig, get_dmuon_optimizer
@@ -94,40 +121,47 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
 
     o = {**DEFAULTS, **kw}
     shape = _shape(**(shape_kw or {}))
-    model = build_gpt(shape)
-    init_params_by_name(model)
-    if perturb:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(0.5).add_(0.01)
-    _freeze(model, freeze)
+    model_config = transformer_config(shape)  # one config for every chunk (the schedule reads chunk 0's)
+    models = [build_gpt(shape, model_config, vp_stage=v) for v in virtual_stages()]
+    _check_layer_assignment(models, shape)
+    for model in models:
+        init_params_by_name(model)
+        if perturb:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5).add_(0.01)
+        _freeze(model, freeze)
     dist_opt = mode == "dmuon" or mode == "adam"
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=dist_opt,
         grad_reduce_in_fp32=not shape.fp64 if grad_reduce_in_fp32 is None else grad_reduce_in_fp32,
         overlap_grad_reduce=overlap, overlap_param_gather=overlap and dist_opt,
-        bucket_size=o.get("bucket_size"),
+        align_param_gather=align_param_gather, bucket_size=o.get("bucket_size"),
     )
     if mode != "adam":  # one DMuonConfig for the DDP's plan and the optimizer (as a run parses it once)
         cfg = DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
                           publish_dtype=optimizer_publish or publish_dtype, fold_clipping=fold_clipping,
                           layout=LayoutOptions(ranks_per_node=ranks_per_node, balance=balance, megabatch=megabatch),
                           **_split_kwargs(split))
-    if mode == "dmuon":
-        ddp = build_dmuon_ddp(model.config, ddp_config, model, dmuon=cfg, publish_dtype=publish_dtype)
-    else:
-        ddp = DistributedDataParallel(model.config, ddp_config, model)
-    ddp.broadcast_params()
-    wire_sync_funcs([ddp], ddp_config)
+    chunks = []
+    for i, model in enumerate(models):
+        if mode == "dmuon":
+            ddp = build_dmuon_ddp(model_config, ddp_config, model, disable_bucketing=i > 0, dmuon=cfg,
+                                  publish_dtype=publish_dtype)
+        else:
+            ddp = DistributedDataParallel(model_config, ddp_config, model, disable_bucketing=i > 0)
+        ddp.broadcast_params()
+        chunks.append(ddp)
+    wire_sync_funcs(chunks, ddp_config)
     opt_config = OptimizerConfig(optimizer="adam", lr=o["lr"], min_lr=o["lr"], weight_decay=o["weight_decay"],
                                  use_distributed_optimizer=dist_opt, clip_grad=o["clip_grad"],
                                  bf16=bool((shape_kw or {}).get("bf16")))
     if mode == "adam":
         from megatron.core.optimizer import get_megatron_optimizer
 
-        opt = get_megatron_optimizer(opt_config, [ddp])
+        opt = get_megatron_optimizer(opt_config, chunks)
     else:
-        opt = get_dmuon_optimizer(opt_config, [ddp], cfg)
+        opt = get_dmuon_optimizer(opt_config, chunks, cfg)
     sched = OptimizerParamScheduler(
         opt, init_lr=o["lr"], max_lr=o["lr"], min_lr=o["lr"], lr_warmup_steps=0, lr_decay_steps=100,
         lr_decay_style="constant", start_wd=o["weight_decay"], end_wd=o["weight_decay"],
@@ -142,8 +176,10 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
             inner = part.optimizer
             inner.tp = TPExchange(None)
             inner.matrix_info = {p: MatrixInfo(i.name, i.local_shape) for p, i in inner.matrix_info.items()}
-    return SimpleNamespace(model=model, ddp=ddp, ddp_config=ddp_config, opt=opt, sched=sched, parts=parts,
-                           shape=shape, mode=mode, o=o)
+    # ``ddp``/``model``: the one chunk of a run without virtual stages (None with several)
+    one = len(chunks) == 1
+    return SimpleNamespace(chunks=chunks, ddp=chunks[0] if one else None, model=models[0] if one else None,
+                           ddp_config=ddp_config, opt=opt, sched=sched, parts=parts, shape=shape, mode=mode, o=o)
 
 
 def _micro_batches(run, step, data_dp=None, nan=False):
@@ -168,23 +204,23 @@ def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_step
     of one matrix is NaN at that step; ``skip_steps``: steps whose batch is never seen."""
     from megatron_dmuon.megatron.gpt import on_gpu, train_step
 
-    losses, grad_norms, updated, counted = [], [], [], {}
+    losses, grad_norms, updated, counted, local_ns = [], [], [], {}, []
     for step in steps:
         if step in skip_steps:
             continue
         micro = _micro_batches(run, step, data_dp)
         hook = None
         if nan_at is not None and step == nan_at[0] and torch.distributed.get_rank() == nan_at[1]:
-            target = next(p for n, p in run.ddp.module.named_parameters() if n.endswith("linear_fc2.weight"))
+            target = next(p for c in run.chunks for n, p in c.module.named_parameters() if n.endswith("linear_fc2.weight"))
             hook = target.register_hook(lambda g: torch.full_like(g, float("nan")))
         if step == count_bytes_at:  # the bytes the buffers really moved in one step
             from megatron_dmuon.testing.comm_counter import count_bucket_bytes
 
-            with count_bucket_bytes([run.ddp]) as counts:
-                loss, grad_norm, _, ok = train_step([run.ddp], run.opt, micro, run.shape.seq_length, run.o["mbs"])
+            with count_bucket_bytes(run.chunks) as counts:
+                loss, grad_norm, _, ok = train_step(run.chunks, run.opt, micro, run.shape.seq_length, run.o["mbs"])
             counted = dict(counts)  # (without overlap the publish runs inside optimizer.step)
         else:
-            loss, grad_norm, _, ok = train_step([run.ddp], run.opt, micro, run.shape.seq_length, run.o["mbs"])
+            loss, grad_norm, _, ok = train_step(run.chunks, run.opt, micro, run.shape.seq_length, run.o["mbs"])
         if hook is not None:
             hook.remove()
         if ok:
@@ -192,17 +228,31 @@ def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_step
         losses.append(loss)
         grad_norms.append(float(grad_norm) if grad_norm is not None else None)
         updated.append(bool(ok))
-        if run.parts and ns_counts is not None:  # matrices orthogonalized this step, summed over the world
-            n = torch.tensor([sum(p.optimizer.stats["ns_matrices"] for p in run.parts) if ok else 0],
-                             device="cuda" if on_gpu() else "cpu")
+        if run.parts and ns_counts is not None:  # matrices orthogonalized this step: this rank's, the world's
+            mine = sum(p.optimizer.stats["ns_matrices"] for p in run.parts) if ok else 0
+            n = torch.tensor([mine], device="cuda" if on_gpu() else "cpu")
             torch.distributed.all_reduce(n)
             ns_counts.append(int(n))
-    return {"losses": losses, "grad_norms": grad_norms, "updated": updated, "counted_bytes": counted}
+            local_ns.append(mine)
+    return {"losses": losses, "grad_norms": grad_norms, "updated": updated, "counted_bytes": counted,
+            "local_ns_counts": local_ns}
 
 
 def _finish_overlap(run):
     if run.ddp_config.overlap_param_gather:  # the last publish is still pending in the forward hooks
-        run.ddp.disable_forward_pre_hook(param_sync=True)
+        for chunk in run.chunks:
+            chunk.disable_forward_pre_hook(param_sync=True)
+
+
+def _global_names(run) -> dict:
+    """{model param: its global name} over every chunk of the run."""
+    from megatron_dmuon.testing.global_params import global_names
+
+    out = {}
+    for chunk in run.chunks:
+        names = global_names(chunk.module)
+        out.update({p: names[n] for n, p in chunk.module.named_parameters()})
+    return out
 
 
 def optimizer_state_shards(run) -> dict:
@@ -210,10 +260,9 @@ def optimizer_state_shards(run) -> dict:
     'state': {key: 1-D tensor}}} of this rank's optimizer pieces (fp32 master 'param', momentum or
     AdamW moments, and 'step'); a TP-replicated matrix's momentum only from its TP owner."""
     from megatron_dmuon.megatron.checkpoint import local_pieces
-    from megatron_dmuon.testing.global_params import _tp_of, global_names
+    from megatron_dmuon.testing.global_params import _tp_of
 
-    names = global_names(run.ddp.module)
-    local_name = {p: n for n, p in run.ddp.module.named_parameters()}
+    names = _global_names(run)
     out = {}
     for part in run.parts:
         for piece in local_pieces(part):
@@ -224,7 +273,7 @@ def optimizer_state_shards(run) -> dict:
             if not piece.muon:
                 state["step"] = part.optimizer.state[main]["step"].detach().double().reshape(1).cpu().clone()
             tp_size, tp_rank = _tp_of(p)
-            out.setdefault(names[local_name[p]], []).append({
+            out.setdefault(names[p], []).append({
                 "numel": p.numel(), "start": piece.start, "end": piece.end, "shape": tuple(p.shape),
                 "tp_rank": tp_rank, "tp_size": tp_size, "partition_dim": getattr(p, "partition_dim", 0),
                 "stride": getattr(p, "partition_stride", 1), "state": state})
@@ -237,15 +286,15 @@ def _report(run, rank, trained, ns_counts, return_params=True):
     from megatron_dmuon.megatron.optimizer import comm_bytes_per_step
     from megatron_dmuon.testing.global_params import local_shards
 
-    ddp, parts, dp_rank = run.ddp, run.parts, ps.get_data_parallel_rank()
+    chunks, parts, dp_rank = run.chunks, run.parts, ps.get_data_parallel_rank()
     out = {
         **trained, "ns_counts": ns_counts,
-        "bytes": comm_bytes_per_step([ddp], "gather_then_compute" if run.mode == "gather_then_compute" else "dmuon"),
+        "bytes": comm_bytes_per_step(chunks, "gather_then_compute" if run.mode == "gather_then_compute" else "dmuon"),
         "ranks": {"dp": dp_rank, "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
                   "ep": ps.get_expert_model_parallel_rank()},
     }
     if return_params:
-        out["shards"] = local_shards(ddp.module)
+        out["shards"] = {name: s for chunk in chunks for name, s in local_shards(chunk.module).items()}
     if parts:
         out["muon_states"] = sum(1 for part in parts for p in part.optimizer.matrix_info
                                  if part.optimizer.holds_momentum(part.optimizer.matrix_info[p]))
@@ -256,37 +305,55 @@ def _report(run, rank, trained, ns_counts, return_params=True):
         from megatron_dmuon.megatron.memory import megatron_adamw_state_bytes, optimizer_state_bytes
 
         out["state_bytes"] = optimizer_state_bytes(run.opt)
-        out["adamw_state_bytes"] = megatron_adamw_state_bytes([ddp], ps.get_data_parallel_world_size())
+        out["adamw_state_bytes"] = megatron_adamw_state_bytes(chunks, ps.get_data_parallel_world_size())
     if run.mode == "dmuon":
         out["optimizer_state"] = optimizer_state_shards(run)
-        topo = ddp.node_topology
+        out.update(_ownership(run, dp_rank))
+    return out
+
+
+def _ownership(run, dp_rank) -> dict:
+    """What the chunks' plans give this rank: 'owned' (Muon momenta it holds: the DP owner holds
+    every TP shard of a sharded matrix, a replicated matrix's TP owner alone), 'ns_owned' (global
+    names of the matrices it orthogonalizes: DP and TP owner), owners per chunk, and the owner
+    layouts with every param under its global name (the reference reproduces their reduce order)."""
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+
+    out = {"owned": 0, "ns_owned": [], "owners": {}, "layouts": []}
+    names = _global_names(run)
+    for i, chunk in enumerate(run.chunks):
+        topo = chunk.node_topology
         my_shard = topo.shard_index if topo is not None else None
-        plan = ddp.dmuon_plan
-        # momentum lives with the DP owner: every TP shard of a sharded matrix, a replicated
-        # matrix on its TP owner only
-        expected = 0
+        plan = chunk.dmuon_plan
+        param_of = chunk.param_names()
+        by_name = {n: p for p, n in param_of.items()}
         for r in plan.matrices():
             dp_me = (my_shard if (my_shard is not None and not r.expert)
                      else (ps.get_expert_data_parallel_rank() if r.expert else dp_rank))
             tp_me = ps.get_expert_tensor_parallel_rank() if r.expert else ps.get_tensor_model_parallel_rank()
             sharded = r.partition_dim is not None
-            expected += r.dp_owner == dp_me and (sharded or r.tp_owner == tp_me)
-        out["owned"] = expected
-        out["owners"] = {k: v.owners for k, v in plan.layouts.items()}
-        out["layouts"] = [v.to_json() for v in plan.layouts.values()]
+            out["owned"] += r.dp_owner == dp_me and (sharded or r.tp_owner == tp_me)
+            if r.dp_owner == dp_me and r.tp_owner == tp_me:
+                out["ns_owned"].append(names[by_name[r.name]])
+        prefix = "" if len(run.chunks) == 1 else f"chunk{i}/"
+        out["owners"].update({prefix + k: v.owners for k, v in plan.layouts.items()})
+        out["layouts"] += [dataclasses.replace(v, param_ranges={names[by_name[n]]: r for n, r in v.param_ranges.items()})
+                           .to_json() for v in plan.layouts.values()]
     return out
 
 
-def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, return_params=True, count_bytes=False, nan_at=None,
+def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, vpp=None, return_params=True, count_bytes=False, nan_at=None,
                 skip_steps=(), data_dp=None, record_grads=False, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
-    (experts over ep); report losses, norms, NS counts, plans, every rank's parameter shards and
-    optimizer state pieces."""
-    init_parallel(tp, pp, ep)
+    (experts over ep; vpp virtual stages per pipeline rank); report losses, norms, NS counts, plans,
+    every rank's parameter shards and optimizer state pieces."""
+    init_parallel(tp, pp, ep, vpp)
     run = _build(**kw)
     steps = run.o["steps"]
     ns_counts = []
-    recorded = _record_reduced_grads(run.parts, run.ddp) if record_grads else None
+    recorded = _record_reduced_grads(run) if record_grads else None
     trained = _train(run, range(steps), data_dp, steps - 1 if count_bytes else None, nan_at, skip_steps, ns_counts)
     _finish_overlap(run)
     out = _report(run, rank, trained, ns_counts, return_params)
@@ -318,126 +385,10 @@ def collective_calls(rank, world_size, layer_counts=(2, 4), configs=None, steps=
     return out
 
 
-def dmuon_resume(rank, world_size, resume_at, tp=1, pp=1, ep=1, fmt="dist", save_dir=None, load_dir=None,
-                 resume_here=True, optimizer_only=False, data_dp=None, **kw):
-    """Save/load through the optimizer's checkpoint entry points.
-
-    * ``load_dir`` unset: train ``resume_at`` steps, save (``fmt``: 'dist' = dist_checkpointing
-      torch_dist, 'torch' = state_dict() + save_parameter_state()), train on to the end: the
-      uninterrupted run; then build a fresh (perturbed) model and optimizer, load, train
-      ``resume_at``.. the end: the resumed run. Returns both reports ('uninterrupted', 'resumed').
-      With ``save_dir`` the checkpoint stays there (for a resume at another layout; with
-      ``resume_here=False`` no resumed run here), else a temporary directory is removed.
-    * ``load_dir`` set: only the resumed run, from that checkpoint (any DP/TP layout).
-    ``optimizer_only``: load only the optimizer (the publish must then bring every replica the
-    loaded weights)."""
-    import shutil
-    import tempfile
-
-    init_parallel(tp, pp, ep)
-    steps = {**DEFAULTS, **kw}["steps"]
-    out = {}
-    if load_dir is None:
-        root = save_dir
-        if rank == 0 and root is None:
-            root = tempfile.mkdtemp(prefix="dmuon-ckpt-")
-        box = [root]
-        torch.distributed.broadcast_object_list(box, src=0)
-        root = box[0]
-        try:
-            run = _build(**kw)
-            first = _train(run, range(resume_at), data_dp)
-            _save(run, root, resume_at, fmt)
-            rest = _train(run, range(resume_at, steps), data_dp)
-            _finish_overlap(run)
-            out["uninterrupted"] = _report(run, rank, _concat(first, rest), [])
-            out["uninterrupted"]["checkpoint"] = root
-            if not resume_here:
-                return out
-            resumed = _build(perturb=True, **kw)
-            _load(resumed, root, resume_at, fmt, optimizer_only)
-            rest = _train(resumed, range(resume_at, steps), data_dp)
-            _finish_overlap(resumed)
-            out["resumed"] = _report(resumed, rank, rest, [])
-        finally:
-            torch.distributed.barrier()
-            if rank == 0 and save_dir is None:
-                shutil.rmtree(root, ignore_errors=True)
-        return out
-    resumed = _build(perturb=True, **kw)
-    _load(resumed, load_dir, resume_at, fmt, optimizer_only)
-    rest = _train(resumed, range(resume_at, steps), data_dp)
-    _finish_overlap(resumed)
-    return {"resumed": _report(resumed, rank, rest, [])}
-
-
-def _concat(a, b):
-    return {k: (a[k] + b[k]) if isinstance(a[k], list) else b[k] for k in a}
-
-
-def _save(run, root, iteration, fmt):
-    import os
-
-    from megatron.core import parallel_state as ps
-
-    from megatron_dmuon.megatron.checkpoint_io import save_checkpoint
-
-    if fmt == "dist":
-        save_checkpoint(root, iteration, [run.ddp], run.opt, extra={"scheduler": run.sched.state_dict()})
-        return
-    # torch format as Megatron-LM writes it: DP rank 0 of each model-parallel rank writes the
-    # model + optimizer.state_dict(); every rank joins save_parameter_state (gathered to DP rank 0)
-    mp = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
-    path = os.path.join(root, f"iter_{iteration:07d}", mp)
-    if ps.get_data_parallel_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-        torch.save({"model": run.ddp.state_dict(), "optimizer": run.opt.state_dict(),
-                    "scheduler": run.sched.state_dict()}, os.path.join(path, "model_optim_rng.pt"))
-    torch.distributed.barrier()
-    run.opt.save_parameter_state(os.path.join(path, "distrib_optim.pt"))
-    torch.distributed.barrier()
-
-
-def _load(run, root, iteration, fmt, optimizer_only=False):
-    import os
-
-    from megatron.core import parallel_state as ps
-
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint
-
-    if fmt == "dist":
-        if optimizer_only:  # the masters alone: the publish must reach every replica
-            from megatron.core import dist_checkpointing
-
-            from megatron_dmuon.megatron.checkpoint import _content_metadata, model_state
-
-            state = model_state([run.ddp])
-            state["optimizer"] = run.opt.sharded_state_dict(state, is_loading=True,
-                                                            metadata=_content_metadata("fully_reshardable"))
-            state.pop("model")
-            loaded = dist_checkpointing.load(state, checkpoint_dir(root, iteration))
-            run.opt.load_state_dict(loaded["optimizer"])
-            return
-        common = load_checkpoint(checkpoint_dir(root, iteration), [run.ddp], run.opt)
-        run.sched.load_state_dict(common["scheduler"])
-        return
-    mp = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}_{ps.get_pipeline_model_parallel_rank():03d}"
-    path = os.path.join(root, f"iter_{iteration:07d}", mp)
-    saved = torch.load(os.path.join(path, "model_optim_rng.pt"), weights_only=False)
-    if not optimizer_only:
-        run.ddp.load_state_dict(saved["model"])
-    run.opt.load_state_dict(saved["optimizer"])
-    run.opt.load_parameter_state(os.path.join(path, "distrib_optim.pt"))
-    run.sched.load_state_dict(saved["scheduler"])
-
-
-def _record_reduced_grads(parts, ddp):
+def _record_reduced_grads(run):
     """Per step, this rank's pieces of the reduced gradients the optimizer steps with (DP only):
     [{global name: [(flat start, flat end, values)]}] (the replay oracle's input)."""
-    from megatron_dmuon.testing.global_params import global_names
-
-    names = global_names(ddp.module)
-    local_name = {p: n for n, p in ddp.module.named_parameters()}
+    parts, names = run.parts, _global_names(run)
     steps = []
     for part in parts:
         pairs = [(m, s) for mg, sg in ((part.model_float16_groups, part.shard_fp32_from_float16_groups),
@@ -450,7 +401,7 @@ def _record_reduced_grads(parts, ddp):
                 steps.append({})
             for model_param, main_param in _pairs:
                 r = _part._get_model_param_range_map(model_param)["param"]
-                steps[-1].setdefault(names[local_name[model_param]], []).append(
+                steps[-1].setdefault(names[model_param], []).append(
                     (r.start, r.end, main_param.grad.detach().clone().view(-1)))
             return _inner(*a, **k)
 
@@ -462,7 +413,7 @@ def _split_kwargs(split):
     return {"split_qkv": split in ("qkv", "heads"), "split_per_head": split == "heads", "split_glu": split == "glu"}
 
 
-RUN_ONLY = ("tp", "pp", "ep", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes", "megabatch",
+RUN_ONLY = ("tp", "pp", "ep", "vpp", "align_param_gather", "overlap", "bucket_size", "mode", "return_params", "balance", "count_bytes", "megabatch",
             "blockwise", "nan_at", "data_dp", "grad_reduce_in_fp32", "publish_dtype")  # shape the run, not the math
 
 
@@ -515,22 +466,22 @@ def _split_rule_for(model_config, split):
                                                        per_head=k["split_per_head"], split_glu=k["split_glu"])
 
 
-def replica_check(rank, world_size, tp=1, pp=1, ep=1, corrupt_rank=None, **kw):
+def replica_check(rank, world_size, tp=1, pp=1, ep=1, vpp=None, corrupt_rank=None, **kw):
     """Train, optionally perturb one element of one parameter on ``corrupt_rank`` (to show that a
     divergent replica is found), then run the per-bucket replica check; returns its report."""
     import dataclasses
 
     from megatron_dmuon.megatron.replicas import check_replicas
 
-    init_parallel(tp, pp, ep)
+    init_parallel(tp, pp, ep, vpp)
     run = _build(**kw)
     _train(run, range(run.o["steps"]))
     _finish_overlap(run)
     if corrupt_rank is not None and torch.distributed.get_rank() == corrupt_rank:
         with torch.no_grad():
-            target = next(p for n, p in run.ddp.module.named_parameters() if n.endswith("linear_qkv.weight"))
+            target = next(p for c in run.chunks for n, p in c.module.named_parameters() if n.endswith("linear_qkv.weight"))
             target.view(-1)[0] += 1e-3
-    return dataclasses.asdict(check_replicas([run.ddp]))
+    return dataclasses.asdict(check_replicas(run.chunks))
 
 
 def nan_vs_never_seen(rank, world_size, nan_at=(3, 1), **kw):
@@ -543,68 +494,4 @@ def nan_vs_never_seen(rank, world_size, nan_at=(3, 1), **kw):
         trained = _train(run, range(run.o["steps"]), **extra)
         _finish_overlap(run)
         out[name] = _report(run, rank, trained, [])
-    return out
-
-
-def _snapshot(run) -> dict:
-    from megatron_dmuon.testing.global_params import local_shards
-
-    return {"params": local_shards(run.ddp.module), "state": optimizer_state_shards(run)}
-
-
-def _same(a: dict, b: dict) -> bool:
-    def flat(x):
-        if isinstance(x, torch.Tensor):
-            return [x]
-        if isinstance(x, dict):
-            return [t for k in sorted(x, key=str) for t in flat(x[k])]
-        if isinstance(x, (list, tuple)):
-            return [t for v in x for t in flat(v)]
-        return []
-
-    fa, fb = flat(a), flat(b)
-    return len(fa) == len(fb) and all(torch.equal(x, y) for x, y in zip(fa, fb))
-
-
-def checkpoint_bad_loads(rank, world_size, root, **kw):
-    """Loads that must fail loudly on every rank and leave the model and optimizer untouched:
-    a checkpoint of another model, of Megatron's own Adam optimizer, with a truncated data file,
-    of another update rule (--dmuon-update).
-    Returns {case: (error message, state untouched)}."""
-    import os
-    import shutil
-
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint, save_checkpoint
-
-    init_parallel()
-    good = _build(**kw)
-    _train(good, range(2))
-    save_checkpoint(os.path.join(root, "dmuon"), 2, [good.ddp], good.opt)
-    adam = _build(mode="adam", **kw)
-    _train(adam, range(1))
-    save_checkpoint(os.path.join(root, "adam"), 1, [adam.ddp], adam.opt)
-    corrupt = os.path.join(root, "corrupt")
-    if rank == 0:  # the same checkpoint with its data files cut short (a crash while copying it)
-        shutil.copytree(os.path.join(root, "dmuon"), corrupt)
-        for data_file in (f for f in os.listdir(checkpoint_dir(corrupt, 2)) if f.endswith(".distcp")):
-            with open(os.path.join(checkpoint_dir(corrupt, 2), data_file), "r+b") as f:
-                f.truncate(os.path.getsize(f.name) // 2)
-    torch.distributed.barrier()
-    cases = {
-        "other_model": (dict(shape_kw={**(kw.get("shape_kw") or {}), "num_layers": 3}), checkpoint_dir(os.path.join(root, "dmuon"), 2)),
-        "adam_checkpoint": ({}, checkpoint_dir(os.path.join(root, "adam"), 1)),
-        "truncated_file": ({}, checkpoint_dir(corrupt, 2)),
-        "other_update": (dict(muon_kw={"update": "normuon"}), checkpoint_dir(os.path.join(root, "dmuon"), 2)),
-    }
-    out = {}
-    for case, (extra, path) in cases.items():
-        run = _build(**{**kw, **extra})
-        _train(run, range(1))
-        before = _snapshot(run)
-        try:
-            load_checkpoint(path, [run.ddp], run.opt)
-            message = None
-        except BaseException as e:  # noqa: BLE001 - the test inspects the type and message
-            message = f"{type(e).__name__}: {e}"
-        out[case] = (message, _same(before, _snapshot(run)))
     return out
