@@ -178,6 +178,63 @@ def test_child_ill_conditioned_and_zero_inputs_stay_finite():
     assert torch.equal(zeros, torch.zeros(2, 16, 48))
 
 
+# finite entries at every scale the input dtype holds (fp16: its own range); powers of two scale
+# the input exactly, powers of ten round it in its dtype
+SCALES = {torch.float32: (2.0 ** -100, 1e-30, 1e-20, 1e20, 1e30, 2.0 ** 100),
+          torch.bfloat16: (2.0 ** -100, 1e-30, 1e30, 2.0 ** 100),
+          torch.float16: (2.0 ** -6, 1e2)}
+
+
+@child_only
+@pytest.mark.parametrize("dtype", list(SCALES))
+def test_child_scaled_norm_is_right_at_every_scale(dtype):
+    from megatron_dmuon.kernels.triton_cast import scaled_norm_reciprocal
+
+    x = torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(9))
+    x[1] = 0.0
+    for scale in (1.0, *SCALES[dtype]):
+        xs = (x * scale).to(dtype)
+        for view in (xs, xs.mT):  # the tall view reads with the other stride
+            exact = torch.linalg.vector_norm(view.double(), dim=(-2, -1))
+            ours = scaled_norm_reciprocal(view, 1e-30).double()
+            assert torch.isfinite(ours).all(), (dtype, scale)
+            assert ours[1] == 1e30 * 0 + ours[1] and float(ours[1]) == pytest.approx(1e30, rel=1e-6)  # zero: 1/eps
+            rel = ((ours[[0, 2]] * exact[[0, 2]]) - 1).abs().max()
+            assert rel < 1e-5, (dtype, scale, float(rel))
+
+
+@child_only
+@pytest.mark.parametrize("dtype", list(SCALES))
+def test_child_public_entry_points_need_no_retry_at_any_scale(dtype):
+    """newton_schulz_fast, gram_newton_schulz_fast, orthogonalize_batched: finite results equal to
+    the unit-scale ones for entries from 1e-30 to 1e30, with no fp32 retry counted."""
+    from megatron_dmuon.kernels import gram_newton_schulz_fast, newton_schulz_fast, nonfinite_metrics, orthogonalize_batched
+
+    gen = torch.Generator().manual_seed(10)
+    wide, square = torch.randn(2, 16, 48, generator=gen), torch.randn(2, 16, 16, generator=gen)
+    calls = {"standard": (lambda x: newton_schulz_fast(x, "polar_express", backend="triton", check_finite=True),
+                          (square, wide.mT.contiguous())),
+             "gram": (lambda x: gram_newton_schulz_fast(x, "polar_express", backend="triton", check_finite=True),
+                      (wide, wide.mT.contiguous())),
+             "batched": (lambda x: orthogonalize_batched(x, "auto", check_finite=True), (wide,))}
+    for name, (call, inputs) in calls.items():
+        for x in inputs:
+            unit = call(x.to(dtype)).double()
+            before = nonfinite_metrics()
+            for scale in SCALES[dtype]:
+                out = call((x * scale).to(dtype))
+                assert torch.isfinite(out).all(), (name, dtype, scale)
+                exact_input = float(torch.tensor(scale).log2()).is_integer()
+                # the same input to the last bit: only the norm's rounding differs (fp32: none to see);
+                # an input rounded in its dtype moves the NS result by that dtype's noise
+                tol = (1e-6 if dtype == torch.float32 else 1e-2) if exact_input else (
+                    5e-2 if dtype == torch.bfloat16 else 3e-2)  # measured up to 0.030 (bf16), 0.014 (fp16)
+                assert _rel(out, unit) < tol, (name, dtype, scale, _rel(out, unit))
+            after = nonfinite_metrics()
+            assert after["fp32_retries"] == before["fp32_retries"], (name, dtype)
+            assert after["nonfinite_outputs"] == before["nonfinite_outputs"], (name, dtype)
+
+
 @child_only
 def test_child_nonfinite_output_is_retried_in_fp32(monkeypatch):
     from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz

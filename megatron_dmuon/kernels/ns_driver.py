@@ -38,7 +38,7 @@ from ..algorithms.gram_newton_schulz import (
     GRAM_MIN_ASPECT_RATIO, default_restarts, gram_applies, gram_newton_schulz, restart_points, validate_min_aspect_ratio,
 )
 from ..algorithms.newton_schulz import (
-    NS_EPS, PLAIN_NORM_MIN, safe_reciprocal, newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input,
+    NS_EPS, safe_reciprocal, newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input,
     validate_normalisation,
 )
 from . import symmetric_ops
@@ -73,24 +73,18 @@ def _syrk(choice, X) -> Tensor:
 
 
 def _normalised_wide(stack: Tensor, compute_dtype: torch.dtype, eps: float) -> tuple[Tensor, bool]:
-    """The algorithms' normalisation ``X / max(‖X‖_F, eps)`` (norm in float32), written to a
-    contiguous wide [B, m, n] buffer of the compute dtype in one pass (scale, cast and, for
-    tall inputs, transpose), so the kernels read row-major operands.
+    """The algorithms' normalisation ``X / max(‖X‖_F, eps)``, written to a contiguous wide
+    [B, m, n] buffer of the compute dtype (scale, cast and, for tall inputs, transpose), so the
+    kernels read row-major operands. The norm is the scaled one (``triton_cast.scaled_norm_reciprocal``:
+    max and scaled sum of squares in one read), right at every scale of finite entries: no
+    matrix needs the float32 retry for its norm (a plain float32 norm overflows at entries ~1e20
+    and underflows its squares at ~1e-20)."""
+    from .triton_cast import scale_cast, scaled_norm_reciprocal  # the fast path runs only where Triton does
 
-    A float32 norm that overflowed (entries ~1e20) or is too small to be exact (squares
-    underflowed) scales its matrix by NaN instead of giving a silent zero update: the owner step's
-    fp32 retry (kernels.metrics.retry_nonfinite) recomputes it on the torch path, whose
-    ``frobenius_norm`` is exact at every scale. A float64 norm here would cost 6x the float32 one
-    on the H200 (1.22 vs 0.21 ms for 3 x 3584 x 18944), for matrices that practically never occur."""
     transposed = stack.size(-2) > stack.size(-1)
     wide = stack.mT if transposed else stack
-    norm = torch.linalg.vector_norm(wide, dim=(-2, -1), dtype=torch.float32)
-    in_range = torch.isfinite(norm) & (norm >= PLAIN_NORM_MIN)
-    scale = torch.where(in_range, norm.clamp(min=eps).reciprocal(),
-                        torch.where(norm == 0, torch.zeros_like(norm), torch.full_like(norm, float("nan"))))
+    scale = scaled_norm_reciprocal(stack, eps)  # the norm needs no orientation: read x as it lies
     out = torch.empty(wide.shape, dtype=compute_dtype, device=stack.device)
-    from .triton_cast import scale_cast  # the fast path runs only where Triton does
-
     return scale_cast(wide, scale, out), transposed
 
 

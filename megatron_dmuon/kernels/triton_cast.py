@@ -1,5 +1,6 @@
-"""Triton kernel for the NS input pass: per-matrix scale, cast to the compute dtype, and (for
-tall matrices) transpose to the wide layout, in one read of the input and one write.
+"""Triton kernels for the NS input pass: the per-matrix Frobenius norm at every scale
+(``scaled_norm_reciprocal``), then scale, cast to the compute dtype and (for tall matrices)
+transpose to the wide layout, in one read of the input and one write (``scale_cast``).
 
 torch's ``torch.div(x.mT, norm, out=wide)`` does the same arithmetic but walks the output's
 layout and reads the transposed input with a large stride (uncoalesced); here each program
@@ -58,6 +59,60 @@ def scale_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block: i
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _norm_partials_kernel(
+    X, MAXES, SUMS,
+    R, C,
+    stride_xb, stride_xr, stride_xc,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # one tile: m = max |x| and s = sum (x / m)^2, so no square over- or underflows
+    batch = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(X + batch * stride_xb + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+    a = tl.abs(x.to(tl.float32))
+    m = tl.max(tl.max(a, axis=1), axis=0)
+    inv = tl.where(m > 0, 1.0 / m, 0.0)
+    s = tl.sum(tl.sum((a * inv) * (a * inv), axis=1), axis=0)
+    tile = batch * tl.num_programs(0) * tl.num_programs(1) + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(MAXES + tile, m)
+    tl.store(SUMS + tile, s)
+
+
+def scaled_norm_reciprocal(x: torch.Tensor, eps: float, block: int = 128) -> torch.Tensor:
+    """``1 / max(‖x[b]‖_F, eps)`` (float32 [B]) of a [B, R, C] stack of any strides, finite at
+    every scale of finite entries whose largest magnitude is a normal float32 (1e-30 .. 1e30
+    and beyond): one read of x, each tile reducing its max |x| and its sum of squares scaled by
+    it (LAPACK's nrm2 idea), the tiles combined in float32. A plain float32 norm overflows for
+    entries ~1e20 and loses its squares below ~1e-20."""
+    if x.dim() != 3:
+        raise ValueError(f"scaled_norm_reciprocal: x must be [B, R, C], got {tuple(x.shape)}")
+    batch, rows, cols = x.shape
+    if x.numel() == 0:
+        return torch.full((batch,), 1.0 / eps, dtype=torch.float32, device=x.device)
+    if batch > 65535:
+        raise ValueError(f"scaled_norm_reciprocal: at most 65535 matrices per call, got {batch}")
+    block_r = block if x.is_cuda or not interpreter_active() else 16
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_r), batch)
+    tiles = grid[0] * grid[1]
+    maxes = torch.empty((batch, tiles), dtype=torch.float32, device=x.device)
+    sums = torch.empty((batch, tiles), dtype=torch.float32, device=x.device)
+    _norm_partials_kernel[grid](
+        x, maxes, sums, rows, cols, x.stride(0), x.stride(1), x.stride(2),
+        BLOCK_R=block_r, BLOCK_C=block_r, num_warps=4,
+    )
+    top = maxes.amax(dim=1)
+    weight = torch.where(top[:, None] > 0, maxes / top.clamp(min=torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    scaled = (sums * weight * weight).sum(dim=1)  # >= 1 where top > 0: sum (x / top)^2
+    # a norm >= eps (top >= eps suffices): 1/top/sqrt(scaled), no overflow on the way; else 1/eps
+    # (top * sqrt(scaled) cannot overflow there)
+    below = torch.maximum(top * scaled.sqrt(), torch.tensor(eps, dtype=torch.float32, device=x.device))
+    return torch.where(top >= eps, top.reciprocal() * scaled.rsqrt(), below.reciprocal())
 
 
 @triton.jit
