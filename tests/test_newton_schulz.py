@@ -266,9 +266,22 @@ def test_sharded_gram_norm_is_scale_invariant():
 
     x = _gauss(24, 96).float()
     unit = gram_newton_schulz_sharded(x, lambda t: t, gram_space_polynomial, compute_dtype=torch.float32)
-    for scale in (1e-20, 1e20):
-        got = gram_newton_schulz_sharded(x * scale, lambda t: t, gram_space_polynomial, compute_dtype=torch.float32)
-        assert float((got - unit).norm() / unit.norm()) <= 1e-5
+    for scaled_norm in (None, lambda t: t):  # float64 squares, or the max-scaled fp32 sum (what TP runs)
+        for scale in (1e-30, 1e-20, 1e20, 1e30):
+            got = gram_newton_schulz_sharded(x * scale, lambda t: t, gram_space_polynomial, compute_dtype=torch.float32,
+                                             max_over_shards=scaled_norm)
+            assert float((got - unit).norm() / unit.norm()) <= 1e-5, (scale, scaled_norm)
+    # two shards: the global max scales both partial sums (a shard whose own max is far smaller)
+    halves = [x[:, :48] * 1e25, x[:, 48:] * 1e-5]
+    whole = torch.cat(halves, dim=1)
+    shards = torch.stack(halves)  # [2, m, n/2]: each "rank" reduces its own block
+    got = gram_newton_schulz_sharded(
+        shards, lambda t: t.sum(0, keepdim=True).expand_as(t).clone(),
+        lambda partial, seg, normalise: gram_space_polynomial(partial.sum(0, keepdim=True).expand_as(partial).clone(),
+                                                              seg, normalise),
+        compute_dtype=torch.float32, max_over_shards=lambda t: t.amax(0, keepdim=True).expand_as(t).clone())
+    ref = gram_newton_schulz_sharded(whole, lambda t: t, gram_space_polynomial, compute_dtype=torch.float32)
+    assert float((torch.cat([got[0], got[1]], dim=1) - ref).norm() / ref.norm()) <= 1e-5
 
 
 def test_frobenius_norm_keeps_torch_bits_in_range_and_is_exact_outside():

@@ -136,12 +136,16 @@ def gram_newton_schulz_sharded(
     safety: float = 1.01,
     restart_after: Iterable[int] | None = None,
     normalisation: str = "frobenius",
+    max_over_shards: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Gram NS of a wide matrix ``W = [x_0 x_1 ... x_{t-1}]`` whose column blocks live on t ranks:
     this rank passes its block ``x`` ([B, m, n_i] or [m, n_i]; m <= the full n) and gets back
     its block of the result. Only m×m Gram matrices (and one norm) cross ranks:
 
     * ``sum_over_shards(t)``: the sum of ``t`` over all ranks (an all-reduce; for the norm);
+    * ``max_over_shards(t)`` (optional): the max of ``t`` over all ranks. With it the norm is the
+      scaled one (``M = max |x|`` over all shards, then the sum of ``(x / M)²`` in float32: right
+      at every scale, two [B] all-reduces); without it the squares are summed in float64;
     * ``gram_to_q(partial_R, segment, normalise)``: from this rank's ``x_i x_iᵀ``, the segment's
       ``Q`` on every rank (e.g. reduce to one owner, ``gram_space_polynomial(R, segment,
       normalise)`` there, broadcast ``Q``); ``normalise`` is true for the first segment under the
@@ -159,13 +163,26 @@ def gram_newton_schulz_sharded(
     stack = x if x.ndim == 3 else x.unsqueeze(0)
     stage_dtype = torch.float32 if compute_dtype == torch.float16 else compute_dtype
     X = stack.to(stage_dtype)
-    # the sum of squares in float64 (one [B, 1, 1] all-reduce): exact at every scale, as frobenius_norm
-    squares = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64).square()
-    norm = sum_over_shards(squares).sqrt().clamp(min=eps).to(X.dtype)
+    if max_over_shards is None:
+        # the sum of squares in float64 (one [B, 1, 1] all-reduce): exact at every scale, as frobenius_norm
+        squares = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64).square()
+        norm = sum_over_shards(squares).sqrt().clamp(min=eps).to(X.dtype)
+    else:
+        norm = _scaled_sharded_norm(X, sum_over_shards, max_over_shards).clamp(min=eps).to(X.dtype)
     X = (X / norm).to(compute_dtype)
     for i, segment in enumerate(segments):
         X = gram_to_q(X @ X.mT, segment, quartic and i == 0) @ X
     return X.reshape(x.shape).to(x.dtype)
+
+
+def _scaled_sharded_norm(X: Tensor, sum_over_shards, max_over_shards) -> Tensor:
+    """‖W‖_F ([B, 1, 1], float32) of the matrices whose column blocks the shards hold: the global
+    max |x| first, then each shard's sum of (x / max)² (<= its numel: no overflow; what underflows
+    is below 2^-126 of the largest entry squared), summed; finite entries at every scale."""
+    top = max_over_shards(X.abs().amax(dim=(-2, -1), keepdim=True).float().contiguous())
+    inv = torch.where(top > 0, top.reciprocal(), torch.zeros_like(top))
+    scaled = sum_over_shards(torch.linalg.vector_norm(X.float() * inv, dim=(-2, -1), keepdim=True).square())
+    return top * scaled.sqrt()
 
 
 def _add_identity_(m: Tensor, alpha: float) -> Tensor:

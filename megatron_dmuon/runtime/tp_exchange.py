@@ -125,10 +125,13 @@ class TPExchange:
         group = self.group
         owner_global = torch.distributed.get_global_rank(group, owner)
 
-        def sum_over_shards(t):
-            torch.distributed.all_reduce(t, group=group)
+        def sum_over_shards(t, op=torch.distributed.ReduceOp.SUM):
+            torch.distributed.all_reduce(t, op=op, group=group)
             self.bytes_sent += t.numel() * t.element_size()
             return t
+
+        def max_over_shards(t):
+            return sum_over_shards(t, torch.distributed.ReduceOp.MAX)
 
         def gram_to_q(partial, segment, normalise):
             partial = partial.contiguous()
@@ -139,4 +142,5 @@ class TPExchange:
             self.bytes_sent += nbytes * ((self.size - 1) if self.rank == owner else 1)
             return q
 
-        return gram_newton_schulz_sharded(local, sum_over_shards, gram_to_q, **gram_kwargs)
+        return gram_newton_schulz_sharded(local, sum_over_shards, gram_to_q, max_over_shards=max_over_shards,
+                                          **gram_kwargs)
