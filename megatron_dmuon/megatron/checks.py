@@ -21,11 +21,6 @@ def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
             "--dmuon-mode gather_then_compute is the DP-only baseline (per-shard NS under TP/EP would not "
             "be Muon); use --dmuon-mode dmuon with --tensor-model-parallel-size / --expert-model-parallel-size"
         )
-    if get("qk_clip", False):
-        raise ValueError(
-            "--optimizer dmuon does not support --qk-clip yet: Megatron's QK-clip rescales the Q/K rows through "
-            "weight.main_param, which under DMuon is an owner's flat shard (the rescale would be lost or misplaced); "
-            "drop --qk-clip, or use --optimizer muon")
     for name, flag in (("gtp_weight_remat_size", "--gtp-weight-remat-size"),
                        ("expert_gtp_weight_remat_size", "--expert-gtp-weight-remat-size")):
         if get(name) > 1:
