@@ -23,10 +23,14 @@ QKV = "self_attention.linear_qkv.weight"
 
 
 def planted_max_logits(step: int, layer: int, dp_rank: int, heads: int, threshold: float) -> torch.Tensor:
-    """float32 [heads] (every head of the model) for one (step, 0-based global layer, DP rank):
-    between 0.25x and 2.5x the threshold."""
+    """float64 [heads] (every head of the model) for one (step, 0-based global layer, DP rank):
+    between 0.1x and 1.25x the threshold (a query group of 2 heads over 2 ranks is clipped in
+    about half the steps). float64, not TE's float32: Megatron computes the clip factors in the
+    logits' dtype, and float32 powers differ in the last bit between its vectorized torch.pow
+    and a scalar one, which Newton-Schulz amplifies past 1e-6 within a few steps; float64 factors
+    agree to ~1e-16 and round to the same fp32 weights."""
     g = torch.Generator().manual_seed(7919 * step + 104729 * layer + 15485863 * dp_rank + 1)
-    return threshold * (0.25 + 2.25 * torch.rand(heads, generator=g, dtype=torch.float32))
+    return threshold * (0.1 + 1.15 * torch.rand(heads, generator=g, dtype=torch.float64))
 
 
 def reduced_max_logits(step: int, layer: int, dp: int, heads: int, threshold: float) -> torch.Tensor:
@@ -36,22 +40,22 @@ def reduced_max_logits(step: int, layer: int, dp: int, heads: int, threshold: fl
 
 def qk_row_factors(max_logits: torch.Tensor, heads: int, groups: int, head_dim: int, threshold: float,
                    alpha: float) -> torch.Tensor:
-    """float32 [(heads + 2 groups) x head_dim]: the factor of each row of a fused QKV weight."""
+    """float64 [(heads + 2 groups) x head_dim]: the factor of each row of a fused QKV weight."""
     per_group = heads // groups
     factors = []
     for g in range(groups):
         largest = max(float(x) for x in max_logits[g * per_group:(g + 1) * per_group])
-        eta = torch.tensor(min(1.0, threshold / largest), dtype=torch.float32)
-        query, key, value = eta ** alpha, eta ** (1.0 - alpha), torch.tensor(1.0)
+        eta = min(1.0, threshold / largest)
+        query, key, value = eta ** alpha, eta ** (1.0 - alpha), 1.0
         factors += [query] * (per_group * head_dim) + [key] * head_dim + [value] * head_dim
-    return torch.stack(factors).to(torch.float32)
+    return torch.tensor(factors, dtype=torch.float64)
 
 
 def reference_qk_clip_(weight: torch.Tensor, max_logits, heads, groups, threshold, alpha) -> None:
     """Rescale the rows of a full fused QKV ``weight`` in place (see the module docstring)."""
     head_dim = weight.shape[0] // (heads + 2 * groups)
     factors = qk_row_factors(max_logits, heads, groups, head_dim, threshold, alpha)
-    weight.mul_(factors.view(-1, 1))  # in float32 (float64 weights: in float64), rounded to the weight's dtype
+    weight.mul_(factors.view(-1, 1))  # in float64, rounded to the weight's dtype (as Megatron's)
 
 
 def reference_qk_clip_step(model_config, dp: int, threshold: float, alpha: float):
@@ -91,13 +95,17 @@ def _megatron_path(chunks):
     return [types.SimpleNamespace(module=types.SimpleNamespace(module=chunk.module)) for chunk in chunks]
 
 
-def qk_clip_train(rank, world_size, tp=1, threshold=1.0, alpha=0.5, **kw):
-    """DMuon training with MuonClip after every step (megatron/qk_clip.clip_qk); the usual report."""
-    from megatron_dmuon.megatron.qk_clip import clip_qk
-    from megatron_dmuon.testing.workers import _build, _finish_overlap, _report, _train, init_parallel
+def _qk_clip_config(threshold, alpha):
+    return dict(qk_clip=True, qk_clip_threshold=threshold, qk_clip_alpha=alpha)
 
-    init_parallel(tp)
-    run = _build(config_kw=dict(qk_clip=True, qk_clip_threshold=threshold, qk_clip_alpha=alpha), **kw)
+
+def _train_with_qk_clip(rank, threshold, alpha, **kw):
+    """One DMuon run with MuonClip after every step (megatron/qk_clip.clip_qk): the usual report
+    and the max logit clip_qk returned per step."""
+    from megatron_dmuon.megatron.qk_clip import clip_qk
+    from megatron_dmuon.testing.workers import _build, _finish_overlap, _report, _train
+
+    run = _build(config_kw=_qk_clip_config(threshold, alpha), **kw)
     max_logits = []
 
     def after_step(step):
@@ -109,11 +117,23 @@ def qk_clip_train(rank, world_size, tp=1, threshold=1.0, alpha=0.5, **kw):
     return {**_report(run, rank, trained, []), "max_logits": max_logits}
 
 
+def qk_clip_world(rank, world_size, threshold=1.0, alpha=0.5, runs=None, bf16=None):
+    """Every DP-only QK-clip case in one gloo world: ``runs`` {name: workers._build kwargs} trained
+    with MuonClip (fp32), ``bf16`` (kwargs of `bf16_masters`) the bf16 master check."""
+    from megatron_dmuon.testing.workers import init_parallel
+
+    init_parallel()
+    out = {name: _train_with_qk_clip(rank, threshold, alpha, **kw) for name, kw in (runs or {}).items()}
+    if bf16 is not None:
+        out["bf16"] = bf16_masters(threshold=threshold, alpha=alpha, **bf16)
+    return out
+
+
 def _qkv_weights(run):
     return [(layer.layer_number - 1, layer.self_attention.linear_qkv.weight) for layer in _layers(run.chunks[0])]
 
 
-def bf16_masters(rank, world_size, threshold=1.0, alpha=0.5, steps=2, **kw):
+def bf16_masters(threshold=1.0, alpha=0.5, steps=2, **kw):
     """bf16 params, DP only: after ``steps`` steps, one QK-clip through megatron/qk_clip.clip_qk, then
     one through Megatron's own clip_qk on a fresh set of logits. Reports, per layer, whether this
     rank owns the QKV master and how the master and the weight changed against the reference's
@@ -122,11 +142,9 @@ def bf16_masters(rank, world_size, threshold=1.0, alpha=0.5, steps=2, **kw):
     from megatron.core.optimizer.qk_clip import clip_qk as megatron_clip_qk
 
     from megatron_dmuon.megatron.qk_clip import clip_qk
-    from megatron_dmuon.testing.workers import _build, _finish_overlap, _train, init_parallel
+    from megatron_dmuon.testing.workers import _build, _finish_overlap, _train
 
-    init_parallel()
-    run = _build(shape_kw=dict(bf16=True), config_kw=dict(qk_clip=True, qk_clip_threshold=threshold,
-                                                          qk_clip_alpha=alpha), steps=steps, **kw)
+    run = _build(shape_kw=dict(bf16=True), config_kw=_qk_clip_config(threshold, alpha), steps=steps, **kw)
     _train(run, range(steps))
     _finish_overlap(run)
     config, dp = run.chunks[0].config, ps.get_data_parallel_world_size()
