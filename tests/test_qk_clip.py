@@ -1,13 +1,13 @@
 """MuonClip (--qk-clip) under DMuon on real megatron-core (gloo, CPU): Megatron's own clip_qk after
 DMuon's step, through megatron/qk_clip.py, against the single-process reference with its own
-QK-clip (testing/qk_clip_workers.py). No Transformer Engine here, so every layer is given planted
+QK-clip (testing/qk_clip_reference.py). No Transformer Engine here, so every layer is given planted
 per-head max logits each step, different per DP rank (Megatron's MAX all-reduce decides)."""
 import pytest
 import torch
 
 from megatron_dmuon.testing.compare import full_optimizer_state, full_params, rel_diffs, run_reference
 from megatron_dmuon.testing.multiproc import run_distributed
-from megatron_dmuon.testing.qk_clip_workers import qk_row_factors, reduced_max_logits
+from megatron_dmuon.testing.qk_clip_reference import qk_row_factors, reduced_max_logits
 
 QK = dict(threshold=1.0, alpha=0.4)
 STEPS = 6
@@ -140,3 +140,26 @@ def test_chunks_that_are_not_dmuons_go_to_megatrons_clip_qk_unchanged(monkeypatc
     assert clip_qk(dmuon) == 2.0
     assert inside == [(model, False)]  # Megatron's path to the layers; no main_param on the non-owner
     assert weight.main_param is None  # as Megatron left it (its params norm reads it)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--tensor-model-parallel-size", "2"], "--qk-clip needs --tensor-model-parallel-size 1"),
+    (["--multi-latent-attention"], "--qk-clip with --multi-latent-attention"),
+])
+def test_the_refusals_come_at_parse_time_under_megatron_lm(argv, match, capsys, monkeypatch):
+    import argparse
+
+    from megatron_dmuon.megatron.config import add_dmuon_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py")  # Megatron-LM's names of the flags read here
+    parser.add_argument("--optimizer", default="adam")
+    for flag in ("--use-distributed-optimizer", "--qk-clip", "--multi-latent-attention"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    add_dmuon_args(parser)
+    base = ["--optimizer", "dmuon", "--use-distributed-optimizer", "--qk-clip"]
+    assert parser.parse_args(base).qk_clip  # --qk-clip itself parses
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + argv)
+    assert match in capsys.readouterr().err

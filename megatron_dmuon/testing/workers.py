@@ -428,7 +428,7 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
     """The single-process TP=PP=EP=1 reference for a run with `dp` data-parallel ranks (world_size
     must be 1). Returns losses, grad norms, full params by global name and the matrix count.
     ``qk_clip``: {'threshold', 'alpha'}: after each step the reference's own QK-clip
-    (testing/qk_clip_workers.py) with the max logits the distributed run's ranks were given."""
+    (testing/qk_clip_reference.py) with the max logits the distributed run's ranks were given."""
     from megatron_dmuon.megatron.gpt import build_gpt
     from megatron_dmuon.planning.params import is_muon_param
     from megatron_dmuon.testing.global_params import init_params_by_name
@@ -451,7 +451,7 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
 
     after_step = None
     if qk_clip is not None:
-        from megatron_dmuon.testing.qk_clip_workers import reference_qk_clip_step
+        from megatron_dmuon.testing.qk_clip_reference import reference_qk_clip_step
 
         after_step = reference_qk_clip_step(model.config, dp, **qk_clip)
     chunks = None
