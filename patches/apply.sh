@@ -39,6 +39,7 @@ need megatron/training/arguments.py "def validate_args(" "argument validation th
 need megatron/training/training.py "DistributedDataParallel as DDP" "DDP class of get_model"
 need megatron/training/training.py "get_megatron_optimizer(" "optimizer factory of setup_model_and_optimizer"
 need megatron/training/models/dist_utils.py "DP = DistributedDataParallel" "DDP class of the model builders"
+need megatron/training/training.py "from megatron.core.optimizer.qk_clip import clip_qk" "QK-clip after the optimizer step"
 
 apply_patch() {  # args: extra flags; reads the patch on stdin
   if command -v patch >/dev/null 2>&1; then

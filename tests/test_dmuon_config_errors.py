@@ -112,7 +112,7 @@ def _model_config(**kw):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(context_parallel_size=2), "--context-parallel-size"),
-    (dict(qk_clip=True), "--qk-clip"),  # Megatron's QK-clip writes weight.main_param: an owner shard here
+    (dict(qk_clip=True, tensor_model_parallel_size=2), "--qk-clip needs --tensor-model-parallel-size 1"),
     (dict(gtp_weight_remat_size=2), "--gtp-weight-remat-size"),
 ])
 def test_unsupported_parallel_layouts_fail_before_any_buffer(kw, match):

@@ -48,6 +48,7 @@ SURFACE = {
                                       "def parse_args():\n    parser = add_megatron_arguments(parser)\n\n"
                                       "def validate_args(args, defaults={}):\n    return args\n",
     "megatron/training/training.py": "from megatron.core.distributed import DistributedDataParallel as DDP\n"
+                                     "from megatron.core.optimizer.qk_clip import clip_qk\n"
                                      "optimizer = get_megatron_optimizer(config, model)\n",
     "megatron/training/models/dist_utils.py": "        DP = DistributedDataParallel\n",
     "megatron/core/package_info.py": "MAJOR = 0\nMINOR = 19\nPATCH = 1\n",

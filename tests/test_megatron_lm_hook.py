@@ -360,6 +360,7 @@ def stand_in_megatron_training(monkeypatch):
     arguments.add_megatron_arguments, arguments.validate_args = add_megatron_arguments, validate_args
     training = types.ModuleType("megatron.training.training")
     training.DDP, training.get_megatron_optimizer = object, lambda *a, **k: "megatron's"
+    training.clip_qk = lambda *a, **k: "megatron's clip_qk"
     dist_utils = types.ModuleType("megatron.training.models.dist_utils")
     dist_utils.DistributedDataParallel = object
     package = types.ModuleType("megatron.training")
@@ -383,6 +384,7 @@ def _megatron_parse(m, argv):
 
 def test_install_routes_dmuon_and_leaves_other_optimizers_alone(stand_in_megatron_training):
     import megatron_dmuon.megatron as dm
+    from megatron_dmuon.megatron import qk_clip
     from megatron_dmuon.megatron.layout import DMuonDDP
 
     m = stand_in_megatron_training
@@ -392,12 +394,14 @@ def test_install_routes_dmuon_and_leaves_other_optimizers_alone(stand_in_megatro
     assert m.calls == ["muon"] and not args.use_distributed_optimizer  # Megatron's own handling
     assert m.training.DDP is object and m.dist_utils.DistributedDataParallel is object
     assert m.training.get_megatron_optimizer() == "megatron's"
+    assert m.training.clip_qk() == "megatron's clip_qk"
     args = _megatron_parse(m, ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-ranks-per-node", "1"])
     # Megatron validated the distributed-Adam run DMuon is built on; the optimizer reads dmuon again
     assert m.calls[-1] == "adam" and args.optimizer == "dmuon" and args.use_distributed_optimizer
     assert issubclass(m.training.DDP, DMuonDDP) and m.dist_utils.DistributedDataParallel is m.training.DDP
     fallback = m.training.get_megatron_optimizer(types.SimpleNamespace(optimizer="adam"), [])
     assert fallback == "megatron's"  # the routed factory still hands other optimizers to Megatron
+    assert m.training.clip_qk is qk_clip.clip_qk  # MuonClip rescales DMuon's owner masters
 
 
 def test_install_rejects_at_parse_time(stand_in_megatron_training, capsys):
@@ -488,7 +492,8 @@ def test_install_on_a_real_megatron_lm_checkout():
         "import megatron.training.training as T, megatron.training.models.dist_utils as D\n"
         "args = parse_and_validate_args(args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})\n"
         "print(args.optimizer, args.use_distributed_optimizer, args.use_layer_wise_distributed_optimizer,\n"
-        "      T.DDP.__mro__[1].__name__, D.DistributedDataParallel is T.DDP, T.get_megatron_optimizer.__module__)\n"
+        "      T.DDP.__mro__[1].__name__, D.DistributedDataParallel is T.DDP, T.get_megatron_optimizer.__module__,\n"
+        "      T.clip_qk.__module__)\n"
     )
     base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
             "--micro-batch-size 2 --global-batch-size 4 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type "
@@ -503,12 +508,12 @@ def test_install_on_a_real_megatron_lm_checkout():
 
     ok = run("--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-momentum", "0.95", "--muon-nesterov")
     assert ok.returncode == 0, ok.stderr[-3000:]
-    assert ok.stdout.split()[-6:] == ["dmuon", "True", "False", "DMuonDDP", "True",
-                                      "megatron_dmuon.megatron.megatron_lm"], ok.stdout
+    assert ok.stdout.split()[-7:] == ["dmuon", "True", "False", "DMuonDDP", "True",
+                                      "megatron_dmuon.megatron.megatron_lm", "megatron_dmuon.megatron.qk_clip"], ok.stdout
     bad = run("--optimizer", "dmuon")
     assert bad.returncode == 2 and "needs --use-distributed-optimizer" in bad.stderr
     muon = run("--optimizer", "muon", "--use-distributed-optimizer")
-    assert muon.returncode == 0 and muon.stdout.split()[-6:-3] == ["muon", "False", "True"], muon.stderr[-2000:]
+    assert muon.returncode == 0 and muon.stdout.split()[-7:-4] == ["muon", "False", "True"], muon.stderr[-2000:]
 
 
 def _built_checkout():

@@ -22,10 +22,7 @@ def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
             "be Muon); use --dmuon-mode dmuon with --tensor-model-parallel-size / --expert-model-parallel-size"
         )
     if get("qk_clip", False):
-        raise ValueError(
-            "--optimizer dmuon does not support --qk-clip yet: Megatron's QK-clip rescales the Q/K rows through "
-            "weight.main_param, which under DMuon is an owner's flat shard (the rescale would be lost or misplaced); "
-            "drop --qk-clip, or use --optimizer muon")
+        check_qk_clip_config(get)
     for name, flag in (("gtp_weight_remat_size", "--gtp-weight-remat-size"),
                        ("expert_gtp_weight_remat_size", "--expert-gtp-weight-remat-size")):
         if get(name) > 1:
@@ -35,6 +32,19 @@ def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
     from .te_fp8 import check_fp8_param_gather
 
     check_fp8_param_gather(model_config)
+
+
+def check_qk_clip_config(get) -> None:
+    """`--qk-clip` (MuonClip, megatron/qk_clip.py) where Megatron's own QK-clip can run on DMuon."""
+    if get("multi_latent_attention", False):
+        raise ValueError(
+            "--optimizer dmuon does not support --qk-clip with --multi-latent-attention yet (its QK-clip covers "
+            "linear_qkv, not MLA's q/kv projections); drop --qk-clip, or use --optimizer muon")
+    if get("tensor_model_parallel_size") > 1:
+        raise ValueError(
+            f"--qk-clip needs --tensor-model-parallel-size 1 (got {get('tensor_model_parallel_size')}): Megatron's "
+            "Attention.clip_qk reshapes the TP-local linear_qkv weight with the whole model's Q/K sizes and fails "
+            "after the first step, under every optimizer; drop --qk-clip or use TP 1")
 
 
 def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:

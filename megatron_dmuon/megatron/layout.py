@@ -265,6 +265,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
         from .config import with_overrides
         from .hierarchy import check_two_level_config
         from .publish import check_publish_config, install_fp8_publish
+        from .qk_clip import check_qk_clip_plan
 
         cfg = with_overrides(dmuon, overrides)
         opts = cfg.layout
@@ -279,6 +280,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
         check_two_level_config(ddp_config, dp_group.size(), opts.ranks_per_node)
         bucket_size = default_bucket_size(ddp_config, dp_group.size(), disable_bucketing, groups["pp"].rank())
         plan, full_layout = build_plan(module, ddp_config, groups, bucket_size, cfg, model_config=config)
+        check_qk_clip_plan(config, plan)
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                          full_param_layout=full_layout)
         self.dmuon_plan = plan

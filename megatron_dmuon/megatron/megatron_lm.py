@@ -9,7 +9,7 @@ hook all build through them:
   `OptimizerConfig(optimizer='dmuon')` and hands every other optimizer to `fallback` untouched.
 
 `install()` is the thin Megatron-LM layer on top. Its whole contact surface with
-`megatron.training` (listed in docs/megatron_lm.md) is five module attributes, replaced by
+`megatron.training` (listed in docs/megatron_lm.md) is six module attributes, replaced by
 wrappers that pass everything but `--optimizer dmuon` through unchanged:
 
 1. `megatron.training.arguments.add_megatron_arguments` — also registers DMuon's flags
@@ -17,11 +17,13 @@ wrappers that pass everything but `--optimizer dmuon` through unchanged:
 2. `megatron.training.arguments.validate_args` — for `--optimizer dmuon`, Megatron validates the run
    as the distributed Adam run it is built on (`args.optimizer` reads `adam` during Megatron's own
    checks, so `--use-distributed-optimizer` is not diverted to the layer-wise Muon path), then
-   `args.optimizer` reads `dmuon` again and the three routes below are set.
+   `args.optimizer` reads `dmuon` again and the four routes below are set.
 3. `megatron.training.training.DDP` and 4. `megatron.training.models.dist_utils.DistributedDataParallel`
    — the DDP class of both model-building paths (`get_model` and the model-config builders) becomes
    `ddp_class_for(args)`.
 5. `megatron.training.training.get_megatron_optimizer` — becomes `optimizer_factory_for(args, original)`.
+6. `megatron.training.training.clip_qk` (MuonClip, `--qk-clip`, run after every optimizer step) —
+   becomes `megatron/qk_clip.clip_qk`, Megatron's own made to rescale DMuon's owner masters.
 
 Nothing is copied from Megatron-LM; importing this module imports nothing from it.
 """
@@ -104,13 +106,16 @@ def install() -> None:
 
 
 def _route(args) -> None:
-    """Point Megatron-LM's DDP class and optimizer factory at DMuon for this run."""
+    """Point Megatron-LM's DDP class, optimizer factory and QK-clip at DMuon for this run."""
     import megatron.training.models.dist_utils as dist_utils
     import megatron.training.training as training
+
+    from .qk_clip import clip_qk
 
     if "get_megatron_optimizer" not in _ORIGINALS:
         _ORIGINALS["get_megatron_optimizer"] = training.get_megatron_optimizer
     training.get_megatron_optimizer = optimizer_factory_for(args, _ORIGINALS["get_megatron_optimizer"])
+    training.clip_qk = clip_qk  # passes every model chunk that is not DMuon's to Megatron's own
     ddp_class = ddp_class_for(args)
     if ddp_class is not None:
         training.DDP = ddp_class

@@ -156,6 +156,7 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
                     reduce_chunk_of: Optional[Dict[str, torch.Tensor]] = None,
                     ranks_per_node: int = 0, split_rule_for: Optional[Callable] = None,
                     rules: str = "project", replay_grads: Optional[List[Dict[str, torch.Tensor]]] = None,
+                    after_step: Optional[Callable[[int, Dict[str, torch.Tensor]], None]] = None,
                     ) -> Dict[str, object]:
     """`batches_per_step(step)` returns the global batch as [dp rank][micro-batch] token blocks.
 
@@ -168,6 +169,8 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
     gradients instead of this run's own sums; the largest relative gap between the two is
     returned as `max_grad_gap`. Summation-order rounding then cannot fail the parameter check
     (which stays bitwise), while a wrong reduction still shows as a large gap.
+
+    `after_step(step, params by name)`: called after each update (e.g. a QK-clip of the weights).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     device = named[0][1].device
@@ -216,6 +219,9 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
             if coeff < 1.0:
                 grads = {n: g * coeff for n, g in grads.items()}
         updater.step(named, grads)
+        if after_step is not None:
+            with torch.no_grad():
+                after_step(step, dict(named))
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},  # frozen too
             "grad_norms": grad_norms,
             "max_grad_gap": grad_gap}

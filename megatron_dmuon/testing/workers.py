@@ -100,13 +100,14 @@ def _check_layer_assignment(chunks, shape) -> None:
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
            split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
            grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, megabatch=False,
-           fold_clipping=True, align_param_gather=False, **kw):
+           fold_clipping=True, align_param_gather=False, config_kw=None, **kw):
     """Model chunks, DDPs, optimizer and scheduler of one run (parallel state already initialized):
     one chunk, or under the interleaved schedule one per virtual stage, each in its own DDP (as
     Megatron-LM's get_model: bucketing off for every chunk but the first).
     ``perturb``: scale the weights (a 'fresh' model that differs from the saved one).
     ``align_param_gather``: under --overlap-param-gather the schedule starts each chunk's param
-    all-gather (config.param_sync_func), as Megatron-LM sets it for the interleaved schedule."""
+    all-gather (config.param_sync_func), as Megatron-LM sets it for the interleaved schedule.
+    ``config_kw``: TransformerConfig fields on top of the shape's (e.g. qk_clip=True)."""
     from types import SimpleNamespace
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -121,7 +122,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
 
     o = {**DEFAULTS, **kw}
     shape = _shape(**(shape_kw or {}))
-    model_config = transformer_config(shape)  # one config for every chunk (the schedule reads chunk 0's)
+    model_config = transformer_config(shape, **(config_kw or {}))  # one config for every chunk (the schedule reads chunk 0's)
     models = [build_gpt(shape, model_config, vp_stage=v) for v in virtual_stages()]
     _check_layer_assignment(models, shape)
     for model in models:
@@ -199,9 +200,11 @@ def _micro_batches(run, step, data_dp=None, nan=False):
             for i in range(dp_rank * share, (dp_rank + 1) * share)]
 
 
-def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_steps=(), ns_counts=None):
+def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_steps=(), ns_counts=None,
+           after_step=None):
     """Train ``steps`` (an iterable of step numbers). ``nan_at=(step, rank)``: that rank's gradient
-    of one matrix is NaN at that step; ``skip_steps``: steps whose batch is never seen."""
+    of one matrix is NaN at that step; ``skip_steps``: steps whose batch is never seen;
+    ``after_step(step)``: called right after each optimizer step (where Megatron-LM runs its QK-clip)."""
     from megatron_dmuon.megatron.gpt import on_gpu, train_step
 
     losses, grad_norms, updated, counted, local_ns = [], [], [], {}, []
@@ -223,6 +226,8 @@ def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_step
             loss, grad_norm, _, ok = train_step(run.chunks, run.opt, micro, run.shape.seq_length, run.o["mbs"])
         if hook is not None:
             hook.remove()
+        if after_step is not None:
+            after_step(step)
         if ok:
             run.sched.step(increment=1)
         losses.append(loss)
@@ -419,9 +424,11 @@ RUN_ONLY = ("tp", "pp", "ep", "vpp", "align_param_gather", "overlap", "bucket_si
 
 def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=None, freeze=None,
               ranks_per_node=0, split=None, coefficients="keller", muon_kw=None, rules="project",
-              replay_grads=None, **kw):
+              replay_grads=None, qk_clip=None, **kw):
     """The single-process TP=PP=EP=1 reference for a run with `dp` data-parallel ranks (world_size
-    must be 1). Returns losses, grad norms, full params by global name and the matrix count."""
+    must be 1). Returns losses, grad norms, full params by global name and the matrix count.
+    ``qk_clip``: {'threshold', 'alpha'}: after each step the reference's own QK-clip
+    (testing/qk_clip_reference.py) with the max logits the distributed run's ranks were given."""
     from megatron_dmuon.megatron.gpt import build_gpt
     from megatron_dmuon.planning.params import is_muon_param
     from megatron_dmuon.testing.global_params import init_params_by_name
@@ -442,6 +449,11 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
     from megatron_dmuon.planning.owner_layout import OwnerLayout
     from megatron_dmuon.testing.reference import reduce_chunks_from_layout
 
+    after_step = None
+    if qk_clip is not None:
+        from megatron_dmuon.testing.qk_clip_reference import reference_qk_clip_step
+
+        after_step = reference_qk_clip_step(model.config, dp, **qk_clip)
     chunks = None
     if layouts is not None:
         shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -451,7 +463,7 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
                           muon_settings=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
                           reduce_chunk_of=chunks, ranks_per_node=ranks_per_node,
                           split_rule_for=_split_rule_for(model.config, split), rules=rules,
-                          replay_grads=replay_grads)
+                          replay_grads=replay_grads, after_step=after_step)
     out["num_matrices"] = sum(is_muon_param(n, p) for n, p in model.named_parameters() if p.requires_grad)
     return out
 
