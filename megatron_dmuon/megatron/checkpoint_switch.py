@@ -64,8 +64,8 @@ def _close(a, b) -> bool:
 def check_source(source: dict, parts) -> Optional[str]:
     """Why this run cannot continue from the Megatron checkpoint ``source`` (None: it can)."""
     if not source["muon_groups"]:
-        return ("it was written by Megatron's --optimizer adam: it has no Muon momenta to keep; load the model "
-                "only (--no-load-optim) to start DMuon's state fresh")
+        return ("it is not a DMuon optimizer checkpoint but one of Megatron's --optimizer adam, with no Muon "
+                "momenta to keep; load the model only (--no-load-optim) to start DMuon's state fresh")
     rules = sorted({p.optimizer.muon.update for p in parts})
     if rules != ["muon"]:
         return (f"it was written by Megatron's Muon; this run has --dmuon-update {','.join(rules)}, whose state "

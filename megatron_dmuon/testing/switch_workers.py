@@ -158,3 +158,33 @@ def layerwise_to_dmuon(rank, world_size, resume_at=3, root=None, load_world=None
     _finish_overlap(run)
     out["dmuon"] = {"losses": rest["losses"], "params": _params(run), "state": dmuon_state(run)}
     return out
+
+
+def dmuon_loads_layerwise(rank, world_size, root, resume_at=3, data_dp=None, refuse_kw=None, **kw):
+    """A DMuon run at this world's DP size loads ``layerwise_to_dmuon``'s checkpoint and trains on
+    (the global batch defined for ``data_dp`` ranks). ``refuse_kw``: first a run of other settings
+    tries the load, which must fail on every rank and leave it untouched: (message, untouched)."""
+    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint
+
+    from .checkpoint_workers import _same, _snapshot
+
+    init_parallel()
+    steps = {**DEFAULTS, **kw}["steps"]
+    out = {}
+    if refuse_kw is not None:
+        other = _build(perturb=True, **{**kw, **refuse_kw})
+        before = _snapshot(other)
+        try:
+            load_checkpoint(checkpoint_dir(root, resume_at), other.chunks, other.opt)
+            message = None
+        except BaseException as e:  # noqa: BLE001 - the test reads the type and message
+            message = f"{type(e).__name__}: {e}"
+        out["refused"] = (message, _same(before, _snapshot(other)))
+    run = _build(perturb=True, **kw)
+    common = load_checkpoint(checkpoint_dir(root, resume_at), run.chunks, run.opt)
+    run.sched.load_state_dict(common["scheduler"])
+    out["dmuon_after_load"] = dmuon_state(run)
+    rest = _train(run, range(resume_at, steps), data_dp)
+    _finish_overlap(run)
+    out["dmuon"] = {"losses": rest["losses"], "params": _params(run), "state": dmuon_state(run)}
+    return out
