@@ -23,6 +23,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   python -c "import torch" 2>/dev/null || pip_q "$TORCH_SPEC"
   pip_q numpy "packaging>=24.2" triton mip psutil scipy pytest pytest-timeout matplotlib
   python -c "import megatron.core" 2>/dev/null || pip_q --no-deps --ignore-requires-python "$MCORE_SPEC"
+  # Megatron's own Muon (--dmuon-mode megatron_layerwise; tests/test_optimizer_switch.py). It declares
+  # Python >= 3.12; on 3.11 it lacks only typing.override, which megatron_dmuon's import backports
+  python -m pip show -q emerging-optimizers >/dev/null 2>&1 || pip_q --no-deps --ignore-requires-python \
+    "${DMUON_EMERGING:-emerging-optimizers==0.3.0}" absl-py
   pip_q --no-deps -e "$ROOT"
   echo "$want" > "$STAMP"
 fi

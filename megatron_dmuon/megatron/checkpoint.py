@@ -173,9 +173,10 @@ def _replica_id(sh, piece: Piece, key: str, tp_rank: int):
     return (rid[0], tp_coord, 0)
 
 
-def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid):
+def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid, stored: Optional[str] = None):
     """ShardedTensor(s) for one state key of one piece (``data`` is 1-D, end - start long; a row
-    rule's ``row_variance``: one value per row of the whole matrix)."""
+    rule's ``row_variance``: one value per row of the whole matrix). ``stored``: the key's name in
+    the checkpoint (default ``key``; Megatron's Muon calls a matrix's master ``fp32_param``)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     if key == ROW_KEY:  # not the param's shape: its own 1-D tensor, keyed by the param's global id
@@ -185,7 +186,7 @@ def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid):
     if piece.muon:  # whole TP shard on its owner: the model param's own (regular) sharding
         if (piece.start, piece.end) != (0, numel):
             raise RuntimeError(f"DMuon: Muon matrix {sh.key} is split across DP shards; the layout is not owner-aligned")
-        kwargs = dict(key=f"optimizer.state.{key}.{sh.key}", data=data.view(sh.data.shape), replica_id=rid)
+        kwargs = dict(key=f"optimizer.state.{stored or key}.{sh.key}", data=data.view(sh.data.shape), replica_id=rid)
         if not isinstance(sh, ShardedTensorFactory):
             kwargs["dtype"] = data.dtype
         return replace(sh, **kwargs)
@@ -202,14 +203,15 @@ def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid):
             g + o for g, o in zip(sh.global_offset[prepend:], offset))
         local_shape = (1,) * prepend + tuple(shape)
         blocks.append(ShardedTensor(
-            f"optimizer.state.{key}.{sh.key}", data[a - piece.start:b - piece.start].view(local_shape), data.dtype,
+            f"optimizer.state.{stored or key}.{sh.key}", data[a - piece.start:b - piece.start].view(local_shape), data.dtype,
             local_shape, tuple(sh.global_shape), global_offset, None, rid, 0,
             allow_shape_mismatch=sh.allow_shape_mismatch))
     return blocks
 
 
-def _sharded_param_state(opt, meta: dict, is_loading: bool) -> dict:
-    """{param id: {state key: ShardedTensor or [ShardedTensor blocks]}} of one part's pieces."""
+def _sharded_param_state(opt, meta: dict, is_loading: bool, stored=None) -> dict:
+    """{param id: {state key: ShardedTensor or [ShardedTensor blocks]}} of one part's pieces.
+    ``stored(piece, key)``: the key's name in the checkpoint (a load of another optimizer's)."""
     tp_rank = opt.optimizer.tp.rank
     out = {}
     for piece in local_pieces(opt):
@@ -221,7 +223,8 @@ def _sharded_param_state(opt, meta: dict, is_loading: bool) -> dict:
         entry = {}
         for key, t in piece.tensors.items():
             data = torch.empty_like(t.detach()) if is_loading else t.detach()
-            entry[key] = _sharded_entry(sh, piece, key, data, _replica_id(sh, piece, key, tp_rank))
+            entry[key] = _sharded_entry(sh, piece, key, data, _replica_id(sh, piece, key, tp_rank),
+                                        stored(piece, key) if stored else None)
         out[param_id(sh)] = entry
     return out
 
@@ -377,7 +380,9 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
                             sharding_type=None) -> dict:
     """dist_checkpointing state of the whole optimizer (collective): one structure whatever the
     number of chained parts (dense/expert), so a load may split the params differently."""
-    _check_sharding_type(metadata, sharding_type)
+    source = getattr(parts[0], "_load_source", None) if is_loading else None
+    if source is None:  # (a load of Megatron's own Muon checkpoint asks for its sharding type)
+        _check_sharding_type(metadata, sharding_type)
     if model_sharded_state_dict is None:
         model_sharded_state_dict = model_state(_chunks(parts))
     meta = model_sharded_metadata(model_sharded_state_dict)
@@ -385,11 +390,15 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
     state = optimizer_state_dict(parts)
     state["dmuon"] = record
     state["param_state"] = {}
+    stored = None
+    if source is not None:  # checkpoint_switch: the same tensors under Megatron's names
+        from .checkpoint_switch import megatron_name as stored
     for opt in parts:
-        state["param_state"].update(_sharded_param_state(opt, meta, is_loading))
+        state["param_state"].update(_sharded_param_state(opt, meta, is_loading, stored))
     state["param_state_sharding_type"] = SHARDING_TYPE
     if is_loading:  # the loaded dict carries the checkpoint's record: keep the current one
         parts[0]._pending_load = (state["dmuon"], {p: param_id(sh) for p, sh in meta.items()})
+        parts[0]._pending_source = source
     return state
 
 
@@ -400,7 +409,12 @@ def load_optimizer_state(parts, state_dict) -> None:
     info = state_dict.get("dmuon") if isinstance(state_dict, dict) else None
     param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
     pending = getattr(parts[0], "_pending_load", None)
-    parts[0]._pending_load = None
+    source = getattr(parts[0], "_pending_source", None)
+    parts[0]._pending_load = parts[0]._pending_source = parts[0]._load_source = None
+    if source is not None and param_state is not None and pending is not None:
+        from .checkpoint_switch import load_megatron_state
+
+        return load_megatron_state(parts, param_state, source, pending[1])
     if param_state is not None:  # dist_checkpointing: every rank is here
         if pending is None:
             meta = model_sharded_metadata(model_state(_chunks(parts)))

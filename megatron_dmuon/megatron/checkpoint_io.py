@@ -178,10 +178,16 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
         common = dist_checkpointing.load_common_state_dict(path)
         saved = common.get("optimizer") if isinstance(common, dict) else None
         meta = model_sharded_metadata(model_state(_chunks(parts)))
-        agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
-                                    gather_record(parts, meta)))
-    with contextlib.nullcontext() if dmuon or not load_optimizer else _megatron_torch_adam_load(parts):
-        return _load(path, model_chunks, optimizer, load_optimizer, metadata)
+        from .checkpoint_switch import prepare_load
+
+        if not prepare_load(path, parts, saved, meta):  # Megatron's own Muon: checked there
+            agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
+                                        gather_record(parts, meta)))
+    try:
+        with contextlib.nullcontext() if dmuon or not load_optimizer else _megatron_torch_adam_load(parts):
+            return _load(path, model_chunks, optimizer, load_optimizer, metadata)
+    finally:
+        parts[0]._load_source = None  # (a failed read must not leave Megatron's names for the next load)
 
 
 def _load(path, model_chunks, optimizer, load_optimizer, metadata) -> dict:

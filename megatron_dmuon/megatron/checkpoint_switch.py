@@ -1,0 +1,164 @@
+"""Switching optimizers mid-run: a torch_dist checkpoint of Megatron's own Muon (``--optimizer muon
+--use-distributed-optimizer``: its LayerWiseDistributedOptimizer chained with a
+DistributedOptimizer for the AdamW params) loads into ``--optimizer dmuon``, keeping the fp32
+masters, the Muon momenta, the AdamW moments and step.
+
+What such a checkpoint holds (megatron-core 0.19, bf16; inspected, see docs/checkpoints.md):
+
+* per Muon matrix (the LayerWise part, whole on its DP owner, the model param's own sharding):
+  ``optimizer.state.fp32_param.<model key>`` (master) and ``optimizer.state.momentum_buffer.<model
+  key>``; its param groups (common state) carry ``momentum`` and no step;
+* per AdamW param (the DistributedOptimizer part, ``--dist-ckpt-optim-fully-reshardable`` only):
+  ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` (whole tensors), its param groups
+  ``betas``, ``eps`` and the one ``step``; ``param_state_sharding_type`` says the format;
+* the common ``optimizer`` entry is the chain ``{0: LayerWise part, 1: DistOpt part}``.
+
+DMuon's own keys are the same but for the matrix master (``param``); its pieces are requested from
+the checkpoint under Megatron's names (``megatron_name``), each rank its own owners' pieces,
+so the load reshards over DP like DMuon's own format. The momentum means the same in both
+(``momentum.lerp_(grad, 1 - beta)``; Nesterov's input ``grad.lerp(momentum, beta)``), so it is
+copied as it is. Refused, on every rank before anything is read: another update rule
+(``--dmuon-update normuon|dion3``), a Muon momentum / AdamW betas or eps other than the
+checkpoint's, Megatron's bucket format (``dp_reshardable``), a checkpoint without Muon momenta
+(``--optimizer adam``) and any missing or extra tensor.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+MASTER = "fp32_param"  # Megatron's Float16Optimizer: a matrix's fp32 master
+
+
+def megatron_name(piece, key: str) -> str:
+    """A DMuon state key's name in Megatron's Muon checkpoint."""
+    return MASTER if piece.muon and key == "param" else key
+
+
+def megatron_source(common_optimizer) -> Optional[dict]:
+    """The param groups and formats of a Megatron Muon / Adam checkpoint's common ``optimizer``
+    entry (None: not one of Megatron's chained or distributed optimizers, e.g. DMuon's own)."""
+    if not isinstance(common_optimizer, dict) or "dmuon" in common_optimizer:
+        return None
+    keys = list(common_optimizer)
+    parts = [common_optimizer[k] for k in sorted(keys)] if keys and all(isinstance(k, int) for k in keys) \
+        else [common_optimizer]
+    muon, adam, formats = [], [], []
+    for part in parts:
+        groups = part.get("optimizer", {}).get("param_groups") if isinstance(part, dict) else None
+        if not isinstance(groups, list):
+            return None
+        for group in groups:
+            (adam if "betas" in group else muon).append({k: v for k, v in group.items() if k != "params"})
+        if "param_state_sharding_type" in part:
+            formats.append(part["param_state_sharding_type"])
+    return {"muon_groups": muon, "adam_groups": adam, "formats": formats}
+
+
+def _close(a, b) -> bool:
+    return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+
+
+def check_source(source: dict, parts) -> Optional[str]:
+    """Why this run cannot continue from the Megatron checkpoint ``source`` (None: it can)."""
+    if not source["muon_groups"]:
+        return ("it is not a DMuon optimizer checkpoint but one of Megatron's --optimizer adam, with no Muon "
+                "momenta to keep; load the model only (--no-load-optim) to start DMuon's state fresh")
+    rules = sorted({p.optimizer.muon.update for p in parts})
+    if rules != ["muon"]:
+        return (f"it was written by Megatron's Muon; this run has --dmuon-update {','.join(rules)}, whose state "
+                "means something else: switch with --dmuon-update muon")
+    bad = sorted(set(f for f in source["formats"] if f != "fully_reshardable"))
+    if bad:
+        return (f"its AdamW part is in Megatron's {bad[0]} format (keyed on Megatron's DP buffer buckets); "
+                "save it with --dist-ckpt-optim-fully-reshardable to switch to --optimizer dmuon")
+    if not source["formats"] and source["adam_groups"]:
+        return "its AdamW part has no param_state_sharding_type (not a distributed optimizer's torch_dist state)"
+    momenta = {float(g.get("momentum", float("nan"))) for g in source["muon_groups"]}
+    ours = {float(p.optimizer.muon.momentum) for p in parts}
+    if len(momenta) != 1 or len(ours) != 1 or not _close(next(iter(momenta)), next(iter(ours))):
+        return (f"its Muon momentum is {sorted(momenta)}, this run's --muon-momentum {sorted(ours)}: resume with "
+                "the checkpoint's (the run would not be the one that never switched)")
+    for group in source["adam_groups"]:
+        for part in parts:
+            for mine in (g for g in part.optimizer.param_groups if not g.get("use_muon", False)):
+                saved_betas, betas = tuple(map(float, group["betas"])), tuple(map(float, mine["betas"]))
+                if not all(_close(a, b) for a, b in zip(saved_betas, betas)) or not _close(group["eps"], mine["eps"]):
+                    return (f"its AdamW betas/eps are {saved_betas}/{group['eps']}, this run's {betas}/{mine['eps']}: "
+                            "resume with the checkpoint's --adam-beta1/--adam-beta2/--adam-eps")
+    steps = {float(g["step"]) for g in source["adam_groups"] if g.get("step") is not None}
+    if len(steps) > 1:
+        return f"its AdamW param groups hold different steps ({sorted(steps)})"
+    source["adam_step"] = steps.pop() if steps else None
+    return None
+
+
+def check_tensors(parts, meta: dict, saved: dict) -> Optional[str]:
+    """Every tensor this rank's pieces need is in the checkpoint (``saved``: its tensor metadata,
+    key -> ShardedTensor), of the model param's global shape; and the checkpoint holds optimizer
+    state for no parameter this model lacks (collective: the keys of every rank)."""
+    from .checkpoint import _global_shape, local_pieces
+
+    problems, mine = [], set()
+    for opt in parts:
+        for piece in local_pieces(opt):
+            sh = meta[piece.model_param]
+            mine.add(sh.key)
+            for key in piece.tensors:
+                name = f"optimizer.state.{megatron_name(piece, key)}.{sh.key}"
+                found = saved.get(name)
+                if found is None:
+                    other = "momentum_buffer" if not piece.muon else "exp_avg"
+                    kind = ("Muon here, AdamW in the checkpoint" if piece.muon else "AdamW here, Muon in the checkpoint")
+                    problems.append(f"{name} is missing" + (f" ({sh.key} is {kind})"
+                                                            if f"optimizer.state.{other}.{sh.key}" in saved else ""))
+                elif tuple(found.global_shape) != _global_shape(sh):
+                    problems.append(f"{name} has shape {tuple(found.global_shape)}, this model {_global_shape(sh)}")
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, sorted(mine))
+    model_keys = set().union(*map(set, everyone))
+    prefixes = ("optimizer.state.fp32_param.", "optimizer.state.momentum_buffer.", "optimizer.state.param.",
+                "optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
+    extra = sorted({k.split(".", 3)[3] for k in saved if k.startswith(prefixes)} - model_keys)
+    if extra:
+        problems.append(f"the checkpoint has optimizer state of {len(extra)} params this model lacks, e.g. {extra[0]}")
+    if problems:
+        return ("it does not fit this model: " + "; ".join(problems[:4])
+                + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""))
+    return None
+
+
+def prepare_load(path: str, parts, common_optimizer, meta: dict) -> bool:
+    """Before a load of ``path``: if it is a Megatron Muon checkpoint, check it (raising on every
+    rank, before anything is read) and make the next ``sharded_state_dict(is_loading=True)`` ask
+    for Megatron's names. False: not one of Megatron's (DMuon's own record check applies)."""
+    from megatron.core import dist_checkpointing
+
+    from .checkpoint import agree_or_raise
+
+    source = megatron_source(common_optimizer)
+    if source is None:
+        return False
+    error = check_source(source, parts)
+    if error is None:
+        error = check_tensors(parts, meta, dist_checkpointing.load_tensors_metadata(path))
+    agree_or_raise(error and f"{path} was written by Megatron's own optimizer; {error}")
+    parts[0]._load_source = source
+    return True
+
+
+def load_megatron_state(parts, param_state: dict, source: dict, ids: dict) -> None:
+    """The loaded tensors into every piece, the AdamW step, then the publish (the scheduler sets
+    lr and weight decay on its own load)."""
+    from .checkpoint import agree_or_raise, check_pieces, flat, load_pieces, publish
+
+    lookup = lambda pid, key, piece: flat(param_state[pid][key]) if key in param_state.get(pid, {}) else None  # noqa: E731
+    agree_or_raise(next((e for e in (check_pieces(o, lookup, ids) for o in parts) if e), None))
+    for opt in parts:
+        if source.get("adam_step") is not None:
+            opt.optimizer.set_adam_step(source["adam_step"])
+            opt.optimizer.ns_check.steps = int(source["adam_step"])
+        load_pieces(opt, lookup, ids)
+        publish(opt)
