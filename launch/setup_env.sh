@@ -24,9 +24,16 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   pip_q numpy "packaging>=24.2" triton mip psutil scipy pytest pytest-timeout matplotlib
   python -c "import megatron.core" 2>/dev/null || pip_q --no-deps --ignore-requires-python "$MCORE_SPEC"
   # Megatron's own Muon (--dmuon-mode megatron_layerwise; tests/test_optimizer_switch.py). It declares
-  # Python >= 3.12; on 3.11 it lacks only typing.override, which megatron_dmuon's import backports
+  # Python >= 3.12; on 3.11 it lacks only typing.override (3.12's no-op marker), which megatron-core
+  # imports through it at `import megatron.core`: this venv gets typing_extensions' at start-up (a .pth)
   python -m pip show -q emerging-optimizers >/dev/null 2>&1 || pip_q --no-deps --ignore-requires-python \
     "${DMUON_EMERGING:-emerging-optimizers==0.3.0}" absl-py
+  python - <<'PY'
+import os, site, sys
+if sys.version_info < (3, 12):
+    with open(os.path.join(site.getsitepackages()[0], "dmuon_typing_override.pth"), "w") as f:
+        f.write("import typing, typing_extensions; typing.override = getattr(typing, 'override', typing_extensions.override)\n")
+PY
   pip_q --no-deps -e "$ROOT"
   echo "$want" > "$STAMP"
 fi

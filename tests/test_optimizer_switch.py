@@ -18,7 +18,6 @@ COMMON = dict(resume_at=3, steps=5, shape_kw=dict(bf16=True), ns_dtype="float32"
 
 def _layerwise_or_skip():
     try:
-        import megatron_dmuon  # noqa: F401 - backports typing.override first
         import emerging_optimizers  # noqa: F401
     except ImportError as e:
         if os.environ.get("CI"):  # launch/setup_env.sh installs it: CI must run these tests

@@ -334,3 +334,27 @@ def _check_same_group(pg_collection, dp_group) -> None:
 def build_dmuon_ddp(config, ddp_config, module, disable_bucketing=False, dmuon=None, **overrides) -> DMuonDDP:
     """DistributedDataParallel over an owner-aligned layout (the DMuon drop-in for DDP(...))."""
     return DMuonDDP(config, ddp_config, module, disable_bucketing=disable_bucketing, dmuon=dmuon, **overrides)
+
+
+class MegatronLayerWiseDDP(_import_distributed_data_parallel()):
+    """Megatron's own DDP as Megatron-LM's `wrap_model_chunks_with_ddp` builds it for `--optimizer
+    muon --use-distributed-optimizer` (the `--dmuon-mode megatron_layerwise` baseline): params tagged
+    for buffer routing and LayerWise's shard-aligned `full_param_layout`, so each Muon matrix is
+    reduced whole onto the rank that steps it. Without a distributed optimizer, Megatron's plain DDP."""
+
+    def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
+                 full_param_layout=None):
+        if ddp_config.use_distributed_optimizer and full_param_layout is None:
+            from megatron.core import parallel_state
+            from megatron.core.optimizer.layer_wise_optimizer import (
+                LayerWiseDistributedOptimizer, tag_params_for_buffer_routing)
+
+            tag_params_for_buffer_routing([module])
+            full_param_layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+                [p for p in module.parameters() if p.requires_grad], ddp_config.bucket_size,
+                parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True),
+                ddp_config,
+                expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size(
+                    partial_expert_data_parallel=True))
+        super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
+                         pg_collection=pg_collection, full_param_layout=full_param_layout)

@@ -39,12 +39,16 @@ _ORIGINALS: dict = {}
 
 
 def ddp_class_for(args) -> Optional[type]:
-    """The DDP class for this run: DMuonDDP bound to this run's DMuonConfig, or None where
-    Megatron's own DistributedDataParallel is right (another optimizer, or the all-reduce baseline
+    """The DDP class for this run: DMuonDDP bound to this run's DMuonConfig; Megatron's DDP with
+    LayerWise's layout for the `megatron_layerwise` baseline; or None where Megatron's own
+    DistributedDataParallel is right (another optimizer, or the all-reduce baseline
     `--dmuon-mode gather_then_compute`)."""
     if args.optimizer != "dmuon" or args.dmuon_mode == "gather_then_compute":
         return None
-    from .layout import DMuonDDP
+    from .layout import DMuonDDP, MegatronLayerWiseDDP
+
+    if args.dmuon_mode == "megatron_layerwise":  # Megatron's own LayerWise Muon, wired as Megatron-LM does
+        return MegatronLayerWiseDDP
 
     cfg = config_of(args)
 

@@ -128,8 +128,17 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
             ) from e
         from megatron.core.optimizer import get_megatron_optimizer
 
+        # as Megatron-LM's validate_args turns --optimizer muon --use-distributed-optimizer: the
+        # LayerWise distributed optimizer (each matrix stepped whole by one DP rank), not DistOpt
+        layer_wise = config.use_distributed_optimizer
+        if layer_wise and not config.bf16:
+            raise ValueError(
+                "--dmuon-mode megatron_layerwise runs Megatron's LayerWise distributed Muon, which megatron-core "
+                "0.19 builds for bf16 params only (its fp32 chain fails Megatron's own config check, as "
+                "--optimizer muon --use-distributed-optimizer does in Megatron-LM): add --bf16")
         return get_megatron_optimizer(
-            dataclasses.replace(config, optimizer="muon",
+            dataclasses.replace(config, optimizer="muon", use_distributed_optimizer=False,
+                                use_layer_wise_distributed_optimizer=layer_wise,
                                 **megatron_muon_fields(cfg, getattr(config, "muon_tp_mode", "duplicated"))),
             model_chunks)
 

@@ -33,8 +33,7 @@ def free_port() -> int:
 
 
 # what the fork server imports once (its children inherit the loaded modules, not their state)
-# (megatron_dmuon first: its import backports what Megatron's Muon needs on Python 3.11)
-PRELOAD = ("megatron_dmuon", "torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.distributed",
+PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.distributed",
            "megatron.core.optimizer", "megatron.core.models.gpt", "megatron_dmuon.megatron.optimizer",
            "megatron_dmuon.megatron.gpt", "megatron_dmuon.testing.cpu_shim", "megatron_dmuon.testing.workers",
            "megatron_dmuon.testing.checkpoint_workers")
