@@ -390,9 +390,7 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
     state = optimizer_state_dict(parts)
     state["dmuon"] = record
     state["param_state"] = {}
-    stored = None
-    if source is not None:  # checkpoint_switch: the same tensors under Megatron's names
-        from .checkpoint_switch import megatron_name as stored
+    stored = megatron_name if source is not None else None  # checkpoint_switch: Megatron's names
     for opt in parts:
         state["param_state"].update(_sharded_param_state(opt, meta, is_loading, stored))
     state["param_state_sharding_type"] = SHARDING_TYPE
@@ -402,6 +400,14 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
     return state
 
 
+MEGATRON_MASTER = "fp32_param"  # Megatron's Float16Optimizer: a matrix's fp32 master
+
+
+def megatron_name(piece, key: str) -> str:
+    """A DMuon state key's name in Megatron's Muon checkpoint (megatron/checkpoint_switch.py)."""
+    return MEGATRON_MASTER if piece.muon and key == "param" else key
+
+
 def load_optimizer_state(parts, state_dict) -> None:
     """Load what ``optimizer_state_dict`` (torch format: then ``load_param_state_file``) or
     ``sharded_optimizer_state`` (dist) saved. Every check runs on every rank before any state
@@ -409,12 +415,7 @@ def load_optimizer_state(parts, state_dict) -> None:
     info = state_dict.get("dmuon") if isinstance(state_dict, dict) else None
     param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
     pending = getattr(parts[0], "_pending_load", None)
-    source = getattr(parts[0], "_pending_source", None)
     parts[0]._pending_load = parts[0]._pending_source = parts[0]._load_source = None
-    if source is not None and param_state is not None and pending is not None:
-        from .checkpoint_switch import load_megatron_state
-
-        return load_megatron_state(parts, param_state, source, pending[1])
     if param_state is not None:  # dist_checkpointing: every rank is here
         if pending is None:
             meta = model_sharded_metadata(model_state(_chunks(parts)))

@@ -29,12 +29,21 @@ from typing import Optional
 
 import torch
 
-MASTER = "fp32_param"  # Megatron's Float16Optimizer: a matrix's fp32 master
+from . import checkpoint as ckpt
+from .checkpoint import (_global_shape, agree_or_raise, check_pieces, flat, load_pieces,
+                         local_pieces, megatron_name, publish)
 
 
-def megatron_name(piece, key: str) -> str:
-    """A DMuon state key's name in Megatron's Muon checkpoint."""
-    return MASTER if piece.muon and key == "param" else key
+def load_optimizer_state(parts, state_dict) -> None:
+    """``checkpoint.load_optimizer_state``, or, where ``prepare_load`` found a Megatron Muon
+    checkpoint at this load, its tensors into DMuon's pieces (``load_megatron_state``)."""
+    pending = getattr(parts[0], "_pending_load", None)
+    source = getattr(parts[0], "_pending_source", None)
+    param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
+    if source is not None and param_state is not None and pending is not None:
+        parts[0]._pending_load = parts[0]._pending_source = parts[0]._load_source = None
+        return load_megatron_state(parts, param_state, source, pending[1])
+    return ckpt.load_optimizer_state(parts, state_dict)
 
 
 def megatron_source(common_optimizer) -> Optional[dict]:
@@ -99,7 +108,6 @@ def check_tensors(parts, meta: dict, saved: dict) -> Optional[str]:
     """Every tensor this rank's pieces need is in the checkpoint (``saved``: its tensor metadata,
     key -> ShardedTensor), of the model param's global shape; and the checkpoint holds optimizer
     state for no parameter this model lacks (collective: the keys of every rank)."""
-    from .checkpoint import _global_shape, local_pieces
 
     problems, mine = [], set()
     for opt in parts:
@@ -136,7 +144,6 @@ def prepare_load(path: str, parts, common_optimizer, meta: dict) -> bool:
     for Megatron's names. False: not one of Megatron's (DMuon's own record check applies)."""
     from megatron.core import dist_checkpointing
 
-    from .checkpoint import agree_or_raise
 
     source = megatron_source(common_optimizer)
     if source is None:
@@ -152,7 +159,6 @@ def prepare_load(path: str, parts, common_optimizer, meta: dict) -> bool:
 def load_megatron_state(parts, param_state: dict, source: dict, ids: dict) -> None:
     """The loaded tensors into every piece, the AdamW step, then the publish (the scheduler sets
     lr and weight decay on its own load)."""
-    from .checkpoint import agree_or_raise, check_pieces, flat, load_pieces, publish
 
     lookup = lambda pid, key, piece: flat(param_state[pid][key]) if key in param_state.get(pid, {}) else None  # noqa: E731
     agree_or_raise(next((e for e in (check_pieces(o, lookup, ids) for o in parts) if e), None))

@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from . import checkpoint as ckpt
+from . import checkpoint_switch
 from ..planning.dp_shards import shard_range
 from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
@@ -433,7 +434,7 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
     def load_state_dict(self, state_dict):
         parts = self._owner_parts()
-        return ckpt.load_optimizer_state(parts, state_dict) if parts else super().load_state_dict(state_dict)
+        return checkpoint_switch.load_optimizer_state(parts, state_dict) if parts else super().load_state_dict(state_dict)
 
     def save_parameter_state(self, filename: str):
         parts = self._owner_parts()
@@ -502,7 +503,7 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
         return ckpt.sharded_optimizer_state([self], model_sharded_state_dict, is_loading, metadata, sharding_type)
 
     def load_state_dict(self, state_dict):
-        ckpt.load_optimizer_state([self], state_dict)
+        checkpoint_switch.load_optimizer_state([self], state_dict)
 
     def get_parameter_state_dp_zero(self, *args, **kwargs):
         return ckpt.param_state_dp_zero([self])
