@@ -331,10 +331,15 @@ def check_record(record, current: dict) -> Optional[str]:
     extra = sorted(set(saved) - set(now))
     if extra:
         problems.append(f"the checkpoint has {len(extra)} params this model lacks, e.g. {extra[0]}")
-    if problems:
-        return ("the checkpoint was saved from a different model: " + "; ".join(problems[:4])
-                + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""))
-    return None
+    return mismatch_message("the checkpoint was saved from a different model", problems)
+
+
+def mismatch_message(lead: str, problems: list) -> Optional[str]:
+    """``lead: problem; problem; ...`` (the first four, and how many more), or None for none."""
+    if not problems:
+        return None
+    more = f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""
+    return f"{lead}: " + "; ".join(problems[:4]) + more
 
 
 def agree_or_raise(error: Optional[str], group=None) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .checkpoint import (_global_shape, agree_or_raise, check_pieces, flat, load_pieces,
-                         local_pieces, megatron_name, publish)
+                         local_pieces, megatron_name, mismatch_message, publish)
 
 
 def load_optimizer_state(parts, state_dict) -> None:
@@ -132,10 +132,7 @@ def check_tensors(parts, meta: dict, saved: dict) -> Optional[str]:
     extra = sorted({k.split(".", 3)[3] for k in saved if k.startswith(prefixes)} - model_keys)
     if extra:
         problems.append(f"the checkpoint has optimizer state of {len(extra)} params this model lacks, e.g. {extra[0]}")
-    if problems:
-        return ("it does not fit this model: " + "; ".join(problems[:4])
-                + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""))
-    return None
+    return mismatch_message("it does not fit this model", problems)
 
 
 def prepare_load(path: str, parts, common_optimizer, meta: dict) -> bool:
