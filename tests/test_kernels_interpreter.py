@@ -204,6 +204,23 @@ def test_child_scaled_norm_is_right_at_every_scale(dtype):
 
 
 @child_only
+def test_child_float64_sum_of_squares_equals_the_float64_norm():
+    """The grad norm's kernel (float64 partial sums, no float64 copy): equal to torch's float64
+    norm to float64 rounding, for every grad dtype, partial blocks, empty and non-contiguous grads."""
+    from megatron_dmuon.kernels.grad_norm import sum_of_squares_float64
+
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(3001, generator=gen) * 1e3, torch.randn(17, 5, generator=gen).to(torch.bfloat16),
+             torch.randn(2048, generator=gen).to(torch.float16), torch.empty(0),
+             torch.randn(9, 40, generator=gen).mT, torch.full((1025,), 3e19)]  # squares past float32's range
+    exact = sum(float(torch.linalg.vector_norm(g.double()).square()) for g in grads)
+    ours = sum_of_squares_float64(grads, torch.device("cpu"))
+    assert ours.dtype == torch.float64 and ours.shape == (1,)
+    assert abs(float(ours) / exact - 1) < 1e-14
+    assert float(sum_of_squares_float64([], torch.device("cpu"))) == 0.0
+
+
+@child_only
 @pytest.mark.parametrize("dtype", list(SCALES))
 def test_child_public_entry_points_need_no_retry_at_any_scale(dtype):
     """newton_schulz_fast, gram_newton_schulz_fast, orthogonalize_batched: finite results equal to

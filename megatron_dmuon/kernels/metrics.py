@@ -46,9 +46,27 @@ def retry_nonfinite(result: torch.Tensor, inputs, recompute: Callable[[torch.Ten
     ``inputs`` is the input stack (same leading dims as ``result``) or a callable that returns the
     input matrices for a list of flat matrix indices (so a caller need not keep the stack alive)."""
     flat = result.reshape(-1, result.size(-2), result.size(-1))
-    finite = matrices_finite(flat)
+    return _retry_matrices(result, (~matrices_finite(flat)).nonzero().flatten().tolist(), inputs, recompute)
+
+
+def retry_nonfinite_stacks(results: list, inputs: list, recompute: Callable[[torch.Tensor], torch.Tensor]) -> list:
+    """``retry_nonfinite`` of every (result, input) pair with one host sync for all of them (the
+    per-matrix finiteness flags of every stack read back together), not one per stack."""
+    if not results:
+        return results
+    flats = [r.reshape(-1, r.size(-2), r.size(-1)) for r in results]
+    flags = torch.cat([matrices_finite(f) for f in flats]).tolist()
+    out, start = [], 0
+    for result, flat, x in zip(results, flats, inputs):
+        finite = flags[start:start + flat.size(0)]
+        start += flat.size(0)
+        out.append(_retry_matrices(result, [i for i, ok in enumerate(finite) if not ok], x, recompute))
+    return out
+
+
+def _retry_matrices(result: torch.Tensor, bad: list, inputs, recompute) -> torch.Tensor:
+    flat = result.reshape(-1, result.size(-2), result.size(-1))
     NONFINITE_METRICS["outputs_checked"] += flat.size(0)
-    bad = (~finite).nonzero().flatten().tolist()
     if not bad:
         return result
     NONFINITE_METRICS["nonfinite_outputs"] += len(bad)

@@ -27,6 +27,7 @@ counted in ``metrics.NONFINITE_METRICS``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+import sys
 import warnings
 
 import torch
@@ -214,6 +215,9 @@ def _fast_or_torch(key: tuple, fast, torch_path, forced: bool) -> Tensor:
             f"({_FAILED[key]}); this shape runs the torch path from now on. The autotune cache may hold a "
             f"choice made by other software: re-tune (dmuon autotune) or remove {CACHE_ENV} / the cache file",
             RuntimeWarning)
+        # also on stderr: a job run with PYTHONWARNINGS=ignore must still see that it is slower
+        print(f"> WARNING: DMuon kernels failed for {key[0]} NS of shape {key[1]} ({_FAILED[key]}); "
+              "that shape runs the torch path from now on", file=sys.stderr, flush=True)
         NONFINITE_METRICS["kernel_fallbacks"] += 1
         return torch_path()
 

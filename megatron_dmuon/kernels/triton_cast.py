@@ -111,7 +111,8 @@ def scaled_norm_reciprocal(x: torch.Tensor, eps: float, block: int = 128) -> tor
     scaled = (sums * weight * weight).sum(dim=1)  # >= 1 where top > 0: sum (x / top)^2
     # a norm >= eps (top >= eps suffices): 1/top/sqrt(scaled), no overflow on the way; else 1/eps
     # (top * sqrt(scaled) cannot overflow there)
-    below = torch.maximum(top * scaled.sqrt(), torch.tensor(eps, dtype=torch.float32, device=x.device))
+    # (clamp, not a tensor made from eps: no host-to-device copy, which a CUDA graph capture forbids)
+    below = (top * scaled.sqrt()).clamp(min=eps)
     return torch.where(top >= eps, top.reciprocal() * scaled.rsqrt(), below.reciprocal())
 
 

@@ -21,6 +21,7 @@ from . import checkpoint_switch
 from ..planning.dp_shards import shard_range
 from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+from ..kernels.metrics import NONFINITE_METRICS
 from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig, megatron_muon_fields  # noqa: F401 (MODES: public API)
 from .layout import split_rule
@@ -316,6 +317,10 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
             device = grads[0].device if grads else (
                 torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu"))
+            if device.type == "cuda":  # float64 partial sums without a float64 copy of every grad
+                from ..kernels.grad_norm import sum_of_squares_float64
+
+                return sum_of_squares_float64(grads, device)
             total = torch.zeros(1, dtype=torch.float64, device=device)
             for g in grads:
                 total += torch.linalg.vector_norm(g, dtype=torch.float64).square()
@@ -453,6 +458,8 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
         return {"skipped_iterations": self.skipped_iterations,
                 "ns_fp32_retries": sum(o.optimizer.stats["ns_fp32_retries_total"] for o in self.chained_optimizers),
                 "ns_check_recomputed": sum(o.optimizer.ns_check.recomputed_total for o in self.chained_optimizers),
+                # NS calls that ran the torch path because a kernel failed (process-wide; warned on stderr)
+                "ns_kernel_fallbacks": NONFINITE_METRICS["kernel_fallbacks"],
                 "ns_paths": {k: v for o in self.chained_optimizers for k, v in sorted(o.optimizer.ns_paths.items())}}
 
 

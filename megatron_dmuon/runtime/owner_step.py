@@ -24,7 +24,7 @@ from ..algorithms.ns_metrics import schedule_peak
 from ..algorithms.schedules import schedule_for_shape
 from ..kernels import GraphedGroups, orthogonalize_batched, orthogonalize_groups, resolve_method
 from ..kernels.fused_muon import muon_apply_fast_, muon_momentum_fast_  # the torch ops where they cannot fuse
-from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite
+from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite_stacks
 from ..planning.params import check_muon_matrix_shape
 from ..planning.tp_cost import TP_METHODS
 from .ns_check import NSQualityCheck
@@ -231,8 +231,15 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     updates go to each matrix's TP owner and directions come back (``runtime.tp_exchange``)."""
 
     def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
-                 muon: Optional[MuonSettings] = None, orthogonalizer=None, tp_group=None):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                 muon: Optional[MuonSettings] = None, orthogonalizer=None, tp_group=None,
+                 fused_adamw: Optional[bool] = None):
+        # fused_adamw: torch's one-kernel AdamW for the element-wise params (the same update in
+        # one pass instead of ~8 foreach passes; the rounding of a fused kernel, as Transformer
+        # Engine's FusedAdam gives Megatron). None: on CUDA, where it exists.
+        params = list(params)
+        if fused_adamw is None:
+            fused_adamw = all(p.is_cuda for g in params for p in (g["params"] if isinstance(g, dict) else [g]))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused_adamw or None)
         self.muon = muon or MuonSettings()
         self.muon.validate()
         if orthogonalizer is not None and self.muon.ns_launch != "eager":
@@ -335,6 +342,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 with record_function("dmuon.adamw"), (torch.cuda.stream(side) if side else contextlib.nullcontext()):
                     if grad_scale is not None:  # Megatron's clip: dst.copy_(src * coefficient), same bits
                         torch._foreach_mul_([p.grad for p in adam_params], grad_scale)
+                    self._adam_steps_on_param_devices(adam_groups)
                     super().step()
             finally:
                 self.param_groups = all_groups
@@ -342,6 +350,17 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         if side is not None:
             torch.cuda.current_stream(side.device).wait_stream(side)
         return loss
+
+    def _adam_steps_on_param_devices(self, groups) -> None:
+        """The fused AdamW kernel reads its step counters on the params' device; a checkpoint
+        loaded by DMuon's own code (not torch's load_state_dict, which moves them) may hold them
+        on the CPU."""
+        for g in groups:
+            if g.get("fused"):
+                for p in g["params"]:
+                    step = self.state.get(p, {}).get("step")
+                    if step is not None and step.device != p.device:
+                        self.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
     def _side_stream(self, device) -> "torch.cuda.Stream":
         streams = self.__dict__.setdefault("_adam_streams", {})
@@ -540,17 +559,18 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                     graph = self._graphs[key] = GraphedGroups(stacks, adopt_inputs=True, **calls())
                 outputs = graph(stacks)  # the graph's static outputs: consumed before the next step
         if s.retry_nonfinite:
-            outputs = [self._retry_nonfinite(o, x) for o, x in zip(outputs, stacks)]
+            outputs = self._retry_nonfinite(outputs, stacks)
         if self.ns_check.due():
             with record_function("dmuon.ns_check"):
                 outputs = self.ns_check.check(outputs, stacks, plan.slot_names())
         return outputs
 
-    def _retry_nonfinite(self, orth: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        """Matrices whose NS output holds NaN/Inf are recomputed by the float32 torch path."""
+    def _retry_nonfinite(self, outputs: List[torch.Tensor], stacks: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Matrices whose NS output holds NaN/Inf are recomputed by the float32 torch path (one
+        host sync for the step's stacks together)."""
         before = NONFINITE_METRICS["fp32_retries"]
-        orth = retry_nonfinite(orth, inputs, self._fp32_orthogonalizer)
+        outputs = retry_nonfinite_stacks(outputs, stacks, self._fp32_orthogonalizer)
         retried = NONFINITE_METRICS["fp32_retries"] - before
         self.stats["ns_fp32_retries"] += retried
         self.stats["ns_fp32_retries_total"] += retried
-        return orth
+        return outputs
