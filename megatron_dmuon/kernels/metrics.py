@@ -45,8 +45,7 @@ def retry_nonfinite(result: torch.Tensor, inputs, recompute: Callable[[torch.Ten
 
     ``inputs`` is the input stack (same leading dims as ``result``) or a callable that returns the
     input matrices for a list of flat matrix indices (so a caller need not keep the stack alive)."""
-    flat = result.reshape(-1, result.size(-2), result.size(-1))
-    return _retry_matrices(result, (~matrices_finite(flat)).nonzero().flatten().tolist(), inputs, recompute)
+    return retry_nonfinite_stacks([result], [inputs], recompute)[0]
 
 
 def retry_nonfinite_stacks(results: list, inputs: list, recompute: Callable[[torch.Tensor], torch.Tensor]) -> list:

@@ -317,14 +317,10 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
 
             device = grads[0].device if grads else (
                 torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu"))
-            if device.type == "cuda":  # float64 partial sums without a float64 copy of every grad
-                from ..kernels.grad_norm import sum_of_squares_float64
+            # float64 partial sums without a float64 copy of every grad (torch's float64 norm off the GPU)
+            from ..kernels.grad_norm import sum_of_squares_float64
 
-                return sum_of_squares_float64(grads, device)
-            total = torch.zeros(1, dtype=torch.float64, device=device)
-            for g in grads:
-                total += torch.linalg.vector_norm(g, dtype=torch.float64).square()
-            return total
+            return sum_of_squares_float64(grads, device)
 
         def reduced(total, group):
             if torch.distributed.is_initialized():
