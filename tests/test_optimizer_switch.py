@@ -52,3 +52,25 @@ def test_layerwise_checkpoint_continues_in_dmuon_at_dp2_and_dp1(tmp_path):
     params = rel_diffs(one["dmuon"]["params"], never_switched["params"])
     state = state_diffs(one["dmuon"]["state"], never_switched["state"])
     assert _worst(params) <= 1e-6 and _worst(state) <= 1e-6, (_worst(params), _worst(state))
+
+
+def test_dmuon_checkpoint_continues_in_megatrons_layerwise_muon(tmp_path):
+    """The reverse: DMuon at DP=2 saves, Megatron's LayerWise Muon loads it (its own request, the
+    Muon masters read from DMuon's key) and trains on; first a LayerWise run whose Muon momentum
+    differs is refused, its params and masters untouched. One step after the switch: the fp32
+    state within 1e-6 of the run that never switched (the two NS implementations round apart by
+    ~5e-8, which can move a bf16 param by one ulp: params are compared within 2^-7)."""
+    _layerwise_or_skip()
+    out = run_distributed(f"{WORKERS}:dmuon_to_layerwise", 2, kwargs=dict(
+        COMMON, steps=4, root=str(tmp_path), refuse_kw=dict(muon_kw=dict(momentum=0.9))))[0]
+    message, untouched = out["refused"]
+    assert "CheckpointMismatchError" in message and "written by --optimizer dmuon" in message, message
+    assert "Muon momentum is [0.95]" in message and untouched, message
+    after = state_diffs(out["layerwise_after_load"], out["dmuon_at_save"])
+    assert {k.rsplit(":", 1)[1] for k in after} == {"param", "momentum_buffer", "exp_avg", "exp_avg_sq", "step"}
+    assert _worst(after) == 0.0, {k: v for k, v in after.items() if v}  # bit-equal right after the load
+    never_switched = out["dmuon"]
+    assert out["layerwise"]["losses"] == never_switched["losses"][3:]  # the loaded model, bit-equal
+    state = state_diffs(out["layerwise"]["state"], never_switched["state"])
+    params = rel_diffs(out["layerwise"]["params"], never_switched["params"])
+    assert _worst(state) <= 1e-6 and _worst(params) <= 2 ** -7, (_worst(state), _worst(params))

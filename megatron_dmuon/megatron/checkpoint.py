@@ -244,6 +244,7 @@ def _local_record(parts, meta: Optional[dict]) -> dict:
     params, plans, dmuon_plans, steps = {}, {}, {}, set()
     pp = ps.get_pipeline_model_parallel_rank()
     rules = sorted({opt.optimizer.muon.update for opt in parts})
+    momenta = sorted({float(opt.optimizer.muon.momentum) for opt in parts})
     for opt in parts:
         if meta is not None:
             for piece in local_pieces(opt):
@@ -256,7 +257,7 @@ def _local_record(parts, meta: Optional[dict]) -> dict:
             dmuon_plans[f"pp{pp}/chunk{i}"] = plan.to_json()
         steps |= opt.optimizer.adam_steps()
     return {"params": params, "plans": plans, "dmuon_plans": dmuon_plans, "adam_steps": sorted(steps),
-            "updates": rules}
+            "updates": rules, "momenta": momenta}
 
 
 def parallel_sizes() -> dict:
@@ -272,13 +273,14 @@ def gather_record(parts, meta: Optional[dict], group=None) -> dict:
     identical on each of them."""
     everyone = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(everyone, _local_record(parts, meta), group=group)
-    params, plans, dmuon_plans, steps, rules = {}, {}, {}, set(), set()
+    params, plans, dmuon_plans, steps, rules, momenta = {}, {}, {}, set(), set(), set()
     for r in everyone:
         params.update(r["params"])
         plans.update(r["plans"])
         dmuon_plans.update(r["dmuon_plans"])
         steps.update(r["adam_steps"])
         rules.update(r["updates"])
+        momenta.update(r["momenta"])
     if len(steps) > 1:
         raise ValueError(
             f"DMuon checkpoint: AdamW step counts differ between params ({sorted(steps)}); every element-wise "
@@ -286,7 +288,9 @@ def gather_record(parts, meta: Optional[dict], group=None) -> dict:
     return {"format": FORMAT, "parallel": parallel_sizes(), "params": dict(sorted(params.items())),
             "plans": dict(sorted(plans.items())), "dmuon_plans": dict(sorted(dmuon_plans.items())),
             "adam_step": steps.pop() if steps else None,
-            "update": ",".join(sorted(rules))}
+            "update": ",".join(sorted(rules)),
+            # Muon momentum (from 2026-12-02 on): a switch to Megatron's Muon checks it
+            "muon_momentum": sorted(momenta)}
 
 
 def check_record(record, current: dict) -> Optional[str]:

@@ -136,6 +136,9 @@ def _megatron_torch_adam_load(parts):
     if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
         yield
         return
+    # only the DistributedOptimizer parts (torch AdamW): a chained LayerWise Muon part creates its
+    # momenta itself on an empty state, which a step entry would stop
+    parts = [p for p in parts if isinstance(p, distrib_optimizer.DistributedOptimizer)]
     inners = [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
     for part in parts:
         if getattr(part, "init_state_fn", None) is not None and getattr(part, "optimizer", None) is not None:
@@ -183,19 +186,33 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
         if not prepare_load(path, parts, saved, meta):  # Megatron's own Muon: checked there
             agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
                                         gather_record(parts, meta)))
+    switch = False
+    if load_optimizer and not dmuon:  # Megatron's own optimizer: a DMuon checkpoint switches back
+        from .checkpoint_switch import dmuon_record_of
+
+        common = dist_checkpointing.load_common_state_dict(path)
+        switch = dmuon_record_of(common.get("optimizer") if isinstance(common, dict) else None) is not None
+        if switch:  # DMuon's per-parameter tensors are what Megatron's fully_reshardable format asks for
+            metadata = dict(metadata, distrib_optim_sharding_type="fully_reshardable")
     try:
         with contextlib.nullcontext() if dmuon or not load_optimizer else _megatron_torch_adam_load(parts):
-            return _load(path, model_chunks, optimizer, load_optimizer, metadata)
+            return _load(path, model_chunks, optimizer, load_optimizer, metadata, switch)
     finally:
         parts[0]._load_source = None  # (a failed read must not leave Megatron's names for the next load)
 
 
-def _load(path, model_chunks, optimizer, load_optimizer, metadata) -> dict:
+def _load(path, model_chunks, optimizer, load_optimizer, metadata, switch=False) -> dict:
     from megatron.core import dist_checkpointing
 
+    from .checkpoint_switch import megatron_request_for_dmuon, megatron_state_from_dmuon
+
     state = model_state(model_chunks, metadata)
+    prepared = None
     if load_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+        if switch:
+            prepared = megatron_request_for_dmuon(path, dist_checkpointing.load_common_state_dict(path),
+                                                  state["optimizer"])
     # read into fresh tensors: a load that fails midway (truncated or missing files) leaves the
     # model as it was (the optimizer part is fresh already); copied in once everything is read
     _fresh_data(state)
@@ -210,7 +227,8 @@ def _load(path, model_chunks, optimizer, load_optimizer, metadata) -> dict:
     for i, chunk in enumerate(model_chunks):
         unwrap(chunk).load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
     if load_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer.load_state_dict(loaded["optimizer"] if prepared is None
+                                  else megatron_state_from_dmuon(prepared, loaded["optimizer"]))
     else:
         optimizer.reload_model_params()
     return {k: v for k, v in loaded.items() if k != "optimizer" and not k.startswith("model")}

@@ -21,11 +21,24 @@ copied as it is. Refused, on every rank before anything is read: another update 
 (``--dmuon-update normuon|dion3``), a Muon momentum / AdamW betas or eps other than the
 checkpoint's, Megatron's bucket format (``dp_reshardable``), a checkpoint without Muon momenta
 (``--optimizer adam``) and any missing or extra tensor.
+
+The reverse, a DMuon checkpoint into Megatron's own optimizer (``--optimizer muon
+--use-distributed-optimizer``): Megatron's request is DMuon's keys already but for the Muon
+masters (``fp32_param``, which ``megatron_request_for_dmuon`` points at DMuon's ``param``); the
+common part DMuon wrote is not Megatron's chain, so ``megatron_state_from_dmuon`` builds the
+state Megatron's ``load_state_dict`` takes from its own request (this run's param groups) and the
+tensors read, with the AdamW step of DMuon's record. Checked first, on every rank: the update
+rule (Muon only), Muon momentum, AdamW betas/eps, and every requested tensor present in the
+checkpoint at the model's global shape.
+
+In Megatron-LM's own loop neither optimizer is given the checkpoint's path: the hook notes the
+common state Megatron-LM reads first (``note_megatron_lm_load``) and each direction takes it from
+there (``prepare_noted_load`` for DMuon; the hook's load wrapper for Megatron's optimizer).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -165,3 +178,166 @@ def load_megatron_state(parts, param_state: dict, source: dict, ids: dict) -> No
             opt.optimizer.ns_check.steps = int(source["adam_step"])
         load_pieces(opt, lookup, ids)
         publish(opt)
+
+
+# ----------------------------------------------------- Megatron-LM's own loop: the noted checkpoint
+_NOTED_LOAD: dict = {}
+
+
+def note_megatron_lm_load(path: str, common: dict) -> None:
+    """The torch_dist checkpoint Megatron-LM's ``load_checkpoint`` is loading: its directory and
+    common state (read before the optimizer is asked for its ``sharded_state_dict``)."""
+    _NOTED_LOAD.clear()
+    _NOTED_LOAD.update(path=path, common=common)
+
+
+def take_noted_load() -> Optional[Tuple[str, dict]]:
+    """The noted load, once (None: none is in progress)."""
+    if not _NOTED_LOAD:
+        return None
+    out = (_NOTED_LOAD["path"], _NOTED_LOAD["common"])
+    _NOTED_LOAD.clear()
+    return out
+
+
+def prepare_noted_load(parts, model_sharded_state_dict=None) -> None:
+    """DMuon's ``sharded_state_dict(is_loading=True)`` inside Megatron-LM's loop: if the noted
+    checkpoint is one of Megatron's own Muon, check it and ask for Megatron's names (``prepare_load``)."""
+    noted = take_noted_load()
+    if noted is None or getattr(parts[0], "_load_source", None) is not None:
+        return
+    path, common = noted
+    if model_sharded_state_dict is None:
+        model_sharded_state_dict = ckpt.model_state(ckpt._chunks(parts))
+    prepare_load(path, parts, common.get("optimizer") if isinstance(common, dict) else None,
+                 ckpt.model_sharded_metadata(model_sharded_state_dict))
+
+
+# ------------------------------------------------------ the reverse: DMuon -> Megatron's own optimizer
+def dmuon_record_of(common_optimizer) -> Optional[dict]:
+    """The record of a DMuon checkpoint's common ``optimizer`` entry (None: not a DMuon checkpoint)."""
+    record = common_optimizer.get("dmuon") if isinstance(common_optimizer, dict) else None
+    return record if isinstance(record, dict) and record.get("format") == ckpt.FORMAT else None
+
+
+def _sharded_leaves(tree):
+    """The request's ShardedTensors and ShardedTensorFactories (e.g. the SwiGLU fc1 halves), keyed."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _sharded_leaves(v)
+    elif isinstance(tree, (ShardedTensor, ShardedTensorFactory)):
+        yield tree
+
+
+def _param_groups(tree, adam: bool = False):
+    """Every param group (dict) of an optimizer (sharded) state dict, and whether it belongs to the
+    AdamW part (a DistributedOptimizer's state: it carries ``param_state_sharding_type``)."""
+    if isinstance(tree, dict):
+        adam = adam or "param_state_sharding_type" in tree
+        for key, value in tree.items():
+            if key == "param_groups" and isinstance(value, list):
+                yield from ((g, adam) for g in value if isinstance(g, dict))
+            else:
+                yield from _param_groups(value, adam)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _param_groups(value, adam)
+
+
+def _check_dmuon_source(record: dict, common_optimizer: dict, request) -> Optional[str]:
+    if record.get("update") not in ("muon", ""):
+        return (f"it was written with --dmuon-update {record.get('update')}, whose state Megatron's Muon does not "
+                "have: load the model only (--no-load-optim)")
+    saved = [g for g in common_optimizer.get("optimizer", {}).get("param_groups", []) if isinstance(g, dict)]
+    ours = list(_param_groups(request))
+    saved_momenta = set(map(float, record.get("muon_momentum", [])))  # (not recorded before 2026-12-02)
+    our_momenta = {float(g["momentum"]) for g, adam in ours if not adam and "momentum" in g}
+    if saved_momenta and not all(_close(a, b) for a in saved_momenta for b in our_momenta):
+        return (f"its Muon momentum is {sorted(saved_momenta)}, this run's --muon-momentum {sorted(our_momenta)}: "
+                "resume with the checkpoint's")
+    for mine, adam in ours:
+        if not adam or "betas" not in mine:
+            continue
+        for group in (g for g in saved if not g.get("use_muon") and "betas" in g):
+            a, b = tuple(map(float, group["betas"])), tuple(map(float, mine["betas"]))
+            if not all(_close(x, y) for x, y in zip(a, b)) or not _close(group["eps"], mine["eps"]):
+                return (f"its AdamW betas/eps are {a}/{group['eps']}, this run's {b}/{mine['eps']}: resume with the "
+                        "checkpoint's --adam-beta1/--adam-beta2/--adam-eps")
+    return None
+
+
+def megatron_request_for_dmuon(path: str, common: dict, request) -> Optional[dict]:
+    """Before Megatron's own optimizer loads ``path``: if it is a DMuon checkpoint, check it against
+    this run (every rank raises together, before anything is read), point the request's Muon
+    masters at DMuon's key and return the request's skeleton for ``megatron_state_from_dmuon``.
+    None: not a DMuon checkpoint (Megatron's load goes on unchanged)."""
+    from megatron.core import dist_checkpointing
+
+    common_optimizer = common.get("optimizer") if isinstance(common, dict) else None
+    record = dmuon_record_of(common_optimizer)
+    if record is None:
+        return None
+    skeleton = _skeleton(request)
+    error = _check_dmuon_source(record, common_optimizer, request)
+    saved = dist_checkpointing.load_tensors_metadata(path) if error is None else {}
+    problems = []
+    master = f"optimizer.state.{ckpt.MEGATRON_MASTER}."
+    for sh in (_sharded_leaves(request) if error is None else ()):
+        if sh.key.startswith(master):
+            sh.key = "optimizer.state.param." + sh.key[len(master):]
+        found = saved.get(sh.key)
+        if found is None:
+            name = sh.key.split(".", 3)[3] if sh.key.count(".") >= 3 else sh.key
+            other = {"momentum_buffer": "exp_avg", "exp_avg": "momentum_buffer", "exp_avg_sq": "momentum_buffer"}
+            kind = other.get(sh.key.split(".")[2]) if sh.key.count(".") >= 3 else None
+            hint = (f" ({name} is {'AdamW' if kind == 'momentum_buffer' else 'Muon'} in the checkpoint)"
+                    if kind and f"optimizer.state.{kind}.{name}" in saved else "")
+            problems.append(f"{sh.key} is missing{hint}")
+        elif hasattr(sh, "global_shape") and tuple(found.global_shape) != tuple(sh.global_shape):
+            problems.append(f"{sh.key} has shape {tuple(found.global_shape)}, this model {tuple(sh.global_shape)}")
+    error = error or mismatch_message("it does not fit this model", problems)
+    agree_or_raise(error and f"{path} was written by --optimizer dmuon; {error}")
+    return {"skeleton": skeleton, "adam_step": record.get("adam_step")}
+
+
+def _skeleton(tree):
+    """The request's containers copied (a load may change them), its leaves by reference."""
+    if isinstance(tree, dict):
+        return {k: _skeleton(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_skeleton(v) for v in tree]
+    return tree
+
+
+def _fill(skeleton, loaded):
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    if isinstance(skeleton, dict):
+        return {k: _fill(v, loaded.get(k) if isinstance(loaded, dict) else None) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [_fill(v, loaded[i] if isinstance(loaded, list) and i < len(loaded) else None)
+                for i, v in enumerate(skeleton)]
+    if isinstance(skeleton, ShardedBase):
+        if loaded is None:
+            raise RuntimeError(f"DMuon -> Megatron switch: {getattr(skeleton, 'key', skeleton)} was not read")
+        return loaded
+    if isinstance(skeleton, LocalNonpersistentObject):
+        return skeleton.unwrap()
+    return skeleton
+
+
+def megatron_state_from_dmuon(prepared: dict, loaded_optimizer) -> dict:
+    """The optimizer state for Megatron's ``load_state_dict``: its own request's structure and
+    values (this run's param groups), the tensors read from DMuon's checkpoint in place of the
+    requested ones, and DMuon's AdamW step in the AdamW part's param groups."""
+    state = _fill(prepared["skeleton"], loaded_optimizer)
+    step = prepared["adam_step"]
+    if step is not None:
+        for group, adam in _param_groups(state):
+            if adam:
+                group["step"] = int(step) if isinstance(group.get("step"), int) else float(step)
+    return state

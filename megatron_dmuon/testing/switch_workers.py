@@ -188,3 +188,50 @@ def dmuon_loads_layerwise(rank, world_size, root, resume_at=3, data_dp=None, ref
     _finish_overlap(run)
     out["dmuon"] = {"losses": rest["losses"], "params": _params(run), "state": dmuon_state(run)}
     return out
+
+
+def _layerwise_snapshot(run) -> list:
+    """Copies of a LayerWise run's model params and fp32 masters (its optimizer state is created,
+    zero, by Megatron's own load request before any check can run)."""
+    layerwise, distopt = run.opt.chained_optimizers
+    masters = [m for inner in layerwise.chained_optimizers for g in inner.fp32_from_float16_groups for m in g]
+    masters += [m for g in distopt.shard_fp32_from_float16_groups for m in g]
+    return [t.detach().clone() for t in [*run.model.parameters(), *masters]]
+
+
+def dmuon_to_layerwise(rank, world_size, resume_at=3, root=None, refuse_kw=None, **kw):
+    """The reverse: DMuon ``resume_at`` steps, save, DMuon on to the end (the run that never
+    switched); a fresh LayerWise run loads DMuon's checkpoint and trains the same steps.
+    ``refuse_kw``: first a LayerWise run of other settings tries the load, which must fail on every
+    rank and leave its state untouched: (message, untouched)."""
+    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint, save_checkpoint
+
+    init_parallel()
+    steps = {**DEFAULTS, **kw}["steps"]
+    out = {}
+    run = _build(**kw)
+    first = _train(run, range(resume_at))
+    _finish_overlap(run)
+    out["dmuon_at_save"] = dmuon_state(run)
+    save_checkpoint(root, resume_at, run.chunks, run.opt, extra={"scheduler": run.sched.state_dict()})
+    rest = _train(run, range(resume_at, steps))
+    _finish_overlap(run)
+    out["dmuon"] = {"losses": first["losses"] + rest["losses"], "params": _params(run), "state": dmuon_state(run)}
+    if refuse_kw is not None:
+        other = _build_layerwise(**{**kw, **refuse_kw})
+        before = _layerwise_snapshot(other)
+        try:
+            load_checkpoint(checkpoint_dir(root, resume_at), other.chunks, other.opt)
+            message = None
+        except BaseException as e:  # noqa: BLE001 - the test reads the type and message
+            message = f"{type(e).__name__}: {e}"
+        after = _layerwise_snapshot(other)
+        out["refused"] = (message, len(before) == len(after) and all(map(torch.equal, before, after)))
+    lw = _build_layerwise(**kw)
+    common = load_checkpoint(checkpoint_dir(root, resume_at), lw.chunks, lw.opt)
+    lw.sched.load_state_dict(common["scheduler"])
+    out["layerwise_after_load"] = layerwise_state(lw)
+    out["layerwise_params_after_load"] = _params(lw)
+    rest = _train(lw, range(resume_at, steps))
+    out["layerwise"] = {"losses": rest["losses"], "params": _params(lw), "state": layerwise_state(lw)}
+    return out
