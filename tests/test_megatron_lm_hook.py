@@ -361,20 +361,26 @@ def stand_in_megatron_training(monkeypatch):
     training = types.ModuleType("megatron.training.training")
     training.DDP, training.get_megatron_optimizer = object, lambda *a, **k: "megatron's"
     training.clip_qk = lambda *a, **k: "megatron's clip_qk"
+    training.load_checkpoint = lambda model, optimizer, *a, **k: ("megatron's load", model, optimizer)
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    checkpointing._load_base_checkpoint = lambda load_dir, args, rank0=False, sharded_state_dict=None, **k: (
+        {"optimizer": {"param_groups": []}}, load_dir, False, None)
     dist_utils = types.ModuleType("megatron.training.models.dist_utils")
     dist_utils.DistributedDataParallel = object
     package = types.ModuleType("megatron.training")
-    package.arguments, package.training = arguments, training
+    package.arguments, package.training, package.checkpointing = arguments, training, checkpointing
     models = types.ModuleType("megatron.training.models")
     models.dist_utils = dist_utils
     package.models = models
     for name, module in [("megatron.training", package), ("megatron.training.arguments", arguments),
-                         ("megatron.training.training", training), ("megatron.training.models", models),
+                         ("megatron.training.training", training), ("megatron.training.checkpointing", checkpointing),
+                         ("megatron.training.models", models),
                          ("megatron.training.models.dist_utils", dist_utils)]:
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(megatron, "training", package, raising=False)
     monkeypatch.setattr(hook, "_ORIGINALS", {})
-    return types.SimpleNamespace(arguments=arguments, training=training, dist_utils=dist_utils, calls=calls)
+    return types.SimpleNamespace(arguments=arguments, training=training, dist_utils=dist_utils,
+                                 checkpointing=checkpointing, calls=calls)
 
 
 def _megatron_parse(m, argv):
@@ -395,6 +401,10 @@ def test_install_routes_dmuon_and_leaves_other_optimizers_alone(stand_in_megatro
     assert m.training.DDP is object and m.dist_utils.DistributedDataParallel is object
     assert m.training.get_megatron_optimizer() == "megatron's"
     assert m.training.clip_qk() == "megatron's clip_qk"
+    # the load routes (optimizer switch) exist in every run; a load of no DMuon checkpoint passes through
+    assert m.training.load_checkpoint("model", "opt", "sched") == ("megatron's load", "model", "opt")
+    assert m.checkpointing._load_base_checkpoint("dir", args, rank0=True) == (
+        {"optimizer": {"param_groups": []}}, "dir", False, None)
     args = _megatron_parse(m, ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-ranks-per-node", "1"])
     # Megatron validated the distributed-Adam run DMuon is built on; the optimizer reads dmuon again
     assert m.calls[-1] == "adam" and args.optimizer == "dmuon" and args.use_distributed_optimizer
@@ -547,3 +557,41 @@ def test_real_megatron_lm_training_step_with_the_hook_on_cpu():
     assert runs["adam"]["ddp"] == ["DistributedDataParallel"] and "DMuon" not in str(runs["adam"]["optimizers"])
     for r in runs.values():
         assert r["losses"][-1] < r["losses"][0], r
+
+
+@pytest.mark.skipif(_built_checkout() is None,
+                    reason="needs a Megatron-LM checkout with megatron/core/datasets/helpers_cpp built (make -C there)")
+@pytest.mark.parametrize("first,then", [("muon", "dmuon"), ("dmuon", "muon")])
+def test_optimizer_switch_in_megatron_lms_own_loop_on_cpu(first, then, tmp_path):
+    """--optimizer muon (LayerWise, Megatron-LM's pretrain_gpt layout: the AdamW params inside its
+    own Float16Optimizer) <-> dmuon through Megatron-LM's own save_checkpoint and --load
+    (setup_model_and_optimizer), bf16, one rank (that path gives LayerWise no param layout, and its
+    fallback all-gather of unequal shards fails on gloo at DP=2). Against the run that never
+    switched: the first loss after the load is bit-equal (the same model), the next within the two
+    NS implementations' rounding (fp32 NS on both). On main Megatron's own --optimizer muon cannot
+    resume on a machine without Apex/TE (its DistributedOptimizer part's state_dict asserts before
+    a step); the switch into it works (checkpoint_io's workaround holds for that load)."""
+    pytest.importorskip("emerging_optimizers")
+    checkout = _built_checkout()
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+            "--micro-batch-size 2 --global-batch-size 8 --train-iters 8 --lr 1e-3 --mock-data --tokenizer-type "
+            "NullTokenizer --vocab-size 1000 --transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion "
+            "--no-bias-dropout-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion "
+            "--no-masked-softmax-fusion --attention-backend unfused --swiglu --normalization RMSNorm "
+            "--position-embedding-type rope --disable-bias-linear --use-cpu-initialization --eval-iters 0 "
+            "--eval-interval 1000 --use-distributed-optimizer --muon-momentum 0.95 --muon-nesterov --bf16 "
+            "--muon-fp32-matmul-prec high --dmuon-ns-method standard --muon-tp-mode duplicated "
+            "--dist-ckpt-optim-fully-reshardable --save-interval 1000 --ckpt-format torch_dist --hidden-dropout 0 "
+            "--attention-dropout 0").split()
+    env = {"PYTHONPATH": os.pathsep.join([checkout, ROOT, HERE])}
+
+    def train(optimizer, extra, **kw):
+        return run_distributed("megatron_lm_workers:megatron_train_step", 1, timeout=900, env=env,
+                               kwargs={"argv": argv + ["--optimizer", optimizer] + extra, **kw},
+                               sys_path=[HERE, checkout])[0]
+
+    never = train(first, ["--save", str(tmp_path)], iters=6, save_at=3)
+    switched = train(then, ["--load", str(tmp_path)], iters=3)
+    assert switched["optimizers"] != never["optimizers"]
+    assert switched["losses"][0] == never["losses"][3]
+    assert switched["losses"] == pytest.approx(never["losses"][3:], rel=1e-5)

@@ -399,7 +399,9 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
     state = optimizer_state_dict(parts)
     state["dmuon"] = record
     state["param_state"] = {}
-    stored = megatron_name if source is not None else None  # checkpoint_switch: Megatron's names
+    stored = None
+    if source is not None:  # checkpoint_switch: Megatron's names
+        stored = lambda piece, key: megatron_name(piece, key, source.get("adam_master", "param"))  # noqa: E731
     for opt in parts:
         state["param_state"].update(_sharded_param_state(opt, meta, is_loading, stored))
     state["param_state_sharding_type"] = SHARDING_TYPE
@@ -412,9 +414,14 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
 MEGATRON_MASTER = "fp32_param"  # Megatron's Float16Optimizer: a matrix's fp32 master
 
 
-def megatron_name(piece, key: str) -> str:
-    """A DMuon state key's name in Megatron's Muon checkpoint (megatron/checkpoint_switch.py)."""
-    return MEGATRON_MASTER if piece.muon and key == "param" else key
+def megatron_name(piece, key: str, adam_master: str = "param") -> str:
+    """A DMuon state key's name in Megatron's Muon checkpoint (megatron/checkpoint_switch.py): a
+    matrix's master is ``fp32_param``; an AdamW param's is ``param`` in a DistributedOptimizer part,
+    ``fp32_param`` (``adam_master``) where LayerWise keeps the AdamW params in its own
+    Float16Optimizer (Megatron-LM's pretrain_gpt path)."""
+    if key != "param":
+        return key
+    return MEGATRON_MASTER if piece.muon else adam_master
 
 
 def load_optimizer_state(parts, state_dict) -> None:

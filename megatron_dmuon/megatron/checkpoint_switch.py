@@ -67,7 +67,7 @@ def megatron_source(common_optimizer) -> Optional[dict]:
     keys = list(common_optimizer)
     parts = [common_optimizer[k] for k in sorted(keys)] if keys and all(isinstance(k, int) for k in keys) \
         else [common_optimizer]
-    muon, adam, formats = [], [], []
+    muon, adam, formats, common_steps = [], [], [], []
     for part in parts:
         groups = part.get("optimizer", {}).get("param_groups") if isinstance(part, dict) else None
         if not isinstance(groups, list):
@@ -76,7 +76,12 @@ def megatron_source(common_optimizer) -> Optional[dict]:
             (adam if "betas" in group else muon).append({k: v for k, v in group.items() if k != "params"})
         if "param_state_sharding_type" in part:
             formats.append(part["param_state_sharding_type"])
-    return {"muon_groups": muon, "adam_groups": adam, "formats": formats}
+        elif any("betas" in g for g in groups):  # AdamW inside LayerWise's own Float16Optimizer
+            state = part["optimizer"].get("state")
+            common_steps.append(state.get("common_step") if isinstance(state, dict) else None)
+    return {"muon_groups": muon, "adam_groups": adam, "formats": formats, "common_steps": common_steps,
+            # the AdamW masters' name: a DistributedOptimizer part's 'param', a Float16Optimizer's 'fp32_param'
+            "adam_master": ckpt.MEGATRON_MASTER if common_steps and not formats else "param"}
 
 
 def _close(a, b) -> bool:
@@ -96,7 +101,7 @@ def check_source(source: dict, parts) -> Optional[str]:
     if bad:
         return (f"its AdamW part is in Megatron's {bad[0]} format (keyed on Megatron's DP buffer buckets); "
                 "save it with --dist-ckpt-optim-fully-reshardable to switch to --optimizer dmuon")
-    if not source["formats"] and source["adam_groups"]:
+    if not source["formats"] and source["adam_groups"] and not source["common_steps"]:
         return "its AdamW part has no param_state_sharding_type (not a distributed optimizer's torch_dist state)"
     momenta = {float(g.get("momentum", float("nan"))) for g in source["muon_groups"]}
     ours = {float(p.optimizer.muon.momentum) for p in parts}
@@ -111,13 +116,14 @@ def check_source(source: dict, parts) -> Optional[str]:
                     return (f"its AdamW betas/eps are {saved_betas}/{group['eps']}, this run's {betas}/{mine['eps']}: "
                             "resume with the checkpoint's --adam-beta1/--adam-beta2/--adam-eps")
     steps = {float(g["step"]) for g in source["adam_groups"] if g.get("step") is not None}
+    steps |= {float(step) for step in source["common_steps"] if step is not None}
     if len(steps) > 1:
         return f"its AdamW param groups hold different steps ({sorted(steps)})"
     source["adam_step"] = steps.pop() if steps else None
     return None
 
 
-def check_tensors(parts, meta: dict, saved: dict) -> Optional[str]:
+def check_tensors(parts, meta: dict, saved: dict, adam_master: str = "param") -> Optional[str]:
     """Every tensor this rank's pieces need is in the checkpoint (``saved``: its tensor metadata,
     key -> ShardedTensor), of the model param's global shape; and the checkpoint holds optimizer
     state for no parameter this model lacks (collective: the keys of every rank)."""
@@ -128,7 +134,7 @@ def check_tensors(parts, meta: dict, saved: dict) -> Optional[str]:
             sh = meta[piece.model_param]
             mine.add(sh.key)
             for key in piece.tensors:
-                name = f"optimizer.state.{megatron_name(piece, key)}.{sh.key}"
+                name = f"optimizer.state.{megatron_name(piece, key, adam_master)}.{sh.key}"
                 found = saved.get(name)
                 if found is None:
                     other = "momentum_buffer" if not piece.muon else "exp_avg"
@@ -160,7 +166,7 @@ def prepare_load(path: str, parts, common_optimizer, meta: dict) -> bool:
         return False
     error = check_source(source, parts)
     if error is None:
-        error = check_tensors(parts, meta, dist_checkpointing.load_tensors_metadata(path))
+        error = check_tensors(parts, meta, dist_checkpointing.load_tensors_metadata(path), source["adam_master"])
     agree_or_raise(error and f"{path} was written by Megatron's own optimizer; {error}")
     parts[0]._load_source = source
     return True
@@ -233,19 +239,27 @@ def _sharded_leaves(tree):
         yield tree
 
 
-def _param_groups(tree, adam: bool = False):
-    """Every param group (dict) of an optimizer (sharded) state dict, and whether it belongs to the
-    AdamW part (a DistributedOptimizer's state: it carries ``param_state_sharding_type``)."""
+def _optimizer_parts(tree):
+    """Every optimizer part of a (sharded) optimizer state dict: the dicts holding
+    ``optimizer.param_groups`` (a chain's parts, LayerWise's inner Float16Optimizers)."""
     if isinstance(tree, dict):
-        adam = adam or "param_state_sharding_type" in tree
-        for key, value in tree.items():
-            if key == "param_groups" and isinstance(value, list):
-                yield from ((g, adam) for g in value if isinstance(g, dict))
-            else:
-                yield from _param_groups(value, adam)
+        inner = tree.get("optimizer")
+        if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
+            yield tree
+            return
+        for value in tree.values():
+            yield from _optimizer_parts(value)
     elif isinstance(tree, list):
         for value in tree:
-            yield from _param_groups(value, adam)
+            yield from _optimizer_parts(value)
+
+
+def _param_groups(tree):
+    """Every param group of a (sharded) optimizer state dict, and whether it is an AdamW one."""
+    for part in _optimizer_parts(tree):
+        for group in part["optimizer"]["param_groups"]:
+            if isinstance(group, dict):
+                yield group, "betas" in group
 
 
 def _check_dmuon_source(record: dict, common_optimizer: dict, request) -> Optional[str]:
@@ -336,8 +350,13 @@ def megatron_state_from_dmuon(prepared: dict, loaded_optimizer) -> dict:
     requested ones, and DMuon's AdamW step in the AdamW part's param groups."""
     state = _fill(prepared["skeleton"], loaded_optimizer)
     step = prepared["adam_step"]
-    if step is not None:
-        for group, adam in _param_groups(state):
-            if adam:
+    for part in _optimizer_parts(state) if step is not None else ():
+        groups = part["optimizer"]["param_groups"]
+        if not any(isinstance(g, dict) and "betas" in g for g in groups):
+            continue
+        if "param_state_sharding_type" in part:  # a DistributedOptimizer: the step is in its groups
+            for group in groups:
                 group["step"] = int(step) if isinstance(group.get("step"), int) else float(step)
+        elif isinstance(part["optimizer"].get("state"), dict):  # a Float16Optimizer: one common step
+            part["optimizer"]["state"]["common_step"] = torch.tensor(float(step))
     return state

@@ -25,14 +25,25 @@ wrappers that pass everything but `--optimizer dmuon` through unchanged:
 6. `megatron.training.training.clip_qk` (MuonClip, `--qk-clip`, run after every optimizer step) —
    becomes `megatron/qk_clip.clip_qk`, Megatron's own made to rescale DMuon's owner masters.
 
+7. `megatron.training.training.load_checkpoint` and 8. `megatron.training.checkpointing._load_base_checkpoint`
+   (every run, DMuon or not) — the optimizer switch inside Megatron-LM's loop: the common state
+   Megatron-LM reads first is noted (`checkpoint_switch.note_megatron_lm_load`), so DMuon's
+   request can ask a Megatron Muon checkpoint for Megatron's names; and where Megatron's own
+   optimizer loads a DMuon checkpoint, its request is pointed at DMuon's keys and the loaded state
+   rebuilt (`checkpoint_switch.megatron_request_for_dmuon`). Any other load passes through unchanged.
+
 Nothing is copied from Megatron-LM; importing this module imports nothing from it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from typing import Callable, Optional
 
+import torch
+
+from . import checkpoint_switch
 from .config import add_dmuon_args, config_of
 
 _ORIGINALS: dict = {}
@@ -93,10 +104,12 @@ def install() -> None:
 
     def validate_args(args, defaults={}):  # noqa: B006 (Megatron's signature)
         if getattr(args, "optimizer", None) != "dmuon":
+            _route_checkpoint_loads()  # (a DMuon checkpoint may be loaded into Megatron's own optimizer)
             return _ORIGINALS["validate_args"](args, defaults)
         if args.dmuon_mode == "megatron_layerwise" or getattr(args, "yaml_cfg", None):
             _fail("--dmuon-mode megatron_layerwise and --yaml-cfg are not available through the Megatron-LM "
                   "hook; for Megatron's own distributed Muon run --optimizer muon --use-distributed-optimizer")
+        _route_checkpoint_loads()
         args.optimizer = "adam"  # Megatron validates the distributed-Adam run DMuon is built on
         try:
             out = _ORIGINALS["validate_args"](args, defaults)
@@ -124,6 +137,68 @@ def _route(args) -> None:
     if ddp_class is not None:
         training.DDP = ddp_class
         dist_utils.DistributedDataParallel = ddp_class
+
+
+def _route_checkpoint_loads() -> None:
+    """Routes 7 and 8 (module docstring): the optimizer switch in Megatron-LM's own load."""
+    import megatron.training.checkpointing as checkpointing
+    import megatron.training.training as training
+
+    if "_load_base_checkpoint" in _ORIGINALS:
+        return
+    base = _ORIGINALS["_load_base_checkpoint"] = checkpointing._load_base_checkpoint
+    outer = _ORIGINALS["load_checkpoint"] = training.load_checkpoint
+    loading: dict = {}  # the optimizer of the load in progress, and the switch prepared for it
+
+    def load_checkpoint(ddp_model, optimizer, *rest, **kwargs):
+        loading.clear()
+        loading["optimizer"] = optimizer
+        try:
+            with contextlib.ExitStack() as stack:
+                loading["stack"] = stack
+                return outer(ddp_model, optimizer, *rest, **kwargs)
+        finally:
+            loading.clear()
+            checkpoint_switch.take_noted_load()
+
+    def _load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, *rest, **kwargs):
+        prepared = None
+        if not rank0 and loading.get("switch") and isinstance(sharded_state_dict, dict) \
+                and "optimizer" in sharded_state_dict:
+            noted = checkpoint_switch.take_noted_load()
+            if noted is not None:  # Megatron's optimizer, a DMuon checkpoint: DMuon's keys are asked for
+                prepared = checkpoint_switch.megatron_request_for_dmuon(*noted, sharded_state_dict["optimizer"])
+        out = base(load_dir, args, rank0, sharded_state_dict, *rest, **kwargs)
+        if rank0 and "optimizer" in loading and torch.distributed.is_initialized():
+            state_dict, name, _, kind = out
+            if isinstance(state_dict, dict) and getattr(kind, "name", None) == "GLOBAL":  # torch_dist
+                checkpoint_switch.note_megatron_lm_load(name, state_dict)
+                _prepare_megatron_optimizer_for_dmuon(args, state_dict, loading)
+        if prepared is not None:
+            out[0]["optimizer"] = checkpoint_switch.megatron_state_from_dmuon(prepared, out[0]["optimizer"])
+        return out
+
+    checkpointing._load_base_checkpoint = _load_base_checkpoint
+    training.load_checkpoint = load_checkpoint
+
+
+def _prepare_megatron_optimizer_for_dmuon(args, common: dict, loading: dict) -> None:
+    """A DMuon checkpoint noted for Megatron's own optimizer (``--optimizer muon``/``adam``): its
+    tensors are per parameter, what Megatron's ``fully_reshardable`` format asks for, so the
+    content metadata Megatron-LM reads next says so; megatron-core 0.19's torch-AdamW load
+    workaround (checkpoint_io) holds for the rest of the load."""
+    if getattr(args, "optimizer", None) == "dmuon" or getattr(args, "no_load_optim", False):
+        return
+    if checkpoint_switch.dmuon_record_of(common.get("optimizer")) is None:
+        return
+    content = common.get("content_metadata")
+    if isinstance(content, dict):
+        content["distrib_optim_sharding_type"] = "fully_reshardable"
+    from .checkpoint_io import _megatron_torch_adam_load
+
+    optimizer = loading["optimizer"]
+    loading["switch"] = True
+    loading["stack"].enter_context(_megatron_torch_adam_load(getattr(optimizer, "chained_optimizers", [optimizer])))
 
 
 def _fail(message: str) -> None:

@@ -430,6 +430,8 @@ class DMuonChainedOptimizer(_import_chained_optimizer()):
         parts = self._owner_parts()
         if not parts:
             return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        if is_loading:  # Megatron-LM's own load: the checkpoint it noted may be Megatron's Muon
+            checkpoint_switch.prepare_noted_load(parts, model_sharded_state_dict)
         return ckpt.sharded_optimizer_state(parts, model_sharded_state_dict, is_loading,
                                             kwargs.get("metadata"), kwargs.get("sharding_type"))
 
@@ -503,6 +505,8 @@ class DMuonDistributedOptimizer(_import_distributed_optimizer()):
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
                            sharding_type: Optional[str] = None, metadata: Optional[dict] = None):
+        if is_loading:
+            checkpoint_switch.prepare_noted_load([self], model_sharded_state_dict)
         return ckpt.sharded_optimizer_state([self], model_sharded_state_dict, is_loading, metadata, sharding_type)
 
     def load_state_dict(self, state_dict):
