@@ -88,10 +88,11 @@ def parse_log(text: str) -> list:
     return rows
 
 
-def run(name, args, megatron_lm, log_dir) -> dict:
+def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
+    """One pretrain_gpt run of RUNS[name] (+ ``more`` flags); its log is ``label or name``.log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            os.path.join(megatron_lm, "pretrain_gpt.py"), *MODELS[args.model], *COMMON, *NO_TE,
-           "--train-iters", str(args.iters), *RUNS[name], *args.extra]
+           "--train-iters", str(args.iters), *RUNS[name], *args.extra, *more]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([ROOT, megatron_lm] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -99,15 +100,17 @@ def run(name, args, megatron_lm, log_dir) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=megatron_lm, timeout=args.timeout)
     log = proc.stdout + proc.stderr
     if log_dir:
-        with open(os.path.join(log_dir, f"{name}.log"), "w") as f:
+        with open(os.path.join(log_dir, f"{label or name}.log"), "w") as f:
             f.write(log)
     rows = parse_log(log)
     shown = [l for l in log.splitlines() if LINE.search(l)]
     print("\n".join(shown[:2] + (["..."] if len(shown) > 4 else []) + shown[-2:]), flush=True)
-    if proc.returncode != 0 or len(rows) < args.iters:
+    if proc.returncode != 0 or len(rows) < args.iters - getattr(args, "start", 0):  # (a --load run: from start on)
         tail = "\n".join(log.splitlines()[-40:])
         print(f"[{name}] failed (rc {proc.returncode}, {len(rows)} iterations logged):\n{tail}", flush=True)
         return {"run": name, "error": tail, "iterations": rows}
+    if not rows:  # (a run that loads and trains nothing)
+        return {"run": name, "iterations": rows}
     steady = [r["ms"] for r in rows[len(rows) // 2:]]
     return {"run": name, "iterations": rows, "median_ms": statistics.median(steady),
             "median_tflops": statistics.median([r["tflops"] for r in rows[len(rows) // 2:] if r["tflops"]] or [0]),

@@ -13,6 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import megatron_lm_compare as bench  # noqa: E402
+import megatron_lm_switch as switch  # noqa: E402
 
 sys.path.pop(0)
 
@@ -81,3 +82,27 @@ def test_report_from_runs(tmp_path, monkeypatch, capsys):
     assert "dmuon vs muon: max loss gap 0.0040 (bf16 noise band, muon fp32-NS vs bf16-NS: 0.0100); dmuon 1.25x" in table
     summary = __import__("json").loads((tmp_path / "out" / "megatron_lm_compare.json").read_text())["summary"]
     assert summary["runs"]["dmuon_standard"]["loss_gap_to_muon"]["max_abs"] == pytest.approx(0.002)
+
+
+def test_switch_report_unfolds_megatrons_first_log_after_a_load(tmp_path, monkeypatch):
+    """bench/megatron_lm_switch.py: the switched run is compared iteration by iteration with the run
+    that never switched; Megatron-LM's second logged loss after a --load (the mean of the first two)
+    is unfolded first, so an exact continuation shows no gap."""
+    curve = {i: 10.0 - 0.3 * i for i in range(1, 17)}
+
+    def fake_run(name, args, megatron_lm, log_dir, label=None, more=()):
+        start = getattr(args, "start", 0)
+        rows = [{"iteration": i, "ms": 100.0, "loss": curve[i] + (1e-4 if start and "dmuon" in name else 0.0)}
+                for i in range(start + 1, args.iters + 1)]
+        if start and len(rows) > 1:
+            rows[1]["loss"] = (rows[0]["loss"] + rows[1]["loss"]) / 2  # Megatron-LM's log after a load
+        return {"run": name, "iterations": rows, "median_ms": 100.0}
+
+    monkeypatch.setattr(switch, "run", fake_run)
+    monkeypatch.setattr(switch.subprocess, "run", lambda *a, **k: None)  # patches/apply.sh
+    assert switch.main(["--megatron-lm", str(tmp_path), "--iters", "16", "--switch-at", "8",
+                        "--out", str(tmp_path / "out")]) == 0
+    out = __import__("json").loads((tmp_path / "out" / "megatron_lm_switch.json").read_text())
+    assert out["muon:dmuon"]["max_abs_loss_gap"] == pytest.approx(1e-4) and out["muon:dmuon"]["iterations_compared"] == 8
+    assert out["dmuon:muon"]["max_abs_loss_gap"] == pytest.approx(0.0, abs=1e-12)
+    assert "| muon:dmuon |" in (tmp_path / "out" / "megatron_lm_switch.md").read_text()
