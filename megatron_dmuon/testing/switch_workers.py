@@ -160,6 +160,20 @@ def layerwise_to_dmuon(rank, world_size, resume_at=3, root=None, load_world=None
     return out
 
 
+def _attempt_load(path, run, snapshot, same) -> tuple:
+    """Load ``path`` into ``run``, expecting a refusal: (the error's type and message or None,
+    whether ``snapshot()`` is unchanged)."""
+    from megatron_dmuon.megatron.checkpoint_io import load_checkpoint
+
+    before = snapshot()
+    try:
+        load_checkpoint(path, run.chunks, run.opt)
+        message = None
+    except BaseException as e:  # noqa: BLE001 - the test reads the type and message
+        message = f"{type(e).__name__}: {e}"
+    return message, same(before, snapshot())
+
+
 def dmuon_loads_layerwise(rank, world_size, root, resume_at=3, data_dp=None, refuse_kw=None, **kw):
     """A DMuon run at this world's DP size loads ``layerwise_to_dmuon``'s checkpoint and trains on
     (the global batch defined for ``data_dp`` ranks). ``refuse_kw``: first a run of other settings
@@ -173,13 +187,7 @@ def dmuon_loads_layerwise(rank, world_size, root, resume_at=3, data_dp=None, ref
     out = {}
     if refuse_kw is not None:
         other = _build(perturb=True, **{**kw, **refuse_kw})
-        before = _snapshot(other)
-        try:
-            load_checkpoint(checkpoint_dir(root, resume_at), other.chunks, other.opt)
-            message = None
-        except BaseException as e:  # noqa: BLE001 - the test reads the type and message
-            message = f"{type(e).__name__}: {e}"
-        out["refused"] = (message, _same(before, _snapshot(other)))
+        out["refused"] = _attempt_load(checkpoint_dir(root, resume_at), other, lambda: _snapshot(other), _same)
     run = _build(perturb=True, **kw)
     common = load_checkpoint(checkpoint_dir(root, resume_at), run.chunks, run.opt)
     run.sched.load_state_dict(common["scheduler"])
@@ -219,14 +227,8 @@ def dmuon_to_layerwise(rank, world_size, resume_at=3, root=None, refuse_kw=None,
     out["dmuon"] = {"losses": first["losses"] + rest["losses"], "params": _params(run), "state": dmuon_state(run)}
     if refuse_kw is not None:
         other = _build_layerwise(**{**kw, **refuse_kw})
-        before = _layerwise_snapshot(other)
-        try:
-            load_checkpoint(checkpoint_dir(root, resume_at), other.chunks, other.opt)
-            message = None
-        except BaseException as e:  # noqa: BLE001 - the test reads the type and message
-            message = f"{type(e).__name__}: {e}"
-        after = _layerwise_snapshot(other)
-        out["refused"] = (message, len(before) == len(after) and all(map(torch.equal, before, after)))
+        out["refused"] = _attempt_load(checkpoint_dir(root, resume_at), other, lambda: _layerwise_snapshot(other),
+                                       lambda a, b: len(a) == len(b) and all(map(torch.equal, a, b)))
     lw = _build_layerwise(**kw)
     common = load_checkpoint(checkpoint_dir(root, resume_at), lw.chunks, lw.opt)
     lw.sched.load_state_dict(common["scheduler"])
