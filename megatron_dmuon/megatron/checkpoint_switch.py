@@ -306,9 +306,10 @@ def megatron_request_for_dmuon(path: str, common: dict, request) -> Optional[dic
         found = saved.get(sh.key)
         if found is None:
             name = sh.key.split(".", 3)[3] if sh.key.count(".") >= 3 else sh.key
+            # the other kind's state key: present in the checkpoint, the param is of that kind there
             other = {"momentum_buffer": "exp_avg", "exp_avg": "momentum_buffer", "exp_avg_sq": "momentum_buffer"}
             kind = other.get(sh.key.split(".")[2]) if sh.key.count(".") >= 3 else None
-            hint = (f" ({name} is {'AdamW' if kind == 'momentum_buffer' else 'Muon'} in the checkpoint)"
+            hint = (f" ({name} is {'Muon' if kind == 'momentum_buffer' else 'AdamW'} in the checkpoint)"
                     if kind and f"optimizer.state.{kind}.{name}" in saved else "")
             problems.append(f"{sh.key} is missing{hint}")
         elif hasattr(sh, "global_shape") and tuple(found.global_shape) != tuple(sh.global_shape):
