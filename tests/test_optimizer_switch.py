@@ -66,6 +66,8 @@ def test_dmuon_checkpoint_continues_in_megatrons_layerwise_muon(tmp_path):
     message, untouched = out["refused"]
     assert "CheckpointMismatchError" in message and "written by --optimizer dmuon" in message, message
     assert "Muon momentum is [0.95]" in message and untouched, message
+    message, untouched = out["refused_adam"]  # Megatron's --optimizer adam: the matrices' kind differs
+    assert "CheckpointMismatchError" in message and "is Muon in the checkpoint" in message and untouched, message
     after = state_diffs(out["layerwise_after_load"], out["dmuon_at_save"])
     assert {k.rsplit(":", 1)[1] for k in after} == {"param", "momentum_buffer", "exp_avg", "exp_avg_sq", "step"}
     assert _worst(after) == 0.0, {k: v for k, v in after.items() if v}  # bit-equal right after the load

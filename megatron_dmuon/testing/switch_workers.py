@@ -229,6 +229,10 @@ def dmuon_to_layerwise(rank, world_size, resume_at=3, root=None, refuse_kw=None,
         other = _build_layerwise(**{**kw, **refuse_kw})
         out["refused"] = _attempt_load(checkpoint_dir(root, resume_at), other, lambda: _layerwise_snapshot(other),
                                        lambda a, b: len(a) == len(b) and all(map(torch.equal, a, b)))
+    if refuse_kw is not None:  # Megatron's --optimizer adam has no Muon matrices to take the momenta
+        adam = _build(mode="adam", **kw)
+        out["refused_adam"] = _attempt_load(checkpoint_dir(root, resume_at), adam, lambda: _params(adam),
+                                            lambda a, b: all(torch.equal(a[k], b[k]) for k in a))
     lw = _build_layerwise(**kw)
     common = load_checkpoint(checkpoint_dir(root, resume_at), lw.chunks, lw.opt)
     lw.sched.load_state_dict(common["scheduler"])
