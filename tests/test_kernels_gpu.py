@@ -348,3 +348,19 @@ def test_gpu_owner_adamw_is_torch_fused_adamw_and_takes_cpu_step_counters():
     for a, b, c in zip(ours_p, fused_p, foreach_p):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+
+
+def test_gpu_distributed_gram_ns_runs_on_the_symmetric_kernels(tmp_path):
+    """The TP path's distributed Gram NS with the kernels' ops, one shard with local callbacks: equal
+    to the kernel driver on the whole matrix to fp16 rounding (tests/test_kernels_interpreter.py
+    checks the same in the interpreter)."""
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz_sharded
+    from megatron_dmuon.kernels import gram_newton_schulz_fast
+    from megatron_dmuon.kernels.ns_driver import sharded_gram_ops
+
+    wide = torch.randn(2, 512, 2048, device="cuda")
+    gram, segment_q = sharded_gram_ops(wide, torch.float16, cache_path=tmp_path / "tune.json")
+    ident = lambda t: t  # noqa: E731 - one shard
+    out = gram_newton_schulz_sharded(wide, ident, segment_q, max_over_shards=ident, gram=gram,
+                                     compute_dtype=torch.float16)
+    assert _rel(out, gram_newton_schulz_fast(wide, cache_path=tmp_path / "tune.json")) < 5e-3

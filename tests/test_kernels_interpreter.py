@@ -409,3 +409,37 @@ def test_child_quartic_normalisation_on_the_kernels():
     # rounded b A + c A² also takes a·I (its diagonal rounded twice): that step keeps baddbmm
     assert _rel(std, newton_schulz_reference(sq, **kw)) < 0.006
     assert _rel(std, msgn_svd(sq)) < 0.1
+
+
+@child_only
+@pytest.mark.parametrize("normalisation", ["frobenius", "quartic"])
+def test_child_distributed_gram_ns_runs_on_the_symmetric_kernels(normalisation):
+    """The TP path's distributed Gram NS with the kernels' ops (``sharded_gram_ops``: syrk for each
+    shard's X Xᵀ, ``gram_segment_q`` on the owner), here one shard with local callbacks: it equals
+    the kernel driver on the whole matrix to fp16 rounding, the torch sharded path within fp16 NS
+    tolerance, and the ops are used (not torch's products)."""
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
+    from megatron_dmuon.kernels import gram_newton_schulz_fast
+    from megatron_dmuon.kernels.ns_driver import sharded_gram_ops
+
+    wide = torch.randn(2, 32, 96, generator=torch.Generator().manual_seed(5))
+    gram, segment_q = sharded_gram_ops(wide, torch.float16)
+    calls = {"gram": 0, "q": 0}
+
+    def counted_gram(X):
+        calls["gram"] += 1
+        return gram(X)
+
+    def q_on_kernels(R, segment, normalise):
+        calls["q"] += 1
+        return segment_q(R, segment, normalise)
+
+    kw = dict(compute_dtype=torch.float16, normalisation=normalisation)
+    ident = lambda t: t  # noqa: E731 - one shard: the sum and max over shards are the tensor itself
+    on_kernels = gram_newton_schulz_sharded(wide, ident, q_on_kernels, max_over_shards=ident, gram=counted_gram, **kw)
+    assert calls == {"gram": 2, "q": 2}  # two segments (restart after step 2)
+    whole = gram_newton_schulz_fast(wide, backend="triton", **kw)
+    on_torch = gram_newton_schulz_sharded(wide, ident, gram_space_polynomial, max_over_shards=ident, **kw)
+    assert _rel(on_kernels, whole) < 5e-3
+    assert _rel(on_kernels, on_torch) < 2e-2
+    assert sharded_gram_ops(wide, torch.float32) is None  # float32 compute: torch's products

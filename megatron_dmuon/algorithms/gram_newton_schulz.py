@@ -137,6 +137,7 @@ def gram_newton_schulz_sharded(
     restart_after: Iterable[int] | None = None,
     normalisation: str = "frobenius",
     max_over_shards: Callable[[Tensor], Tensor] | None = None,
+    gram: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Gram NS of a wide matrix ``W = [x_0 x_1 ... x_{t-1}]`` whose column blocks live on t ranks:
     this rank passes its block ``x`` ([B, m, n_i] or [m, n_i]; m <= the full n) and gets back
@@ -149,7 +150,8 @@ def gram_newton_schulz_sharded(
     * ``gram_to_q(partial_R, segment, normalise)``: from this rank's ``x_i x_iᵀ``, the segment's
       ``Q`` on every rank (e.g. reduce to one owner, ``gram_space_polynomial(R, segment,
       normalise)`` there, broadcast ``Q``); ``normalise`` is true for the first segment under the
-      quartic normalisation (the full ``R`` is needed for it, so it runs where ``Q`` is made).
+      quartic normalisation (the full ``R`` is needed for it, so it runs where ``Q`` is made);
+    * ``gram(X)`` (optional): this rank's ``X Xᵀ`` (e.g. a symmetric kernel; default ``X @ X.mT``).
 
     With one shard and local callbacks this is ``gram_newton_schulz`` (same op order for the
     m×m part; the norm is taken as sqrt(sum of squares))."""
@@ -171,7 +173,7 @@ def gram_newton_schulz_sharded(
         norm = _scaled_sharded_norm(X, sum_over_shards, max_over_shards).clamp(min=eps).to(X.dtype)
     X = (X / norm).to(compute_dtype)
     for i, segment in enumerate(segments):
-        X = gram_to_q(X @ X.mT, segment, quartic and i == 0) @ X
+        X = gram_to_q(gram(X) if gram is not None else X @ X.mT, segment, quartic and i == 0) @ X
     return X.reshape(x.shape).to(x.dtype)
 
 

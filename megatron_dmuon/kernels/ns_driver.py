@@ -36,7 +36,8 @@ from torch import Tensor
 from ..algorithms.coefficients import get_coefficients
 from ..algorithms.flops import NS_METHODS, ns_method_for
 from ..algorithms.gram_newton_schulz import (
-    GRAM_MIN_ASPECT_RATIO, default_restarts, gram_applies, gram_newton_schulz, restart_points, validate_min_aspect_ratio,
+    GRAM_MIN_ASPECT_RATIO, default_restarts, gram_applies, gram_newton_schulz, gram_segments, restart_points,
+    validate_min_aspect_ratio,
 )
 from ..algorithms.newton_schulz import (
     NS_EPS, safe_reciprocal, newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input,
@@ -48,7 +49,7 @@ from .metrics import NONFINITE_METRICS, retry_nonfinite
 
 __all__ = [
     "gram_newton_schulz_fast", "newton_schulz_fast", "orthogonalize_batched", "fast_path_usable",
-    "resolve_method",
+    "resolve_method", "sharded_gram_ops",
 ]
 
 FAST_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -137,24 +138,21 @@ def _quartic_first_step(R: Tensor, plan: ShapePlan, b: float, c: float) -> tuple
     return R, S, safe_reciprocal(f * g.sqrt()).sqrt()
 
 
-def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transposed: bool = False,
-              out_dtype: torch.dtype | None = None, quartic: bool = False) -> Tensor:
-    """Gram NS on a normalised wide [B, m, n] stack. Returns Q X in the input's orientation
-    (``transposed``: tall [B, n, m]), in ``out_dtype`` where the last product can write it.
-    ``quartic``: rescale R by the quartic bound first (one more symmetric product, step 1 then
-    needs none) and fold its γ into the first segment's Q."""
-    steps = len(schedule)
-    R = _syrk(plan.syrk, X)
+def gram_segment_q(R: Tensor, segment, plan: ShapePlan, normalise: bool = False) -> Tensor:
+    """``algorithms.gram_newton_schulz.gram_space_polynomial`` on the symmetric kernels: one
+    segment's ``Q`` (``X <- Q X``) from ``R = X Xᵀ`` ([B, m, m], overwritten). ``normalise``: the
+    quartic rescale of R first, its γ folded into Q. The owner of a distributed Gram NS calls this
+    with the reduced R (runtime/tp_exchange.py); ``gram_core`` with its own."""
     gamma = first_Z = None
-    if quartic:
-        R, first_Z, gamma = _quartic_first_step(R, plan, *schedule[0][1:])
+    if normalise:
+        R, first_Z, gamma = _quartic_first_step(R, plan, *segment[0][1:])
     Q = None  # the identity at the start of a segment
-    for t, (a, b, c) in enumerate(schedule, start=1):
+    for i, (a, b, c) in enumerate(segment):
         if first_Z is not None:
             Z, first_Z = first_Z, None  # Z' = b R + c R² came with the rescale
         else:
             Z = _sym(plan.square, R, R, c=R, alpha=c, beta=b)  # Z' = b R + c R²
-        if not (t in restarts or t == steps):
+        if i < len(segment) - 1:
             W = _sym(plan.square, R, Z, c=R, beta=a)  # R Z = a R + R Z'
             R = _sym(plan.square, W, Z, c=W, beta=a)  # Z R Z = a W + W Z'
         if Q is None:
@@ -162,13 +160,36 @@ def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transpo
             Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = a I + Z' (Z' is not needed any more)
         else:
             Q = _sym(plan.square, Q, Z, c=Q, beta=a)  # Q Z = a Q + Q Z'
-        if gamma is not None and (t in restarts or t == steps):
-            Q, gamma = _scale_(Q, gamma), None  # the first segment's Q acts on γ X
-        if t in restarts:
+    return Q if gamma is None else _scale_(Q, gamma)  # the first segment's Q acts on γ X
+
+
+def gram_core(X: Tensor, schedule, restarts: frozenset, plan: ShapePlan, transposed: bool = False,
+              out_dtype: torch.dtype | None = None, quartic: bool = False) -> Tensor:
+    """Gram NS on a normalised wide [B, m, n] stack. Returns Q X in the input's orientation
+    (``transposed``: tall [B, n, m]), in ``out_dtype`` where the last product can write it.
+    ``quartic``: rescale R by the quartic bound first (one more symmetric product, step 1 then
+    needs none) and fold its γ into the first segment's Q."""
+    segments = gram_segments(schedule, restarts)
+    R = _syrk(plan.syrk, X)
+    for i, segment in enumerate(segments):
+        Q = gram_segment_q(R, segment, plan, quartic and i == 0)
+        if i < len(segments) - 1:  # a restart: X = Q X, R = X Xᵀ, Q = I
             X = torch.bmm(Q, X)
             R = _syrk(plan.syrk, X)
-            Q = None
     return _apply_q(Q, X, transposed, out_dtype or X.dtype)
+
+
+def sharded_gram_ops(wide: Tensor, compute_dtype: torch.dtype, autotune: bool = True, cache_path=None):
+    """A distributed Gram NS of the wide stack ``wide`` ([B, m, n_local] per rank) on the symmetric
+    kernels: ``(gram, segment_q)``, this rank's ``X Xᵀ`` (syrk) and the owner's
+    ``segment_q(R, segment, normalise)`` (``gram_segment_q``), both with this shape's kernel
+    choices; None where the kernel path does not run for it (CPU without the Triton interpreter,
+    float32 compute), and the caller keeps the torch products."""
+    if wide.dim() != 3 or wide.numel() == 0 or not fast_path_usable(wide, compute_dtype):
+        return None
+    plan = shape_plan(wide.size(1), wide.size(2), wide.size(0), compute_dtype, wide.device,
+                      autotune=autotune, cache_path=cache_path)
+    return (lambda X: _syrk(plan.syrk, X)), (lambda R, segment, normalise: gram_segment_q(R, segment, plan, normalise))
 
 
 def standard_core(X: Tensor, schedule, plan: ShapePlan, quartic: bool = False) -> Tensor:

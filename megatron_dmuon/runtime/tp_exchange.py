@@ -24,6 +24,7 @@ import torch
 
 from ..algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
 from ..algorithms.tp_shards import merge_tp_shards, split_tp_shards
+from ..kernels.ns_driver import sharded_gram_ops
 
 __all__ = ["TPMatrix", "TPExchange"]
 
@@ -133,14 +134,20 @@ class TPExchange:
         def max_over_shards(t):
             return sum_over_shards(t, torch.distributed.ReduceOp.MAX)
 
+        # the symmetric kernels where they run for this stack (the same choice on every TP rank: one
+        # shape, one autotune cache), else torch's products
+        ops = sharded_gram_ops(local if local.dim() == 3 else local.unsqueeze(0),
+                               gram_kwargs.get("compute_dtype", torch.float16))
+        gram, segment_q = ops if ops is not None else (None, gram_space_polynomial)
+
         def gram_to_q(partial, segment, normalise):
             partial = partial.contiguous()
             torch.distributed.reduce(partial, dst=owner_global, group=group)
-            q = gram_space_polynomial(partial, segment, normalise).contiguous() if self.rank == owner else torch.empty_like(partial)
+            q = segment_q(partial, segment, normalise).contiguous() if self.rank == owner else torch.empty_like(partial)
             torch.distributed.broadcast(q, src=owner_global, group=group)
             nbytes = partial.numel() * partial.element_size()
             self.bytes_sent += nbytes * ((self.size - 1) if self.rank == owner else 1)
             return q
 
         return gram_newton_schulz_sharded(local, sum_over_shards, gram_to_q, max_over_shards=max_over_shards,
-                                          **gram_kwargs)
+                                          gram=gram, **gram_kwargs)
