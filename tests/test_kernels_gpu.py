@@ -366,10 +366,7 @@ def test_gpu_distributed_gram_ns_runs_on_the_symmetric_kernels(tmp_path):
     assert _rel(out, gram_newton_schulz_fast(wide, cache_path=tmp_path / "tune.json")) < 5e-3
 
 
-# entries the dtype can hold (fp16: 6e-8 .. 65504)
-SCALES = {torch.float32: (2.0 ** -100, 1e-30, 1e-20, 1e20, 1e30, 2.0 ** 100),
-          torch.bfloat16: (2.0 ** -100, 1e-30, 1e30, 2.0 ** 100),
-          torch.float16: (2.0 ** -6, 1e2)}
+from megatron_dmuon.testing.ns_scales import SCALES  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", list(SCALES))
@@ -377,28 +374,9 @@ def test_gpu_public_entry_points_need_no_retry_at_any_scale(dtype, tmp_path):
     """[fast-default] item 3 on the GPU (the interpreter test's twin): newton_schulz_fast,
     gram_newton_schulz_fast, orthogonalize_batched give finite results equal to the unit-scale ones
     for entries from 1e-30 to 1e30, and no fp32 retry is counted."""
-    from megatron_dmuon.kernels import gram_newton_schulz_fast, newton_schulz_fast, nonfinite_metrics, orthogonalize_batched
+    from megatron_dmuon.testing.ns_scales import check_entry_points_at_every_scale
 
     gen = torch.Generator(device="cuda").manual_seed(10)
     wide = torch.randn(2, 256, 768, device="cuda", generator=gen)
     square = torch.randn(2, 256, 256, device="cuda", generator=gen)
-    cache = tmp_path / "tune.json"
-    calls = {"standard": (lambda x: newton_schulz_fast(x, "polar_express", check_finite=True, cache_path=cache),
-                          (square, wide.mT.contiguous())),
-             "gram": (lambda x: gram_newton_schulz_fast(x, "polar_express", check_finite=True, cache_path=cache),
-                      (wide, wide.mT.contiguous())),
-             "batched": (lambda x: orthogonalize_batched(x, "auto", check_finite=True), (wide,))}
-    for name, (call, inputs) in calls.items():
-        for x in inputs:
-            unit = call(x.to(dtype)).double()
-            before = nonfinite_metrics()
-            for scale in SCALES[dtype]:
-                out = call((x * scale).to(dtype))
-                assert torch.isfinite(out).all(), (name, dtype, scale)
-                exact_input = float(torch.tensor(scale).log2()).is_integer()
-                tol = (1e-5 if dtype == torch.float32 else 1e-2) if exact_input else (
-                    5e-2 if dtype == torch.bfloat16 else 3e-2)
-                assert _rel(out, unit) < tol, (name, dtype, scale, _rel(out, unit))
-            after = nonfinite_metrics()
-            assert after["fp32_retries"] == before["fp32_retries"], (name, dtype)
-            assert after["nonfinite_outputs"] == before["nonfinite_outputs"], (name, dtype)
+    check_entry_points_at_every_scale(wide, square, dtype, exact_fp32_tol=1e-5, cache_path=tmp_path / "tune.json")

@@ -180,9 +180,7 @@ def test_child_ill_conditioned_and_zero_inputs_stay_finite():
 
 # finite entries at every scale the input dtype holds (fp16: its own range); powers of two scale
 # the input exactly, powers of ten round it in its dtype
-SCALES = {torch.float32: (2.0 ** -100, 1e-30, 1e-20, 1e20, 1e30, 2.0 ** 100),
-          torch.bfloat16: (2.0 ** -100, 1e-30, 1e30, 2.0 ** 100),
-          torch.float16: (2.0 ** -6, 1e2)}
+from megatron_dmuon.testing.ns_scales import SCALES  # noqa: E402
 
 
 @child_only
@@ -225,31 +223,11 @@ def test_child_float64_sum_of_squares_equals_the_float64_norm():
 def test_child_public_entry_points_need_no_retry_at_any_scale(dtype):
     """newton_schulz_fast, gram_newton_schulz_fast, orthogonalize_batched: finite results equal to
     the unit-scale ones for entries from 1e-30 to 1e30, with no fp32 retry counted."""
-    from megatron_dmuon.kernels import gram_newton_schulz_fast, newton_schulz_fast, nonfinite_metrics, orthogonalize_batched
+    from megatron_dmuon.testing.ns_scales import check_entry_points_at_every_scale
 
     gen = torch.Generator().manual_seed(10)
     wide, square = torch.randn(2, 16, 48, generator=gen), torch.randn(2, 16, 16, generator=gen)
-    calls = {"standard": (lambda x: newton_schulz_fast(x, "polar_express", backend="triton", check_finite=True),
-                          (square, wide.mT.contiguous())),
-             "gram": (lambda x: gram_newton_schulz_fast(x, "polar_express", backend="triton", check_finite=True),
-                      (wide, wide.mT.contiguous())),
-             "batched": (lambda x: orthogonalize_batched(x, "auto", check_finite=True), (wide,))}
-    for name, (call, inputs) in calls.items():
-        for x in inputs:
-            unit = call(x.to(dtype)).double()
-            before = nonfinite_metrics()
-            for scale in SCALES[dtype]:
-                out = call((x * scale).to(dtype))
-                assert torch.isfinite(out).all(), (name, dtype, scale)
-                exact_input = float(torch.tensor(scale).log2()).is_integer()
-                # the same input to the last bit: only the norm's rounding differs (fp32: none to see);
-                # an input rounded in its dtype moves the NS result by that dtype's noise
-                tol = (1e-6 if dtype == torch.float32 else 1e-2) if exact_input else (
-                    5e-2 if dtype == torch.bfloat16 else 3e-2)  # measured up to 0.030 (bf16), 0.014 (fp16)
-                assert _rel(out, unit) < tol, (name, dtype, scale, _rel(out, unit))
-            after = nonfinite_metrics()
-            assert after["fp32_retries"] == before["fp32_retries"], (name, dtype)
-            assert after["nonfinite_outputs"] == before["nonfinite_outputs"], (name, dtype)
+    check_entry_points_at_every_scale(wide, square, dtype, exact_fp32_tol=1e-6, backend="triton")
 
 
 @child_only
@@ -443,3 +421,4 @@ def test_child_distributed_gram_ns_runs_on_the_symmetric_kernels(normalisation):
     assert _rel(on_kernels, whole) < 5e-3
     assert _rel(on_kernels, on_torch) < 2e-2
     assert sharded_gram_ops(wide, torch.float32) is None  # float32 compute: torch's products
+
