@@ -422,3 +422,30 @@ def test_child_distributed_gram_ns_runs_on_the_symmetric_kernels(normalisation):
     assert _rel(on_kernels, on_torch) < 2e-2
     assert sharded_gram_ops(wide, torch.float32) is None  # float32 compute: torch's products
 
+
+@child_only
+def test_child_distributed_gram_kernel_failure_falls_back_to_torch(monkeypatch):
+    """A kernel choice of the distributed Gram ops that fails runs torch's products instead, warned
+    and counted as the drivers do (a rank that raised would leave the others in a collective); the
+    owner's fallback starts from R as reduced, not as the failed kernel left it."""
+    from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
+    from megatron_dmuon.kernels import ns_driver
+    from megatron_dmuon.kernels.metrics import NONFINITE_METRICS
+
+    wide = torch.randn(2, 32, 96, generator=torch.Generator().manual_seed(6))
+
+    def broken(R, segment, plan, normalise):
+        R.mul_(3.0)  # what a kernel may leave behind before it fails
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(ns_driver, "gram_segment_q", broken)
+    monkeypatch.setattr(ns_driver, "_FAILED", {})
+    gram, segment_q = ns_driver.sharded_gram_ops(wide, torch.float16)
+    before = NONFINITE_METRICS["kernel_fallbacks"]
+    ident = lambda t: t  # noqa: E731 - one shard
+    kw = dict(compute_dtype=torch.float16, normalisation="quartic")
+    with pytest.warns(RuntimeWarning, match="distributed gram"):
+        out = gram_newton_schulz_sharded(wide, ident, segment_q, max_over_shards=ident, gram=gram, **kw)
+    assert NONFINITE_METRICS["kernel_fallbacks"] > before
+    reference = gram_newton_schulz_sharded(wide, ident, gram_space_polynomial, max_over_shards=ident, gram=gram, **kw)
+    assert torch.equal(out, reference)

@@ -36,8 +36,8 @@ from torch import Tensor
 from ..algorithms.coefficients import get_coefficients
 from ..algorithms.flops import NS_METHODS, ns_method_for
 from ..algorithms.gram_newton_schulz import (
-    GRAM_MIN_ASPECT_RATIO, default_restarts, gram_applies, gram_newton_schulz, gram_segments, restart_points,
-    validate_min_aspect_ratio,
+    GRAM_MIN_ASPECT_RATIO, default_restarts, gram_applies, gram_newton_schulz, gram_segments, gram_space_polynomial,
+    restart_points, validate_min_aspect_ratio,
 )
 from ..algorithms.newton_schulz import (
     NS_EPS, safe_reciprocal, newton_schulz, validate_compute_dtype, validate_eps, validate_matrix_input,
@@ -184,12 +184,25 @@ def sharded_gram_ops(wide: Tensor, compute_dtype: torch.dtype, autotune: bool = 
     kernels: ``(gram, segment_q)``, this rank's ``X Xᵀ`` (syrk) and the owner's
     ``segment_q(R, segment, normalise)`` (``gram_segment_q``), both with this shape's kernel
     choices; None where the kernel path does not run for it (CPU without the Triton interpreter,
-    float32 compute), and the caller keeps the torch products."""
+    float32 compute), and the caller keeps the torch products. A kernel choice that fails falls
+    back to the torch product as the drivers' do (``_fast_or_torch``: warned, counted); the owner's
+    fallback starts from a copy of R, which the kernel path overwrites."""
     if wide.dim() != 3 or wide.numel() == 0 or not fast_path_usable(wide, compute_dtype):
         return None
     plan = shape_plan(wide.size(1), wide.size(2), wide.size(0), compute_dtype, wide.device,
                       autotune=autotune, cache_path=cache_path)
-    return (lambda X: _syrk(plan.syrk, X)), (lambda R, segment, normalise: gram_segment_q(R, segment, plan, normalise))
+    shape = (tuple(wide.shape), compute_dtype, str(wide.device))
+
+    def gram(X):
+        return _fast_or_torch(("distributed gram X Xᵀ", *shape), lambda: _syrk(plan.syrk, X), lambda: X @ X.mT,
+                              forced=False)
+
+    def segment_q(R, segment, normalise):
+        kept = R.clone()
+        return _fast_or_torch(("distributed gram Q", *shape), lambda: gram_segment_q(R, segment, plan, normalise),
+                              lambda: gram_space_polynomial(kept, segment, normalise), forced=False)
+
+    return gram, segment_q
 
 
 def standard_core(X: Tensor, schedule, plan: ShapePlan, quartic: bool = False) -> Tensor:
