@@ -228,15 +228,10 @@ def dmuon_record_of(common_optimizer) -> Optional[dict]:
 
 def _sharded_leaves(tree):
     """The request's ShardedTensors and ShardedTensorFactories (e.g. the SwiGLU fc1 halves), keyed."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    if isinstance(tree, dict):
-        tree = list(tree.values())
-    if isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _sharded_leaves(v)
-    elif isinstance(tree, (ShardedTensor, ShardedTensorFactory)):
-        yield tree
+    return (v for v in nested_values(tree) if isinstance(v, (ShardedTensor, ShardedTensorFactory)))
 
 
 def _optimizer_parts(tree):
