@@ -11,11 +11,16 @@ import typing
 typing.override = getattr(typing, "override", lambda f: f)  # Megatron-LM needs Python 3.12's typing.override
 
 
-def megatron_train_step(rank, world_size, argv, iters=4, save_at=None):
+def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max_logits=False):
     """``iters`` of Megatron-LM's train_step (after a ``--load``, from the loaded iteration on);
-    ``save_at``: Megatron-LM's own save_checkpoint after that many (to ``--save``)."""
+    ``save_at``: Megatron-LM's own save_checkpoint after that many (to ``--save``);
+    ``local_max_logits``: the local attention records the max logits `--qk-clip` needs."""
     import megatron_dmuon.megatron as dm
 
+    if local_max_logits:
+        from megatron_dmuon.testing import local_max_logits as recorder
+
+        recorder.install()
     dm.install()
     sys.argv = ["pretrain_gpt.py", *argv]
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank))
@@ -43,16 +48,18 @@ def megatron_train_step(rank, world_size, argv, iters=4, save_at=None):
     config = get_model_config(model[0])  # what Megatron-LM's train() sets before its loop
     config.grad_scale_func, config.finalize_model_grads_func = optimizer.scale_loss, finalize_model_grads
     data, _, _ = training.build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
-    losses, start = [], args.iteration
+    losses, max_logits, start = [], [], args.iteration
     for it in range(start, start + iters):
-        loss, skipped, *_ = training.train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler, config,
-                                                get_forward_backward_func(), iteration=it)
+        loss, skipped, *_, max_logit = training.train_step(pretrain_gpt.forward_step, data, model, optimizer,
+                                                           scheduler, config, get_forward_backward_func(), iteration=it)
         assert not skipped
         losses.append(float(loss["lm loss"]))
+        max_logits.append(float(max_logit))
         args.consumed_train_samples += args.global_batch_size
         if save_at is not None and it + 1 == save_at:
             from megatron.training.checkpointing import save_checkpoint
 
             save_checkpoint(it + 1, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
-    return {"losses": losses, "ddp": [type(m).__name__ for m in model],
+    qkv = [p.detach().float().tolist() for n, p in model[0].named_parameters() if n.endswith("linear_qkv.weight")]
+    return {"losses": losses, "max_logits": max_logits, "qkv": qkv, "ddp": [type(m).__name__ for m in model],
             "optimizers": [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])]}

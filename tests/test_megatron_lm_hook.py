@@ -595,3 +595,46 @@ def test_optimizer_switch_in_megatron_lms_own_loop_on_cpu(first, then, tmp_path)
     assert switched["optimizers"] != never["optimizers"]
     assert switched["losses"][0] == never["losses"][3]
     assert switched["losses"] == pytest.approx(never["losses"][3:], rel=1e-5)
+
+
+@pytest.mark.skipif(_built_checkout() is None,
+                    reason="needs a Megatron-LM checkout with megatron/core/datasets/helpers_cpp built (make -C there)")
+def test_qk_clip_in_megatron_lms_own_loop_muon_and_dmuon_agree_on_cpu():
+    """--qk-clip in Megatron-LM's own train_step, bf16, GQA, a threshold the logits pass from the
+    third step on: Megatron's --optimizer muon and --optimizer dmuon (both fp32 NS) against each
+    other and against their runs without the clip (--log-max-attention-logit: the logits recorded
+    and logged, nothing rescaled). The local attention records the max logits as Transformer
+    Engine's would (testing/local_max_logits; no TE here). The clip moves the QKV weights far
+    more than the two optimizers differ, and it adds no difference of its own between them."""
+    pytest.importorskip("emerging_optimizers")
+    checkout = _built_checkout()
+    threshold = 0.15
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+            "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 8 "
+            "--lr 1e-2 --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --transformer-impl local "
+            "--no-rope-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-persist-layer-norm "
+            "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --attention-backend unfused --swiglu "
+            "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --use-cpu-initialization "
+            "--eval-iters 0 --eval-interval 1000 --use-distributed-optimizer --muon-momentum 0.95 --muon-nesterov "
+            "--bf16 --muon-fp32-matmul-prec high --dmuon-ns-method standard --muon-tp-mode duplicated "
+            "--hidden-dropout 0 --attention-dropout 0 --qk-clip-alpha 0.5").split()
+    env = {"PYTHONPATH": os.pathsep.join([checkout, ROOT, HERE])}
+    runs = {}
+    for optimizer in ("muon", "dmuon"):
+        for clip, flags in ((False, ["--log-max-attention-logit"]), (True, ["--qk-clip", "--qk-clip-threshold", str(threshold)])):
+            runs[optimizer, clip] = run_distributed(
+                "megatron_lm_workers:megatron_train_step", 1, timeout=900, env=env, sys_path=[HERE, checkout],
+                kwargs={"argv": argv + ["--optimizer", optimizer] + flags, "iters": 5, "local_max_logits": True})[0]
+    qkv = {key: torch.tensor(r["qkv"][0]) for key, r in runs.items()}
+    for optimizer in ("muon", "dmuon"):
+        unclipped, clipped = runs[optimizer, False], runs[optimizer, True]
+        assert max(unclipped["max_logits"]) > 1.5 * threshold  # the clip has work to do
+        assert clipped["max_logits"][-1] < 0.8 * unclipped["max_logits"][-1]  # and does it
+        assert (qkv[optimizer, True] - qkv[optimizer, False]).norm() > 0.2 * qkv[optimizer, False].norm()
+    assert runs["dmuon", True]["optimizers"] == ["DMuonDistributedOptimizer"]
+    assert "DMuon" not in str(runs["muon", True]["optimizers"])
+    between = {clip: float((qkv["muon", clip] - qkv["dmuon", clip]).norm()) for clip in (False, True)}
+    effect = float((qkv["dmuon", True] - qkv["dmuon", False]).norm())
+    assert between[True] <= 2 * between[False] + 0.01 * effect, (between, effect)
+    assert runs["dmuon", True]["losses"] == pytest.approx(runs["muon", True]["losses"], rel=1e-4)
+    assert runs["dmuon", True]["max_logits"] == pytest.approx(runs["muon", True]["max_logits"], rel=2e-2)

@@ -20,7 +20,7 @@ HEADS, GROUPS, HEAD_DIM, LAYERS = 4, 2, 16, 2  # GPTShape(): GQA, 2 heads per qu
 def world():
     """One DP=2 world for every case: the fp32 runs with and without overlap, then the bf16 check."""
     return run_distributed("megatron_dmuon.testing.qk_clip_workers:qk_clip_world", 2,
-                           kwargs=dict(**QK, runs=RUNS, bf16=dict(steps=2, grad_accum=1)))
+                           kwargs=dict(**QK, runs=RUNS, bf16=dict(steps=2, grad_accum=1), recorder=True))
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,17 @@ def test_megatrons_own_clip_qk_fails_on_dmuons_bf16_masters(world):
     errors = sorted(r["bf16"]["megatron_error"] or "" for r in world)
     assert errors[0].startswith("AttributeError: 'NoneType' object has no attribute 'data'"), errors
     assert errors[1].startswith("RuntimeError: The size of tensor a"), errors
+
+
+def test_the_local_attentions_recorder_records_what_te_would(world):
+    # testing/local_max_logits stands in for Transformer Engine's max-logit recording in the GPU and
+    # Megatron-LM loop comparisons (no TE here): per head, the max over batch and unmasked
+    # positions of the scaled logits, a running max over forwards, the attention's output unchanged
+    for r in world:
+        got = r["recorder"]
+        assert got["shape"] == [HEADS] and got["unrecorded"] is None
+        assert max(got["errors"]) <= 1e-5, got["errors"]
+        assert got["outputs_equal"] == [True, True, True]
 
 
 def _model_config(**kw):

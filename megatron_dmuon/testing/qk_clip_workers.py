@@ -61,16 +61,53 @@ def _train_with_qk_clip(rank, threshold, alpha, **kw):
     return {**_report(run, rank, trained, []), "max_logits": max_logits}
 
 
-def qk_clip_world(rank, world_size, threshold=1.0, alpha=0.5, runs=None, bf16=None):
+def qk_clip_world(rank, world_size, threshold=1.0, alpha=0.5, runs=None, bf16=None, recorder=False):
     """Every DP-only QK-clip case in one gloo world: ``runs`` {name: workers._build kwargs} trained
-    with MuonClip (fp32), ``bf16`` (kwargs of `bf16_masters`) the bf16 master check."""
+    with MuonClip (fp32), ``bf16`` (kwargs of `bf16_masters`) the bf16 master check, ``recorder``
+    the check of the local attention's max-logit recorder (last: it patches megatron-core)."""
     from megatron_dmuon.testing.workers import init_parallel
 
     init_parallel()
     out = {name: _train_with_qk_clip(rank, threshold, alpha, **kw) for name, kw in (runs or {}).items()}
     if bf16 is not None:
         out["bf16"] = bf16_masters(threshold=threshold, alpha=alpha, **bf16)
+    if recorder:
+        out["recorder"] = recorded_max_logits(seed=rank)
     return out
+
+
+def recorded_max_logits(seed=0, heads=4, groups=2, head_dim=16, sq=8, batch=3):
+    """testing/local_max_logits on megatron-core's local DotProductAttention: what it records per
+    head against logits computed here from q and k, over two forwards (a running max) with the
+    causal mask built by the softmax, then one with a given mask; and whether the attention's
+    output is the unrecorded attention's."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from . import local_max_logits
+
+    local_max_logits.install()
+    kw = dict(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads, num_query_groups=groups,
+              kv_channels=head_dim, attention_dropout=0.0, masked_softmax_fusion=False)
+    recorded = DotProductAttention(TransformerConfig(**kw, qk_clip=True), 1, AttnMaskType.causal, "self")
+    plain = DotProductAttention(TransformerConfig(**kw), 1, AttnMaskType.causal, "self")
+    g = torch.Generator().manual_seed(seed)
+    causal = torch.ones(sq, sq, dtype=torch.bool).triu(1)
+    given = causal | (torch.rand(batch, 1, sq, sq, generator=g) < 0.3)  # some more positions masked
+    given[..., 0] = False  # every query keeps a key
+    expected, errors, outputs_equal = None, [], []
+    for step, mask in enumerate([None, None, given]):
+        q = torch.randn(sq, batch, heads, head_dim, generator=g) * (3.0 if step == 1 else 1.0)
+        k, v = (torch.randn(sq, batch, groups, head_dim, generator=g) for _ in range(2))
+        out = recorded(q, k, v, mask)
+        outputs_equal.append(torch.equal(out, plain(q, k, v, mask)))
+        logits = torch.einsum("sbhd,tbhd->bhst", q, k.repeat_interleave(heads // groups, dim=2)) / head_dim ** 0.5
+        logits = logits.masked_fill(causal if mask is None else mask, float("-inf")).amax(dim=(0, 2, 3))
+        expected = logits if expected is None else torch.maximum(expected, logits)
+        errors.append(float((recorded.current_max_attn_logits - expected).abs().max()))
+    return {"errors": errors, "outputs_equal": outputs_equal, "unrecorded": getattr(plain, "current_max_attn_logits", None),
+            "shape": list(recorded.current_max_attn_logits.shape)}
 
 
 def _qkv_weights(run):
