@@ -18,6 +18,11 @@ Prints (and writes under --out) JSON with every iteration's loss and time, and a
 median ms/iteration over the second half, loss gap to `muon` (max |Δ| over iterations, and the
 last iteration), and the bf16 noise band (`muon_fp32ns` vs `muon`). Needs a GPU; Megatron-LM
 without Transformer Engine runs with `--transformer-impl local` and the fusions off (as here).
+
+`--qk-clip T` runs every optimizer with MuonClip (`--qk-clip --qk-clip-threshold T`). Only Transformer
+Engine's attention records the max logits MuonClip reads; without TE each run starts through
+`megatron_dmuon.testing.local_max_logits`, which makes the local attention record them (the same for
+every optimizer) and reports how many of Megatron's `clip_qk` calls found a logit above T.
 """
 from __future__ import annotations
 
@@ -68,6 +73,7 @@ RUNS = {
                        "--dmuon-ns-method", "standard"],
     "adam": ["--optimizer", "adam"],
 }
+CLIP_SUMMARY = re.compile(r"local_max_logits summary: (\{.*\})")
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|")
 FIELDS = {"loss": r"lm loss: ([-\d.E+na]+) \|", "grad_norm": r"grad norm: ([\d.E+na]+) \|",
           "tflops": r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \|",
@@ -90,9 +96,12 @@ def parse_log(text: str) -> list:
 
 def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
     """One pretrain_gpt run of RUNS[name] (+ ``more`` flags); its log is ``label or name``.log."""
+    qk_clip = getattr(args, "qk_clip", None)
+    launcher = ["-m", "megatron_dmuon.testing.local_max_logits"] if qk_clip else []  # (no TE: docstring)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           os.path.join(megatron_lm, "pretrain_gpt.py"), *MODELS[args.model], *COMMON, *NO_TE,
-           "--train-iters", str(args.iters), *RUNS[name], *args.extra, *more]
+           *launcher, os.path.join(megatron_lm, "pretrain_gpt.py"), *MODELS[args.model], *COMMON, *NO_TE,
+           "--train-iters", str(args.iters), *RUNS[name], *args.extra, *more,
+           *(["--qk-clip", "--qk-clip-threshold", str(qk_clip)] if qk_clip else [])]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([ROOT, megatron_lm] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -111,11 +120,13 @@ def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
         return {"run": name, "error": tail, "iterations": rows}
     if not rows:  # (a run that loads and trains nothing)
         return {"run": name, "iterations": rows}
+    clips = CLIP_SUMMARY.search(log)
     steady = [r["ms"] for r in rows[len(rows) // 2:]]
     return {"run": name, "iterations": rows, "median_ms": statistics.median(steady),
             "median_tflops": statistics.median([r["tflops"] for r in rows[len(rows) // 2:] if r["tflops"]] or [0]),
             "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
-            "skipped": sum(int(r["skipped"] or 0) for r in rows), "nan": sum(int(r["nan"] or 0) for r in rows)}
+            "skipped": sum(int(r["skipped"] or 0) for r in rows), "nan": sum(int(r["nan"] or 0) for r in rows),
+            **({"qk_clip": json.loads(clips.group(1))} if clips else {})}
 
 
 def loss_gap(a: dict, b: dict) -> dict:
@@ -134,6 +145,8 @@ def main(argv=None) -> int:
                    choices=sorted(RUNS))
     p.add_argument("--timeout", type=int, default=200, help="seconds per run")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON, table and logs")
+    p.add_argument("--qk-clip", type=float, default=None, metavar="T",
+                   help="every run with --qk-clip --qk-clip-threshold T (max logits from the local attention)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more Megatron-LM flags for every run")
     args = p.parse_args(argv)
     megatron_lm = os.path.abspath(args.megatron_lm)
@@ -142,10 +155,11 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
     results = {name: run(name, args, megatron_lm, args.out) for name in args.runs}
     ok = {k: v for k, v in results.items() if "error" not in v}
-    summary = {"model": args.model, "gpus": args.nproc, "iters": args.iters, "runs": {}}
+    summary = {"model": args.model, "gpus": args.nproc, "iters": args.iters, "qk_clip_threshold": args.qk_clip,
+               "runs": {}}
     base = ok.get("muon")
     for name, r in results.items():
-        row = {k: r.get(k) for k in ("median_ms", "median_tflops", "first_loss", "last_loss", "skipped", "nan")}
+        row = {k: r.get(k) for k in ("median_ms", "median_tflops", "first_loss", "last_loss", "skipped", "nan", "qk_clip")}
         if "error" in r:
             row["error"] = True
         elif base is not None and name != "muon":
@@ -163,6 +177,13 @@ def main(argv=None) -> int:
         table.append(f"| {name} | {row['median_ms']:.1f} | {row['median_tflops']:.1f} | "
                      f"{row.get('speedup_vs_muon', 1.0):.3f} | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
                      f"{gap.get('max_abs', 0.0):.4f} | {gap.get('last_abs', 0.0):.4f} | {row['skipped']} / {row['nan']} |")
+    clip_rows = [f"{name}: {row['qk_clip']['clipped_calls']} of {row['qk_clip']['clip_qk_calls']} clip_qk calls clipped, "
+                 f"max logit {row['qk_clip']['first_step_max_logit']:.1f} (first step) / "
+                 f"{row['qk_clip']['max_logit']:.1f} (max) / {row['qk_clip']['last_step_max_logit']:.1f} (last)"
+                 for name, row in summary["runs"].items() if row.get("qk_clip")]
+    if args.qk_clip:
+        table += ["", f"--qk-clip --qk-clip-threshold {args.qk_clip} (max logits recorded by the local attention, "
+                  "megatron_dmuon.testing.local_max_logits):", *[f"- {c}" for c in clip_rows]]
     noise = summary["runs"].get("muon_fp32ns", {}).get("loss_gap_to_muon")
     verdict = []
     if noise and "dmuon" in ok and base:

@@ -64,6 +64,34 @@ def test_every_run_parses_with_megatron_lm(run):
     assert distributed == ("False" if optimizer == "muon" else "True")
 
 
+@pytest.mark.skipif(_checkout() is None, reason="no Megatron-LM checkout ($DMUON_MEGATRON_LM or .mlm/)")
+@pytest.mark.parametrize("run", ["muon", "dmuon"])
+def test_qk_clip_runs_parse_through_the_local_max_logits_launcher_only(run):
+    # --qk-clip: Megatron-LM asserts TE >= 2.9; the launcher the bench starts each run through answers
+    # that check (its local attention records the logits), and nothing else changes
+    argv = [*bench.MODELS["qwen7b-4l"], *bench.COMMON, *bench.NO_TE, "--train-iters", "30", *bench.RUNS[run],
+            "--qk-clip", "--qk-clip-threshold", "2.0"]
+    script = ("import sys, typing\ntyping.override = getattr(typing, 'override', lambda f: f)\n"
+              "if sys.argv[1] == 'launcher':\n"
+              "    from megatron_dmuon.testing import local_max_logits; local_max_logits.install()\n"
+              "del sys.argv[1]\n"
+              "import megatron_dmuon.megatron as dm; dm.install()\n"
+              "from megatron.training.arguments import parse_and_validate_args\n"
+              "args = parse_and_validate_args(args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})\n"
+              "print('OK', args.optimizer, args.qk_clip, args.qk_clip_threshold)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_checkout(), ROOT]), WORLD_SIZE="1", RANK="0",
+               PYTHONWARNINGS="ignore")
+
+    def parse(mode):
+        return subprocess.run([sys.executable, "-c", script, mode, *argv], capture_output=True, text=True, env=env,
+                              cwd=_checkout(), timeout=300)
+
+    ok, plain = parse("launcher"), parse("plain")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert ok.stdout.split("OK ")[-1].split() == [run, "True", "2.0"]
+    assert plain.returncode != 0 and "--qk-clip is only supported with TE >= 2.9.0" in plain.stderr
+
+
 def test_report_from_runs(tmp_path, monkeypatch, capsys):
     """The summary the GPU run prints: speed-up and loss gaps against Megatron's Muon, the noise band."""
     def fake_run(name, args, megatron_lm, log_dir):

@@ -12,7 +12,8 @@ and nothing else, the same way for every optimizer:
   records, per forward, the max over batch and positions of each head's logits as its softmax
   sees them (the scaled scores, the causal or given mask excluded), as TE records them, and keeps
   the running max over micro-batches in `current_max_attn_logits` (Megatron's clip resets it);
-* Megatron-LM's argument check answers TE >= 2.9 for those two flags only.
+* Megatron-LM's argument check answers TE >= 2.9 for those two flags only;
+* (counted, not changed) each `SelfAttention.clip_qk` call's max logit, for a run's summary line.
 
 Megatron's own `clip_qk`, its all-reduce and its rescale run unchanged. The recorded max comes from
 bf16 scores under a bf16 run (TE's from its fp32 accumulator): the same source for both
@@ -22,12 +23,15 @@ optimizers, which is what a comparison of them needs.
 """
 from __future__ import annotations
 
+import json
+import os
 import runpy
 import sys
 
 import torch
 
 _INSTALLED = {}
+CLIPS = []  # (layer number, its max logit after the DP all-reduce, clipped?) per SelfAttention.clip_qk call
 
 
 def per_head_max_logits(scores: torch.Tensor, mask, causal: bool, scale=None) -> torch.Tensor:
@@ -81,6 +85,7 @@ def install() -> None:
 
     DotProductAttention.__init__ = __init__
     _INSTALLED["attention_init"] = init
+    _count_clips()
     try:
         from megatron.training import arguments
     except ImportError:  # megatron-core alone: no argument check to answer
@@ -94,6 +99,32 @@ def install() -> None:
     _INSTALLED["is_te_min_version"] = te_min_version
 
 
+def _count_clips() -> None:
+    """Note what each SelfAttention.clip_qk call saw, for the run's summary (`main`)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    clip = SelfAttention.clip_qk
+
+    def clip_qk(self):
+        logits = self.core_attention.current_max_attn_logits
+        top = float(logits.max())
+        CLIPS.append((self.layer_number, top, top > self.config.qk_clip_threshold))
+        return clip(self)
+
+    SelfAttention.clip_qk = clip_qk
+    _INSTALLED["clip_qk"] = clip
+
+
+def summary() -> dict:
+    """The clip_qk calls of this process: how many, how many found a logit above the threshold,
+    the max logit of the first and last calls' step."""
+    layers = len({layer for layer, _, _ in CLIPS}) or 1
+    steps = [max(top for _, top, _ in CLIPS[i:i + layers]) for i in range(0, len(CLIPS), layers)]
+    return {"clip_qk_calls": len(CLIPS), "clipped_calls": sum(c for _, _, c in CLIPS), "steps": len(steps),
+            "first_step_max_logit": steps[0] if steps else None, "last_step_max_logit": steps[-1] if steps else None,
+            "max_logit": max(steps) if steps else None}
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -101,6 +132,8 @@ def main(argv=None) -> None:
     install()
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
+    if CLIPS and int(os.environ.get("RANK", "0")) == 0:
+        print("local_max_logits summary: " + json.dumps(summary()), flush=True)
 
 
 if __name__ == "__main__":
