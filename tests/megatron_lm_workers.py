@@ -13,7 +13,8 @@ typing.override = getattr(typing, "override", lambda f: f)  # Megatron-LM needs 
 
 def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max_logits=False):
     """``iters`` of Megatron-LM's train_step (after a ``--load``, from the loaded iteration on);
-    ``save_at``: Megatron-LM's own save_checkpoint after that many (to ``--save``);
+    ``save_at``: Megatron-LM's own save_checkpoint once the loop reaches that iteration (to ``--save``;
+    ``save_at`` = the loaded iteration: right after the load, before any step);
     ``local_max_logits``: the local attention records the max logits `--qk-clip` needs."""
     import megatron_dmuon.megatron as dm
 
@@ -49,6 +50,10 @@ def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max
     config.grad_scale_func, config.finalize_model_grads_func = optimizer.scale_loss, finalize_model_grads
     data, _, _ = training.build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
     losses, max_logits, start = [], [], args.iteration
+    if save_at is not None and save_at == start:
+        from megatron.training.checkpointing import save_checkpoint
+
+        save_checkpoint(start, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
     for it in range(start, start + iters):
         loss, skipped, *_, max_logit = training.train_step(pretrain_gpt.forward_step, data, model, optimizer,
                                                            scheduler, config, get_forward_backward_func(), iteration=it)
@@ -63,3 +68,12 @@ def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max
     qkv = [p.detach().float().tolist() for n, p in model[0].named_parameters() if n.endswith("linear_qkv.weight")]
     return {"losses": losses, "max_logits": max_logits, "qkv": qkv, "ddp": [type(m).__name__ for m in model],
             "optimizers": [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])]}
+
+
+def compare_checkpoints(rank, world_size, first, second):
+    """bench/megatron_lm_switch.py's tensor-by-tensor state comparison of two torch_dist checkpoints,
+    in a rank process (its reader wants a process group)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from megatron_lm_switch import compare_saved
+
+    return compare_saved(first, second)

@@ -134,3 +134,28 @@ def test_switch_report_unfolds_megatrons_first_log_after_a_load(tmp_path, monkey
     assert out["muon:dmuon"]["max_abs_loss_gap"] == pytest.approx(1e-4) and out["muon:dmuon"]["iterations_compared"] == 8
     assert out["dmuon:muon"]["max_abs_loss_gap"] == pytest.approx(0.0, abs=1e-12)
     assert "| muon:dmuon |" in (tmp_path / "out" / "megatron_lm_switch.md").read_text()
+
+
+def test_switch_state_only_runs_no_resumed_training_and_reports_the_state_check(tmp_path, monkeypatch):
+    """bench/megatron_lm_switch.py --state-only: per direction the first optimizer trains to
+    --switch-at and saves, the other loads and saves again without a step; no resumed run; the
+    tensor check's result is what decides the exit code."""
+    calls = []
+
+    def fake_run(name, args, megatron_lm, log_dir, label=None, more=()):
+        calls.append((label, args.iters, getattr(args, "start", 0)))
+        if "--save" in more:  # Megatron-LM writes the checkpoint it was asked for
+            os.makedirs(os.path.join(more[more.index("--save") + 1], "iter_0000008"), exist_ok=True)
+        return {"run": name, "iterations": [], "median_ms": 1.0}
+
+    monkeypatch.setattr(switch, "run", fake_run)
+    monkeypatch.setattr(switch.subprocess, "run", lambda *a, **k: None)
+    monkeypatch.setattr(switch, "compare_saved", lambda a, b: {"max_abs_by_kind": {"exp_avg": 0.0}, "tensors_compared": {"exp_avg": 1}})
+    assert switch.main(["--megatron-lm", str(tmp_path), "--iters", "16", "--switch-at", "8", "--state-only",
+                        "--out", str(tmp_path / "out")]) == 0
+    assert calls == [("muon_never_switched", 8, 0), ("muon_to_dmuon_load_only", 8, 8),
+                     ("dmuon_never_switched", 8, 0), ("dmuon_to_muon_load_only", 8, 8)]
+    table = (tmp_path / "out" / "megatron_lm_switch.md").read_text()
+    assert "| muon:dmuon | (state check only) |" in table and "0.0e+00" in table
+    monkeypatch.setattr(switch, "compare_saved", lambda a, b: (_ for _ in ()).throw(OSError("unreadable")))
+    assert switch.main(["--megatron-lm", str(tmp_path), "--iters", "16", "--switch-at", "8", "--state-only"]) == 1

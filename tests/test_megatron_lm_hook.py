@@ -590,11 +590,22 @@ def test_optimizer_switch_in_megatron_lms_own_loop_on_cpu(first, then, tmp_path)
                                kwargs={"argv": argv + ["--optimizer", optimizer] + extra, **kw},
                                sys_path=[HERE, checkout])[0]
 
-    never = train(first, ["--save", str(tmp_path)], iters=6, save_at=3)
-    switched = train(then, ["--load", str(tmp_path)], iters=3)
+    saved, reloaded = tmp_path / "saved", tmp_path / "reloaded"
+    never = train(first, ["--save", str(saved)], iters=6, save_at=3)
+    switched = train(then, ["--load", str(saved)], iters=3)
     assert switched["optimizers"] != never["optimizers"]
     assert switched["losses"][0] == never["losses"][3]
     assert switched["losses"] == pytest.approx(never["losses"][3:], rel=1e-5)
+    # the state right after the load, saved again by the other optimizer before any step, tensor by
+    # tensor against the saved one (bench/megatron_lm_switch.py's check, which the GPU run prints)
+    (saved / "latest_checkpointed_iteration.txt").write_text("3")
+    train(then, ["--load", str(saved), "--save", str(reloaded)], iters=0, save_at=3)
+    states = run_distributed("megatron_lm_workers:compare_checkpoints", 1, timeout=300, env=env, sys_path=[HERE, checkout],
+                             kwargs={"first": str(saved / "iter_0000003"), "second": str(reloaded / "iter_0000003")})[0]
+    assert states["only_in_first"] == states["only_in_second"] == 0, states
+    # torch_dist stacks the layers: 4 Muon matrices (qkv, proj, fc1, fc2), 4 AdamW params (embedding, 3 norms)
+    assert states["tensors_compared"] == {"param": 8, "momentum_buffer": 4, "exp_avg": 4, "exp_avg_sq": 4}, states
+    assert all(v == 0.0 for v in states["max_abs_by_kind"].values()), states
 
 
 @pytest.mark.skipif(_built_checkout() is None,
