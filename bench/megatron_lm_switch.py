@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         if os.path.isdir(saved):
             with open(os.path.join(saved, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write(str(args.switch_at))
-        resumed = {"error": "not run (--state-only)"} if args.state_only else run(
+        resumed = None if args.state_only else run(
             NAMES[then], SimpleNamespace(**{**vars(base), "start": args.switch_at}), megatron_lm, args.out,
             label=f"{first}_to_{then}", more=["--load", saved])
         # trains nothing: --train-iters is the loaded iteration; Megatron saves at the end (not a multiple of 7)
@@ -101,8 +101,10 @@ def main(argv=None) -> int:
             megatron_lm, args.out, label=f"{first}_to_{then}_load_only",
             more=["--load", saved, "--save", loaded, "--save-interval", "7",
                   "--override-opt_param-scheduler"])  # (its --train-iters differs; it trains nothing)
-        row = {"never_switched_error": "error" in never, "switched_error": "error" in resumed}
-        if "error" not in never and "error" not in resumed:
+        row = {"never_switched_error": "error" in never}
+        if resumed is not None:
+            row["switched_error"] = "error" in resumed
+        if resumed is not None and "error" not in never and "error" not in resumed:
             ref = {r["iteration"]: r["loss"] for r in never["iterations"]}
             logged = {r["iteration"]: r["loss"] for r in resumed["iterations"]}
             # Megatron-LM's first log interval after a --load also averages the iteration before it
