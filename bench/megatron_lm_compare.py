@@ -19,6 +19,11 @@ median ms/iteration over the second half, loss gap to `muon` (max |Δ| over iter
 last iteration), and the bf16 noise band (`muon_fp32ns` vs `muon`). Needs a GPU; Megatron-LM
 without Transformer Engine runs with `--transformer-impl local` and the fusions off (as here).
 
+`--seeds S ...` repeats every run per seed (`--seed S`: init and mock data), so the noise band is a
+spread over seeds rather than one sample; `--jobs N` runs N of them at once on the GPU (loss curves
+only: with N > 1 the times are not per-iteration times and the table leaves them out). Per seed,
+each run's gap is taken to that seed's `muon` and set beside that seed's band.
+
 `--qk-clip T` runs every optimizer with MuonClip (`--qk-clip --qk-clip-threshold T`). Only Transformer
 Engine's attention records the max logits MuonClip reads; without TE each run starts through
 `megatron_dmuon.testing.local_max_logits`, which makes the local attention record them (the same for
@@ -27,6 +32,7 @@ every optimizer) and reports how many of Megatron's `clip_qk` calls found a logi
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -135,6 +141,73 @@ def loss_gap(a: dict, b: dict) -> dict:
     return {"max_abs": max(abs(x - y) for x, y in pairs), "last_abs": abs(pairs[-1][0] - pairs[-1][1])}
 
 
+DEFAULT_SEED = int(COMMON[COMMON.index("--seed") + 1])
+
+
+def run_all(args, megatron_lm) -> dict:
+    """Every (seed, run), ``args.jobs`` at a time: {seed: {name: result}}; logs ``name`` or ``name_s<seed>``."""
+    def one(task):
+        seed, name = task
+        label = name if len(args.seeds) == 1 else f"{name}_s{seed}"
+        return task, run(name, args, megatron_lm, args.out, label=label,
+                         more=() if seed == DEFAULT_SEED else ("--seed", str(seed)))
+
+    tasks = [(seed, name) for seed in args.seeds for name in args.runs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        done = dict(pool.map(one, tasks))
+    return {seed: {name: done[(seed, name)] for name in args.runs} for seed in args.seeds}
+
+
+def summarize(results: dict, timed: bool) -> dict:
+    """One seed's rows: speed-up (when ``timed``) and loss gaps against that seed's ``muon``."""
+    base = results.get("muon") if "error" not in results.get("muon", {"error": 1}) else None
+    rows = {}
+    for name, r in results.items():
+        row = {k: r.get(k) for k in ("median_ms", "median_tflops", "first_loss", "last_loss", "skipped", "nan", "qk_clip")}
+        if "error" in r:
+            row["error"] = True
+        elif base is not None and name != "muon":
+            row["loss_gap_to_muon"] = loss_gap(r, base)
+            if timed:
+                row["speedup_vs_muon"] = base["median_ms"] / r["median_ms"]
+        rows[name] = row
+    return rows
+
+
+def band_over_seeds(by_seed: dict) -> dict:
+    """Per run: its max loss gap to ``muon`` at each seed, and at how many seeds it is within that seed's
+    noise band (``muon_fp32ns``'s gap)."""
+    out = {}
+    names = [n for n in next(iter(by_seed.values())) if n != "muon"]
+    for name in names:
+        gaps, within = {}, 0
+        for seed, rows in by_seed.items():
+            gap = rows[name].get("loss_gap_to_muon")
+            band = rows.get("muon_fp32ns", {}).get("loss_gap_to_muon")
+            if gap is None:
+                continue
+            gaps[str(seed)] = gap["max_abs"]
+            within += int(band is not None and gap["max_abs"] <= band["max_abs"])
+        if gaps:
+            out[name] = {"max_abs_by_seed": gaps, "max_abs": max(gaps.values()),
+                         "mean_max_abs": statistics.mean(gaps.values()), "within_band_seeds": within}
+    return out
+
+
+def table_rows(rows: dict, timed: bool, label: str = "") -> list:
+    out = []
+    for name, row in rows.items():
+        if row.get("error"):
+            out.append(f"| {label}{name} | failed | | | | | | | |")
+            continue
+        gap = row.get("loss_gap_to_muon") or {}
+        speed = (f"{row['median_ms']:.1f} | {row['median_tflops']:.1f} | {row.get('speedup_vs_muon', 1.0):.3f}"
+                 if timed else "— | — | —")
+        out.append(f"| {label}{name} | {speed} | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
+                   f"{gap.get('max_abs', 0.0):.4f} | {gap.get('last_abs', 0.0):.4f} | {row['skipped']} / {row['nan']} |")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--megatron-lm", default=os.path.join(ROOT, ".mlm"), help="Megatron-LM checkout (core_v0.19.0)")
@@ -143,64 +216,77 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="qwen7b-4l", choices=sorted(MODELS))
     p.add_argument("--runs", nargs="+", default=["muon", "muon_fp32ns", "dmuon", "dmuon_standard"],
                    choices=sorted(RUNS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[DEFAULT_SEED],
+                   help="every run once per seed (--seed: init and mock data); the band becomes a spread over seeds")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at once on the GPU(s): > 1 compares loss curves only (no times reported)")
     p.add_argument("--timeout", type=int, default=200, help="seconds per run")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON, table and logs")
     p.add_argument("--qk-clip", type=float, default=None, metavar="T",
                    help="every run with --qk-clip --qk-clip-threshold T (max logits from the local attention)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more Megatron-LM flags for every run")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    timed = args.jobs == 1
     megatron_lm = os.path.abspath(args.megatron_lm)
     subprocess.run(["bash", os.path.join(ROOT, "patches", "apply.sh"), megatron_lm], check=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    results = {name: run(name, args, megatron_lm, args.out) for name in args.runs}
-    ok = {k: v for k, v in results.items() if "error" not in v}
+    by_seed = run_all(args, megatron_lm)
+    rows_by_seed = {seed: summarize(results, timed) for seed, results in by_seed.items()}
     summary = {"model": args.model, "gpus": args.nproc, "iters": args.iters, "qk_clip_threshold": args.qk_clip,
-               "runs": {}}
-    base = ok.get("muon")
-    for name, r in results.items():
-        row = {k: r.get(k) for k in ("median_ms", "median_tflops", "first_loss", "last_loss", "skipped", "nan", "qk_clip")}
-        if "error" in r:
-            row["error"] = True
-        elif base is not None and name != "muon":
-            row["loss_gap_to_muon"] = loss_gap(r, base)
-            row["speedup_vs_muon"] = base["median_ms"] / r["median_ms"]
-        summary["runs"][name] = row
-    print(json.dumps({"summary": summary, "iterations": {k: v["iterations"] for k, v in results.items()}}))
+               "jobs": args.jobs, "timed": timed}
+    if len(args.seeds) == 1:
+        (seed,) = args.seeds
+        summary["runs"] = rows_by_seed[seed]
+        iterations = {k: v["iterations"] for k, v in by_seed[seed].items()}
+    else:
+        summary["seeds"] = args.seeds
+        summary["runs_by_seed"] = {str(s): rows for s, rows in rows_by_seed.items()}
+        summary["band_over_seeds"] = band_over_seeds(rows_by_seed)
+        iterations = {f"{k}_s{s}": v["iterations"] for s, results in by_seed.items() for k, v in results.items()}
+    print(json.dumps({"summary": summary, "iterations": iterations}))
     table = ["| run | ms/iter (median, 2nd half) | TFLOP/s/GPU | speed-up vs muon | first loss | last loss | "
              "max abs loss gap to muon | last-iteration gap | skipped / nan |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, row in summary["runs"].items():
-        if row.get("error"):
-            table.append(f"| {name} | failed | | | | | | | |")
-            continue
-        gap = row.get("loss_gap_to_muon") or {}
-        table.append(f"| {name} | {row['median_ms']:.1f} | {row['median_tflops']:.1f} | "
-                     f"{row.get('speedup_vs_muon', 1.0):.3f} | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
-                     f"{gap.get('max_abs', 0.0):.4f} | {gap.get('last_abs', 0.0):.4f} | {row['skipped']} / {row['nan']} |")
-    clip_rows = [f"{name}: {row['qk_clip']['clipped_calls']} of {row['qk_clip']['clip_qk_calls']} clip_qk calls clipped, "
-                 f"max logit {row['qk_clip']['first_step_max_logit']:.1f} (first step) / "
-                 f"{row['qk_clip']['max_logit']:.1f} (max) / {row['qk_clip']['last_step_max_logit']:.1f} (last)"
-                 for name, row in summary["runs"].items() if row.get("qk_clip")]
+    for seed, rows in rows_by_seed.items():
+        table += table_rows(rows, timed, "" if len(args.seeds) == 1 else f"seed {seed}: ")
     if args.qk_clip:
         table += ["", f"--qk-clip --qk-clip-threshold {args.qk_clip} (max logits recorded by the local attention, "
-                  "megatron_dmuon.testing.local_max_logits):", *[f"- {c}" for c in clip_rows]]
-    noise = summary["runs"].get("muon_fp32ns", {}).get("loss_gap_to_muon")
+                  "megatron_dmuon.testing.local_max_logits):"]
+        for seed, rows in rows_by_seed.items():
+            table += [f"- {'' if len(args.seeds) == 1 else f'seed {seed}, '}{name}: {row['qk_clip']['clipped_calls']} of "
+                      f"{row['qk_clip']['clip_qk_calls']} clip_qk calls clipped, max logit "
+                      f"{row['qk_clip']['first_step_max_logit']:.1f} (first step) / {row['qk_clip']['max_logit']:.1f} "
+                      f"(max) / {row['qk_clip']['last_step_max_logit']:.1f} (last)"
+                      for name, row in rows.items() if row.get("qk_clip")]
     verdict = []
-    if noise and "dmuon" in ok and base:
-        gap = summary["runs"]["dmuon"]["loss_gap_to_muon"]
-        verdict.append(f"dmuon vs muon: max loss gap {gap['max_abs']:.4f} (bf16 noise band, muon fp32-NS vs "
-                       f"bf16-NS: {noise['max_abs']:.4f}); dmuon {summary['runs']['dmuon']['speedup_vs_muon']:.2f}x "
-                       f"muon's iteration speed")
+    if len(args.seeds) == 1:
+        runs = summary["runs"]
+        noise = runs.get("muon_fp32ns", {}).get("loss_gap_to_muon")
+        gap = runs.get("dmuon", {}).get("loss_gap_to_muon")
+        if noise and gap:
+            speed = f"; dmuon {runs['dmuon']['speedup_vs_muon']:.2f}x muon's iteration speed" if timed else ""
+            verdict.append(f"dmuon vs muon: max loss gap {gap['max_abs']:.4f} (bf16 noise band, muon fp32-NS vs "
+                           f"bf16-NS: {noise['max_abs']:.4f}){speed}")
+    else:
+        verdict += ["| run | max loss gap to muon, per seed | largest | mean | within the seed's band |",
+                    "|---|---|---:|---:|---:|"]
+        for name, b in summary["band_over_seeds"].items():
+            per = ", ".join(f"{g:.4f}" for g in b["max_abs_by_seed"].values())
+            verdict.append(f"| {name}{' (band)' if name == 'muon_fp32ns' else ''} | {per} | {b['max_abs']:.4f} | "
+                           f"{b['mean_max_abs']:.4f} | {b['within_band_seeds']} / {len(b['max_abs_by_seed'])} |")
     text = "\n".join(table + [""] + verdict)
     print("\n" + text, flush=True)
     if args.out:
         with open(os.path.join(args.out, "megatron_lm_compare.json"), "w") as f:
-            json.dump({"summary": summary, "iterations": {k: v["iterations"] for k, v in results.items()},
+            json.dump({"summary": summary, "iterations": iterations,
                        "flags": {"model": MODELS[args.model], "common": COMMON + NO_TE, "runs": RUNS,
                                  "extra": args.extra}}, f, indent=1)
         with open(os.path.join(args.out, "megatron_lm_compare.md"), "w") as f:
             f.write(text + "\n")
-    return 0 if len(ok) == len(results) else 1
+    ok = all("error" not in r for results in by_seed.values() for r in results.values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def test_qk_clip_runs_parse_through_the_local_max_logits_launcher_only(run):
 
 def test_report_from_runs(tmp_path, monkeypatch, capsys):
     """The summary the GPU run prints: speed-up and loss gaps against Megatron's Muon, the noise band."""
-    def fake_run(name, args, megatron_lm, log_dir):
+    def fake_run(name, args, megatron_lm, log_dir, label=None, more=()):
         ms, shift = {"muon": (600.0, 0.0), "muon_fp32ns": (650.0, 0.01), "dmuon": (480.0, 0.004),
                      "dmuon_standard": (500.0, 0.002)}[name]
         rows = [{"iteration": i + 1, "ms": ms, "loss": 10.0 - i * 0.1 + shift * (i % 2), "grad_norm": 1.0,
@@ -110,6 +110,38 @@ def test_report_from_runs(tmp_path, monkeypatch, capsys):
     assert "dmuon vs muon: max loss gap 0.0040 (bf16 noise band, muon fp32-NS vs bf16-NS: 0.0100); dmuon 1.25x" in table
     summary = __import__("json").loads((tmp_path / "out" / "megatron_lm_compare.json").read_text())["summary"]
     assert summary["runs"]["dmuon_standard"]["loss_gap_to_muon"]["max_abs"] == pytest.approx(0.002)
+
+
+def test_seeds_give_each_run_its_gap_beside_that_seeds_band(tmp_path, monkeypatch):
+    """--seeds/--jobs: every run once per seed (the seed reaches Megatron-LM as its last --seed flag, the
+    default seed as COMMON's), gaps to that seed's muon, each set beside that seed's band; with --jobs > 1
+    the table reports no times."""
+    calls = []
+    shifts = {(1234, "muon_fp32ns"): 0.002, (1234, "dmuon"): 0.001, (7, "muon_fp32ns"): 0.001, (7, "dmuon"): 0.003}
+
+    def fake_run(name, args, megatron_lm, log_dir, label=None, more=()):
+        seed = int(more[1]) if more else bench.DEFAULT_SEED
+        calls.append((name, label, tuple(more)))
+        shift = shifts.get((seed, name), 0.0)
+        rows = [{"iteration": i + 1, "ms": 500.0, "loss": 10.0 - i * 0.1 + shift * (i == 2), "grad_norm": 1.0,
+                 "tflops": 100.0, "skipped": 0.0, "nan": 0.0} for i in range(args.iters)]
+        return {"run": name, "iterations": rows, "median_ms": 500.0, "median_tflops": 100.0,
+                "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"], "skipped": 0, "nan": 0}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)  # patches/apply.sh
+    out = tmp_path / "out"
+    assert bench.main(["--megatron-lm", str(tmp_path), "--iters", "5", "--runs", "muon", "muon_fp32ns", "dmuon",
+                       "--seeds", "1234", "7", "--jobs", "3", "--out", str(out)]) == 0
+    assert sorted(calls) == sorted([(n, f"{n}_s{s}", () if s == 1234 else ("--seed", "7"))
+                                    for s in (1234, 7) for n in ("muon", "muon_fp32ns", "dmuon")])
+    summary = __import__("json").loads((out / "megatron_lm_compare.json").read_text())["summary"]
+    band = summary["band_over_seeds"]
+    assert band["dmuon"]["max_abs_by_seed"] == {"1234": pytest.approx(0.001), "7": pytest.approx(0.003)}
+    assert band["dmuon"]["within_band_seeds"] == 1 and band["muon_fp32ns"]["within_band_seeds"] == 2
+    assert summary["timed"] is False and "speedup_vs_muon" not in summary["runs_by_seed"]["7"]["dmuon"]
+    table = (out / "megatron_lm_compare.md").read_text()
+    assert "| seed 7: dmuon | — | — | — |" in table and "| dmuon | 0.0010, 0.0030 | 0.0030 | 0.0020 | 1 / 2 |" in table
 
 
 def test_switch_report_unfolds_megatrons_first_log_after_a_load(tmp_path, monkeypatch):
