@@ -12,6 +12,7 @@ progress lines (`--log-interval 1`). Runs (`--runs`):
                    loss curve — the noise band DMuon's curve is judged against;
 * `dmuon`          DMuon through the hook, same flags (`--dmuon-ns-method auto` by default);
 * `dmuon_standard` DMuon with `--dmuon-ns-method standard` (the NS iteration Megatron runs);
+* `dmuon_fp32ns`   DMuon with fp32 Newton-Schulz (`high`; full fp32 here, TF32 matmuls in Megatron's);
 * `adam`           Megatron's distributed Adam, for the step-time baseline (not in the default set).
 
 Prints (and writes under --out) JSON with every iteration's loss and time, and a markdown table:
@@ -77,6 +78,7 @@ RUNS = {
     "dmuon": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium"],
     "dmuon_standard": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium",
                        "--dmuon-ns-method", "standard"],
+    "dmuon_fp32ns": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "high"],
     "adam": ["--optimizer", "adam"],
 }
 CLIP_SUMMARY = re.compile(r"local_max_logits summary: (\{.*\})")
