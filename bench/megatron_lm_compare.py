@@ -176,6 +176,22 @@ def summarize(results: dict, timed: bool) -> dict:
     return rows
 
 
+EXACT_RUN = "dmuon_fp32ns"  # DMuon's NS in full fp32: the curve nearest exact arithmetic the bench has
+
+
+def gaps_to(by_seed_iterations: dict, reference: str) -> dict:
+    """Per run, its max loss gap to ``reference`` at each seed ({seed: {run: iterations}}): beside the
+    gaps to Megatron's bf16 ``muon``, the distance to the most exact curve (``EXACT_RUN``)."""
+    out = {}
+    for seed, runs in by_seed_iterations.items():
+        if reference not in runs or "error" in runs[reference]:
+            continue
+        for name, r in runs.items():
+            if name != reference and "error" not in r:
+                out.setdefault(name, {})[str(seed)] = loss_gap(r, runs[reference])["max_abs"]
+    return out
+
+
 def band_over_seeds(by_seed: dict) -> dict:
     """Per run: its max loss gap to ``muon`` at each seed, and at how many seeds it is within that seed's
     noise band (``muon_fp32ns``'s gap)."""
@@ -247,6 +263,8 @@ def main(argv=None) -> int:
         summary["seeds"] = args.seeds
         summary["runs_by_seed"] = {str(s): rows for s, rows in rows_by_seed.items()}
         summary["band_over_seeds"] = band_over_seeds(rows_by_seed)
+        if EXACT_RUN in args.runs:
+            summary["gap_to_exact_by_seed"] = gaps_to(by_seed, EXACT_RUN)
         iterations = {f"{k}_s{s}": v["iterations"] for s, results in by_seed.items() for k, v in results.items()}
     print(json.dumps({"summary": summary, "iterations": iterations}))
     table = ["| run | ms/iter (median, 2nd half) | TFLOP/s/GPU | speed-up vs muon | first loss | last loss | "
@@ -278,6 +296,10 @@ def main(argv=None) -> int:
             per = ", ".join(f"{g:.4f}" for g in b["max_abs_by_seed"].values())
             verdict.append(f"| {name}{' (band)' if name == 'muon_fp32ns' else ''} | {per} | {b['max_abs']:.4f} | "
                            f"{b['mean_max_abs']:.4f} | {b['within_band_seeds']} / {len(b['max_abs_by_seed'])} |")
+        if "gap_to_exact_by_seed" in summary:
+            verdict += ["", f"| run | max loss gap to {EXACT_RUN} (fp32 NS), per seed | largest |", "|---|---|---:|"]
+            verdict += [f"| {name} | {', '.join(f'{g:.4f}' for g in per.values())} | {max(per.values()):.4f} |"
+                        for name, per in summary["gap_to_exact_by_seed"].items()]
     text = "\n".join(table + [""] + verdict)
     print("\n" + text, flush=True)
     if args.out:

@@ -142,6 +142,12 @@ def test_seeds_give_each_run_its_gap_beside_that_seeds_band(tmp_path, monkeypatc
     assert summary["timed"] is False and "speedup_vs_muon" not in summary["runs_by_seed"]["7"]["dmuon"]
     table = (out / "megatron_lm_compare.md").read_text()
     assert "| seed 7: dmuon | — | — | — |" in table and "| dmuon | 0.0010, 0.0030 | 0.0030 | 0.0020 | 1 / 2 |" in table
+    # without dmuon_fp32ns in the runs there is no exact curve to measure against
+    assert "gap_to_exact_by_seed" not in summary
+    by_seed = {1: {"muon": {"iterations": [{"loss": 1.0}, {"loss": 0.5}]},
+                   "dmuon_fp32ns": {"iterations": [{"loss": 1.0}, {"loss": 0.502}]},
+                   "dmuon": {"iterations": [{"loss": 1.001}, {"loss": 0.5}]}, "dmuon_standard": {"error": "x"}}}
+    assert bench.gaps_to(by_seed, "dmuon_fp32ns") == {"muon": {"1": pytest.approx(0.002)}, "dmuon": {"1": pytest.approx(0.002)}}
 
 
 def test_switch_report_unfolds_megatrons_first_log_after_a_load(tmp_path, monkeypatch):
