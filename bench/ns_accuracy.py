@@ -5,6 +5,13 @@ Prints JSON (one record per set × dtype × method with the maxima of the metric
 markdown table. This produced the bound table in docs/algorithms.md.
 
     python bench/ns_accuracy.py [--seeds 3] [--steps 5]
+    python bench/ns_accuracy.py --heavy-tailed 512x3584 3584x18944 [--device cuda]
+
+``--heavy-tailed`` instead runs each NS path an optimizer can take (ours in torch and, on CUDA, in
+the kernels; Megatron's emerging_optimizers NS at its 'medium' and 'high' precisions) with the
+quintic schedule on matrices shaped like real momenta (σ_i ∝ (1 + (i−1)/3)^−1.6, optionally 4 spikes
+30x larger) at the given shapes, and reports each path's rounding error against float64 NS and its
+scale bias ⟨Y, Y_exact⟩/‖Y_exact‖² − 1 (a systematic lean that rounding noise alone would not give).
 """
 from __future__ import annotations
 
@@ -33,11 +40,90 @@ def matrices(seeds):
     return out
 
 
+def heavy_tailed(rows: int, cols: int, seed: int, spikes: int, device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, k, generator=g, dtype=torch.float64, device=device))
+    v, _ = torch.linalg.qr(torch.randn(cols, k, generator=g, dtype=torch.float64, device=device))
+    sigma = (1 + torch.arange(k, dtype=torch.float64, device=device) / 3) ** -1.6
+    sigma[:spikes] *= 30
+    return ((u * sigma) @ v.T).float()
+
+
+def ns_paths(device) -> dict:
+    """name -> f(x float32) for every NS path of the quintic schedule ('you' = Megatron's 'quintic')."""
+    kw = dict(coefficients="you", steps=5)
+    paths = {
+        "ours torch standard fp32": lambda x: newton_schulz(x, compute_dtype=torch.float32, **kw),
+        "ours torch standard bf16": lambda x: newton_schulz(x, compute_dtype=torch.bfloat16, **kw),
+        "ours torch gram fp16": lambda x: gram_newton_schulz(x, compute_dtype=torch.float16, **kw),
+    }
+    if torch.device(device).type == "cuda":
+        from megatron_dmuon.kernels.ns_driver import gram_newton_schulz_fast, newton_schulz_fast
+        paths["ours kernels standard bf16"] = lambda x: newton_schulz_fast(x, "you", steps=5, compute_dtype=torch.bfloat16)
+        paths["ours kernels gram fp16"] = lambda x: gram_newton_schulz_fast(x, "you", steps=5, compute_dtype=torch.float16)
+    try:
+        from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz as megatron_ns
+    except ImportError:
+        return paths
+
+    def megatron(precision):
+        def run(x):
+            before = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision(precision)
+            try:
+                return megatron_ns(x, steps=5, coefficient_type="quintic")
+            finally:
+                torch.set_float32_matmul_precision(before)
+        return run
+    paths["Megatron medium (bf16)"] = megatron("medium")
+    paths["Megatron high (TF32 on CUDA)"] = megatron("high")
+    return paths
+
+
+def sigma_max(y: torch.Tensor) -> float:
+    """Largest singular value through the short side's Gram matrix (an SVD of the long side is slow)."""
+    gram = y @ y.mT if y.size(-2) <= y.size(-1) else y.mT @ y
+    return float(torch.linalg.eigvalsh(gram).max().clamp_min(0).sqrt())
+
+
+def heavy_tailed_report(shapes, device, seeds: int) -> list:
+    records = []
+    paths = ns_paths(device)
+    for shape in shapes:
+        rows, cols = (int(v) for v in shape.lower().split("x"))
+        for spikes in (0, 4):
+            for seed in range(seeds):
+                x = heavy_tailed(rows, cols, seed, spikes, device)
+                exact = newton_schulz(x.double(), "you", steps=5, compute_dtype=torch.float64)
+                for name, f in paths.items():
+                    y = f(x).double()
+                    records.append({"shape": shape, "spikes": spikes, "seed": seed, "path": name,
+                                    "round": float((y - exact).norm() / exact.norm()),
+                                    "scale_bias": float((y * exact).sum() / (exact * exact).sum() - 1),
+                                    "sigma_max": sigma_max(y), "sigma_max_exact": sigma_max(exact)})
+    return records
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--heavy-tailed", nargs="+", default=None, metavar="ROWSxCOLS")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    if args.heavy_tailed:
+        records = heavy_tailed_report(args.heavy_tailed, args.device, args.seeds)
+        print(json.dumps(records, indent=1))
+        print("\n| shape | spikes | path | round error vs float64 NS (max over seeds) | scale bias (mean) | σ_max (exact) |")
+        print("|---|---:|---|---:|---:|---:|")
+        keys = dict.fromkeys((r["shape"], r["spikes"], r["path"]) for r in records)
+        for shape, spikes, path in keys:
+            rs = [r for r in records if (r["shape"], r["spikes"], r["path"]) == (shape, spikes, path)]
+            print(f"| {shape} | {spikes} | {path} | {max(r['round'] for r in rs):.4f} | "
+                  f"{sum(r['scale_bias'] for r in rs) / len(rs):+.2e} | {max(r['sigma_max'] for r in rs):.4f} "
+                  f"({max(r['sigma_max_exact'] for r in rs):.4f}) |")
+        return
     mats = matrices(args.seeds)
     records = []
     for cs in SETS:
