@@ -101,3 +101,32 @@ def test_every_owner_ns_path_stays_near_exact_arithmetic_on_real_spectra(device,
         # (whose own error reaches 0.26 on the spiked spectra: their tails sit below bf16's resolution)
         bound = 1e-3 if precision == torch.float32 else 1.5 * _megatron_bf16_error(x, settings) + 0.01
         assert _error(out, exact) <= bound, (label, _error(out, exact), bound)
+
+
+def _scale_bias(out: torch.Tensor, exact: torch.Tensor) -> float:
+    """⟨Y, Y_exact⟩ / ‖Y_exact‖² − 1: a lean of the whole result that unbiased rounding would not give."""
+    return float((out * exact).sum() / (exact * exact).sum() - 1)
+
+
+@pytest.mark.parametrize("shape", [(512, 3584), (1024, 3584)])
+def test_kernel_standard_ns_leans_as_the_torch_path_does(shape):
+    """The kernels' standard NS step (``ns_driver.standard_core``) with every product on the torch backend
+    (float32 sums, one rounding per product, as the GPU kernels) against the torch path, which adds a X
+    in the GEMM's float32 epilogue as Megatron's NS does. Folding a I into the 16-bit a I + b A + c A²
+    instead rounded a to the diagonal's spacing (2⁻⁵ at 4.08 in bf16) in every entry: the result leaned
+    by up to 8e-4 more than the torch path here (H200: +0.8-1.2e-3 at 3584² and 3584x18944, where
+    Megatron's bf16 NS leans -1e-5..-8e-5; bench/ns_accuracy.py --heavy-tailed)."""
+    from megatron_dmuon.algorithms.coefficients import get_coefficients
+    from megatron_dmuon.algorithms.newton_schulz import newton_schulz, normalised_wide
+    from megatron_dmuon.kernels.autotune import OpChoice, ShapePlan
+    from megatron_dmuon.kernels.ns_driver import standard_core
+
+    plan = ShapePlan(syrk=OpChoice("torch"), square=OpChoice("torch"))
+    schedule = get_coefficients("you", 5, 1.01)
+    for spikes in (0, 4):
+        x = heavy_tailed(*shape, seed=0, spikes=spikes, scale=1.0)
+        exact = newton_schulz(x.double(), "you", steps=5, compute_dtype=torch.float64)
+        X, _ = normalised_wide(x.unsqueeze(0), torch.bfloat16, 1e-7)
+        kernels = _scale_bias(standard_core(X, schedule, plan).double()[0], exact)
+        torch_path = _scale_bias(newton_schulz(x, "you", steps=5, compute_dtype=torch.bfloat16).double(), exact)
+        assert abs(kernels - torch_path) <= 1e-4, (spikes, kernels, torch_path)
