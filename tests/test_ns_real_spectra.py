@@ -130,3 +130,22 @@ def test_kernel_standard_ns_leans_as_the_torch_path_does(shape):
         kernels = _scale_bias(standard_core(X, schedule, plan).double()[0], exact)
         torch_path = _scale_bias(newton_schulz(x, "you", steps=5, compute_dtype=torch.bfloat16).double(), exact)
         assert abs(kernels - torch_path) <= 1e-4, (spikes, kernels, torch_path)
+
+
+def test_ns_accuracy_bench_reports_every_path_against_float64_ns():
+    """bench/ns_accuracy.py --heavy-tailed (the H200 lean table in docs/kernels.md) on CPU: the fp32
+    path is exact to ~1e-6 and leans by nothing, the 16-bit paths carry their dtype's rounding, and
+    Megatron's NS (emerging_optimizers) at 'high' on CPU is full fp32 (no TF32 there)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import ns_accuracy
+
+    records = {(r["spikes"], r["path"]): r for r in ns_accuracy.heavy_tailed_report(["48x160"], "cpu", seeds=1)}
+    fp32 = records[(4, "ours torch standard fp32")]
+    assert fp32["round"] < 1e-5 and abs(fp32["scale_bias"]) < 1e-6
+    assert 1e-4 < records[(0, "ours torch gram fp16")]["round"] < records[(0, "ours torch standard bf16")]["round"] < 0.3
+    if (0, "Megatron high (TF32 on CUDA)") in records:
+        assert records[(0, "Megatron high (TF32 on CUDA)")]["round"] < 1e-5
+        assert records[(0, "Megatron medium (bf16)")]["round"] > 0.005
+    assert all(abs(r["sigma_max"] - r["sigma_max_exact"]) < 0.05 for r in records.values())
