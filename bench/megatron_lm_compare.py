@@ -179,11 +179,11 @@ def summarize(results: dict, timed: bool) -> dict:
 EXACT_RUN = "dmuon_fp32ns"  # DMuon's NS in full fp32: the curve nearest exact arithmetic the bench has
 
 
-def gaps_to(by_seed_iterations: dict, reference: str) -> dict:
-    """Per run, its max loss gap to ``reference`` at each seed ({seed: {run: iterations}}): beside the
-    gaps to Megatron's bf16 ``muon``, the distance to the most exact curve (``EXACT_RUN``)."""
+def gaps_to(by_seed: dict, reference: str) -> dict:
+    """Per run, its max loss gap to ``reference`` at each seed ({seed: {run: result}}): to Megatron's
+    bf16 ``muon`` (the band), and to the most exact curve (``EXACT_RUN``)."""
     out = {}
-    for seed, runs in by_seed_iterations.items():
+    for seed, runs in by_seed.items():
         if reference not in runs or "error" in runs[reference]:
             continue
         for name, r in runs.items():
@@ -193,23 +193,13 @@ def gaps_to(by_seed_iterations: dict, reference: str) -> dict:
 
 
 def band_over_seeds(by_seed: dict) -> dict:
-    """Per run: its max loss gap to ``muon`` at each seed, and at how many seeds it is within that seed's
-    noise band (``muon_fp32ns``'s gap)."""
-    out = {}
-    names = [n for n in next(iter(by_seed.values())) if n != "muon"]
-    for name in names:
-        gaps, within = {}, 0
-        for seed, rows in by_seed.items():
-            gap = rows[name].get("loss_gap_to_muon")
-            band = rows.get("muon_fp32ns", {}).get("loss_gap_to_muon")
-            if gap is None:
-                continue
-            gaps[str(seed)] = gap["max_abs"]
-            within += int(band is not None and gap["max_abs"] <= band["max_abs"])
-        if gaps:
-            out[name] = {"max_abs_by_seed": gaps, "max_abs": max(gaps.values()),
-                         "mean_max_abs": statistics.mean(gaps.values()), "within_band_seeds": within}
-    return out
+    """Per run ({seed: {run: result}}): its max loss gap to ``muon`` at each seed, and at how many seeds
+    it is within that seed's noise band (``muon_fp32ns``'s gap)."""
+    gaps = gaps_to(by_seed, "muon")
+    band = gaps.get("muon_fp32ns", {})
+    return {name: {"max_abs_by_seed": per, "max_abs": max(per.values()), "mean_max_abs": statistics.mean(per.values()),
+                   "within_band_seeds": sum(int(seed in band and gap <= band[seed]) for seed, gap in per.items())}
+            for name, per in gaps.items()}
 
 
 def table_rows(rows: dict, timed: bool, label: str = "") -> list:
@@ -262,7 +252,7 @@ def main(argv=None) -> int:
     else:
         summary["seeds"] = args.seeds
         summary["runs_by_seed"] = {str(s): rows for s, rows in rows_by_seed.items()}
-        summary["band_over_seeds"] = band_over_seeds(rows_by_seed)
+        summary["band_over_seeds"] = band_over_seeds(by_seed)
         if EXACT_RUN in args.runs:
             summary["gap_to_exact_by_seed"] = gaps_to(by_seed, EXACT_RUN)
         iterations = {f"{k}_s{s}": v["iterations"] for s, results in by_seed.items() for k, v in results.items()}

@@ -22,7 +22,7 @@ import torch
 
 from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
 from megatron_dmuon.algorithms.newton_schulz import newton_schulz
-from megatron_dmuon.algorithms.ns_metrics import ill_conditioned_matrix, orthogonalization_errors
+from megatron_dmuon.algorithms.ns_metrics import heavy_tailed_matrix, ill_conditioned_matrix, orthogonalization_errors
 
 SETS = ("keller", "polar_express", "you")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -38,16 +38,6 @@ def matrices(seeds):
         out.append(("cond1e4_96x192", ill_conditioned_matrix(96, 192, 1e4, g)))
         out.append(("cond1e4_192x96", ill_conditioned_matrix(192, 96, 1e4, g)))
     return out
-
-
-def heavy_tailed(rows: int, cols: int, seed: int, spikes: int, device) -> torch.Tensor:
-    g = torch.Generator(device=device).manual_seed(seed)
-    k = min(rows, cols)
-    u, _ = torch.linalg.qr(torch.randn(rows, k, generator=g, dtype=torch.float64, device=device))
-    v, _ = torch.linalg.qr(torch.randn(cols, k, generator=g, dtype=torch.float64, device=device))
-    sigma = (1 + torch.arange(k, dtype=torch.float64, device=device) / 3) ** -1.6
-    sigma[:spikes] *= 30
-    return ((u * sigma) @ v.T).float()
 
 
 def ns_paths(device) -> dict:
@@ -94,7 +84,7 @@ def heavy_tailed_report(shapes, device, seeds: int) -> list:
         rows, cols = (int(v) for v in shape.lower().split("x"))
         for spikes in (0, 4):
             for seed in range(seeds):
-                x = heavy_tailed(rows, cols, seed, spikes, device)
+                x = heavy_tailed_matrix(rows, cols, seed, spikes=spikes, device=device)
                 exact = newton_schulz(x.double(), "you", steps=5, compute_dtype=torch.float64)
                 for name, f in paths.items():
                     y = f(x).double()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_dmuon.algorithms.newton_schulz import newton_schulz_reference
-from megatron_dmuon.algorithms.ns_metrics import schedule_map
+from megatron_dmuon.algorithms.ns_metrics import heavy_tailed_matrix, schedule_map
 from megatron_dmuon.runtime.owner_step import MuonSettings, default_orthogonalizer
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "momenta_tiny_it20.pt")
@@ -27,15 +27,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def heavy_tailed(rows: int, cols: int, seed: int, spikes: int = 0, scale: float = 1e3) -> torch.Tensor:
-    """U diag(σ) Vᵀ with σ_i = (1 + (i−1)/3)^−1.6 (the recorded momenta's shape: σ_2 ≈ 0.6,
-    10th percentile 0.08, median 0.015 of σ_1), the first ``spikes`` values 30x larger."""
-    g = torch.Generator().manual_seed(seed)
-    k = min(rows, cols)
-    U, _ = torch.linalg.qr(torch.randn(rows, k, generator=g, dtype=torch.float64))
-    V, _ = torch.linalg.qr(torch.randn(cols, k, generator=g, dtype=torch.float64))
-    sigma = (1 + torch.arange(k, dtype=torch.float64) / 3) ** -1.6
-    sigma[:spikes] *= 30
-    return ((U * (scale * sigma)) @ V.T).float()
+    return heavy_tailed_matrix(rows, cols, seed, spikes=spikes, scale=scale)
 
 
 def recorded_momenta() -> dict:

@@ -26,6 +26,7 @@ __all__ = [
     "orthogonalization_errors",
     "schedule_map",
     "ill_conditioned_matrix",
+    "heavy_tailed_matrix",
     "DOCUMENTED_BOUNDS",
     "documented_bound",
     "schedule_peak",
@@ -105,6 +106,19 @@ def ill_conditioned_matrix(rows: int, cols: int, cond: float,
     V, _ = torch.linalg.qr(torch.randn(cols, k, dtype=torch.float64, generator=generator))
     s = torch.logspace(0.0, -float(torch.log10(torch.tensor(float(cond)))), k, dtype=torch.float64)
     return (U * s) @ V.T
+
+
+def heavy_tailed_matrix(rows: int, cols: int, seed: int, spikes: int = 0, scale: float = 1.0,
+                        device="cpu") -> Tensor:
+    """``U diag(σ) Vᵀ`` (float32) shaped like real Nesterov momenta: σ_i = scale·(1 + (i−1)/3)^−1.6
+    (σ_2 ≈ 0.6, 10th percentile 0.08, median 0.015 of σ_1), the first ``spikes`` values 30x larger."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(rows, k, generator=g, dtype=torch.float64, device=device))
+    V, _ = torch.linalg.qr(torch.randn(cols, k, generator=g, dtype=torch.float64, device=device))
+    sigma = (1 + torch.arange(k, dtype=torch.float64, device=device) / 3) ** -1.6
+    sigma[:spikes] *= 30
+    return ((U * (scale * sigma)) @ V.T).float()
 
 
 def schedule_peak(coefficients: CoefficientSpec = "keller", steps: int = 5, safety: float = 1.01) -> float:
