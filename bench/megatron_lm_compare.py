@@ -247,6 +247,7 @@ def main(argv=None) -> int:
                "jobs": args.jobs, "timed": timed}
     if len(args.seeds) == 1:
         (seed,) = args.seeds
+        summary["seed"] = seed
         summary["runs"] = rows_by_seed[seed]
         iterations = {k: v["iterations"] for k, v in by_seed[seed].items()}
     else:

@@ -14,6 +14,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import megatron_lm_compare as bench  # noqa: E402
 import megatron_lm_switch as switch  # noqa: E402
+import megatron_lm_band as band_tool  # noqa: E402
 
 sys.path.pop(0)
 
@@ -197,3 +198,49 @@ def test_switch_state_only_runs_no_resumed_training_and_reports_the_state_check(
     assert "| muon:dmuon | (state check only) |" in table and "0.0e+00" in table
     monkeypatch.setattr(switch, "compare_saved", lambda a, b: (_ for _ in ()).throw(OSError("unreadable")))
     assert switch.main(["--megatron-lm", str(tmp_path), "--iters", "16", "--switch-at", "8", "--state-only"]) == 1
+
+
+def test_band_pools_reference_pairs_over_seeds_and_trees(tmp_path):
+    """bench/megatron_lm_band.py: the band is every pair of reference curves (Megatron's two NS
+    precisions, DMuon's fp32 NS, Megatron's run on each tree), pooled over seeds and trees; a candidate
+    is inside when its largest gap is at most the largest reference gap and its mean at most the widest
+    reference mean; a one-seed file needs its seed; a later file replaces an earlier (tree, seed, run)."""
+    import json
+
+    def curve(spike_at=None, size=0.0):
+        return [{"loss": 1.0 - 0.1 * i + (size if i == spike_at else 0.0)} for i in range(6)]
+
+    def write(name, iterations, summary):
+        path = tmp_path / name
+        path.write_text(json.dumps({"summary": summary, "iterations": iterations}))
+        return str(path)
+
+    # tree A, seeds 1 and 2: Megatron's fp32 NS 0.001 off at seed 1, DMuon fp32 NS 0.003 off at seed 2
+    a = write("a.json", {"muon_s1": curve(), "muon_fp32ns_s1": curve(2, 0.001), "dmuon_fp32ns_s1": curve(),
+                         "dmuon_s1": curve(3, 0.002), "muon_s2": curve(), "muon_fp32ns_s2": curve(),
+                         "dmuon_fp32ns_s2": curve(1, 0.003), "dmuon_s2": curve(1, 0.0025)}, {"seeds": [1, 2]})
+    # tree B, one seed (1) recorded by compare.py itself; its muon is 0.0005 off tree A's
+    b = write("b.json", {"muon": curve(4, 0.0005), "muon_fp32ns": curve(4, 0.0005), "dmuon": curve(3, 0.0025)},
+              {"seed": 1})
+    trees = {"A": band_tool.read_curves(a), "B": band_tool.read_curves(b)}
+    band = band_tool.pooled_band(trees, ["dmuon"])
+    refs = band["reference_pairs"]
+    assert refs["muon_fp32ns vs muon"] == {"A 1": pytest.approx(0.001), "A 2": 0.0, "B 1": 0.0}
+    assert refs["dmuon_fp32ns vs muon"] == {"A 1": 0.0, "A 2": pytest.approx(0.003)}
+    assert refs["muon: B vs A"] == {"1": pytest.approx(0.0005)}
+    assert band["reference_largest"] == pytest.approx(0.003)
+    v = band["verdicts"]["dmuon"]
+    # gaps 0.002 (A 1), 0.0025 (A 2), 0.0025 (B 1: its spike and muon's sit at different iterations)
+    assert v["largest"] == pytest.approx(0.0025) and v["samples"] == 3
+    assert v["within_per_seed_band"] == 0
+    # mean 0.00233 exceeds the widest reference mean (dmuon_fp32ns vs muon_fp32ns: (0.001 + 0.003) / 2)
+    assert band["reference_widest_mean"] == pytest.approx(0.002) and v["within_band"] is False
+    # a re-run after a fix replaces the candidate's curves; then it is inside
+    fixed = write("fixed.json", {"dmuon": curve(3, 0.001)}, {})
+    trees["B"].update(band_tool.read_curves(fixed + "@1"))
+    assert band_tool.pooled_band(trees, ["dmuon"])["verdicts"]["dmuon"]["within_band"] is True
+    with pytest.raises(SystemExit, match="@SEED"):
+        band_tool.read_curves(fixed)
+    assert band_tool.main(["--tree", "A", a, "--tree", "B", b, fixed + "@1", "--candidates", "dmuon",
+                           "--out", str(tmp_path / "out")]) == 0
+    assert "within the band" in (tmp_path / "out" / "band.md").read_text()
