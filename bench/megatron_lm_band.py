@@ -32,17 +32,20 @@ import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_lm_compare import loss_gap  # noqa: E402
+
 REFERENCE_RUNS = ("muon", "muon_fp32ns", "dmuon_fp32ns")
 CROSS_TREE_RUNS = ("muon", "muon_fp32ns")  # Megatron's code differs between trees; DMuon's does not
 CANDIDATES = ("dmuon", "dmuon_standard")
 
 
-def max_gap(a: list, b: list) -> float:
-    return max(abs(x - y) for x, y in zip(a, b) if x is not None and y is not None)
+def max_gap(a: dict, b: dict) -> float:
+    return loss_gap(a, b)["max_abs"]
 
 
 def read_curves(path: str) -> dict:
-    """{(seed, run): losses} of one compare.py JSON (``PATH@SEED`` for a one-seed file that does not
+    """{(seed, run): {"iterations": rows}} of one compare.py JSON (``PATH@SEED`` for a one-seed file that does not
     record its seed: compare.py before 2026-12-03)."""
     path, _, given = path.partition("@")
     with open(path) as f:
@@ -57,12 +60,12 @@ def read_curves(path: str) -> dict:
             run, this = key, int(one_seed)
         else:
             raise SystemExit(f"{path}: holds one seed and does not name it: pass {path}@SEED")
-        curves[(this, run)] = [r["loss"] for r in rows]
+        curves[(this, run)] = {"iterations": rows}
     return curves
 
 
 def pooled_band(trees: dict, candidates=CANDIDATES) -> dict:
-    """``trees``: {tree: {(seed, run): losses}} -> reference pairs, candidates and their verdicts."""
+    """``trees``: {tree: {(seed, run): curve}} -> reference pairs, candidates and their verdicts."""
     refs, cands = {}, {}
     for tree, curves in trees.items():
         for seed in sorted({s for s, _ in curves}):

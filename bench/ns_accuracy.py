@@ -22,7 +22,8 @@ import torch
 
 from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
 from megatron_dmuon.algorithms.newton_schulz import newton_schulz
-from megatron_dmuon.algorithms.ns_metrics import heavy_tailed_matrix, ill_conditioned_matrix, orthogonalization_errors
+from megatron_dmuon.algorithms.ns_metrics import (heavy_tailed_matrix, ill_conditioned_matrix, orthogonalization_errors,
+                                                  scale_bias)
 
 SETS = ("keller", "polar_express", "you")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -90,7 +91,7 @@ def heavy_tailed_report(shapes, device, seeds: int) -> list:
                     y = f(x).double()
                     records.append({"shape": shape, "spikes": spikes, "seed": seed, "path": name,
                                     "round": float((y - exact).norm() / exact.norm()),
-                                    "scale_bias": float((y * exact).sum() / (exact * exact).sum() - 1),
+                                    "scale_bias": scale_bias(y, exact),
                                     "sigma_max": sigma_max(y), "sigma_max_exact": sigma_max(exact)})
     return records
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_dmuon.algorithms.newton_schulz import newton_schulz_reference
-from megatron_dmuon.algorithms.ns_metrics import heavy_tailed_matrix, schedule_map
+from megatron_dmuon.algorithms.ns_metrics import heavy_tailed_matrix, scale_bias, schedule_map
 from megatron_dmuon.runtime.owner_step import MuonSettings, default_orthogonalizer
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "momenta_tiny_it20.pt")
@@ -95,11 +95,6 @@ def test_every_owner_ns_path_stays_near_exact_arithmetic_on_real_spectra(device,
         assert _error(out, exact) <= bound, (label, _error(out, exact), bound)
 
 
-def _scale_bias(out: torch.Tensor, exact: torch.Tensor) -> float:
-    """⟨Y, Y_exact⟩ / ‖Y_exact‖² − 1: a lean of the whole result that unbiased rounding would not give."""
-    return float((out * exact).sum() / (exact * exact).sum() - 1)
-
-
 @pytest.mark.parametrize("shape", [(512, 3584), (1024, 3584)])
 def test_kernel_standard_ns_leans_as_the_torch_path_does(shape):
     """The kernels' standard NS step (``ns_driver.standard_core``) with every product on the torch backend
@@ -119,8 +114,8 @@ def test_kernel_standard_ns_leans_as_the_torch_path_does(shape):
         x = heavy_tailed(*shape, seed=0, spikes=spikes, scale=1.0)
         exact = newton_schulz(x.double(), "you", steps=5, compute_dtype=torch.float64)
         X, _ = normalised_wide(x.unsqueeze(0), torch.bfloat16, 1e-7)
-        kernels = _scale_bias(standard_core(X, schedule, plan).double()[0], exact)
-        torch_path = _scale_bias(newton_schulz(x, "you", steps=5, compute_dtype=torch.bfloat16).double(), exact)
+        kernels = scale_bias(standard_core(X, schedule, plan).double()[0], exact)
+        torch_path = scale_bias(newton_schulz(x, "you", steps=5, compute_dtype=torch.bfloat16).double(), exact)
         assert abs(kernels - torch_path) <= 1e-4, (spikes, kernels, torch_path)
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "schedule_map",
     "ill_conditioned_matrix",
     "heavy_tailed_matrix",
+    "scale_bias",
     "DOCUMENTED_BOUNDS",
     "documented_bound",
     "schedule_peak",
@@ -119,6 +120,11 @@ def heavy_tailed_matrix(rows: int, cols: int, seed: int, spikes: int = 0, scale:
     sigma = (1 + torch.arange(k, dtype=torch.float64, device=device) / 3) ** -1.6
     sigma[:spikes] *= 30
     return ((U * (scale * sigma)) @ V.T).float()
+
+
+def scale_bias(out: Tensor, exact: Tensor) -> float:
+    """⟨Y, Y_exact⟩ / ‖Y_exact‖² − 1: a lean of the whole result that unbiased rounding would not give."""
+    return float((out * exact).sum() / (exact * exact).sum() - 1)
 
 
 def schedule_peak(coefficients: CoefficientSpec = "keller", steps: int = 5, safety: float = 1.01) -> float:
