@@ -16,6 +16,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from layers import add_layer_args, job_layer_args, layers_of  # noqa: E402
+
 PRESETS = {
     # Qwen2.5-7B-shaped layers (4 of them), as in the [megatron-dp] acceptance
     "qwen7b-4l": ["--num-layers", "4", "--hidden-size", "3584", "--ffn-hidden-size", "18944",
@@ -63,7 +66,7 @@ def mode_args(mode: str, args) -> list:
         opt += ["--dmuon-ns-launch", launch]
     if tp_mode:
         opt += ["--muon-tp-mode", tp_mode]
-    return [*PRESETS[args.preset], *opt, "--train-iters", str(args.iters), *args.extra]
+    return [*PRESETS[args.preset], *opt, "--train-iters", str(args.iters), *job_layer_args(args), *args.extra]
 
 
 def merge_rounds(runs: list) -> dict:
@@ -98,21 +101,24 @@ def main():
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds: every mode runs once per round, in turn (GPU clocks drift over minutes; "
                         "a row then reports the median over its rounds, each round's figures under 'rounds')")
+    add_layer_args(p)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
     rounds = [[run_main_job(mode, args.nproc, mode_args(mode, args)) for mode in args.modes] for _ in range(args.repeat)]
     rows = [merge_rounds([r[i] for r in rounds]) for i in range(len(args.modes))]
     add_ratios_to_adam(rows)
     print(json.dumps({"preset": args.preset, "nproc": args.nproc, "rows": rows}, indent=1))
-    print("\n| mode | ms/iter | optimizer ms | slowest rank's optimizer ms | vs AdamW | first loss | last loss |\n"
-          "|---|---|---|---|---|---|---|")
+    print("\n| mode | layers | ms/iter | optimizer ms | slowest rank's optimizer ms | vs AdamW | first loss | last loss "
+          "| NS paths / AdamW |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['mode']} | error | | | | | |")
+            print(f"| {r['mode']} | | error | | | | | | |")
         else:
             slowest = max(r.get("median_optimizer_ms_per_rank") or [r["median_optimizer_ms"]])
-            print(f"| {r['mode']} | {r['median_step_ms']:.1f} | {r['median_optimizer_ms']:.1f} | {slowest:.1f} | "
-                  f"{r.get('vs_adam', float('nan')):.3f} | {r['first_loss']:.3f} | {r['last_loss']:.3f} |")
+            paths = sorted(set((r.get("ns_paths") or {}).values())) or [r.get("adam_impl") or "—"]
+            print(f"| {r['mode']} | {layers_of(r)} | {r['median_step_ms']:.1f} | {r['median_optimizer_ms']:.1f} | "
+                  f"{slowest:.1f} | {r.get('vs_adam', float('nan')):.3f} | {r['first_loss']:.3f} | {r['last_loss']:.3f} "
+                  f"| {'; '.join(paths)} |")
 
 
 if __name__ == "__main__":

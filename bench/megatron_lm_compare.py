@@ -102,12 +102,76 @@ def parse_log(text: str) -> list:
     return rows
 
 
+def te_available() -> bool:
+    """Whether Transformer Engine imports here (Megatron-LM's default layers need it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def apex_wgrad_available() -> bool:
+    """Whether Apex's fused_weight_gradient_mlp_cuda imports (Megatron-LM's default
+    --gradient-accumulation-fusion needs it for the non-TE output layer)."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def layer_flags(args) -> list:
+    """Megatron-LM's layer and precision flags for this run set: its TE defaults (fused wgrad
+    accumulation where Apex's extension imports, else off) with --fp8-* as asked, or the local layers."""
+    if args.transformer_impl == "local":
+        return list(NO_TE)
+    out = ["--transformer-impl", "transformer_engine"]
+    if not args.gradient_accumulation_fusion:
+        out.append("--no-gradient-accumulation-fusion")
+    if args.fp8_format:
+        out += ["--fp8-format", args.fp8_format, "--fp8-recipe", args.fp8_recipe]
+        if args.fp8_param_gather:
+            out.append("--fp8-param-gather")
+    return out
+
+
+def resolve_layers(args) -> None:
+    """'auto' flags resolved against this machine: TE where it imports (else local layers); fused
+    wgrad accumulation where Apex's extension imports. FP8 needs TE."""
+    if args.transformer_impl == "auto":
+        args.transformer_impl = "transformer_engine" if te_available() else "local"
+    if args.gradient_accumulation_fusion is None:
+        args.gradient_accumulation_fusion = args.transformer_impl == "transformer_engine" and apex_wgrad_available()
+    if args.fp8_format and args.transformer_impl != "transformer_engine":
+        raise SystemExit("megatron_lm_compare.py: --fp8-format needs Transformer Engine (--transformer-impl "
+                         "transformer_engine, and transformer_engine importable)")
+    if args.fp8_param_gather and not args.fp8_format:
+        raise SystemExit("megatron_lm_compare.py: --fp8-param-gather needs --fp8-format")
+
+
+def precision_label(args) -> str:
+    """'bf16', or e.g. 'fp8 hybrid/delayed + fp8 params', with the layers: what every row of a file ran."""
+    precision = "bf16" if not args.fp8_format else f"fp8 {args.fp8_format}/{args.fp8_recipe}" + (
+        " + --fp8-param-gather" if args.fp8_param_gather else "")
+    layers = "TE layers" if args.transformer_impl == "transformer_engine" else "local layers (no TE)"
+    fusion = ", fused wgrad accumulation" if args.gradient_accumulation_fusion else ""
+    return f"{layers}, {precision}{fusion}"
+
+
 def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
     """One pretrain_gpt run of RUNS[name] (+ ``more`` flags); its log is ``label or name``.log."""
     qk_clip = getattr(args, "qk_clip", None)
-    launcher = ["-m", "megatron_dmuon.testing.local_max_logits"] if qk_clip else []  # (no TE: docstring)
+    # TE's attention records the max logits MuonClip reads; the local one does through this launcher
+    local = getattr(args, "transformer_impl", "local") == "local"
+    launcher = ["-m", "megatron_dmuon.testing.local_max_logits"] if qk_clip and local else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           *launcher, os.path.join(megatron_lm, "pretrain_gpt.py"), *MODELS[args.model], *COMMON, *NO_TE,
+           *launcher, os.path.join(megatron_lm, "pretrain_gpt.py"), *MODELS[args.model], *COMMON,
+           *(layer_flags(args) if hasattr(args, "transformer_impl") else NO_TE),
            "--train-iters", str(args.iters), *RUNS[name], *args.extra, *more,
            *(["--qk-clip", "--qk-clip-threshold", str(qk_clip)] if qk_clip else [])]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
@@ -232,10 +296,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON, table and logs")
     p.add_argument("--qk-clip", type=float, default=None, metavar="T",
                    help="every run with --qk-clip --qk-clip-threshold T (max logits from the local attention)")
+    p.add_argument("--transformer-impl", choices=["auto", "transformer_engine", "local"], default="auto",
+                   help="Megatron-LM's layers: TE (its default; 'auto' where transformer_engine imports) or local")
+    p.add_argument("--fp8-format", choices=["hybrid", "e4m3"], default=None, help="FP8 training through TE")
+    p.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed")
+    p.add_argument("--fp8-param-gather", action="store_true", help="TE FP8 params (the param all-gather moves FP8)")
+    p.add_argument("--gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_true",
+                   default=None, help="Megatron-LM's default with TE; needs Apex's fused_weight_gradient_mlp_cuda "
+                   "(default: on where it imports)")
+    p.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more Megatron-LM flags for every run")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
+    resolve_layers(args)
     timed = args.jobs == 1
     megatron_lm = os.path.abspath(args.megatron_lm)
     subprocess.run(["bash", os.path.join(ROOT, "patches", "apply.sh"), megatron_lm], check=True)
@@ -244,7 +318,10 @@ def main(argv=None) -> int:
     by_seed = run_all(args, megatron_lm)
     rows_by_seed = {seed: summarize(results, timed) for seed, results in by_seed.items()}
     summary = {"model": args.model, "gpus": args.nproc, "iters": args.iters, "qk_clip_threshold": args.qk_clip,
-               "jobs": args.jobs, "timed": timed}
+               "jobs": args.jobs, "timed": timed, "transformer_impl": args.transformer_impl,
+               "fp8_format": args.fp8_format, "fp8_recipe": args.fp8_recipe if args.fp8_format else None,
+               "fp8_param_gather": args.fp8_param_gather,
+               "gradient_accumulation_fusion": args.gradient_accumulation_fusion, "layers": precision_label(args)}
     if len(args.seeds) == 1:
         (seed,) = args.seeds
         summary["seed"] = seed
@@ -258,7 +335,10 @@ def main(argv=None) -> int:
             summary["gap_to_exact_by_seed"] = gaps_to(by_seed, EXACT_RUN)
         iterations = {f"{k}_s{s}": v["iterations"] for s, results in by_seed.items() for k, v in results.items()}
     print(json.dumps({"summary": summary, "iterations": iterations}))
-    table = ["| run | ms/iter (median, 2nd half) | TFLOP/s/GPU | speed-up vs muon | first loss | last loss | "
+    table = [f"{args.model}, {precision_label(args)}, {args.nproc} GPU(s), {args.iters} iterations; NS paths: "
+             "muon = Megatron's bf16 standard NS (medium), dmuon = DMuon's defaults (auto: Gram fp16 for wide "
+             "matrices, standard bf16 for square), *_fp32ns = fp32 NS, dmuon_standard = DMuon's standard bf16 NS", "",
+             "| run | ms/iter (median, 2nd half) | TFLOP/s/GPU | speed-up vs muon | first loss | last loss | "
              "max abs loss gap to muon | last-iteration gap | skipped / nan |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for seed, rows in rows_by_seed.items():
         table += table_rows(rows, timed, "" if len(args.seeds) == 1 else f"seed {seed}: ")
@@ -280,6 +360,11 @@ def main(argv=None) -> int:
             speed = f"; dmuon {runs['dmuon']['speedup_vs_muon']:.2f}x muon's iteration speed" if timed else ""
             verdict.append(f"dmuon vs muon: max loss gap {gap['max_abs']:.4f} (bf16 noise band, muon fp32-NS vs "
                            f"bf16-NS: {noise['max_abs']:.4f}){speed}")
+        if timed and all(k in runs and not runs[k].get("error") for k in ("adam", "dmuon")):
+            over = runs["dmuon"]["median_ms"] / runs["adam"]["median_ms"] - 1.0
+            verdict.append(f"dmuon vs Megatron's AdamW ({'TE FusedAdam' if args.transformer_impl != 'local' else 'its Adam'}): "
+                           f"{runs['dmuon']['median_ms']:.1f} vs {runs['adam']['median_ms']:.1f} ms/iteration "
+                           f"({over:+.1%})")
     else:
         verdict += ["| run | max loss gap to muon, per seed | largest | mean | within the seed's band |",
                     "|---|---|---:|---:|---:|"]
@@ -296,7 +381,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(os.path.join(args.out, "megatron_lm_compare.json"), "w") as f:
             json.dump({"summary": summary, "iterations": iterations,
-                       "flags": {"model": MODELS[args.model], "common": COMMON + NO_TE, "runs": RUNS,
+                       "flags": {"model": MODELS[args.model], "common": COMMON + layer_flags(args), "runs": RUNS,
                                  "extra": args.extra}}, f, indent=1)
         with open(os.path.join(args.out, "megatron_lm_compare.md"), "w") as f:
             f.write(text + "\n")

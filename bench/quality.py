@@ -32,6 +32,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from layers import add_layer_args, job_layer_args, layers_of  # noqa: E402
+
 JOB = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 
 # Model, batch and schedule of each preset (flags of the main job); iterations and eval cadence.
@@ -125,7 +128,7 @@ def _load_run(spec: dict, path: str) -> dict:
     return {**spec, "val": [[v["iteration"], v["loss"]] for v in doc["validation"]],
             "train_loss": losses, "final_val_loss": doc["summary"]["val_loss"],
             "final_train_loss": sum(tail) / len(tail), "skipped": doc["summary"]["skipped_iterations"],
-            "ns_paths": doc["summary"].get("ns_paths", {})}
+            "ns_paths": doc["summary"].get("ns_paths", {}), "layers": layers_of(doc["summary"])}
 
 
 def job_flags(model: dict, base: list, row_flags: list, lr: float, seed: int, iters: int) -> list:
@@ -219,7 +222,8 @@ def within_spread(row: dict, ref: dict) -> bool:
 def table(doc: dict) -> str:
     rows, adam, exact, dmuon = doc["rows"], doc["adam_best"], doc.get("exact"), doc.get("dmuon_best")
     target = f"({adam['mean']:.4f})" if adam else "(no AdamW run here)"
-    lines = [f"{doc['model']} model, {doc['iters']} iterations, {doc['seeds']} seeds, on {doc['machine']}; final "
+    layers = f" ({', '.join(doc['layers'])} layers)" if doc.get("layers") else ""
+    lines = [f"{doc['model']} model{layers}, {doc['iters']} iterations, {doc['seeds']} seeds, on {doc['machine']}; final "
              f"validation loss (mean ± std over seeds), last-10% training loss; 'to AdamW' = iterations to reach "
              f"AdamW's best final validation loss {target} /",
              f"AdamW's iterations; 'paired Δ' = mean over common seeds of (row − DMuon defaults at the same lr); "
@@ -289,7 +293,8 @@ def build_doc(results, args, model, gpu, option_rows, dmuon_lr) -> dict:
                                               if s is not None]
     exact = next((s for s in rows if s["row"] == EXACT), None)
     machine = "one H200 (bf16)" if gpu else f"CPU, {args.nproc} gloo ranks (fp32)"
-    return {"model": args.model, "model_flags": model["flags"], "iters": args.iters, "seeds": len(args.seeds),
+    layers = sorted({r["layers"] for r in results if r.get("layers")})
+    return {"model": args.model, "layers": layers, "model_flags": model["flags"], "iters": args.iters, "seeds": len(args.seeds),
             "machine": machine, "adam_best": adam, "dmuon_best": dmuon, "exact": exact, "rows": rows,
             "sweeps": sweeps, "errors": [r for r in results if "error" in r], "runs": results}
 
@@ -316,6 +321,7 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output prefix (<out>.json/.md/.png)")
     p.add_argument("--report", action="store_true", help="only rewrite <out>.md/.png from <out>.json")
     p.add_argument("--workdir", default=None)
+    add_layer_args(p)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="flags for every run")
     args = p.parse_args(argv)
     model = MODELS[args.model]
@@ -346,7 +352,7 @@ def main(argv=None):
     def spec(row, flags, lr, seed):
         key = f"{row}|{lr:g}|{seed}|{args.iters}"
         return {"row": row, "lr": lr, "seed": seed, "key": "".join(c if c.isalnum() else "_" for c in key)[:150],
-                "flags": job_flags(model, args.extra, flags, lr, seed, args.iters)}
+                "flags": job_flags(model, [*job_layer_args(args), *args.extra], flags, lr, seed, args.iters)}
 
     def todo(specs):
         done = {(r["row"], r["lr"], r["seed"]) for r in results}

@@ -50,6 +50,7 @@ def validate_args(p, args, default_lr: dict) -> None:
     if args.lr_warmup_iters >= args.train_iters:
         p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters ({args.train_iters})")
     _check_layout(p, args)
+    _check_transformer_engine(p, args)
     if args.optimizer == "dmuon":  # every --muon-*/--dmuon-* flag and DMuon's combination checks
         from megatron_dmuon.megatron.config import validate_dmuon_args
 
@@ -95,6 +96,53 @@ def _check_layout(p, args) -> None:
     if args.global_batch_size % (args.micro_batch_size * dp):
         p.error(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x DP = "
                 f"{args.micro_batch_size} x {dp}")
+
+
+def transformer_engine_importable() -> bool:
+    """Whether Transformer Engine's PyTorch layers import on a CUDA machine."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError, or a TE build that does not load here
+        return False
+    return True
+
+
+def _check_transformer_engine(p, args) -> None:
+    """--transformer-impl (default: TE where it imports on a GPU, as Megatron-LM's runs use it) and the
+    FP8 / fused-wgrad flags that need it."""
+    te = transformer_engine_importable()
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if te else "local"
+    if args.transformer_impl == "transformer_engine" and not te:
+        p.error("--transformer-impl transformer_engine needs a CUDA GPU and Transformer Engine (transformer_engine "
+                "does not import here); use --transformer-impl local")
+    need_te = [flag for flag, on in (("--fp8-format", args.fp8_format), ("--gradient-accumulation-fusion",
+                                                                        args.gradient_accumulation_fusion)) if on]
+    if need_te and args.transformer_impl != "transformer_engine":
+        p.error(f"{need_te[0]} needs Transformer Engine's layers (--transformer-impl transformer_engine)")
+    if args.fp8_param_gather and not args.fp8_format:
+        p.error("--fp8-param-gather keeps FP8 params: it needs --fp8-format hybrid|e4m3")
+    if args.fp8_format:
+        if not args.bf16:
+            p.error("--fp8-format needs --bf16 (FP8 GEMMs on bf16 params and activations, as Megatron-LM runs them)")
+        tokens = args.micro_batch_size * args.seq_length
+        head_dim = args.hidden_size // args.num_attention_heads
+        qkv = (args.num_attention_heads + 2 * args.num_query_groups) * head_dim
+        for name, value in (("--hidden-size", args.hidden_size), ("--ffn-hidden-size", args.ffn_hidden_size),
+                            ("the QKV width (heads + 2 x query groups) x head dim", qkv),
+                            ("--micro-batch-size x --seq-length", tokens)):
+            if value % 16:
+                p.error(f"--fp8-format: {name} = {value} must be a multiple of 16 (TE's FP8 GEMMs)")
+    if args.gradient_accumulation_fusion:
+        try:
+            import fused_weight_gradient_mlp_cuda  # noqa: F401
+        except Exception:  # noqa: BLE001
+            p.error("--gradient-accumulation-fusion needs Apex's fused_weight_gradient_mlp_cuda for the (non-TE) "
+                    "output layer: build it with launch/build_apex_wgrad.sh, or drop the flag")
 
 
 def _check_checkpointing(p, args) -> None:

@@ -76,6 +76,19 @@ def parse_args(argv=None):
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
     a("--bf16", action="store_true")
+    a("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+      help="the layers: Transformer Engine's (Megatron-LM's default; the default here where transformer_engine "
+           "imports on a GPU) or megatron-core's local ones (the default elsewhere)")
+    a("--fp8-format", choices=["hybrid", "e4m3"], default=None,
+      help="FP8 GEMMs through Transformer Engine (needs --bf16 and TE layers), as Megatron-LM's flag")
+    a("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed",
+      help="FP8 scaling: delayed (amax history) or tensorwise (current scaling)")
+    a("--fp8-param-gather", action="store_true",
+      help="keep TE's params in FP8: owners re-quantize them from their fp32 masters and the param all-gather "
+           "moves FP8 bytes (needs --fp8-format)")
+    a("--gradient-accumulation-fusion", action="store_true",
+      help="TE layers accumulate wgrad straight into the owner-aligned grad buffers (Megatron-LM's default with TE); "
+           "the output layer then needs Apex's fused_weight_gradient_mlp_cuda (launch/build_apex_wgrad.sh)")
     a("--overlap-grad-reduce", action="store_true")
     a("--overlap-param-gather", action="store_true")
     a("--data-path", default=None, help="Megatron indexed dataset prefix (.bin/.idx)")
@@ -102,6 +115,22 @@ def parse_args(argv=None):
     # all-reduce baseline must not have it
     args.use_distributed_optimizer = not (args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute")
     return args
+
+
+def inner_optimizer_name(opt) -> str:
+    """The element-wise optimizer Megatron built (TE's FusedAdam where TE imports, else torch's AdamW)."""
+    inner = getattr(getattr(opt, "chained_optimizers", [opt])[0], "optimizer", None)
+    return f"{type(inner).__module__}.{type(inner).__name__}"
+
+
+def layers_label(args) -> str:
+    """The layers and precision a run uses, in words (progress line, summary)."""
+    text = "TE" if args.transformer_impl == "transformer_engine" else "local"
+    if args.fp8_format:
+        text += f" fp8 {args.fp8_format}/{args.fp8_recipe}" + (" fp8-params" if args.fp8_param_gather else "")
+    else:
+        text += " bf16" if args.bf16 else " fp32"
+    return text + (" fused-wgrad" if args.gradient_accumulation_fusion else "")
 
 
 def profiled(step, trace_path=None):
@@ -330,7 +359,9 @@ def main(argv=None):
     shape = GPTShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                      ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
-                     seq_length=args.seq_length, bf16=args.bf16)
+                     seq_length=args.seq_length, bf16=args.bf16, transformer_impl=args.transformer_impl,
+                     fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_param=args.fp8_param_gather,
+                     gradient_accumulation_fusion=args.gradient_accumulation_fusion)
     model = build_gpt(shape)
     # the same construction Megatron-LM's hook wires: DDP class and optimizer factory from the flags
     ddp_config = config_from_args(DistributedDataParallelConfig, args, grad_reduce_in_fp32=True)
@@ -338,8 +369,10 @@ def main(argv=None):
     ddp = (ddp_class_for(args) or DistributedDataParallel)(config=model.config, ddp_config=ddp_config, module=model)
     ddp.broadcast_params()
     wire_sync_funcs([ddp], ddp_config)
+    # (the AdamW baseline is megatron-core's Adam: Transformer Engine's FusedAdam where TE imports)
     opt_config = config_from_args(OptimizerConfig, args,
-                                  params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+                                  params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                  fp8_recipe=args.fp8_recipe if args.fp8_format else None)
     opt = optimizer_factory_for(args, get_megatron_optimizer)(opt_config, [ddp])
     sched = OptimizerParamScheduler(
         opt, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
@@ -372,6 +405,7 @@ def main(argv=None):
         mode = args.optimizer if args.optimizer == "adam" else f"dmuon/{args.dmuon_mode}"
         print(f"> {mode} | backend {backend} | DP {dp_size} TP {args.tensor_model_parallel_size} "
               f"PP {args.pipeline_model_parallel_size} | grad accum {grad_accum} | params {nparams/1e6:.2f}M | "
+              f"layers {layers_label(args)} | "
               f"bytes/step {json.dumps(comm_bytes_per_step([ddp], 'gather_then_compute' if gtc else 'dmuon'))}",
               flush=True)
     timings, validation, first_loss, last_loss, skipped = [], [], None, None, 0
@@ -420,6 +454,10 @@ def main(argv=None):
     torch.distributed.all_gather_object(per_rank_opt, median("optimizer_ms"))
     if rank == 0:
         summary = {"optimizer": args.optimizer, "mode": args.dmuon_mode if args.optimizer == "dmuon" else "adam",
+                   "transformer_impl": args.transformer_impl, "fp8": args.fp8_format and {
+                       "format": args.fp8_format, "recipe": args.fp8_recipe, "param_gather": args.fp8_param_gather},
+                   "gradient_accumulation_fusion": args.gradient_accumulation_fusion,
+                   "adam_impl": inner_optimizer_name(opt) if args.optimizer == "adam" else None,
                    "dp": dp_size, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
                    "iteration": max(start, args.train_iters) if timings or start else 0,
                    "trained_iterations": len(timings), "consumed_samples": sched.num_steps,

@@ -28,6 +28,27 @@ class GPTShape:
     moe_ffn_hidden_size: int = 96
     moe_router_topk: int = 2
     sequence_parallel: bool = False
+    # Transformer Engine (Megatron-LM's default layers; needs CUDA and transformer_engine):
+    # 'transformer_engine' builds megatron-core's TE layer spec (fused norm+QKV, TE GLU fc1, TE
+    # attention; MoE experts as TE GroupedLinear with moe_grouped_gemm), else the local spec
+    transformer_impl: str = "local"
+    moe_grouped_gemm: bool = False
+    # FP8 through TE (--fp8-format / --fp8-recipe / --fp8-param-gather as Megatron-LM names them)
+    fp8: Optional[str] = None  # 'hybrid' | 'e4m3' | None (bf16/fp32 GEMMs)
+    fp8_recipe: str = "delayed"  # 'delayed' | 'tensorwise' (current scaling)
+    fp8_param: bool = False  # params stored as TE Float8Tensors (the publish moves FP8 bytes)
+    # TE layers accumulate wgrad straight into the DDP buffer's main_grad (the output layer, not TE,
+    # then needs Apex's fused_weight_gradient_mlp_cuda, as in Megatron-LM)
+    gradient_accumulation_fusion: bool = False
+
+    @property
+    def uses_te(self) -> bool:
+        return self.transformer_impl == "transformer_engine"
+
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise")
 
 
 def model_dtype(shape: GPTShape) -> torch.dtype:
@@ -73,13 +94,14 @@ def transformer_config(shape: GPTShape, **overrides):
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=True,
+        # TE's FP8 params are created on the GPU (the tests re-initialize every matrix by name anyway)
+        use_cpu_initialization=not shape.uses_te,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=shape.gradient_accumulation_fusion,
         bf16=shape.bf16,
         params_dtype=model_dtype(shape),
         pipeline_dtype=model_dtype(shape),
@@ -87,25 +109,38 @@ def transformer_config(shape: GPTShape, **overrides):
         sequence_parallel=shape.sequence_parallel,
         **_parallel_sizes(),
     )
+    if shape.fp8:
+        kw.update(fp8=shape.fp8, fp8_recipe=shape.fp8_recipe, fp8_param=shape.fp8_param)
     if shape.num_experts:
         kw.update(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
                   moe_router_topk=shape.moe_router_topk, moe_token_dispatcher_type="alltoall",
-                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                  moe_grouped_gemm=shape.moe_grouped_gemm)
     kw.update(overrides)
     return TransformerConfig(**kw)
 
 
+def layer_spec(shape: GPTShape):
+    """megatron-core's layer spec for ``shape``: the Transformer Engine one (what Megatron-LM
+    builds by default) or the local one."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if shape.uses_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=shape.num_experts or None,
+                                                                moe_grouped_gemm=shape.moe_grouped_gemm)
+    return specs.get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
+                                          normalization="RMSNorm")
+
+
 def build_gpt(shape: GPTShape, config=None, vp_stage: Optional[int] = None):
-    """This pipeline stage's megatron-core GPTModel with the local (non-TE) layer spec; under the
+    """This pipeline stage's megatron-core GPTModel with the local or TE layer spec; under the
     interleaved schedule the model chunk of virtual stage ``vp_stage`` (its layers, and the
     embedding / output layer only on the first / last virtual stage of the first / last rank)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = config or transformer_config(shape)
-    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
-                                    normalization="RMSNorm")
+    spec = layer_spec(shape)
     parallel = ps.model_parallel_is_initialized()
     first = not parallel or ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     last = not parallel or ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
@@ -120,7 +155,7 @@ def build_gpt(shape: GPTShape, config=None, vp_stage: Optional[int] = None):
         share_embeddings_and_output_weights=False,
         vp_stage=vp_stage,
     )
-    if shape.bf16 or shape.fp64:
+    if (shape.bf16 or shape.fp64) and not shape.fp8_param:  # (TE's FP8 params keep their own dtype)
         model = model.to(model_dtype(shape))
     if on_gpu():
         model = model.cuda(torch.cuda.current_device())

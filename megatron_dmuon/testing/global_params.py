@@ -67,6 +67,12 @@ def init_params_by_name(model, std: float = 0.02) -> None:
             full = torch.randn(full_shape, generator=g) * std
             shard = split_tp_shards(full, tp_size, dim, getattr(p, "partition_stride", 1))[tp_rank] if tp_size > 1 else full
             p.copy_(shard.to(p.dtype))
+            # TE FP8 params keep their high-precision init value, which Megatron's DistributedOptimizer
+            # makes the fp32 master from: it must be the new value too
+            keep = getattr(p, "get_high_precision_init_val", None)
+            kept = keep() if callable(keep) else None
+            if isinstance(kept, torch.Tensor):
+                kept.copy_(shard.to(kept.dtype))
 
 
 def local_shards(model) -> Dict[str, dict]:

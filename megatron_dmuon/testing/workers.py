@@ -138,6 +138,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         grad_reduce_in_fp32=not shape.fp64 if grad_reduce_in_fp32 is None else grad_reduce_in_fp32,
         overlap_grad_reduce=overlap, overlap_param_gather=overlap and dist_opt,
         align_param_gather=align_param_gather, bucket_size=o.get("bucket_size"),
+        fp8_param_gather=shape.fp8_param,  # (Megatron-LM sets it from --fp8-param-gather)
     )
     if mode != "adam":  # one DMuonConfig for the DDP's plan and the optimizer (as a run parses it once)
         cfg = DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
@@ -156,7 +157,8 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
     wire_sync_funcs(chunks, ddp_config)
     opt_config = OptimizerConfig(optimizer="adam", lr=o["lr"], min_lr=o["lr"], weight_decay=o["weight_decay"],
                                  use_distributed_optimizer=dist_opt, clip_grad=o["clip_grad"],
-                                 bf16=bool((shape_kw or {}).get("bf16")))
+                                 bf16=bool((shape_kw or {}).get("bf16")),
+                                 fp8_recipe=shape.fp8_recipe if shape.fp8 else None)
     if mode == "adam":
         from megatron.core.optimizer import get_megatron_optimizer
 

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Transformer Engine measurements on one H200 (the device tool), from the repository root; each PART
+# writes under $OUT and ends with one archive of its results (te_<part>.tgz). Carry .te .whl .mlm (.apex).
+#   bash bench/te_h200.sh suite+band timing  # in the order given; parts joined by '+' run at the same time
+# Parts:
+#   suite   the GPU suite (tests/gpu/run_h200.sh)
+#   band    Megatron-LM's pretrain_gpt.py with TE layers, small model (4 x 1024), muon / muon_fp32ns / dmuon over
+#           3 seeds in bf16, FP8 (hybrid, delayed) and FP8 with --fp8-param-gather (loss curves only)
+#   timing  the same at the Qwen2.5-7B 4-layer shape, GBS 4: adam / muon / dmuon, one at a time, bf16 and FP8
+#   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
+#   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/te_results; mkdir -p "$R"
+source tests/gpu/setup_h200.sh > "$R/setup.log" 2>&1; tail -3 "$R/setup.log"
+MLM=${MLM:-.mlm}
+compare() {  # name, compare.py args...
+  local name=$1; shift
+  local t0=$(date +%s)
+  python3 bench/megatron_lm_compare.py --megatron-lm "$MLM" --out "$R/$name" "$@" > "$R/$name.log" 2>&1
+  echo "== $name rc=$? $(( $(date +%s) - t0 )) s"; grep -v "^\\$\|^ \[\|iteration " "$R/$name.log" | grep "|\|vs\|failed" | tail -14 | cut -c1-260
+}
+run_part() {
+  local part=$1 t0=$(date +%s)
+  case $part in
+    suite) bash tests/gpu/run_h200.sh > "$R/suite.log" 2>&1; echo "== suite rc=$?"; grep -E "FAILED|ERROR|passed|failed|worst|fp8 |rc " "$R/suite.log" | cut -c1-300
+           cp "$OUT"/gpu_suite.* "$R/" 2>/dev/null ;;
+    band)
+      S="--model small --iters 30 --seeds 1234 2345 3456 --jobs ${JOBS:-6} --runs muon muon_fp32ns dmuon --timeout 400"
+      compare band_bf16 $S
+      compare band_fp8 $S --fp8-format hybrid --fp8-recipe delayed
+      compare band_fp8pg $S --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather ;;
+    timing)
+      T="--model qwen7b-4l --iters 20 --runs adam muon dmuon --timeout 300 --extra --global-batch-size 4"
+      compare timing_bf16 $T
+      compare timing_fp8 --fp8-format hybrid --fp8-recipe delayed $T ;;
+    e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
+           --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
+    quality)
+      Q=(--model small --iters 400 --seeds 1 2 3 --adam-lrs 1e-3 --dmuon-lrs 3e-3 --rows "Megatron's own*" --jobs 9)
+      python3 bench/quality.py "${Q[@]}" --workdir /tmp/q_bf16 --out "$R/quality_te_bf16" > "$R/quality_bf16.log" 2>&1
+      echo "== quality bf16 rc=$?"; grep "^| " "$R/quality_te_bf16.md" | head -6
+      python3 bench/quality.py "${Q[@]}" --workdir /tmp/q_fp8 --fp8-format hybrid --out "$R/quality_te_fp8" > "$R/quality_fp8.log" 2>&1
+      echo "== quality fp8 rc=$?"; grep "^| " "$R/quality_te_fp8.md" | head -6 ;;
+    *) echo "unknown part $part" ;;
+  esac
+  echo "== part $part: $(( $(date +%s) - t0 )) s"
+}
+for group in "$@"; do
+  for part in ${group//+/ }; do run_part "$part" > "$R/part_$part.out" 2>&1 & done
+  wait
+  for part in ${group//+/ }; do cat "$R/part_$part.out"; done
+  tar -czf "$OUT/te_${group//+/_}.tgz" -C "$R" . 2>/dev/null
+done
