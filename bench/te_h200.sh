@@ -11,8 +11,8 @@
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/te_results; mkdir -p "$R"
-source tests/gpu/setup_h200.sh > "$R/setup.log" 2>&1; tail -3 "$R/setup.log"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/te_results; mkdir -p "$R"; started=$(date +%s)
+source tests/gpu/setup_h200.sh > "$R/setup.log" 2>&1; tail -3 "$R/setup.log"; echo "set-up $(( $(date +%s) - started )) s"
 MLM=${MLM:-.mlm}
 compare() {  # name, compare.py args...
   local name=$1; shift
@@ -46,8 +46,16 @@ run_part() {
   esac
   echo "== part $part: $(( $(date +%s) - t0 )) s"
 }
+# DEADLINE=S (seconds from the start, set-up included): parts still running then are stopped, and what they
+# wrote is archived
+export -f run_part compare; export R OUT MLM
+end=$(( started + ${DEADLINE:-100000} ))
 for group in "$@"; do
-  for part in ${group//+/ }; do run_part "$part" > "$R/part_$part.out" 2>&1 & done
+  pids=()
+  for part in ${group//+/ }; do setsid bash -c "run_part $part" > "$R/part_$part.out" 2>&1 & pids+=($!); done
+  alive() { for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done; return 1; }
+  while alive && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && { echo "== stopped at the deadline: pid $pid"; kill -- -"$pid"; }; done
   wait
   for part in ${group//+/ }; do cat "$R/part_$part.out"; done
   tar -czf "$OUT/te_${group//+/_}.tgz" -C "$R" . 2>/dev/null
