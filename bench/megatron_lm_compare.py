@@ -17,8 +17,14 @@ progress lines (`--log-interval 1`). Runs (`--runs`):
 
 Prints (and writes under --out) JSON with every iteration's loss and time, and a markdown table:
 median ms/iteration over the second half, loss gap to `muon` (max |Δ| over iterations, and the
-last iteration), and the bf16 noise band (`muon_fp32ns` vs `muon`). Needs a GPU; Megatron-LM
-without Transformer Engine runs with `--transformer-impl local` and the fusions off (as here).
+last iteration), and the bf16 noise band (`muon_fp32ns` vs `muon`). Needs a GPU.
+
+Layers (`--transformer-impl`): Megatron-LM's default Transformer Engine layers where
+transformer_engine imports ('auto'), with `--gradient-accumulation-fusion` (Megatron-LM's default)
+where Apex's fused_weight_gradient_mlp_cuda imports (launch/build_apex_wgrad.sh), else
+`--no-gradient-accumulation-fusion`; `--fp8-format hybrid --fp8-recipe delayed|tensorwise
+[--fp8-param-gather]` train in FP8 through TE. Without TE: `--transformer-impl local` and the
+fusions off. Every table names the layers and precision it ran.
 
 `--seeds S ...` repeats every run per seed (`--seed S`: init and mock data), so the noise band is a
 spread over seeds rather than one sample; `--jobs N` runs N of them at once on the GPU (loss curves
