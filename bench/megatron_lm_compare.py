@@ -125,6 +125,7 @@ def apex_wgrad_available() -> bool:
     """Whether Apex's fused_weight_gradient_mlp_cuda imports (Megatron-LM's default
     --gradient-accumulation-fusion needs it for the non-TE output layer)."""
     try:
+        import torch  # noqa: F401  (the extension links against torch's libraries)
         import fused_weight_gradient_mlp_cuda  # noqa: F401
     except Exception:
         return False

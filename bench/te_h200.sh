@@ -30,6 +30,13 @@ run_part() {
       compare band_bf16 $S
       compare band_fp8 $S --fp8-format hybrid --fp8-recipe delayed
       compare band_fp8pg $S --fp8-format hybrid --fp8-recipe delayed --fp8-param-gather ;;
+    fp8pg)  # --fp8-param-gather against the same run without it, under Megatron's DistributedOptimizer+AdamW and DMuon
+      P="--model small --iters 30 --seeds 1234 --jobs 4 --runs adam dmuon --timeout 400 --fp8-format hybrid --fp8-recipe delayed"
+      compare fp8pg_off $P
+      compare fp8pg_on $P --fp8-param-gather
+      grep -h "DMuon FP8 params\|fp8_param_gather \.\." "$R"/fp8pg_on/dmuon.log | head -3 ;;
+    band_s3456)  # the bf16 seed whose muon run met a rebuild of Apex's extension
+      compare band_bf16_s3456 --model small --iters 30 --seeds 3456 --jobs 3 --runs muon muon_fp32ns dmuon --timeout 400 ;;
     timing)
       T="--model qwen7b-4l --iters 20 --runs adam muon dmuon --timeout 300 --extra --global-batch-size 4"
       compare timing_bf16 $T

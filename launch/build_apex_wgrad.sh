@@ -32,4 +32,4 @@ setup(name="fused_weight_gradient_mlp_cuda", ext_modules=[CUDAExtension(
 PY
 (cd "$W" && MAX_JOBS=${MAX_JOBS:-8} python3 setup.py -q build_ext --build-lib "$DEST" > "$W/build.log" 2>&1) \
   || { tail -30 "$W/build.log"; echo "build_apex_wgrad.sh: the build failed (log above)" >&2; exit 1; }
-PYTHONPATH="$DEST${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import fused_weight_gradient_mlp_cuda as m; print('fused_weight_gradient_mlp_cuda built:', m.__file__)"
+PYTHONPATH="$DEST${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import torch, fused_weight_gradient_mlp_cuda as m; print('fused_weight_gradient_mlp_cuda built:', m.__file__)"

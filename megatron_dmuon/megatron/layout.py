@@ -284,8 +284,13 @@ class DMuonDDP(_import_distributed_data_parallel()):
         super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                          full_param_layout=full_layout)
         self.dmuon_plan = plan
+        from .te_fp8 import fp8_param_summary
+
+        fp8_params = fp8_param_summary(self, config)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             print(f"> {plan.routing_summary()}", flush=True)  # (this stage's params; PP stages plan their own)
+            if fp8_params:
+                print(f"> DMuon FP8 params: {fp8_params}", flush=True)
         self._grads_reduced = False
         self.node_topology = None  # two-level groups (runtime/node_groups.py), when ranks_per_node > 0
         if opts.ranks_per_node:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -39,3 +41,25 @@ def check_fp8_param_gather(model_config) -> None:
         raise ValueError("--fp8-param-gather and --dmuon-publish-dtype fp8_* both quantize the publish: pick one")
     log.warning("DMuon with Transformer Engine --fp8-param-gather: Megatron's own TE quantization runs on the "
                 "owners' shards; this combination is untested in megatron_dmuon (no TE on its machines)")
+
+
+def fp8_param_summary(ddp, model_config) -> str | None:
+    """Under --fp8-param-gather: what DMuon's DDP holds as TE FP8 params, in words ('N params as TE
+    FP8 tensors in M uint8 buffers'), or an error when the flag is on and no param is one (the run
+    would silently be the bf16-param run). None without the flag."""
+    if not (getattr(model_config, "fp8", None) and getattr(model_config, "fp8_param", False)):
+        return None
+    from megatron.core.fp8_utils import is_float8tensor
+
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    fp8 = [p for p in params if is_float8tensor(p)]
+    buffers = [b for b in ddp.buffers + ddp.expert_parallel_buffers
+               if b.param_data is not None and b.param_data.dtype == torch.uint8]
+    if not fp8 or not buffers:
+        raise ValueError(
+            f"--fp8-param-gather: the model holds {len(fp8)} TE FP8 params and {len(buffers)} FP8 (uint8) param "
+            "buffers; the model was not built under TE's fp8_model_init (TransformerConfig.fp8_param): build it "
+            "with the config that has fp8_param=True, or drop --fp8-param-gather")
+    numel = sum(p.numel() for p in fp8)
+    return (f"{len(fp8)} of {len(params)} params held as TE FP8 tensors ({numel:,} elements) in {len(buffers)} "
+            "uint8 buffer(s): owners re-quantize them from their fp32 masters, the param all-gather moves FP8 bytes")

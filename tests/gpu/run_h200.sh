@@ -2,18 +2,13 @@
 # The GPU suite, one command (on the device tool's H200, from the repository root):
 #   bash tests/gpu/run_h200.sh [pytest args]       # carry .te .whl .apex; results under $OUT (or /tmp/out)
 # Runs tests/gpu (Transformer Engine layers, FP8, fused wgrad) and the kernel tests
-# (tests/test_kernels_gpu.py) with -v; writes gpu_suite.log and gpu_suite.xml. Also brings back the
-# transformer_engine_torch build (te_torch.tar.xz: put it in .te/prebuilt/ to skip the next build).
+# (tests/test_kernels_gpu.py) with -v; writes gpu_suite.log and gpu_suite.xml.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s)
 source tests/gpu/setup_h200.sh
 echo "setup $(( $(date +%s) - t0 )) s"
-if [ ! -f .te/prebuilt/te_torch.tar.xz ]; then
-  (cd "$SITE" && tar -cf - transformer_engine_torch* 2>/dev/null | xz -T0 -6 > "$OUT/te_torch.tar.xz")
-  [ "$(stat -c %s "$OUT/te_torch.tar.xz")" -lt 16000000 ] || rm -f "$OUT/te_torch.tar.xz"
-fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformer_engine as te, megatron.core as mc; print('torch', torch.__version__, '| TE', te.__version__, '| megatron-core', mc.__version__)"
 python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu_suite.xml" tests/gpu tests/test_kernels_gpu.py "$@" \

@@ -3,8 +3,6 @@
 # fused_weight_gradient_mlp_cuda from .apex (an NVIDIA/apex checkout, or its four csrc files) when
 # present. Sets PYTHONPATH (repository first) and the environment every GPU command here uses.
 #   source tests/gpu/setup_h200.sh            # idempotent: ~20 s on a machine that has run it
-# A prebuilt transformer_engine_torch (.te/prebuilt/te_torch.tar.xz, brought back from an earlier run
-# by tests/gpu/run_h200.sh) skips TE's ~2-minute build.
 _here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 export SITE=${SITE:-/tmp/site} PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -15,15 +13,10 @@ if ls "$_here"/.whl/*.whl >/dev/null 2>&1 && [ ! -e "$SITE/.dmuon_whl_done" ]; t
     && touch "$SITE/.dmuon_whl_done"
 fi
 if [ -d "$_here/.te" ]; then
-  if [ -f "$_here/.te/prebuilt/te_torch.tar.xz" ] && ! PYTHONPATH=$SITE python3 -c "import transformer_engine_torch" >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$_here"/.te/whl/*.whl
-    python3 -c "import tarfile, sys; [tarfile.open(f).extractall(sys.argv[1]) for f in sys.argv[2:]]" "$SITE" \
-      "$_here/.te/te_site.tar.xz" "$_here/.te/prebuilt/te_torch.tar.xz"
-  fi
   source "$_here/.te/install.sh" || echo "setup_h200.sh: Transformer Engine did not install (the TE tests will skip)" >&2
 fi
 if [ -d "$_here/.apex" ]; then
-  if ! PYTHONPATH=/tmp/apex_wgrad python3 -c "import fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then
+  if ! PYTHONPATH=/tmp/apex_wgrad python3 -c "import torch, fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then
     bash "$_here/launch/build_apex_wgrad.sh" "$_here/.apex" /tmp/apex_wgrad || echo "setup_h200.sh: Apex wgrad build failed" >&2
   fi
   export PYTHONPATH=/tmp/apex_wgrad:$PYTHONPATH
