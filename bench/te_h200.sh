@@ -6,7 +6,8 @@
 #   suite   the GPU suite (tests/gpu/run_h200.sh)
 #   band    Megatron-LM's pretrain_gpt.py with TE layers, small model (4 x 1024), muon / muon_fp32ns / dmuon over
 #           3 seeds in bf16, FP8 (hybrid, delayed) and FP8 with --fp8-param-gather (loss curves only)
-#   timing  the same at the Qwen2.5-7B 4-layer shape, GBS 4: adam / muon / dmuon, one at a time, bf16 and FP8
+#   timing_bf16, timing_fp8  the Qwen2.5-7B 4-layer shape, GBS 4: adam / muon / dmuon, one at a time
+#   fp8pg   --fp8-param-gather on/off under Megatron's AdamW and DMuon (one seed); band_fp8x: FP8 band + dmuon_fp32ns
 #   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
 set -uo pipefail
@@ -37,10 +38,13 @@ run_part() {
       grep -h "DMuon FP8 params\|fp8_param_gather \.\." "$R"/fp8pg_on/dmuon.log | head -3 ;;
     band_s3456)  # the bf16 seed whose muon run met a rebuild of Apex's extension
       compare band_bf16_s3456 --model small --iters 30 --seeds 3456 --jobs 3 --runs muon muon_fp32ns dmuon --timeout 400 ;;
-    timing)
-      T="--model qwen7b-4l --iters 20 --runs adam muon dmuon --timeout 300 --extra --global-batch-size 4"
-      compare timing_bf16 $T
-      compare timing_fp8 --fp8-format hybrid --fp8-recipe delayed $T ;;
+    timing_bf16|timing_fp8)  # one run at a time (timed)
+      T="--model qwen7b-4l --iters 20 --runs adam muon dmuon --timeout 300"
+      [ "$part" = timing_fp8 ] && T="$T --fp8-format hybrid --fp8-recipe delayed"
+      compare "$part" $T --extra --global-batch-size 4 ;;
+    band_fp8x)  # the FP8 band again with DMuon's fp32-NS curve as a further reference pair
+      compare band_fp8x --model small --iters 30 --seeds 1234 2345 3456 --jobs ${JOBS:-6} --timeout 400 \
+        --runs muon muon_fp32ns dmuon dmuon_fp32ns --fp8-format hybrid --fp8-recipe delayed ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
            --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
     quality)
