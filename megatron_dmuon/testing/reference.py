@@ -207,7 +207,8 @@ def reference_train(model, batches_per_step: Callable[[int], List[torch.Tensor]]
         grads = {n: _sum_over_ranks([g[n] for g in rank_grads], None if reduce_chunk_of is None
                                     else reduce_chunk_of[n], ranks_per_node) for n, _ in named}
         if replay_grads is not None:
-            replayed = {n: replay_grads[step][n].view_as(grads[n]).to(grads[n].dtype) for n, _ in named}
+            replayed = {n: replay_grads[step][n].view_as(grads[n]).to(device=grads[n].device, dtype=grads[n].dtype)
+                        for n, _ in named}
             grad_gap = max([grad_gap] + [float((replayed[n] - grads[n]).norm() / grads[n].norm().clamp(min=1e-30))
                                          for n, _ in named])
             grads = replayed
