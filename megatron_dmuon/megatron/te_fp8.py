@@ -1,4 +1,4 @@
-"""Thin adapter to Transformer Engine's FP8 params (`--fp8 ... --fp8-param-gather`).
+"""Transformer Engine's FP8 params (`--fp8-format ... --fp8-param-gather`) under DMuon.
 
 With TE, Megatron's DistributedOptimizer quantizes FP8 params itself
 (`_copy_main_params_to_model_params` -> `megatron.core.fp8_utils.quantize_param_shard`): each
@@ -6,18 +6,17 @@ rank casts its fp32 master shard into the TE tensor with a per-tensor scale whos
 all-reduced over the DP group. Under DMuon every Muon matrix lies whole in its owner's shard, so
 the other ranks contribute no element and the reduced amax is the owner's: the same rule as
 `--dmuon-publish-dtype fp8_*` (megatron/publish.py), run by TE's kernels. DMuonDistributedOptimizer
-inherits that code unchanged; this module only decides whether the combination may start.
+inherits that code unchanged; the fp32 masters start from TE's high-precision init values, as
+Megatron's DistributedOptimizer does (Megatron's own Muon starts them from the FP8 weights).
 
-NOT TESTED here: Transformer Engine cannot be installed on this project's machines (CPU CI, the
-H200 image). The torch-float8 path (`--dmuon-publish-dtype`) is the tested one.
+Tested on the H200 with TE 2.20.2 (tests/gpu/test_te_layers.py, docs/megatron_lm.md §10): after every
+step each FP8 param is the quantization of its owner's current master, in delayed and current
+scaling, and its bytes live in the uint8 buffer the param all-gather moves. This module decides
+whether the combination may start and says what the DDP holds.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger(__name__)
 
 
 def transformer_engine_available() -> bool:
@@ -29,8 +28,9 @@ def transformer_engine_available() -> bool:
 
 
 def check_fp8_param_gather(model_config) -> None:
-    """Start-up check of TE FP8 params under DMuon: refused without TE (naming the tested
-    alternative), allowed with TE (Megatron's own quantize path, untested here, logged)."""
+    """Start-up check of TE FP8 params under DMuon: refused without TE (naming the alternative) and
+    beside DMuon's own FP8 publish; with TE, Megatron's own quantize path runs (``fp8_param_summary``
+    then checks the DDP holds FP8 params and logs them)."""
     if not (getattr(model_config, "fp8", None) and getattr(model_config, "fp8_param", False)):
         return
     if not transformer_engine_available():
@@ -39,8 +39,6 @@ def check_fp8_param_gather(model_config) -> None:
             "here; drop the flag, or keep bf16 params and publish FP8 with --dmuon-publish-dtype fp8_e4m3")
     if getattr(model_config, "dmuon_publish_dtype", "param") != "param":
         raise ValueError("--fp8-param-gather and --dmuon-publish-dtype fp8_* both quantize the publish: pick one")
-    log.warning("DMuon with Transformer Engine --fp8-param-gather: Megatron's own TE quantization runs on the "
-                "owners' shards; this combination is untested in megatron_dmuon (no TE on its machines)")
 
 
 def fp8_param_summary(ddp, model_config) -> str | None:
