@@ -3,7 +3,8 @@
 # `pretrain_gpt.py --optimizer dmuon` launch shares. Needs RECIPE (a file of launch/recipes/) and
 # MEGATRON_LM (a Megatron-LM checkout, tag core_v0.19.0). Optional: DATA_PATH (+ TOKENIZER_MODEL,
 # TOKENIZER_TYPE) for real data instead of --mock-data; NO_TE=1 for a machine without Transformer
-# Engine (local layers, fusions off). Defines MEGATRON_ARGS (shared training flags, recipe, data,
+# Engine (local layers, fusions off); with TE, Megatron-LM's --gradient-accumulation-fusion stays on where
+# Apex's fused_weight_gradient_mlp_cuda imports (GRAD_ACCUM_FUSION=1: always). Defines MEGATRON_ARGS (shared training flags, recipe, data,
 # optimizer flags).
 DMUON_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (git clone NVIDIA/Megatron-LM; git checkout core_v0.19.0)}"
@@ -33,6 +34,11 @@ if [ "${NO_TE:-0}" = 1 ]; then
   LOCAL_ARGS=(--transformer-impl local --attention-backend unfused --no-rope-fusion --no-bias-swiglu-fusion
               --no-bias-dropout-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion
               --no-masked-softmax-fusion)
+elif [ "${GRAD_ACCUM_FUSION:-auto}" = auto ] && ! python3 -c "import torch, fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then
+  # Megatron-LM's default --gradient-accumulation-fusion needs Apex's extension for its non-TE output layer
+  echo "launch: Apex's fused_weight_gradient_mlp_cuda does not import here: --no-gradient-accumulation-fusion" \
+       "(build it with launch/build_apex_wgrad.sh, or set GRAD_ACCUM_FUSION=1 to keep Megatron-LM's default)" >&2
+  LOCAL_ARGS=(--no-gradient-accumulation-fusion)
 fi
 # shared by the recipes (which may override any of it): bf16, no dropout, AdamW hyperparameters, and
 # Muon with --muon-scale-mode spectral x --muon-extra-scale-factor 0.2, which gives Muon updates the

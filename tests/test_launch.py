@@ -281,3 +281,26 @@ def test_patched_pretrain_gpt_main_parses_dmuon(tmp_path):
                           cwd=tree, timeout=300)
     assert "invalid choice" not in proc.stderr, proc.stderr[-2000:]
     assert "optimizer ....................................... dmuon" in proc.stdout or "Megatron requires CUDA" in proc.stderr
+
+
+@pytest.mark.parametrize("fusion,expected", [("auto", True), ("1", False)])
+def test_te_launch_turns_wgrad_fusion_off_only_without_apex(tmp_path, fusion, expected):
+    """With TE layers (no NO_TE) Megatron-LM's --gradient-accumulation-fusion needs Apex's extension for
+    the output layer: the launcher keeps the default where it imports, else passes
+    --no-gradient-accumulation-fusion and says why (GRAD_ACCUM_FUSION=1 keeps the default regardless)."""
+    tree = make_tree(tmp_path / "Megatron-LM")
+    env = dict(os.environ, RECIPE="gpt_small", MEGATRON_LM=tree, GRAD_ACCUM_FUSION=fusion)
+    env.pop("NO_TE", None)
+    printed = subprocess.run(
+        ["bash", "-c", f'source {ROOT}/launch/megatron_lm_common.sh && printf "%s\\n" "${{MEGATRON_ARGS[@]}}"'],
+        capture_output=True, text=True, check=True, env=env)
+    args = printed.stdout.split("\n")
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+        have_apex = True
+    except Exception:
+        have_apex = False
+    turned_off = "--no-gradient-accumulation-fusion" in args
+    assert "--transformer-impl" not in args  # TE: Megatron-LM's default layers
+    assert turned_off == (expected and not have_apex)
+    assert ("launch: Apex's fused_weight_gradient_mlp_cuda does not import" in printed.stderr) == turned_off
