@@ -2,12 +2,18 @@
 examples/pretrain_gpt.py: Megatron-LM's names, the main job's defaults (TE where it imports on a GPU)."""
 from __future__ import annotations
 
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (the repository, for the package)
+from megatron_dmuon.megatron.gpt import FP8_FORMATS, FP8_RECIPES, TRANSFORMER_IMPLS  # noqa: E402
+
 
 def add_layer_args(p) -> None:
-    p.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+    p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
                    help="the main job's layers (default: TE where transformer_engine imports on a GPU, else local)")
-    p.add_argument("--fp8-format", choices=["hybrid", "e4m3"], default=None, help="FP8 GEMMs through TE")
-    p.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default=None)
+    p.add_argument("--fp8-format", choices=FP8_FORMATS, default=None, help="FP8 GEMMs through TE")
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None)
     p.add_argument("--fp8-param-gather", action="store_true", help="TE FP8 params")
 
 

@@ -44,6 +44,7 @@ MAIN_JOB_MUON_DEFAULTS = dict(muon_momentum=0.95, muon_nesterov=True, muon_scale
 
 def parse_args(argv=None):
     from megatron_dmuon.megatron.config import add_dmuon_args
+    from megatron_dmuon.megatron.gpt import FP8_FORMATS, FP8_RECIPES, TRANSFORMER_IMPLS
 
     p = JobArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
@@ -76,12 +77,12 @@ def parse_args(argv=None):
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
     a("--bf16", action="store_true")
-    a("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+    a("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
       help="the layers: Transformer Engine's (Megatron-LM's default; the default here where transformer_engine "
            "imports on a GPU) or megatron-core's local ones (the default elsewhere)")
-    a("--fp8-format", choices=["hybrid", "e4m3"], default=None,
+    a("--fp8-format", choices=FP8_FORMATS, default=None,
       help="FP8 GEMMs through Transformer Engine (needs --bf16 and TE layers), as Megatron-LM's flag")
-    a("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed",
+    a("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
       help="FP8 scaling: delayed (amax history) or tensorwise (current scaling)")
     a("--fp8-param-gather", action="store_true",
       help="keep TE's params in FP8: owners re-quantize them from their fp32 masters and the param all-gather "
