@@ -10,6 +10,7 @@
 #   fp8pg   --fp8-param-gather on/off under Megatron's AdamW and DMuon (one seed); band_fp8x: FP8 band + dmuon_fp32ns
 #   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
+#   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/te_results; mkdir -p "$R"; started=$(date +%s)
@@ -47,12 +48,27 @@ run_part() {
         --runs muon muon_fp32ns dmuon dmuon_fp32ns --fp8-format hybrid --fp8-recipe delayed ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
            --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
-    quality)
-      Q=(--model small --iters 400 --seeds 1 2 3 --adam-lrs 1e-3 --dmuon-lrs 3e-3 --rows "Megatron's own*" --jobs 9)
-      python3 bench/quality.py "${Q[@]}" --workdir /tmp/q_bf16 --out "$R/quality_te_bf16" > "$R/quality_bf16.log" 2>&1
-      echo "== quality bf16 rc=$?"; grep "^| " "$R/quality_te_bf16.md" | head -6
-      python3 bench/quality.py "${Q[@]}" --workdir /tmp/q_fp8 --fp8-format hybrid --out "$R/quality_te_fp8" > "$R/quality_fp8.log" 2>&1
-      echo "== quality fp8 rc=$?"; grep "^| " "$R/quality_te_fp8.md" | head -6 ;;
+    quality)  # QSEEDS (default 1 2 3), QROWS (phase-2 rows, ';' between), QRESUME=PREFIX: PREFIX_{bf16,fp8}.json's runs are reused
+      local rows=${QROWS:-}; [ -n "$rows" ] || rows="Megatron's own*"; local -a rowlist; IFS=';' read -ra rowlist <<< "$rows"
+      Q=(--model small --iters 400 --seeds ${QSEEDS:-1 2 3} --adam-lrs 1e-3 --dmuon-lrs 3e-3 --jobs 9 --rows "${rowlist[@]}")
+      for prec in bf16 fp8; do
+        F=(); [ "$prec" = fp8 ] && F=(--fp8-format hybrid)
+        [ -n "${QRESUME:-}" ] && F+=(--resume "${QRESUME}_$prec.json")
+        python3 bench/quality.py "${Q[@]}" "${F[@]}" --workdir /tmp/q_$prec --out "$R/quality_te_$prec" > "$R/quality_$prec.log" 2>&1
+        echo "== quality $prec rc=$?"; grep "^| " "$R/quality_te_$prec.md" | head -7
+      done ;;
+    gemm_probe)  # does cuBLAS round a stack of small fp32 GEMMs (bmm) as it rounds each alone (mm)?
+      python3 - <<'PY'
+import torch
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.manual_seed(0)
+for shape in [(2, 4, 64), (8, 64, 64), (4, 160, 64)]:
+    x = torch.randn(*shape, device="cuda")
+    stacked = x @ x.mT
+    alone = torch.stack([m @ m.T for m in x])
+    print(f"gemm probe {shape}: X X^T stacked vs alone, max |diff| {float((stacked - alone).abs().max()):.3e}")
+PY
+      ;;
     *) echo "unknown part $part" ;;
   esac
   echo "== part $part: $(( $(date +%s) - t0 )) s"

@@ -17,6 +17,11 @@ pytestmark = [requires_te, pytest.mark.usefixtures("one_gpu_world")]
 
 TE = dict(transformer_impl="transformer_engine")
 FP32_TOL = 1e-6  # tests/test_dmuon_dp.py's fp32 bound
+# The grouped-GEMM model's replay on the H200 (2026-12-04): 1.27e-6 on the routers (two 4 x 64 Muon matrices
+# that DMuon orthogonalizes as one batched stack, the reference one at a time: cuBLAS picks another fp32 GEMM
+# kernel for the stack, and five quintic NS iterations amplify its rounding by up to ~3.4^5), 9.8e-7 on the
+# output layer; CPU's GEMMs round alike in both and meet 1e-6. A wrong update is >= 1e-3.
+GPU_STACKED_FP32_TOL = 2e-6
 # bf16 against the fp32 reference after 20 steps: tests/test_mixed_precision.py's band (0.2 / 5e-3, measured
 # at DP = 2 and 4). At DP = 1 the local layers measured 0.230 (bench/mixed_precision_cpu.py; that file's
 # comment); TE layers on the H200 (2026-12-03) 0.223 and 0.225 for params, 0.64% and 0.56% for the worst loss.
@@ -187,7 +192,7 @@ def test_te_grouped_gemm_experts_are_one_matrix_each_and_exact():
     print(f"te grouped gemm vs reference (replayed): worst {max(diffs.values()):.2e}, the reference's own "
           f"gradients {ref['max_grad_gap']:.2e} from DMuon's")
     assert ref["max_grad_gap"] <= 1e-3
-    assert max(diffs.values()) <= FP32_TOL, sorted(diffs.items(), key=lambda x: -x[1])[:3]
+    assert max(diffs.values()) <= GPU_STACKED_FP32_TOL, sorted(diffs.items(), key=lambda x: -x[1])[:3]
     experts = [n for n in ref["params"] if ".experts.linear_fc" in n]
     assert len(experts) == 2 * 4 * 2  # 2 layers x (fc1, fc2) x 4 experts
     assert result["ns_counts"] == [ref["num_matrices"]] * kw["steps"]
