@@ -466,6 +466,7 @@ def main(argv=None):
                    "val_loss": validation[-1]["loss"] if validation else None,
                    **({k: v for k, v in opt.dmuon_stats().items() if k.startswith("ns_")} if hasattr(opt, "dmuon_stats")
                       else {}),
+                   **({"ns_paths": {"every matrix": opt.megatron_ns_path}} if hasattr(opt, "megatron_ns_path") else {}),
                    "median_step_ms": median("step_ms"), "median_optimizer_ms": median("optimizer_ms"),
                    "median_optimizer_ms_per_rank": per_rank_opt,
                    **_memory_summary(opt, ddp, dp_size)}

@@ -97,6 +97,8 @@ def test_megatron_layerwise_baseline_is_megatrons_layerwise_muon_at_dp2(tmp_path
     gap = max(abs(a - b) for a, b in zip(losses["dmuon"], losses["megatron_layerwise"]))
     assert gap < 0.02, (gap, losses)  # measured 1e-4 at 12 iterations; the broken baseline: 0.03
     assert losses["megatron_layerwise"][-1] < losses["megatron_layerwise"][0] - 1.0
+    assert runs["megatron_layerwise"]["summary"]["ns_paths"] == {
+        "every matrix": "Megatron's standard NS (quintic, 5 steps, fp32 matmul precision high)"}
 
 
 def test_megatron_layerwise_baseline_needs_bf16(tmp_path):

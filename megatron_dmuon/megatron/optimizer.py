@@ -138,11 +138,16 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
                 "--dmuon-mode megatron_layerwise runs Megatron's LayerWise distributed Muon, which megatron-core "
                 "0.19 builds for bf16 params only (its fp32 chain fails Megatron's own config check, as "
                 "--optimizer muon --use-distributed-optimizer does in Megatron-LM): add --bf16")
-        return get_megatron_optimizer(
+        fields = megatron_muon_fields(cfg, getattr(config, "muon_tp_mode", "duplicated"))
+        opt = get_megatron_optimizer(
             dataclasses.replace(config, optimizer="muon", use_distributed_optimizer=False,
-                                use_layer_wise_distributed_optimizer=layer_wise,
-                                **megatron_muon_fields(cfg, getattr(config, "muon_tp_mode", "duplicated"))),
+                                use_layer_wise_distributed_optimizer=layer_wise, **fields),
             model_chunks)
+        # what the job's summary and the benchmarks' tables name as this baseline's NS path
+        opt.megatron_ns_path = (f"Megatron's standard NS ({fields['muon_coefficient_type']}, "
+                                f"{fields['muon_num_ns_steps']} steps, fp32 matmul precision "
+                                f"{fields['muon_fp32_matmul_prec']})")
+        return opt
 
     if cfg.mode == "gather_then_compute":
         return _gather_then_compute_optimizer(config, model_chunks, cfg)
