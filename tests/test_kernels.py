@@ -141,31 +141,23 @@ def test_fast_entry_point_argument_errors():
         orthogonalize_batched(torch.randn(2, 4, 8), method="svd")
 
 
-class _CudaLikeStack:
-    """What MuonSettings.ns_call reads of a CUDA stack; on the CPU device no autotune entry exists."""
-
-    is_cuda = True
-    device = torch.device("cpu")
-
-    def __init__(self, *shape):
-        self.shape = torch.Size(shape)
-
-    def size(self, dim):
-        return self.shape[dim]
-
-    def numel(self):
-        return self.shape.numel()
-
-
-def test_owner_step_auto_method_comes_from_the_kernels():
-    """--dmuon-ns-method auto on CUDA: the owner step asks the kernels (megatron_dmuon.kernels.resolve_method),
-    so a wide stack runs Gram NS (an import that fails would silently run standard NS everywhere)."""
+def test_owner_step_auto_method_comes_from_the_kernels(monkeypatch):
+    """--dmuon-ns-method auto on CUDA: the owner step's choice (planning.ns_choice.choose_ns) reads the kernels'
+    autotune lookup (megatron_dmuon.kernels.measured_method), else counts FLOPs, so a wide stack runs Gram NS
+    (an import that fails would silently run standard NS everywhere); off CUDA the torch path's standard NS."""
+    from megatron_dmuon.runtime import owner_step
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
+    asked = []
+    monkeypatch.setattr(owner_step, "measured_method", lambda device: (lambda *key: asked.append(key)))
     settings = MuonSettings(ns_method="auto", ns_dtype=torch.bfloat16)
-    assert settings.ns_call(_CudaLikeStack(2, 512, 3584))[0] == "gram"
-    assert settings.ns_call(_CudaLikeStack(2, 512, 512))[0] == "standard"
-    assert settings.ns_call(torch.randn(2, 8, 64))[0] == "standard"  # off CUDA: the torch path's standard NS
+    gram = settings.choose_ns(512, 3584, 2, "cuda")
+    assert (gram.method, gram.compute_dtype, gram.runs) == ("gram", torch.float16, "gram")
+    assert settings.choose_ns(512, 512, 2, "cuda").method == "standard"
+    assert settings.choose_ns(8, 64, 2, "cpu").method == "standard"
+    assert asked == [(512, 3584, 2, torch.bfloat16, 5), (512, 512, 2, torch.bfloat16, 5)]
+    monkeypatch.setattr(owner_step, "measured_method", lambda device: (lambda *key: "standard"))
+    assert settings.choose_ns(512, 3584, 2, "cuda").method == "standard"  # a measurement outranks the FLOPs
 
 
 def test_auto_method_follows_flops():

@@ -118,8 +118,8 @@ def hook_run_with_planted_failure(rank, world_size, argv, plant):
     import test_megatron_lm_hook as hook
 
     if plant:
-        real = owner_step.default_orthogonalizer
-        owner_step.default_orthogonalizer = lambda settings: sabotaged(real(settings))
+        real = owner_step.run_ns
+        owner_step.run_ns = lambda stack, choice: sabotaged(lambda x: real(x, choice))(stack)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         out = hook.train_from_argv(rank, world_size, argv, iters=4)

@@ -116,3 +116,78 @@ def test_a_use_muon_false_matrix_steps_by_adamw_and_the_routing_is_logged():
     assert not out["registered"] and {"exp_avg", "exp_avg_sq"} <= set(out["state"])
     assert "momentum_buffer" not in out["state"]
     assert "1 Megatron marks it use_muon=False" in out["summary"] and "to Muon: " in out["summary"]
+
+
+# ------------------------------------------------------------------ the NS each stack runs
+def _muon_record(name, pieces, owner, requested="auto", tp_method="gather", expert=False):
+    from megatron_dmuon.planning.plan import MatrixRecord
+
+    numel = sum(p[0] * p[1] if len(p) == 2 else p[0] * p[1] * p[2] for p in pieces)
+    return MatrixRecord(name=name, buffer="dense/torch.float32/torch.float32", expert=expert, numel=numel,
+                        local_shape=(numel,), full_shape=(numel // pieces[0][-1], pieces[0][-1]), use_muon=True,
+                        reason="hidden weight matrix", pieces=tuple(pieces), ns_methods=(requested,) * len(pieces),
+                        schedules=({"coefficients": "you", "steps": 5},) * len(pieces), tp_method=tp_method,
+                        dp_owner=owner)
+
+
+def test_the_ns_of_every_piece_is_chosen_from_the_records_for_its_owners_stack():
+    """planning.ns_choice.plan_ns_choices: each piece's request and schedule as its record holds them,
+    for the stack its owner forms (owner = dense/expert part, DP owner, TP owner; a [heads, r, c] piece
+    takes one slot per head). 'auto' on CUDA reads the autotune lookup with that batch, else counts
+    FLOPs; off CUDA it is standard NS; distributed Gram NS runs Gram NS whatever was asked."""
+    import torch
+
+    from megatron_dmuon.planning.ns_choice import owner_stack_batches, plan_ns_choices
+
+    records = [_muon_record("a", [(512, 3584)], owner=0), _muon_record("b", [(512, 3584), (512, 3584)], owner=0),
+               _muon_record("c", [(4, 512, 3584)], owner=1), _muon_record("d", [(512, 3584)], owner=0, expert=True),
+               _muon_record("e", [(512, 512)], owner=1), _muon_record("f", [(64, 64)], owner=1, requested="standard",
+                                                                       tp_method="distributed_gram")]
+    assert owner_stack_batches([(512, 3584), (4, 512, 3584), (64, 64)]) == {(512, 3584): 5, (64, 64): 1}
+    asked = []
+
+    def measured(m, n, batch, dtype, steps):  # the stack of 3 is measured standard, the others not at all
+        asked.append((m, n, batch, dtype, steps))
+        return "standard" if batch == 3 else None
+
+    choices = plan_ns_choices(records, precision=torch.bfloat16, on_cuda=True, measured=measured)
+    assert [[c.method for c in cs] for cs in choices] == [["standard"], ["standard", "standard"], ["gram"], ["gram"],
+                                                          ["standard"], ["gram"]]
+    assert sorted(set(asked)) == [(512, 512, 1, torch.bfloat16, 5), (512, 3584, 1, torch.bfloat16, 5),
+                                  (512, 3584, 3, torch.bfloat16, 5), (512, 3584, 4, torch.bfloat16, 5)]
+    gram = choices[2][0]
+    assert (gram.compute_dtype, gram.runs, gram.label("you")) == (torch.float16, "gram", "gram float16 you x5")
+    assert choices[5][0].runs == "standard"  # a 64 x 64 Gram request runs standard NS inside the NS entry points
+    off_cuda = plan_ns_choices(records, precision=torch.bfloat16, on_cuda=False, measured=measured)
+    assert {c.method for cs in off_cuda[:5] for c in cs} == {"standard"}
+    with pytest.raises(ValueError, match="--dmuon-ns-method 'svd' unknown"):
+        plan_ns_choices([_muon_record("x", [(8, 8)], owner=0, requested="svd")], precision=torch.float32,
+                        on_cuda=False)
+
+
+def test_the_owner_step_runs_the_choice_its_matrix_info_carries():
+    """The runtime decides nothing the plan decided: a matrix whose MatrixInfo carries a Gram choice runs
+    Gram NS although the settings ask for standard NS (what it ran is in ns_paths), and its update equals
+    the Gram NS of its momentum; a matrix without a choice runs what the settings ask."""
+    import torch
+
+    from megatron_dmuon.algorithms.ns_dispatch import orthogonalize
+    from megatron_dmuon.planning.ns_choice import choose_ns
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+
+    settings = MuonSettings(ns_method="standard", ns_dtype=torch.float32, coefficients="you", momentum=0.0,
+                            nesterov=False, scale_mode="none")
+    wide, square = torch.nn.Parameter(torch.zeros(8, 64)), torch.nn.Parameter(torch.zeros(16, 16))
+    choice = choose_ns(8, 64, 1, requested="gram", precision=torch.float32, schedule=settings.ns_schedule(8, 64),
+                       on_cuda=False)
+    opt = OwnerMuonAdamW([{"params": [wide, square], "use_muon": True}], lr=1.0, weight_decay=0.0, muon=settings)
+    opt.register_matrix(wide, MatrixInfo("wide", (8, 64), ns=(choice,)))
+    opt.register_matrix(square, MatrixInfo("square", (16, 16)))
+    grads = [torch.randn(8, 64, generator=torch.Generator().manual_seed(1)),
+             torch.randn(16, 16, generator=torch.Generator().manual_seed(2))]
+    wide.grad, square.grad = grads[0].clone(), grads[1].clone()
+    opt.step()
+    assert opt.ns_paths == {"8x64": "gram float32 you x5", "16x16": "standard float32 you x5"}
+    kw = dict(coefficients="you", steps=5, compute_dtype=torch.float32, check_finite=False)
+    assert torch.equal(wide.detach(), -orthogonalize(grads[0][None], method="gram", **kw)[0])
+    assert torch.equal(square.detach(), -orthogonalize(grads[1][None], method="standard", **kw)[0])

@@ -33,7 +33,7 @@ from .gram_newton_schulz import GRAM_MIN_ASPECT_RATIO, default_restarts, gram_ap
 __all__ = ["newton_schulz_flops", "ns_method_for", "FLOP_METHODS", "NS_METHODS"]
 
 FLOP_METHODS: tuple[str, ...] = ("standard", "gram")
-NS_METHODS: tuple[str, ...] = ("auto", "gram", "standard")  # what a caller may ask ns_method_for
+NS_METHODS: tuple[str, ...] = ("standard", "gram", "auto")  # what a caller may ask for (--dmuon-ns-method)
 
 
 def _check_dim(name: str, value: int) -> int:

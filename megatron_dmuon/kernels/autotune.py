@@ -458,6 +458,12 @@ def shape_plan(
     )
 
 
+def measured_method(device: torch.device, cache_path=None):
+    """The autotune cache's lookup for ``planning.ns_choice.choose_ns`` on ``device``:
+    ``(m, n, batch, dtype, steps) -> 'gram' | 'standard' | None``."""
+    return lambda m, n, batch, dtype, steps: cached_method(m, n, batch, dtype, device, steps, cache_path)
+
+
 def cached_method(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device, steps: int, cache_path=None) -> str | None:
     """'gram' or 'standard' if ``tune_method`` measured this shape on this GPU, else None."""
     device = torch.device(device)

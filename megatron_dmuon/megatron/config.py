@@ -29,7 +29,8 @@ from ..planning.owner_layout import BALANCE
 from ..planning.caches import default_plan_cache_path
 from ..planning.startup_profile import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
-from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, NS_METHODS, MuonSettings
+from ..algorithms.flops import NS_METHODS
+from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES, MuonSettings
 from ..runtime.row_update_step import UPDATE_RULES, tp_refusal
 from ..algorithms.dion3 import FRACTION_LR_MODES
 from .checks import check_dmuon_config

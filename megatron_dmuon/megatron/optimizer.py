@@ -18,7 +18,9 @@ import torch
 
 from . import checkpoint as ckpt
 from . import checkpoint_switch
+from ..kernels.autotune import measured_method
 from ..planning.dp_shards import shard_range
+from ..planning.ns_choice import plan_ns_choices
 from ..planning.params import is_muon_param
 from ..runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 from ..kernels.metrics import NONFINITE_METRICS
@@ -43,17 +45,18 @@ def _init_state_fn(opt, config=None):
     opt.init_state()
 
 
-def _matrix_infos(model_chunks) -> dict:
+def _matrix_infos(model_chunks, muon) -> dict:
     """{model param: MatrixInfo} for every Muon matrix of the chunks: the views of their plans'
-    records. Names are unique across chunks (virtual pipeline)."""
-    infos = {}
-    for idx, chunk in enumerate(model_chunks):
-        plan = chunk.dmuon_plan
-        for param, name in chunk.param_names().items():
-            record = plan.record(name)
-            if record.use_muon:
-                infos[param] = MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}")
-    return infos
+    records, with the NS each piece's stack runs (``planning.ns_choice.plan_ns_choices`` over
+    every chunk's records: one optimizer stacks them together). Names are unique across chunks
+    (virtual pipeline)."""
+    params = [(idx, param, name, chunk.dmuon_plan.record(name)) for idx, chunk in enumerate(model_chunks)
+              for param, name in chunk.param_names().items()]
+    device = next(p for _, p, _, _ in params).device if params else torch.device("cpu")
+    choices = plan_ns_choices([r for *_, r in params], precision=muon.ns_dtype, on_cuda=device.type == "cuda",
+                              measured=measured_method(device) if device.type == "cuda" else None)
+    return {param: MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}", ns)
+            for (idx, param, name, record), ns in zip(params, choices) if record.use_muon}
 
 
 def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, infos) -> None:
@@ -157,7 +160,7 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
     pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, False)
     tp_groups = {False: parallel_state.get_tensor_model_parallel_group(),
                  True: parallel_state.get_expert_tensor_parallel_group()}
-    infos = _matrix_infos(model_chunks)
+    infos = _matrix_infos(model_chunks, cfg.muon)
     parts = []
     for expert in (False, True):
         param_groups, buffers = _get_param_groups_and_buffers(

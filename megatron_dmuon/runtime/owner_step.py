@@ -12,19 +12,21 @@ import contextlib
 import dataclasses
 import functools
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.profiler import record_function
 
 from ..algorithms.coefficients import get_coefficients
+from ..algorithms.flops import NS_METHODS
 from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale
-from ..algorithms.ns_dispatch import method_compute_dtype, orthogonalize
+from ..algorithms.ns_dispatch import orthogonalize
 from ..algorithms.ns_metrics import schedule_peak
 from ..algorithms.schedules import schedule_for_shape
-from ..kernels import GraphedGroups, orthogonalize_batched, orthogonalize_groups, resolve_method
+from ..kernels import GraphedGroups, measured_method, orthogonalize_batched, orthogonalize_groups
 from ..kernels.fused_muon import muon_apply_fast_, muon_momentum_fast_  # the torch ops where they cannot fuse
 from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite_stacks
+from ..planning.ns_choice import NSChoice, choose_ns, torch_path_method
 from ..planning.params import check_muon_matrix_shape
 from ..planning.tp_cost import TP_METHODS
 from .ns_check import NSQualityCheck
@@ -32,7 +34,6 @@ from .ns_stacks import StackJob, StackPlan
 from .row_update_step import row_update_step, tp_refusal, validate_update_settings
 from .tp_exchange import TPExchange, TPMatrix
 
-NS_METHODS = ("standard", "gram", "auto")
 ADAPTIVE_SCHEDULE = "adaptive"
 # How the owner's per-shape NS calls are launched on CUDA: one after the other ('eager'), on
 # concurrent streams ('streams'), or the whole set captured once as a CUDA graph and replayed
@@ -119,35 +120,14 @@ class MuonSettings:
         coefficients = kw["coefficients"] if isinstance(kw["coefficients"], str) else tuple(map(tuple, kw["coefficients"]))
         return _peak_limit(coefficients, kw["steps"])
 
-    def compute_dtype(self, method: str) -> torch.dtype:
-        """The dtype the NS ``method`` ('standard' or 'gram') runs in: ``ns_dtype`` (Megatron's
-        --muon-fp32-matmul-prec), except that Gram NS runs a bf16 request in fp16
-        (``algorithms.ns_dispatch.method_compute_dtype``: bf16 Gram NS diverges)."""
-        return method_compute_dtype(method, self.ns_dtype)
-
-    def ns_call(self, stack: torch.Tensor) -> tuple:
-        """``(method, kwargs)`` of the NS that orthogonalizes ``stack`` ([B, m, n]): the method
-        resolved ('auto': the kernels' cached measurement, else FLOPs, on CUDA; standard off CUDA),
-        the per-shape schedule, and that method's compute dtype, in which the kernels also return
-        the result (every consumer reads it once, into float32 arithmetic)."""
-        kw = dict(self.ns_schedule(stack.size(-2), stack.size(-1)))
-        method = self.torch_method()
-        if self.ns_method == "auto" and stack.is_cuda:
-            method = resolve_method(stack, "auto", dict(kw, compute_dtype=self.ns_dtype))
-        dtype = self.compute_dtype(method)
-        return method, dict(kw, compute_dtype=dtype, out_dtype=dtype)
-
-    def ns_path(self, stack: torch.Tensor) -> str:
-        """What ``ns_call`` runs on ``stack``, in words: method, compute dtype, schedule and steps
-        (e.g. 'gram float16 quintic x5'); the job's summary reports it per shape."""
-        method, kw = self.ns_call(stack)
-        schedule = self.coefficients if isinstance(self.coefficients, str) else "custom"
-        return f"{method} {str(kw['compute_dtype']).replace('torch.', '')} {schedule} x{kw['steps']}"
-
-    def torch_method(self) -> str:
-        """The NS method of the torch path (CPU, float32 retries and repairs): 'auto' is standard
-        there (the kernels' measured choice exists on CUDA only)."""
-        return "standard" if self.ns_method == "auto" else self.ns_method
+    def choose_ns(self, rows: int, cols: int, batch: int, device, requested: Optional[str] = None) -> NSChoice:
+        """The NS of a [batch, rows, cols] stack under these settings (``planning.ns_choice``):
+        for stacks the plan's records did not decide (an optimizer built without a plan, the row
+        rules' selected rows). ``requested`` overrides ``ns_method`` (distributed Gram NS)."""
+        device = torch.device(device)
+        return choose_ns(rows, cols, batch, requested=requested or self.ns_method, precision=self.ns_dtype,
+                         schedule=self.ns_schedule(rows, cols), on_cuda=device.type == "cuda",
+                         measured=measured_method(device) if device.type == "cuda" else None)
 
     def ns_schedule(self, rows: int, cols: int) -> dict:
         """The NS keyword arguments for a [rows, cols] matrix: ``{'coefficients', 'steps'}`` (and
@@ -181,17 +161,21 @@ class MatrixInfo:
     partition_stride: int = 1
     tp_owner: int = 0  # TP rank that orthogonalizes this matrix
     tp_method: str = "gather"  # 'gather' to the TP owner, or 'distributed_gram' (planning/tp_cost.py)
+    # per piece, the NS its stack runs (planning.ns_choice, decided from the plan before the first
+    # step); empty: the owner step decides once per stack shape, by the same rule
+    ns: Tuple[NSChoice, ...] = ()
 
     def __post_init__(self):
         self.shape = check_muon_matrix_shape(self.name, self.shape)
         self.local_shape = tuple(self.local_shape or self.shape)
 
     @classmethod
-    def from_record(cls, record, name: Optional[str] = None) -> "MatrixInfo":
-        """The owner step's view of a plan record (``planning.plan.MatrixRecord``)."""
+    def from_record(cls, record, name: Optional[str] = None, ns: Tuple[NSChoice, ...] = ()) -> "MatrixInfo":
+        """The owner step's view of a plan record (``planning.plan.MatrixRecord``) and the NS
+        choices of its pieces (``planning.ns_choice.plan_ns_choices``)."""
         return cls(name or record.name, record.full_shape, record.split, local_shape=record.local_shape,
                    partition_dim=record.partition_dim, partition_stride=record.partition_stride,
-                   tp_owner=record.tp_owner, tp_method=record.tp_method)
+                   tp_owner=record.tp_owner, tp_method=record.tp_method, ns=tuple(ns))
 
     def tp_matrix(self) -> TPMatrix:
         return TPMatrix(self.name, self.tp_owner, self.local_shape[0] * self.local_shape[1],
@@ -201,7 +185,7 @@ class MatrixInfo:
 def fp32_orthogonalizer(settings: MuonSettings, method: Optional[str] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The float32 torch path of the same NS schedule: with the settings' method (the retry for
     non-finite outputs), or ``method`` ('standard': the online check's exact repair)."""
-    method = method or settings.torch_method()
+    method = method or torch_path_method(settings.ns_method)
 
     def orth(stack: torch.Tensor) -> torch.Tensor:
         kw = settings.ns_schedule(stack.size(-2), stack.size(-1))
@@ -211,17 +195,24 @@ def fp32_orthogonalizer(settings: MuonSettings, method: Optional[str] = None) ->
 
 
 def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Batched NS over a [B, m, n] stack (``MuonSettings.ns_call``): the kernels' fast path on
-    CUDA, else the torch path."""
+    """The owner step's NS of a [B, m, n] stack no plan decided: ``MuonSettings.choose_ns`` for
+    that stack, run by ``run_ns``."""
 
     def orth(stack: torch.Tensor) -> torch.Tensor:
-        method, kw = settings.ns_call(stack)
-        if stack.is_cuda:
-            return orthogonalize_batched(stack, method=method, **kw)
-        kw.pop("out_dtype")  # the torch path returns the input's dtype (as the reference does)
-        return orthogonalize(stack, method=method, check_finite=False, **kw)
+        batch = stack.numel() // max(stack.size(-2) * stack.size(-1), 1)
+        return run_ns(stack, settings.choose_ns(stack.size(-2), stack.size(-1), batch, stack.device))
 
     return orth
+
+
+def run_ns(stack: torch.Tensor, choice: NSChoice) -> torch.Tensor:
+    """Batched NS over a [B, m, n] stack as ``choice`` says: the kernels' fast path on CUDA, else
+    the torch path (which returns the input's dtype, as the reference does)."""
+    kw = choice.kwargs()
+    if stack.is_cuda:
+        return orthogonalize_batched(stack, method=choice.method, **kw)
+    kw.pop("out_dtype")
+    return orthogonalize(stack, method=choice.method, check_finite=False, **kw)
 
 
 class OwnerMuonAdamW(torch.optim.AdamW):
@@ -247,8 +238,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 f"dmuon ns_launch={self.muon.ns_launch!r} runs the kernels' own group launcher; it cannot "
                 "wrap a custom orthogonalizer: pass ns_launch='eager' with it"
             )
-        self._default_orthogonalizer = orthogonalizer is None
-        self.orthogonalizer = orthogonalizer or default_orthogonalizer(self.muon)
+        self.orthogonalizer = orthogonalizer  # None: run_ns with each stack's NSChoice
         self._fp32_orthogonalizer = fp32_orthogonalizer(self.muon)
         self.ns_check = NSQualityCheck(self.muon, fp32_orthogonalizer(self.muon, method="standard"))
         self.tp = TPExchange(tp_group)
@@ -258,7 +248,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
         # ns_matrices / ns_calls / ns_fp32_retries of the last step; ns_matrices_total, ns_fp32_retries_total
         self.stats = defaultdict(int)
-        # '<rows>x<cols>' -> the NS path its stacks ran (MuonSettings.ns_path; 'custom' for an
+        # '<rows>x<cols>' -> the NS path its stacks ran (NSChoice.label; 'custom' for an
         # orthogonalizer passed in), recorded on first use: shows what 'auto' chose on this device
         self.ns_paths: Dict[str, str] = {}
         # gradient clipping handed to the step (DMuonChainedOptimizer): the next step() multiplies
@@ -437,7 +427,9 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         (ns_stacks.StackPlan), instead of materialising each update, stacking it, and reassembling
         split directions. The same arithmetic as the general path, in fewer passes."""
         s = self.muon
-        plan = self._stack_plan([StackJob(info.name, tuple(info.shape), info.split, p.dtype) for p, _, info in entries])
+        device = entries[0][0].device if entries else None
+        plan = self._stack_plan([StackJob(info.name, tuple(info.shape), info.split, p.dtype) for p, _, info in entries],
+                                device, [info for _, _, info in entries])
         with record_function("dmuon.momentum"):
             stacks = self._input_stacks(plan, entries[0][0].device) if entries else []
             for j, (p, _, info) in enumerate(entries):
@@ -493,8 +485,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         for (local_shape, shape, owner), members in sorted(groups.items()):
             tall = shape[0] >= shape[1]  # shards are column blocks of the wide orientation
             stack = torch.stack([updates[info.name].mT if tall else updates[info.name] for _, info in members])
-            kw = dict(s.ns_schedule(*shape), compute_dtype=s.compute_dtype("gram"))
-            result = self.tp.gram_orthogonalize(stack, owner, **kw)
+            choice = members[0][1].ns[0] if members[0][1].ns else s.choose_ns(*shape, len(members), stack.device,
+                                                                               requested="gram")
+            result = self.tp.gram_orthogonalize(stack, owner, **dict(choice.schedule,
+                                                                     compute_dtype=choice.compute_dtype))
             for (p, info), o in zip(members, result):
                 out[info.name] = muon_direction([o.mT if tall else o], None, shape=info.shape, scale_mode=s.scale_mode,
                                                 extra_scale=s.extra_scale, dtype=p.dtype)[0]
@@ -505,20 +499,31 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     def _orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:
         """NS outputs of every (info, full update) job, one batched call per distinct piece shape;
         per matrix, the outputs in the order of ``info.split.pieces`` (stacks stay stacks)."""
-        plan = self._stack_plan([StackJob(info.name, tuple(u.shape), info.split, u.dtype) for info, u in jobs])
-        stacks = self._input_stacks(plan, jobs[0][1].device) if jobs else []
+        device = jobs[0][1].device if jobs else None
+        plan = self._stack_plan([StackJob(info.name, tuple(u.shape), info.split, u.dtype) for info, u in jobs], device,
+                                [info if isinstance(info, MatrixInfo) else None for info, _ in jobs])
+        stacks = self._input_stacks(plan, device) if jobs else []
         for j, (_, update) in enumerate(jobs):
             plan.write(stacks, j, update)
         outputs = self._orthogonalize_stacks(plan, stacks)
         return {info.name: plan.outputs(outputs, j) for j, (info, _) in enumerate(jobs)}
 
-    def _stack_plan(self, jobs: List[StackJob]) -> StackPlan:
-        key = tuple(jobs)
+    def _stack_plan(self, jobs: List[StackJob], device, infos: Sequence[Optional[MatrixInfo]] = ()) -> StackPlan:
+        """The stacks of ``jobs`` and the NS each runs: the plan's choice where the jobs' infos
+        carry one, else decided once here (``MuonSettings.choose_ns``), per set of jobs."""
+        key = (tuple(jobs), str(device))
         plans = self.__dict__.setdefault("_stack_plans", {})
         if key not in plans:
             if len(plans) > 16:  # shapes change rarely (row rules with a new selection size)
                 plans.clear()
-            plans[key] = StackPlan(jobs)
+            plan = StackPlan(jobs)
+            planned = {}
+            for j, info in enumerate(infos):
+                for (g, _, _, _), choice in zip(plan.pieces[j], info.ns if info is not None else ()):
+                    planned.setdefault(g, choice)
+            plan.ns = [planned.get(g) or self.muon.choose_ns(m, n, size, device)
+                       for g, ((m, n, _), size) in enumerate(zip(plan.groups, plan.sizes))]
+            plans[key] = plan
         return plans[key]
 
     def _graph_key(self, plan: StackPlan, device) -> tuple:
@@ -538,25 +543,23 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.stats["ns_fp32_retries"] = 0
         if not stacks:
             return []
-        for x in stacks:
+        for x, choice in zip(stacks, plan.ns):
             shape = f"{x.size(-2)}x{x.size(-1)}"
             if shape not in self.ns_paths:
-                custom = s.ns_launch == "eager" and not self._default_orthogonalizer
-                self.ns_paths[shape] = "custom" if custom else s.ns_path(x)
+                custom = s.ns_launch == "eager" and self.orthogonalizer is not None
+                self.ns_paths[shape] = "custom" if custom else choice.label(s.coefficients)
         if s.ns_launch == "eager" or not stacks[0].is_cuda:
-            outputs = [self.orthogonalizer(x) for x in stacks]
+            outputs = [self.orthogonalizer(x) if self.orthogonalizer is not None else run_ns(x, choice)
+                       for x, choice in zip(stacks, plan.ns)]
         else:
-            def calls():  # (methods, per-stack kwargs): MuonSettings.ns_call of every stack
-                methods, per_stack = zip(*(s.ns_call(x) for x in stacks))
-                return dict(method=list(methods), per_stack_kwargs=list(per_stack))
-
+            calls = dict(method=[c.method for c in plan.ns], per_stack_kwargs=[c.kwargs() for c in plan.ns])
             if s.ns_launch == "streams":
-                outputs = orthogonalize_groups(stacks, **calls())
+                outputs = orthogonalize_groups(stacks, **calls)
             else:
                 key = self._graph_key(plan, stacks[0].device)
                 graph = self._graphs.get(key)
                 if graph is None:  # captured on these very stacks: they become its input buffers
-                    graph = self._graphs[key] = GraphedGroups(stacks, adopt_inputs=True, **calls())
+                    graph = self._graphs[key] = GraphedGroups(stacks, adopt_inputs=True, **calls)
                 outputs = graph(stacks)  # the graph's static outputs: consumed before the next step
         if s.retry_nonfinite:
             outputs = self._retry_nonfinite(outputs, stacks)

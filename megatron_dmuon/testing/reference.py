@@ -12,7 +12,8 @@ import torch
 from ..algorithms.adamw import adamw_step_
 from ..algorithms.dion3 import row_step_
 from ..algorithms.muon import muon_apply_, muon_direction, muon_momentum_
-from ..algorithms.ns_dispatch import orthogonalize
+from ..algorithms.ns_dispatch import method_compute_dtype, orthogonalize
+from ..planning.ns_choice import torch_path_method
 from ..megatron.gpt import causal_batch
 from ..planning.params import is_muon_param
 
@@ -24,9 +25,9 @@ def _grad_dtype(param: torch.Tensor) -> torch.dtype:
 
 def orthogonalize_one(matrix: torch.Tensor, settings) -> torch.Tensor:
     """NS of one matrix with the settings' method and per-shape schedule (torch path)."""
-    method = settings.torch_method()
+    method = torch_path_method(settings.ns_method)
     return orthogonalize(matrix, method=method, **settings.ns_schedule(*matrix.shape[-2:]),
-                         compute_dtype=settings.compute_dtype(method), check_finite=False)
+                         compute_dtype=method_compute_dtype(method, settings.ns_dtype), check_finite=False)
 
 
 def param_weight_decay(name: str, param: torch.Tensor, wd: float) -> float:

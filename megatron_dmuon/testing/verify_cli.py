@@ -34,7 +34,7 @@ import torch
 
 from ..planning.tp_cost import TP_METHODS
 from ..megatron.config import DEFAULT_DION3_FRACTION
-from ..runtime.owner_step import NS_METHODS
+from ..algorithms.flops import NS_METHODS
 from ..runtime.row_update_step import UPDATE_RULES
 
 # bf16 params (rounding 2^-8 per update), bf16 grads and bf16 NS against the fp32 reference after
