@@ -1,0 +1,89 @@
+"""The job's --save / --load: one writer per --save directory (a lock), resume from the latest
+checkpoint, save one (Megatron-LM's torch_dist layout, through megatron/checkpoint_io.py)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .checks import job_error
+
+
+class SaveLock:
+    """An exclusive lock on ``DIR/.dmuon_save.lock`` held by rank 0 for the run (released by the
+    kernel when the process dies, so a torchrun restart takes it again). The file names its holder."""
+
+    NAME = ".dmuon_save.lock"
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, self.NAME)
+        self.handle = None
+
+    def acquire(self):
+        """None when taken, else who holds it."""
+        import fcntl
+        import socket
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            return holder
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        handle.flush()
+        self.handle = handle
+        return None
+
+
+_SAVE_LOCKS = {}  # held until the process ends
+
+
+def hold_save_lock(args, rank) -> None:
+    """One writer per --save directory: rank 0 takes the lock for the run, or every rank stops."""
+    if not args.save:
+        return
+    holder = [_SAVE_LOCKS.setdefault(args.save, SaveLock(args.save)).acquire() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    if holder[0]:
+        job_error(f"--save {args.save} is being written by another run ({holder[0]}, "
+                  f"{os.path.join(args.save, SaveLock.NAME)}): wait for it, or save elsewhere", 2)
+
+
+def load_if_requested(args, ddp, opt, sched, rank) -> int:
+    """Resume from --load's latest checkpoint; the iteration to continue after (0: fresh start)."""
+    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, latest_iteration, load_checkpoint
+
+    if not args.load:
+        return 0
+    iteration = latest_iteration(args.load)
+    if iteration is None:
+        if rank == 0:
+            print(f"> no checkpoint in {args.load}: starting from scratch", flush=True)
+        return 0
+    common = load_checkpoint(checkpoint_dir(args.load, iteration), [ddp], opt)
+    sched.load_state_dict(common["opt_param_scheduler"])
+    if rank == 0:
+        print(f"> loaded checkpoint {checkpoint_dir(args.load, iteration)} at iteration {iteration}", flush=True)
+    if hasattr(ddp, "dmuon_plan"):
+        from megatron_dmuon.megatron.replicas import check_replicas
+
+        report = check_replicas([ddp])
+        if rank == 0:
+            print(f"> {report}", flush=True)
+        if not report.ok:
+            raise RuntimeError(f"after loading {args.load}: {report}")
+    return int(common["iteration"])
+
+
+def save(args, iteration, ddp, opt, sched, rank) -> None:
+    from megatron_dmuon.megatron.checkpoint_io import save_checkpoint
+
+    path = save_checkpoint(args.save, iteration, [ddp], opt, extra={"opt_param_scheduler": sched.state_dict()})
+    if rank == 0:
+        print(f"> saved checkpoint {path}", flush=True)

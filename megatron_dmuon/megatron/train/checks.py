@@ -1,0 +1,291 @@
+"""The main job's checks: every flag, the data, the file system and a memory bound before anything
+is built; and, while it runs, the ones that stop a run which cannot recover.
+
+Start-up errors go through ``JobArgumentParser.error``: argparse's usage line and message, printed by
+rank 0 only (the other ranks exit silently), exit code 2. ``launch/run_main.sh`` runs these checks once
+in a single process before torchrun starts (``--parse-only``), so a usage error prints one block.
+Run-time errors go through ``job_error`` (rank 0 prints, every rank exits).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+from .data import check_indexed_dataset, parse_split, token_source
+
+PROG = "dmuon-train"  # the trainer's name in its messages, whichever entry started it
+
+
+class JobArgumentParser(argparse.ArgumentParser):
+    """argparse, with its error printed by one rank (``RANK`` 0 or unset) only."""
+
+    def __init__(self, **kwargs):
+        super().__init__(prog=PROG, **kwargs)
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.flush()
+        raise SystemExit(2)
+
+
+def validate_args(p, args, default_lr: dict) -> None:
+    """Every argument checked before anything is built; errors name the flag (argparse exit 2)."""
+    from megatron_dmuon.megatron.config import check_training_numbers
+
+    if args.lr is None:
+        args.lr = default_lr[args.optimizer]
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+                "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    for name in ("lr_warmup_iters", "eval_iters", "exit_after_skipped_iterations"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
+    if args.optimizer != "dmuon":  # (for dmuon, validate_dmuon_args below checks them with the rest)
+        try:
+            check_training_numbers(args)  # lr, min-lr, weight decay, clipping, Adam betas: finite, in range
+        except ValueError as e:
+            p.error(str(e))
+    if args.lr_warmup_iters >= args.train_iters:
+        p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters ({args.train_iters})")
+    _check_layout(p, args)
+    _check_transformer_engine(p, args)
+    if args.optimizer == "dmuon":  # every --muon-*/--dmuon-* flag and DMuon's combination checks
+        from megatron_dmuon.megatron.config import validate_dmuon_args
+
+        try:
+            validate_dmuon_args(args)
+        except ValueError as e:
+            p.error(str(e))
+    _check_checkpointing(p, args)
+    if args.profile_optimizer_at is not None and not 1 <= args.profile_optimizer_at <= args.train_iters:
+        p.error(f"--profile-optimizer-at must be in [1, --train-iters] (got {args.profile_optimizer_at})")
+    if args.profile_out and args.profile_optimizer_at is None:
+        p.error("--profile-out needs --profile-optimizer-at ITER (the iteration whose optimizer step to profile)")
+    if args.fail_at_iteration is not None and not 1 <= args.fail_at_iteration <= args.train_iters:
+        p.error(f"--fail-at-iteration must be in [1, --train-iters] (got {args.fail_at_iteration})")
+    if args.eval_interval is not None and args.eval_interval < 1:
+        p.error(f"--eval-interval must be >= 1 (got {args.eval_interval}); --eval-iters 0 turns validation off")
+    for flag, path in (("--timing-json", args.timing_json), ("--profile-out", args.profile_out)):
+        problem = file_problem(path)
+        if problem:
+            p.error(f"{flag} {path}: {problem}")
+    _check_data(p, args)
+    _check_memory(p, args)
+
+
+def _check_layout(p, args) -> None:
+    """Parallel sizes first (their errors explain the rest), then what they must divide."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world % (tp * pp):
+        p.error(f"the world size {world} must be a multiple of --tensor-model-parallel-size x "
+                f"--pipeline-model-parallel-size = {tp * pp} (start as many ranks, or lower the parallel sizes)")
+    for name in ("num_query_groups", "num_attention_heads", "ffn_hidden_size"):
+        if getattr(args, name) % tp:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be divisible by --tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        p.error(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp}")
+    if args.hidden_size % args.num_attention_heads:
+        p.error(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads {args.num_attention_heads}")
+    if args.num_attention_heads % args.num_query_groups:
+        p.error(f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups "
+                f"{args.num_query_groups}")
+    dp = world // (tp * pp)
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        p.error(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x DP = "
+                f"{args.micro_batch_size} x {dp}")
+
+
+def transformer_engine_importable() -> bool:
+    """Whether Transformer Engine's PyTorch layers import on a CUDA machine."""
+    try:
+        if not torch.cuda.is_available():
+            return False
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError, or a TE build that does not load here
+        return False
+    return True
+
+
+def _check_transformer_engine(p, args) -> None:
+    """--transformer-impl (default: TE where it imports on a GPU, as Megatron-LM's runs use it) and the
+    FP8 / fused-wgrad flags that need it."""
+    te = transformer_engine_importable()
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if te else "local"
+    if args.transformer_impl == "transformer_engine" and not te:
+        p.error("--transformer-impl transformer_engine needs a CUDA GPU and Transformer Engine (transformer_engine "
+                "does not import here); use --transformer-impl local")
+    need_te = [flag for flag, on in (("--fp8-format", args.fp8_format), ("--gradient-accumulation-fusion",
+                                                                        args.gradient_accumulation_fusion)) if on]
+    if need_te and args.transformer_impl != "transformer_engine":
+        p.error(f"{need_te[0]} needs Transformer Engine's layers (--transformer-impl transformer_engine)")
+    if args.fp8_param_gather and not args.fp8_format:
+        p.error("--fp8-param-gather keeps FP8 params: it needs --fp8-format hybrid|e4m3")
+    if args.fp8_format:
+        if not args.bf16:
+            p.error("--fp8-format needs --bf16 (FP8 GEMMs on bf16 params and activations, as Megatron-LM runs them)")
+        tokens = args.micro_batch_size * args.seq_length
+        head_dim = args.hidden_size // args.num_attention_heads
+        qkv = (args.num_attention_heads + 2 * args.num_query_groups) * head_dim
+        for name, value in (("--hidden-size", args.hidden_size), ("--ffn-hidden-size", args.ffn_hidden_size),
+                            ("the QKV width (heads + 2 x query groups) x head dim", qkv),
+                            ("--micro-batch-size x --seq-length", tokens)):
+            if value % 16:
+                p.error(f"--fp8-format: {name} = {value} must be a multiple of 16 (TE's FP8 GEMMs)")
+    if args.gradient_accumulation_fusion:
+        try:
+            import fused_weight_gradient_mlp_cuda  # noqa: F401
+        except Exception:  # noqa: BLE001
+            p.error("--gradient-accumulation-fusion needs Apex's fused_weight_gradient_mlp_cuda for the (non-TE) "
+                    "output layer: build it with launch/build_apex_wgrad.sh, or drop the flag")
+
+
+def _check_checkpointing(p, args) -> None:
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        p.error("--save-interval needs --save DIR and must be >= 1")
+    if args.save:
+        problem = dir_problem(args.save)
+        if problem:
+            p.error(f"--save {args.save}: {problem}")
+    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
+        p.error(f"--load {args.load} is not a directory")
+    if (args.save or args.load) and args.optimizer == "dmuon" and args.dmuon_mode != "dmuon":
+        p.error(f"--save/--load support --dmuon-mode dmuon (and --optimizer adam); --dmuon-mode {args.dmuon_mode} "
+                "is a comparison baseline without checkpoints")
+    if args.load:
+        from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError
+        from megatron_dmuon.megatron.checkpoint_io import resume_iteration
+
+        try:
+            resume_iteration(args.load)
+        except CheckpointMismatchError as e:
+            p.error(f"--load {args.load}: {e}")
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def dir_problem(path: str):
+    """Why ``path`` cannot be (made) a writable directory, or None."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+    base = _nearest_existing(path)
+    if not os.path.isdir(base):
+        return f"cannot be created: {base} is not a directory"
+    return None if os.access(base, os.W_OK | os.X_OK) else f"cannot be created: {base} is not writable"
+
+
+def file_problem(path):
+    """Why a file cannot be written at ``path`` (its folder must exist), or None."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return "is a directory"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"its folder {folder} does not exist"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "is not writable"
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"its folder {folder} is not writable"
+
+
+def _check_data(p, args) -> None:
+    try:
+        parse_split(args.split)
+    except ValueError as e:
+        p.error(str(e))
+    if not args.data_path:
+        if args.vocab_size < 256:
+            p.error("--vocab-size must be >= 256 for the byte-level default data")
+        return
+    try:
+        check_indexed_dataset(args.data_path)
+        token_source(args)  # token ids < --vocab-size, the train split longer than one window
+    except ValueError as e:
+        p.error(str(e))
+
+
+def _check_memory(p, args) -> None:
+    """A lower bound of what one micro-batch needs: the attention scores of one layer (unfused, in
+    fp32), against the memory this rank can have. Catches absurd sizes before the kernel's OOM
+    killer does (a SIGKILL with no message)."""
+    scores = args.micro_batch_size * (args.num_attention_heads // args.tensor_model_parallel_size) \
+        * args.seq_length ** 2 * 4
+    available = _available_bytes()
+    if available and scores > available:
+        p.error(f"--seq-length {args.seq_length} with --micro-batch-size {args.micro_batch_size} and "
+                f"--num-attention-heads {args.num_attention_heads} needs at least {scores / 2**30:.1f} GiB for one "
+                f"layer's attention scores, more than the {available / 2**30:.1f} GiB this rank has: lower "
+                "--seq-length or --micro-batch-size")
+
+
+def _available_bytes():
+    try:
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", 0)))[0]
+        import psutil
+
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        return psutil.virtual_memory().available // max(ranks, 1)
+    except Exception:  # noqa: BLE001 - no bound rather than a wrong one
+        return None
+
+
+# ------------------------------------------------------------------------------ while it runs
+def job_error(message: str, code: int) -> None:
+    """A run-time error every rank reached together: rank 0 prints it once, every rank exits."""
+    if torch.distributed.get_rank() == 0:
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        sys.stderr.flush()
+    torch.distributed.destroy_process_group()
+    raise SystemExit(code)
+
+
+@torch.no_grad()
+def params_finite(opt) -> bool:
+    """Whether every parameter the optimizer holds (the main params: fp32 shards) is finite on
+    every rank (one all-reduce)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    bad = torch.zeros(1, device=device)
+    for p in params:
+        if p.numel() and not bool(torch.isfinite(p).all()):
+            bad.fill_(1.0)
+            break
+    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return not bool(bad.item())
+
+
+def stop_if_not_learning(args, it, streak, loss, ok, opt) -> None:
+    """--exit-after-skipped-iterations: K consecutive iterations without a finite loss and an
+    applied update stop the run; an applied update after a non-finite loss (Megatron's AdamW does
+    not skip it) stops it at once if it made the parameters non-finite."""
+    limit = args.exit_after_skipped_iterations
+    if limit and streak >= limit:
+        job_error(f"{streak} consecutive iterations up to {it} had non-finite gradients or loss (the updates were "
+                  f"skipped): the run cannot recover; lower --lr, check the data, or raise "
+                  f"--exit-after-skipped-iterations", 1)
+    if ok and not math.isfinite(loss) and not params_finite(opt):
+        job_error(f"iteration {it} had a non-finite loss and its update made the parameters non-finite: the "
+                  f"run cannot recover (nothing saved after it); lower --lr or keep --clip-grad on", 1)

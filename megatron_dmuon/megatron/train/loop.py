@@ -1,0 +1,187 @@
+"""The training loop of the main job: resume, iterate (fault injection, the step, the scheduler, the
+run-time checks, saves, progress lines, validation), and what it leaves for the summary."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+
+import torch
+
+from .checkpoints import load_if_requested, save
+from .checks import job_error, params_finite, stop_if_not_learning
+
+
+class TimedOptimizer:
+    """The optimizer as ``train_step`` sees it: ``step()`` timed between device syncs (``last_ms``),
+    under torch.profiler when ``profile`` is set; everything else is the optimizer's own."""
+
+    def __init__(self, optimizer, sync, trace_path=None):
+        self.optimizer, self.sync, self.trace_path = optimizer, sync, trace_path
+        self.profile = False
+        self.last_ms = None
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+    def step(self):
+        self.sync()
+        t = time.perf_counter()
+        out = profiled(self.optimizer.step, self.trace_path) if self.profile else self.optimizer.step()
+        self.sync()
+        self.last_ms = (time.perf_counter() - t) * 1e3
+        return out
+
+
+def profiled(step, trace_path=None):
+    """Run ``step()`` under torch.profiler; print the kernels by total device time (and the
+    record_function ranges), optionally export a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        out = step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print("> profile of the optimizer step\n" + prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90),
+          flush=True)
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    return out
+
+
+def maybe_fail(args, iteration, rank, world) -> None:
+    """--fail-at-iteration: the chosen rank dies as a crashed node would (first attempt only)."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if args.fail_at_iteration == iteration and first_attempt and rank == args.fail_rank % world:
+        print(f"> fault injection: SIGKILL rank {rank} at iteration {iteration}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class IntervalLog:
+    """Megatron-style progress line: averages over the log interval (ms, optimizer ms, throughput
+    per GPU, lm loss), the last iteration's lr and grad norm (as Megatron-LM prints them), and the
+    interval's skipped (update not applied) and NaN/Inf-loss iteration counts."""
+
+    def __init__(self, args, world: int, flops_per_iter: float):
+        self.args, self.world, self.flops = args, world, flops_per_iter
+        self.tokens = args.global_batch_size * args.seq_length
+        self._reset()
+
+    def _reset(self):
+        self.n = self.skipped = self.nan = self.finite = 0
+        self.step_ms = self.opt_ms = self.loss = 0.0
+
+    def add(self, step_ms, opt_ms, loss, ok):
+        self.n += 1
+        self.step_ms += step_ms
+        self.opt_ms += opt_ms
+        self.skipped += int(not ok)
+        if math.isfinite(loss):
+            self.loss += loss
+            self.finite += 1
+        else:
+            self.nan += 1
+
+    def line(self, it, lr, grad_norm, consumed_samples: int) -> str:
+        a, ms = self.args, self.step_ms / self.n
+        loss = self.loss / self.finite if self.finite else float("nan")
+        out = (f" iteration {it:8d}/{a.train_iters:8d} | consumed samples: {consumed_samples:10d} | "
+               f"elapsed time per iteration (ms): {ms:.1f} | optimizer (ms): {self.opt_ms / self.n:.1f} | "
+               f"throughput per GPU (TFLOP/s/GPU): {self.flops / (ms / 1e3) / self.world / 1e12:.2f} | "
+               f"tokens per second per GPU: {self.tokens / (ms / 1e3) / self.world:.0f} | "
+               f"learning rate: {lr:.6E} | global batch size: {a.global_batch_size:5d} | "
+               f"lm loss: {loss:.6E} | grad norm: {float('nan') if grad_norm is None else float(grad_norm):.3f} | "
+               f"number of skipped iterations: {self.skipped:3d} | number of nan iterations: {self.nan:3d} |")
+        self._reset()
+        return out
+
+
+def validation_runner(args, data, dp_size, dp_rank, rank, loss_of):
+    """``evaluate(iteration) -> loss`` over the held-out split (printed as Megatron-LM prints it),
+    or None when validation is off. Every evaluation reads the same --eval-iters x
+    --global-batch-size windows, this DP rank its share of each, in micro-batches."""
+    if args.eval_iters == 0:
+        return None
+    if not data.has_validation():
+        if rank == 0:
+            print(f"> no validation: the held-out split of --split {args.split} is shorter than one window "
+                  f"(--seq-length {args.seq_length} + 1 tokens)", flush=True)
+        return None
+    per_rank = args.global_batch_size // dp_size
+    micro = [m for batch in data.validation_batches(args.eval_iters, args.global_batch_size)
+             for m in batch[dp_rank * per_rank:(dp_rank + 1) * per_rank].split(args.micro_batch_size)]
+
+    def evaluate(iteration: int) -> float:
+        loss = loss_of(micro)
+        if rank == 0:
+            text = (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                    f"lm loss PPL: {math.exp(min(loss, 700)):.6E} | ")
+            print("-" * len(text) + "\n" + text + "\n" + "-" * len(text), flush=True)
+        return loss
+
+    return evaluate
+
+
+@dataclasses.dataclass
+class History:
+    """What the loop leaves for the summary: one record per trained iteration, the validation losses."""
+
+    start: int  # the iteration resumed after (0: a fresh start)
+    timings: list = dataclasses.field(default_factory=list)
+    validation: list = dataclasses.field(default_factory=list)
+    first_loss: float = None
+    last_loss: float = None
+    skipped: int = 0
+
+
+def train(job) -> History:
+    """Resume (--load), then iterations start+1 .. --train-iters on ``job`` (a job.Job)."""
+    from megatron_dmuon.megatron.gpt import eval_loss, gpt_training_flops, on_gpu, train_step
+
+    args, rank, ddp, opt, sched, data = job.args, job.rank, job.ddp, job.opt, job.sched, job.data
+    sync = torch.cuda.synchronize if on_gpu() else (lambda: None)
+    timed = TimedOptimizer(opt, sync, args.profile_out)
+    log = IntervalLog(args, job.world, gpt_training_flops(job.shape, args.global_batch_size))
+    evaluate = validation_runner(args, data, job.dp_size, job.dp_rank, rank, lambda micro: eval_loss(
+        [ddp], micro, args.seq_length, args.micro_batch_size))
+    run = History(start=load_if_requested(args, ddp, opt, sched, rank))
+    if run.start >= args.train_iters and rank == 0:
+        print(f"> the checkpoint is at iteration {run.start} and --train-iters is {args.train_iters}: nothing to train "
+              "(raise --train-iters to continue)", flush=True)
+    streak = 0  # consecutive iterations without a finite loss and an applied update
+    for it in range(run.start + 1, args.train_iters + 1):
+        maybe_fail(args, it, rank, job.world)
+        timed.profile = rank == 0 and args.profile_optimizer_at == it
+        sync()
+        t0 = time.perf_counter()
+        micro = [data.batch(it, job.dp_rank, m, args.micro_batch_size) for m in range(job.grad_accum)]
+        loss, grad_norm, _, ok = train_step([ddp], timed, micro, args.seq_length, args.micro_batch_size)
+        sync()
+        step_ms = (time.perf_counter() - t0) * 1e3
+        if ok:
+            sched.step(increment=args.global_batch_size)  # Megatron counts samples (consumed samples)
+        run.skipped += not ok  # a non-finite gradient: skipped on every rank, nothing changed
+        streak = 0 if ok and math.isfinite(loss) else streak + 1
+        stop_if_not_learning(args, it, streak, loss, ok, opt)
+        if args.save and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
+            if not params_finite(opt):
+                job_error(f"the parameters are not finite after iteration {it}: not saved (the last checkpoint in "
+                          f"{args.save} is still the latest); lower --lr or keep --clip-grad on", 1)
+            save(args, it, ddp, opt, sched, rank)
+        run.timings.append({"iteration": it, "step_ms": step_ms, "optimizer_ms": timed.last_ms, "loss": loss})
+        log.add(step_ms, timed.last_ms, loss, ok)
+        run.first_loss = loss if run.first_loss is None else run.first_loss
+        run.last_loss = loss
+        if it % args.log_interval == 0 or it == 1 or it == args.train_iters:
+            line = log.line(it, opt.param_groups[0]["lr"], grad_norm, sched.num_steps)
+            if rank == 0:
+                print(line, flush=True)
+        if evaluate and (it == args.train_iters or (args.eval_interval and it % args.eval_interval == 0)):
+            run.validation.append({"iteration": it, "loss": evaluate(it)})
+    if evaluate and not run.timings:  # nothing trained: the loaded model's validation loss
+        run.validation.append({"iteration": run.start, "loss": evaluate(run.start)})
+    return run
