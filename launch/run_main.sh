@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job: set up the venv, then pretrain a megatron-core GPT with DMuon via torchrun.
-# CPU machine: 2 gloo ranks. GPU machine: one rank per GPU (NCCL), bf16.
-# Extra arguments go to examples/pretrain_gpt.py (e.g. --train-iters 200 --optimizer adam).
+# GPU machine: one rank per GPU (NCCL), bf16, python -m megatron_dmuon.megatron.train. CPU machine: 2 gloo
+# ranks, python -m megatron_dmuon.testing.cpu_train (the same trainer after the test CPU shim, which
+# megatron-core's hard-coded CUDA calls need and production code never imports).
+# Extra arguments go to the trainer (e.g. --train-iters 200 --optimizer adam).
 # The arguments are checked once, in one process, before torchrun starts: a usage error prints one
 # message and exits 2 (under torchrun every rank would fail and torchrun add its own report).
 set -euo pipefail
@@ -12,9 +14,11 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning,ignore::Deprecation
 if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   NPROC="${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count())')}"
   EXTRA=(--bf16)
+  ENTRY=megatron_dmuon.megatron.train
 else
   NPROC="${NPROC:-2}"
   EXTRA=()
+  ENTRY=megatron_dmuon.testing.cpu_train
 fi
-WORLD_SIZE="$NPROC" LOCAL_WORLD_SIZE="$NPROC" python examples/pretrain_gpt.py "${EXTRA[@]}" "$@" --parse-only >/dev/null
-exec torchrun --standalone --nproc-per-node "$NPROC" examples/pretrain_gpt.py "${EXTRA[@]}" "$@"
+WORLD_SIZE="$NPROC" LOCAL_WORLD_SIZE="$NPROC" python -m "$ENTRY" "${EXTRA[@]}" "$@" --parse-only >/dev/null
+exec torchrun --standalone --nproc-per-node "$NPROC" -m "$ENTRY" "${EXTRA[@]}" "$@"
