@@ -1,7 +1,6 @@
 """Bad input fails at start-up (or at load) with an error that names the problem, before any
 state changes; each case is a row of docs/bad_input.md. The multi-process rows live in
 test_checkpoint.py, test_guards.py and test_fault_tolerance.py."""
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -190,11 +189,10 @@ def test_concurrent_writers_keep_every_key(tmp_path):
 
 
 # ------------------------------------------------------------------------------- main job flags
-def _example():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _job_args():
+    from megatron_dmuon.megatron.train import args
+
+    return args
 
 
 def _dataset(prefix, truncate=False):
@@ -272,7 +270,7 @@ def test_main_job_validates_its_arguments(tmp_path, capsys, monkeypatch, argv, m
     argv = [str(tmp_path / "none") if a == "PREFIX" else a for a in argv]
     message = message.replace("PREFIX", str(tmp_path / "none"))
     with pytest.raises(SystemExit) as exit_info:
-        _example().parse_args(argv)
+        _job_args().parse_args(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -282,7 +280,7 @@ def test_main_job_validates_its_arguments(tmp_path, capsys, monkeypatch, argv, m
 def test_usage_errors_print_on_rank_0_only(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
-        _example().parse_args(["--num-layers", "0"])
+        _job_args().parse_args(["--num-layers", "0"])
     assert exit_info.value.code == 2 and capsys.readouterr().err == ""
 
 
@@ -290,7 +288,7 @@ def test_main_job_accepts_a_complete_dataset(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     prefix = str(tmp_path / "corpus")
     _dataset(prefix)
-    args = _example().parse_args(["--data-path", prefix, "--vocab-size", "64", "--save", str(tmp_path / "ck"),
+    args = _job_args().parse_args(["--data-path", prefix, "--vocab-size", "64", "--save", str(tmp_path / "ck"),
                                   "--save-interval", "2", "--load", str(tmp_path / "ck")])
     assert args.save_interval == 2
 

@@ -2,7 +2,8 @@
 AdamW baseline, resumes under another global batch or another owner plan, a loaded iteration past
 --train-iters, a tracker naming a lost iteration, two writers of one --save directory, runs that
 stop learning, and a usage error under launch/run_main.sh. Each case is one real 2-rank run of
-examples/pretrain_gpt.py (gloo); runs that several tests read are shared (module fixtures)."""
+the main job (python -m megatron_dmuon.testing.cpu_train, gloo); runs that several tests read are
+shared (module fixtures)."""
 from __future__ import annotations
 
 import json
@@ -15,13 +16,13 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+JOB = ["-m", "megatron_dmuon.testing.cpu_train"]
 SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
          "--micro-batch-size", "2", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "1"]
 
 
 def job(*argv, nproc=2, expect=0):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), JOB,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *JOB,
            *SMALL, *map(str, argv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
@@ -106,7 +107,7 @@ def test_a_tracker_naming_a_lost_iteration_names_the_last_complete_one(adam, cap
     tmp, _, _ = adam
     broken = stop_at(tmp / "full", tmp / "lost", 8)
     shutil.rmtree(broken / "iter_0000008")
-    proc = subprocess.run([sys.executable, JOB, "--optimizer", "adam", "--load", str(broken), "--parse-only"],
+    proc = subprocess.run([sys.executable, *JOB, "--optimizer", "adam", "--load", str(broken), "--parse-only"],
                           capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2
     assert "names iteration 8, but" in proc.stderr and "is missing" in proc.stderr
@@ -126,8 +127,7 @@ def test_resume_under_another_owner_plan_is_bit_identical(tmp_path):
 
 # --------------------------------------------------------------------------- runs that go wrong
 def test_a_second_writer_of_a_save_directory_fails_at_start_up(tmp_path):
-    sys.path.insert(0, ROOT)
-    from examples.job_checks import SaveLock
+    from megatron_dmuon.megatron.train.checkpoints import SaveLock
 
     held = SaveLock(str(tmp_path / "ck"))
     assert held.acquire() is None

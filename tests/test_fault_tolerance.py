@@ -9,7 +9,6 @@ import uuid
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--hidden-size", "64",
         "--ffn-hidden-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr-warmup-iters", "2",
         "--save-interval", "5"]
@@ -32,7 +31,7 @@ def _torchrun(tmp_path, name, *extra):
     log = tmp_path / f"{name}.log"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DMUON_FT_MARK=marker)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", os.path.join(ROOT, "examples", "pretrain_gpt.py"), *ARGS,
+           "--max-restarts", "1", "-m", "megatron_dmuon.testing.cpu_train", *ARGS,
            "--save", str(tmp_path / name), *extra]
     try:  # output to a file: a left-over writer process would keep a pipe open
         with open(log, "w") as out:

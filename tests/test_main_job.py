@@ -1,4 +1,5 @@
-"""The README's main job: examples/pretrain_gpt.py under torchrun on 2 CPU ranks (gloo)."""
+"""The README's main job (the package trainer megatron_dmuon/megatron/train/, through its CPU entry
+megatron_dmuon.testing.cpu_train) under torchrun on 2 CPU ranks (gloo)."""
 import json
 import os
 import subprocess
@@ -7,13 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _torchrun(tmp_path, *extra):
     out = tmp_path / "timing.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--train-iters", "16", "--log-interval", "4",
+           "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", "16", "--log-interval", "4",
            "--seq-length", "64", "--timing-json", str(out), *extra]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -67,13 +66,9 @@ def test_main_job_passes_decoupled_lr_to_megatron():
     from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
 
     from megatron_dmuon.megatron.config import config_from_args
+    from megatron_dmuon.megatron.train.args import parse_args
 
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    try:
-        import pretrain_gpt
-    finally:
-        sys.path.pop(0)
-    args = pretrain_gpt.parse_args(["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-5"])
+    args = parse_args(["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-5"])
     config = config_from_args(OptimizerConfig, args)
     assert (config.decoupled_lr, config.decoupled_min_lr) == (1e-4, 1e-5)
     overrides = [o for o in get_standard_config_overrides(config).values() if "max_lr" in o]
@@ -104,7 +99,7 @@ def test_megatron_layerwise_baseline_is_megatrons_layerwise_muon_at_dp2(tmp_path
 def test_megatron_layerwise_baseline_needs_bf16(tmp_path):
     pytest.importorskip("emerging_optimizers")
     out = tmp_path / "timing.json"
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--train-iters", "2",
+    cmd = [sys.executable, "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", "2",
            "--lr-warmup-iters", "1", "--eval-iters", "0", "--dmuon-mode", "megatron_layerwise", "--timing-json", str(out)]
     env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

@@ -297,11 +297,8 @@ def test_defaults_agree_everywhere():
     """DMuonConfig() (the Python API) = an empty command line on Megatron-LM's parser; our example's
     empty command line = Megatron-LM's parser given the launch recipes' Muon flags (the main job
     defaults to them: bench/quality.py measured them, docs/quality.md)."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    try:
-        import pretrain_gpt as example
-    finally:
-        sys.path.pop(0)
+    from megatron_dmuon.megatron.train import args as example
+
     megatron_args = parse(["--optimizer", "dmuon", "--use-distributed-optimizer"])
     assert DMuonConfig.from_args(megatron_args) == DMuonConfig()
     recipe = parse(["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-momentum", "0.95", "--muon-nesterov",

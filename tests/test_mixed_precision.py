@@ -159,15 +159,9 @@ def test_fp8_publish_trains_like_bf16_and_halves_the_matrix_bytes(bf16_and_fp8_r
 
 # --------------------------------------------------------------------------------------- bad input
 def _parse_main_job_args(argv):
-    import os
-    import sys
+    from megatron_dmuon.megatron.train.args import parse_args
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    try:
-        import pretrain_gpt
-    finally:
-        sys.path.pop(0)
-    return pretrain_gpt.parse_args(argv)
+    return parse_args(argv)
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -145,7 +145,7 @@ def test_planted_failure_is_caught_and_logged_under_megatron_lm_flags():
 
 def test_the_main_job_logs_the_check():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--train-iters", "6", "--log-interval", "100",
+           "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", "6", "--log-interval", "100",
            "--seq-length", "32", "--dmuon-ns-check-interval", "3", "--eval-iters", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))

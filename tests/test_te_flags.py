@@ -1,6 +1,5 @@
 """Transformer Engine's flags where TE does not run (CPU CI): the main job's, the Megatron-LM bench's,
 and DMuon's FP8-param guard. Each refusal names the flag; what runs on the H200 is tests/gpu."""
-import importlib.util
 import os
 import sys
 from types import SimpleNamespace
@@ -12,17 +11,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import megatron_lm_compare  # noqa: E402  (bench/megatron_lm_compare.py)
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_example", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from megatron_dmuon.megatron.train import checks as job_checks  # noqa: E402
+from megatron_dmuon.megatron.train.args import parse_args  # noqa: E402
+from megatron_dmuon.megatron.train.summary import layers_label  # noqa: E402
 
 
 def _error(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _example().parse_args(argv)
+        parse_args(argv)
     assert exit_info.value.code == 2
     return capsys.readouterr().err
 
@@ -51,9 +47,6 @@ def test_main_job_refuses_te_flags_where_te_does_not_run(argv, message, capsys, 
 ], ids=["fp8_without_bf16", "fp8_hidden_72", "fp8_tokens_381", "wgrad_fusion_without_apex"])
 def test_main_job_checks_fp8_and_fusion_where_te_imports(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    _example()  # (puts examples/ on the path)
-    import examples.job_checks as job_checks
-
     monkeypatch.setattr(job_checks, "transformer_engine_importable", lambda: True)
     monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", None)  # (an import of it fails)
     err = _error(argv, capsys)
@@ -62,14 +55,11 @@ def test_main_job_checks_fp8_and_fusion_where_te_imports(argv, message, capsys, 
 
 def test_main_job_layers_default_to_te_where_it_imports(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    example = _example()
-    import examples.job_checks as job_checks
-
-    assert example.parse_args([]).transformer_impl == "local"  # (no TE here)
+    assert parse_args([]).transformer_impl == "local"  # (no TE here)
     monkeypatch.setattr(job_checks, "transformer_engine_importable", lambda: True)
-    args = example.parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"])
+    args = parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"])
     assert args.transformer_impl == "transformer_engine"
-    assert example.layers_label(args) == "TE fp8 hybrid/tensorwise fp8-params"
+    assert layers_label(args) == "TE fp8 hybrid/tensorwise fp8-params"
 
 
 def test_megatron_lm_bench_layer_flags():
