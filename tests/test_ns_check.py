@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -121,8 +122,15 @@ def hook_run_with_planted_failure(rank, world_size, argv, plant):
         real = owner_step.run_ns
         owner_step.run_ns = lambda stack, choice: sabotaged(lambda x: real(x, choice))(stack)
     log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        out = hook.train_from_argv(rank, world_size, argv, iters=4)
+    handler = logging.StreamHandler(log)  # the report goes through logging (megatron/step_guards.py)
+    logger = logging.getLogger("megatron_dmuon")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with contextlib.redirect_stdout(log):
+            out = hook.train_from_argv(rank, world_size, argv, iters=4)
+    finally:
+        logger.removeHandler(handler)
     return {"losses": out["losses"], "log": log.getvalue()}
 
 

@@ -102,6 +102,18 @@ def _records(named, buffers, sizes, cfg, model_config):
     return records
 
 
+def plan_records(module: torch.nn.Module, ddp_config, sizes, cfg, model_config=None) -> List[MatrixRecord]:
+    """The plan's records of ``module``'s trainable params (routing, full shape, split pieces, NS
+    request and schedule, TP method; no owners), in Megatron's buffer order; ``sizes(buffer key)``
+    = (DP size, TP size). ``build_plan`` adds owners and costs; the gather_then_compute baseline
+    reads them as they are (every rank owns every matrix)."""
+    from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+
+    named = {p: n for n, p in module.named_parameters() if p.requires_grad}
+    buffers = group_params_for_buffers(list(named), ddp_config.grad_reduce_in_fp32)
+    return [r for recs in _records(named, buffers, sizes, cfg, model_config).values() for r in recs]
+
+
 def _matrices_of(piece) -> Tuple[Tuple[int, int], int]:
     """(matrix shape, count) of an NS piece: a matrix, or a [heads, rows, cols] stack of them."""
     return (tuple(piece[-2:]), piece[0]) if len(piece) == 3 else (tuple(piece), 1)

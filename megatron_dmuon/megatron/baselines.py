@@ -1,0 +1,88 @@
+"""The two baselines `--dmuon-mode` offers beside `dmuon`: Megatron's own LayerWise Muon
+(``megatron_layerwise``) and every rank orthogonalizing every matrix after an all-reduce
+(``gather_then_compute``). Both train the same rule as DMuon, for side-by-side measurements."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..kernels.autotune import measured_method
+from ..planning.ns_choice import plan_ns_choices
+from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
+from .config import megatron_muon_fields
+from .layout import plan_records
+from .owner_optimizer import _grad_scaler, _init_state_fn, _muon_adam_groups, _register_matrices
+
+
+def build_megatron_layerwise(config, model_chunks, cfg):
+    """Baseline: Megatron's own Muon, as Megatron-LM builds it for `--optimizer muon` (LayerWise
+    distributed under the distributed optimizer), with the `--muon-*` fields of ``cfg``'s rule."""
+    try:
+        import emerging_optimizers  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "--dmuon-mode megatron_layerwise delegates to Megatron's LayerWiseDistributedOptimizer, "
+            "which needs the emerging_optimizers package (Python >= 3.12): pip install emerging-optimizers"
+        ) from e
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    # as Megatron-LM's validate_args turns --optimizer muon --use-distributed-optimizer: the
+    # LayerWise distributed optimizer (each matrix stepped whole by one DP rank), not DistOpt
+    layer_wise = config.use_distributed_optimizer
+    if layer_wise and not config.bf16:
+        raise ValueError(
+            "--dmuon-mode megatron_layerwise runs Megatron's LayerWise distributed Muon, which megatron-core "
+            "0.19 builds for bf16 params only (its fp32 chain fails Megatron's own config check, as "
+            "--optimizer muon --use-distributed-optimizer does in Megatron-LM): add --bf16")
+    fields = megatron_muon_fields(cfg, getattr(config, "muon_tp_mode", "duplicated"))
+    opt = get_megatron_optimizer(
+        dataclasses.replace(config, optimizer="muon", use_distributed_optimizer=False,
+                            use_layer_wise_distributed_optimizer=layer_wise, **fields),
+        model_chunks)
+    # what the job's summary and the benchmarks' tables name as this baseline's NS path
+    opt.megatron_ns_path = (f"Megatron's standard NS ({fields['muon_coefficient_type']}, "
+                            f"{fields['muon_num_ns_steps']} steps, fp32 matmul precision "
+                            f"{fields['muon_fp32_matmul_prec']})")
+    return opt
+
+def build_gather_then_compute_parts(config, model_chunks, cfg) -> list:
+    """Baseline: all-reduced grads (Megatron's plain DDP), every rank orthogonalizes every matrix
+    (DP only). Its matrices are the records the dmuon plan would hold (routing, splits: one
+    rule, ``layout.plan_records``), all owned by every rank; the part, for the chain."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import _get_param_groups_and_buffers, get_standard_config_overrides
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    infos = {}
+    for chunk in model_chunks:
+        module = chunk.module if hasattr(chunk, "module") else chunk
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        records = plan_records(module, chunk.ddp_config, lambda key: (1, 1), cfg, chunk.config)
+        on_cuda = any(p.is_cuda for _, p in named)
+        choices = plan_ns_choices(records, precision=cfg.muon.ns_dtype, on_cuda=on_cuda,
+                                  measured=measured_method(next(p for _, p in named).device) if on_cuda else None)
+        params = {n: p for n, p in named}
+        for record, ns in zip(records, choices):
+            if record.use_muon:
+                infos[params[record.name]] = MatrixInfo.from_record(record, ns=ns)
+    param_groups, _ = _get_param_groups_and_buffers(
+        model_chunks, 0, config, get_standard_config_overrides(config), lambda g: True, "buffers")
+    inner = OwnerMuonAdamW(
+        _muon_adam_groups(param_groups, infos),
+        lr=config.lr, weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
+    )
+    if config.bf16 or config.fp16:
+        opt = Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config), _init_state_fn)
+        _register_matrices(inner, opt.float16_groups, opt.fp32_from_float16_groups, infos)
+        _register_matrices(inner, opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups, infos)
+    else:
+        opt = FP32Optimizer(inner, config, _init_state_fn)
+        groups = [g["params"] for g in inner.param_groups]
+        _register_matrices(inner, groups, groups, infos)
+    opt.grad_stats_parallel_group = parallel_state.get_model_parallel_group()
+    opt.tp_group = parallel_state.get_tensor_model_parallel_group()
+    opt.expert_tp_group = opt.tp_group
+    inner.init_state()
+    return [opt]
+
+

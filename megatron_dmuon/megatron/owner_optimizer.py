@@ -1,0 +1,195 @@
+"""The `dmuon` mode's optimizer: Megatron's DistributedOptimizer over the owner-aligned buffers,
+its inner step the owner step (runtime/owner_step.py), one part for dense and one for expert params.
+
+Built from the DDP chunks' plans: every Muon matrix's record (split pieces, owners, TP method) and
+the NS its owner's stack runs (``planning.ns_choice.plan_ns_choices``) become the owner step's
+``MatrixInfo``s. Checkpoints use DMuon's per-parameter format (megatron/checkpoint.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import checkpoint as ckpt
+from ..kernels.autotune import measured_method
+from ..planning.dp_shards import shard_range
+from ..planning.ns_choice import plan_ns_choices
+from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
+from .optimizer_checkpoint import OwnerCheckpoints
+from .publish import register_masters
+
+
+def _muon_adam_groups(param_groups, infos):
+    """Split each Megatron param group (lr/wd multipliers intact) into a Muon and an AdamW group."""
+    out = []
+    for g in param_groups:
+        muon = [p for p in g["params"] if p in infos]
+        adam = [p for p in g["params"] if p not in infos]
+        for params, use_muon in ((muon, True), (adam, False)):
+            out.append({**g, "params": params, "use_muon": use_muon})
+    return out
+
+
+def _init_state_fn(opt, config=None):
+    """Megatron's init_state_fn hook: every state tensor, for every param, now (see init_state)."""
+    opt.init_state()
+
+
+def _matrix_infos(model_chunks, muon) -> dict:
+    """{model param: MatrixInfo} for every Muon matrix of the chunks: the views of their plans'
+    records, with the NS each piece's stack runs (``planning.ns_choice.plan_ns_choices`` over
+    every chunk's records: one optimizer stacks them together). Names are unique across chunks
+    (virtual pipeline)."""
+    params = [(idx, param, name, chunk.dmuon_plan.record(name)) for idx, chunk in enumerate(model_chunks)
+              for param, name in chunk.param_names().items()]
+    device = next(p for _, p, _, _ in params).device if params else torch.device("cpu")
+    choices = plan_ns_choices([r for *_, r in params], precision=muon.ns_dtype, on_cuda=device.type == "cuda",
+                              measured=measured_method(device) if device.type == "cuda" else None)
+    return {param: MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}", ns)
+            for (idx, param, name, record), ns in zip(params, choices) if record.use_muon}
+
+
+def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, infos) -> None:
+    for model_group, main_group in zip(model_groups, main_groups):
+        for model_param, main_param in zip(model_group, main_group):
+            if model_param in infos:
+                inner.register_matrix(main_param, infos[model_param])
+
+
+def _master_pairs(opt):
+    """[(model param, its fp32 master shard)] of a DistributedOptimizer (bf16 params: separate masters)."""
+    return [(m, s) for mg, sg in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups)
+            for m, s in zip(mg, sg)]
+
+
+def _grad_scaler(config):
+    """bf16/fp32 need no scaler; a constant --loss-scale is honoured as Megatron does (fp16 needs
+    one: check_dmuon_config rejects fp16 with Megatron's dynamic scaler)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+
+    return ConstantGradScaler(config.loss_scale) if config.loss_scale else None
+
+
+def build_owner_parts(config, model_chunks, cfg) -> list:
+    """The `dmuon` mode: one DMuonDistributedOptimizer per buffer kind (dense, expert) that holds
+    params, for ``optimizer.DMuonChainedOptimizer`` to chain."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import _get_param_groups_and_buffers, get_standard_config_overrides
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    DMuonDistributedOptimizer.check_owner_aligned(model_chunks)
+    pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(None, model_chunks, False)
+    tp_groups = {False: parallel_state.get_tensor_model_parallel_group(),
+                 True: parallel_state.get_expert_tensor_parallel_group()}
+    infos = _matrix_infos(model_chunks, cfg.muon)
+    parts = []
+    for expert in (False, True):
+        param_groups, buffers = _get_param_groups_and_buffers(
+            model_chunks, 0, config, get_standard_config_overrides(config),
+            (lambda g, e=expert: g["is_expert_parallel"] == e), "expert_parallel_buffers" if expert else "buffers",
+        )
+        if not any(g["params"] for g in param_groups):
+            continue
+        inner = OwnerMuonAdamW(
+            _muon_adam_groups(param_groups, infos),
+            lr=config.lr, weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
+            tp_group=tp_groups[expert],
+        )
+        opt = DMuonDistributedOptimizer(
+            inner, config, _grad_scaler(config), _init_state_fn,
+            model_chunks=model_chunks,
+            per_model_buffers=buffers,
+            data_parallel_group=pgs["intra_expt_dp_group"] if expert else pgs["intra_dp_cp_group"],
+            data_parallel_group_gloo=None,
+            data_parallel_group_idx=(pgs["expt_tp_pp_with_egtp_remat_group"] if expert else pgs["mp_group"]).rank(),
+            distributed_optimizer_instance_id=0,
+        )
+        _register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, infos)
+        _register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, infos)
+        # Megatron's get_megatron_optimizer sets these three after construction, as here
+        opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
+        opt.tp_group = tp_groups[False]
+        opt.expert_tp_group = tp_groups[True]
+        inner.init_state()  # after register_matrix: every rank holds every state key from the start
+        for chunk in model_chunks:  # an FP8 publish quantizes from these fp32 masters
+            register_masters(chunk, lambda o=opt: _master_pairs(o))
+        parts.append(opt)
+    return parts
+
+
+def _import_distributed_optimizer():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer
+
+
+class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer()):
+    """Megatron's DistributedOptimizer whose shards are owner-aligned and whose inner step is the
+    owner step (OwnerMuonAdamW). Everything else (grad copy, norm/clip, zero count, publish via
+    param all-gather, overlap hooks) is inherited unchanged; checkpoints use DMuon's per-parameter
+    format (megatron/checkpoint.py)."""
+
+    def __init__(self, *args, **kwargs):
+        self.check_owner_aligned(kwargs["model_chunks"])  # before Megatron builds any state
+        super().__init__(*args, **kwargs)
+        self._pending_load = None
+
+    @classmethod
+    def _build_model_gbuf_range(cls, param_and_grad_buffer, bucket_index: int):
+        """As Megatron's, but this rank's shard is `buffer.dmuon_shard_index` (the two-level
+        reduce-scatter delivers shard l*N + k to node k, local rank l); flat runs use the DP rank."""
+        from megatron.core.optimizer.distrib_optimizer import Range
+
+        shard = getattr(param_and_grad_buffer, "dmuon_shard_index", None)
+        if shard is None:
+            return super()._build_model_gbuf_range(param_and_grad_buffer, bucket_index)
+        world = param_and_grad_buffer.data_parallel_group.size()
+        bucket = param_and_grad_buffer.buckets[bucket_index]
+        size = bucket.grad_data.numel() // world
+        local = Range(*shard_range(shard, size, bucket.offset))
+        return {"param_map": cls._build_model_gbuf_param_range_map(
+            param_and_grad_buffer.param_index_map, local, bucket.offset)}
+
+    def prepare_grads(self) -> bool:
+        for chunk in self.model_chunks:
+            if not getattr(chunk, "grads_reduced", True):
+                raise RuntimeError(
+                    "DMuon: optimizer.step() before the gradients were reduced to their owners: call "
+                    "ddp.finish_grad_sync() after backward (Megatron's schedules do it through "
+                    "config.finalize_model_grads_func = finalize_model_grads)"
+                )
+        return super().prepare_grads()
+
+    def _checkpoint_parts(self):
+        return [self]
+
+    def get_parameter_state_dp_zero(self, *args, **kwargs):
+        return ckpt.param_state_dp_zero([self])
+
+    def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format: bool = False):
+        ckpt.load_param_state_dp_zero([self], state_dict)
+
+    def _megatron_format_not_used(self, *args, **kwargs):
+        raise NotImplementedError(
+            "DMuon optimizer state uses its own per-parameter format: call sharded_state_dict()/load_state_dict() "
+            "(dist_checkpointing) or save_parameter_state()/load_parameter_state() (torch format)")
+
+    get_parameter_state_dp_reshardable = _megatron_format_not_used
+    load_parameter_state_from_dp_reshardable = _megatron_format_not_used
+    load_parameter_state_from_fully_reshardable = _megatron_format_not_used
+    load_parameter_state_from_fs_model_space = _megatron_format_not_used
+    sharded_param_state_dp_reshardable = _megatron_format_not_used
+    sharded_param_state_fully_reshardable = _megatron_format_not_used
+    sharded_param_state_fs_model_space = _megatron_format_not_used
+    sharded_param_state_dp_zero = _megatron_format_not_used
+
+    @staticmethod
+    def check_owner_aligned(model_chunks) -> None:
+        for chunk in model_chunks:
+            if getattr(chunk, "dmuon_plan", None) is None:
+                raise ValueError(
+                    "DMuon: the model chunk was wrapped with a plain DistributedDataParallel; wrap it "
+                    "with megatron_dmuon.megatron.layout.build_dmuon_ddp(...) so buckets are owner-aligned"
+                )
+
+
