@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from megatron_dmuon.logs import log_to
+
 from .args import parse_args
 from .checkpoints import hold_save_lock
 from .data import TokenSource, token_source
@@ -45,6 +47,7 @@ def main(argv=None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print("> arguments checked", flush=True)
         return
+    log_to()  # the package's log lines (the NS check's report) on stdout, as Megatron-LM's logging shows them
     rank, world, backend = setup_distributed()
     hold_save_lock(args, rank)
     job = build(args, rank, world, backend)
