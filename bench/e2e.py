@@ -2,22 +2,19 @@
 
     python bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon gather_then_compute
 
-Runs examples/pretrain_gpt.py under torchrun once per mode (per round with --repeat), then prints
-JSON and a markdown table (median ms/iteration and optimizer ms over the second half of the
-iterations; with rounds, the median over the rounds).
+Runs the main job (bench/harness.py) under torchrun once per mode (per round with --repeat), then
+prints JSON (``--out``: written there too) and a markdown table (median ms/iteration and optimizer ms
+over the second half of the iterations; with rounds, the median over the rounds).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from layers import add_layer_args, job_layer_args, layers_of  # noqa: E402
+from harness import Job, add_layer_args, job_layer_args, layers_of, progress_tail, run  # noqa: E402
 
 PRESETS = {
     # Qwen2.5-7B-shaped layers (4 of them), as in the [megatron-dp] acceptance
@@ -30,18 +27,12 @@ PRESETS = {
 
 
 def run_main_job(mode: str, nproc: int, job_args: list, tail: int = 12) -> dict:
-    """One examples/pretrain_gpt.py run under torchrun: its summary (with ``mode``), or the error."""
-    out = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *job_args, "--log-interval", "4", "--timing-json", out]
-    print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [l for l in (proc.stdout + proc.stderr).splitlines()
-             if l.startswith((" iteration", ">", "Traceback", "  File")) or "Error" in l]
-    print("\n".join(lines[-tail:]), flush=True)
-    if proc.returncode != 0 or not os.path.exists(out):
-        return {"mode": mode, "error": (proc.stdout + proc.stderr)[-3000:]}
-    return {**json.load(open(out))["summary"], "mode": mode}
+    """One main-job run under torchrun: its summary (with ``mode``), or the error."""
+    r = run(Job([*job_args, "--log-interval", "4"], nproc=nproc, timing_json=True, show=True))
+    print(progress_tail(r["output"], tail), flush=True)
+    if not r["ok"]:
+        return {"mode": mode, "error": r["error"]}
+    return {**r["timing"]["summary"], "mode": mode}
 
 
 def add_ratios_to_adam(rows: list) -> None:
@@ -89,7 +80,7 @@ def merge_rounds(runs: list) -> dict:
     return row
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--nproc", type=int, default=1)
@@ -101,13 +92,28 @@ def main():
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds: every mode runs once per round, in turn (GPU clocks drift over minutes; "
                         "a row then reports the median over its rounds, each round's figures under 'rounds')")
+    p.add_argument("--out", default=None, help="write the JSON document here too")
     add_layer_args(p)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def measure(args) -> dict:
+    """Every mode (every round): the JSON document ``main`` prints, {"preset", "nproc", "rows"}."""
     rounds = [[run_main_job(mode, args.nproc, mode_args(mode, args)) for mode in args.modes] for _ in range(args.repeat)]
     rows = [merge_rounds([r[i] for r in rounds]) for i in range(len(args.modes))]
     add_ratios_to_adam(rows)
-    print(json.dumps({"preset": args.preset, "nproc": args.nproc, "rows": rows}, indent=1))
+    return {"preset": args.preset, "nproc": args.nproc, "rows": rows}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    doc = measure(args)
+    rows = doc["rows"]
+    print(json.dumps(doc, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
     print("\n| mode | layers | ms/iter | optimizer ms | slowest rank's optimizer ms | vs AdamW | first loss | last loss "
           "| NS paths / AdamW |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -39,7 +39,6 @@ every optimizer) and reports how many of Megatron's `clip_qk` calls found a logi
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import re
@@ -47,7 +46,9 @@ import statistics
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from harness import ROOT  # noqa: E402
 
 # A Qwen2.5-7B-shaped GPT cut to 4 layers (+32k vocab), as in docs/dmuon_dp.md's measurements
 MODELS = {
@@ -171,31 +172,27 @@ def precision_label(args) -> str:
 
 
 def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
-    """One pretrain_gpt run of RUNS[name] (+ ``more`` flags); its log is ``label or name``.log."""
+    """One run of Megatron-LM's pretrain_gpt.py (bench/harness.py) with RUNS[name] (+ ``more`` flags); its log is
+    ``label or name``.log."""
     qk_clip = getattr(args, "qk_clip", None)
     # TE's attention records the max logits MuonClip reads; the local one does through this launcher
     local = getattr(args, "transformer_impl", "local") == "local"
     launcher = ["-m", "megatron_dmuon.testing.local_max_logits"] if qk_clip and local else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           *launcher, os.path.join(megatron_lm, "pretrain_gpt.py"), *MODELS[args.model], *COMMON,
-           *(layer_flags(args) if hasattr(args, "transformer_impl") else NO_TE),
-           "--train-iters", str(args.iters), *RUNS[name], *args.extra, *more,
-           *(["--qk-clip", "--qk-clip-threshold", str(qk_clip)] if qk_clip else [])]
-    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", NCCL_NVLS_ENABLE="0",
-               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", PYTHONWARNINGS="ignore",
+    flags = [*MODELS[args.model], *COMMON, *(layer_flags(args) if hasattr(args, "transformer_impl") else NO_TE),
+             "--train-iters", str(args.iters), *RUNS[name], *args.extra, *more,
+             *(["--qk-clip", "--qk-clip-threshold", str(qk_clip)] if qk_clip else [])]
+    env = dict(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore", **harness.NO_MULTICAST,
                PYTHONPATH=os.pathsep.join([ROOT, megatron_lm] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=megatron_lm, timeout=args.timeout)
-    log = proc.stdout + proc.stderr
-    if log_dir:
-        with open(os.path.join(log_dir, f"{label or name}.log"), "w") as f:
-            f.write(log)
+    result = harness.run(harness.Job(flags, program=[*launcher, os.path.join(megatron_lm, "pretrain_gpt.py")],
+                                     nproc=args.nproc, env=env, cwd=megatron_lm, timeout=args.timeout,
+                                     log=os.path.join(log_dir, f"{label or name}.log") if log_dir else None, show=True))
+    log, returncode = result["output"], result["returncode"]
     rows = parse_log(log)
     shown = [l for l in log.splitlines() if LINE.search(l)]
     print("\n".join(shown[:2] + (["..."] if len(shown) > 4 else []) + shown[-2:]), flush=True)
-    if proc.returncode != 0 or len(rows) < args.iters - getattr(args, "start", 0):  # (a --load run: from start on)
+    if returncode != 0 or len(rows) < args.iters - getattr(args, "start", 0):  # (a --load run: from start on)
         tail = "\n".join(log.splitlines()[-40:])
-        print(f"[{name}] failed (rc {proc.returncode}, {len(rows)} iterations logged):\n{tail}", flush=True)
+        print(f"[{name}] failed (rc {returncode}, {len(rows)} iterations logged):\n{tail}", flush=True)
         return {"run": name, "error": tail, "iterations": rows}
     if not rows:  # (a run that loads and trains nothing)
         return {"run": name, "iterations": rows}
@@ -226,8 +223,7 @@ def run_all(args, megatron_lm) -> dict:
                          more=() if seed == DEFAULT_SEED else ("--seed", str(seed)))
 
     tasks = [(seed, name) for seed in args.seeds for name in args.runs]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        done = dict(pool.map(one, tasks))
+    done = dict(harness.in_parallel(one, tasks, args.jobs))
     return {seed: {name: done[(seed, name)] for name in args.runs} for seed in args.seeds}
 
 

@@ -3,7 +3,7 @@
     python bench/momentum_spectra.py record --out DIR --at 50 200 400 -- [main-job flags]
     python bench/momentum_spectra.py evaluate DIR/ns_inputs_it*.pt [--device cuda]
 
-``record`` runs the main job (examples/pretrain_gpt.py, one rank, in this process) and watches its
+``record`` runs the main job (bench/harness.py's, one rank, in this process) and watches its
 owner step: every step, per shape group, the largest singular value of each NS output (the
 probe estimate ``algorithms.ns_metrics.orthogonality_overshoot``); every ``--exact-every`` steps
 the distance of each output to the float32 standard NS of the same schedule; at the ``--at``
@@ -23,8 +23,8 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import main_job_module  # noqa: E402  (it puts the repository on the path too)
 
 
 def _stack_label(plan, g) -> str:
@@ -72,7 +72,7 @@ def record(args, job_argv) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
     trace = install_recorder(args.out, set(args.at), args.keep, args.exact_every)
-    from examples import pretrain_gpt
+    pretrain_gpt = main_job_module()
 
     timing = os.path.join(args.out, "timing.json")
     try:

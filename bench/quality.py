@@ -3,7 +3,7 @@
     python bench/quality.py --model small --jobs 12 --out docs/results/quality/quality_small_h200   # one GPU
     python bench/quality.py --model tiny --nproc 2 --seeds 3 --out /tmp/quality_tiny          # CPU, gloo
 
-Every run is the project's main job (examples/pretrain_gpt.py: megatron-core GPT, Megatron's
+Every run is the project's main job (run by bench/harness.py: megatron-core GPT, Megatron's
 schedule, DMuon's owner step or Megatron's AdamW) on the default data (the Python standard
 library's bytes, the last 5% held out for validation) or ``--data-path``. Runs need no timing,
 so ``--jobs`` of them share the machine (on one GPU, each uses a fraction of it).
@@ -21,21 +21,15 @@ each row against exact DMuon) and <out>.png (validation curves, and the lr sweep
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
-import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from layers import add_layer_args, job_layer_args, layers_of  # noqa: E402
-
-JOB = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+from harness import Job, add_layer_args, has_cuda, in_parallel, job_layer_args, launch_for, layers_of, run  # noqa: E402
 
 # Model, batch and schedule of each preset (flags of the main job); iterations and eval cadence.
 MODELS = {
@@ -78,51 +72,22 @@ EXACT = OPTION_ROWS[0][0]
 SPREAD_FLOOR = 0.002
 
 
-def has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(spec: dict, workdir: str, nproc: int, gpu: bool) -> dict:
-    """One main-job run; its curves and summary, or the error."""
-    out = os.path.join(workdir, f"{spec['key']}.json")
-    if os.path.exists(out):  # an earlier attempt of this run (same flags) finished
-        return _load_run(spec, out)
-    flags = [*spec["flags"], "--timing-json", out, "--log-interval", "1000000"]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-    if gpu and nproc == 1:  # one process, no torchrun: its own rendezvous port
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        cmd = [sys.executable, JOB, "--bf16", *flags]
-    else:
-        env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), JOB,
-               *(["--bf16"] if gpu else []), *flags]
-    start = time.time()
-    for attempt in range(2):  # a run that lost a race for memory or a port gets one more try
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        transient = any(t in proc.stdout + proc.stderr for t in ("out of memory", "EADDRINUSE"))
-        if proc.returncode == 0 or not transient or attempt:
-            break
-        time.sleep(30)
-        if "MASTER_PORT" in env and gpu and nproc == 1:
-            env["MASTER_PORT"] = str(free_port())
-    if proc.returncode != 0 or not os.path.exists(out):
-        return {**spec, "error": (proc.stdout + proc.stderr)[-2500:], "wall_s": time.time() - start}
-    return {**_load_run(spec, out), "wall_s": time.time() - start}
+    """One main-job run; its curves and summary, or the error. A run whose timing JSON is in ``workdir``
+    already (an earlier attempt with the same flags finished) is read back, not run again."""
+    launch = launch_for(nproc, gpu)
+    env = dict(PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    if launch == "torchrun":
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    r = run(Job([*(["--bf16"] if gpu else []), *spec["flags"], "--log-interval", "1000000"], nproc=nproc, launch=launch,
+                timing_json=os.path.join(workdir, f"{spec['key']}.json"), reuse=True, env=env))
+    if not r["ok"]:
+        return {**spec, "error": r["error"], "wall_s": r["wall_s"]}
+    row = _load_run(spec, r["timing"])
+    return row if r.get("reused") else {**row, "wall_s": r["wall_s"]}
 
 
-def _load_run(spec: dict, path: str) -> dict:
-    with open(path) as f:
-        doc = json.load(f)
+def _load_run(spec: dict, doc: dict) -> dict:
     losses = [t["loss"] for t in doc["iterations"]]
     tail = losses[-max(1, len(losses) // 10):]
     return {**spec, "val": [[v["iteration"], v["loss"]] for v in doc["validation"]],
@@ -138,21 +103,11 @@ def job_flags(model: dict, base: list, row_flags: list, lr: float, seed: int, it
 
 def run_all(specs: list, args, gpu: bool, results: list, save) -> None:
     """Run ``specs`` ``args.jobs`` at a time; append each result and save as it finishes."""
-    deadline = time.time() + args.budget_s if args.budget_s else None
     os.makedirs(args.workdir, exist_ok=True)
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        pending = {}
-        for spec in specs:
-            if deadline and time.time() > deadline:
-                results.append({**spec, "error": "not started: --budget-s reached"})
-                continue
-            pending[pool.submit(run_job, spec, args.workdir, args.nproc, gpu)] = spec
-            while len(pending) >= args.jobs:
-                done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                for fut in done:
-                    _finish(results, pending.pop(fut), fut.result(), save)
-        for fut in concurrent.futures.as_completed(list(pending)):
-            _finish(results, pending.pop(fut), fut.result(), save)
+    in_parallel(lambda spec: run_job(spec, args.workdir, args.nproc, gpu), specs, args.jobs,
+                on_done=lambda spec, result: _finish(results, spec, result, save),
+                deadline=time.time() + args.budget_s if args.budget_s else None,
+                not_started=lambda spec: {**spec, "error": "not started: --budget-s reached"})
 
 
 def _finish(results, spec, result, save) -> None:

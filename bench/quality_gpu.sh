@@ -17,9 +17,8 @@ flags=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import quality; pri
 # the kernels tune each product shape once (Triton compiles): do it before the runs share the GPU
 t0=$(date +%s)
 for method in auto standard gram; do
-  RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29400 + RANDOM % 500)) \
-    python3 examples/pretrain_gpt.py --bf16 $flags --train-iters 3 --lr-warmup-iters 1 --eval-iters 0 --dmuon-ns-method $method \
-    > "/tmp/warmup_$method.log" 2>&1 &
+  python3 bench/harness.py --single -- --bf16 $flags --train-iters 3 --lr-warmup-iters 1 --eval-iters 0 \
+    --dmuon-ns-method $method > "/tmp/warmup_$method.log" 2>&1 &
 done
 wait
 echo "warm-up $(( $(date +%s) - t0 )) s"; grep -h "summary\|Error" /tmp/warmup_*.log | cut -c1-300
