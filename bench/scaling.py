@@ -1,53 +1,56 @@
-"""ms/iteration vs GPU count for DMuon, gather_then_compute and Megatron AdamW ([multi-gpu-dp]).
+"""Step time vs GPU count: measured on the GPUs here (``measure``), and predicted for 8-256 GPUs (``simulate``).
 
-    python bench/scaling.py --gpus 1 2 4 8 --preset qwen7b-4l --iters 12 --out docs/results/scaling/scaling
+    python bench/scaling.py measure --gpus 1 2 4 8 --preset qwen7b-4l --iters 12 --out docs/results/scaling/scaling
+    python bench/scaling.py simulate --out docs/results/scaling/simulate_scaling
 
-For each GPU count runs bench/e2e.py (global batch scaled with DP: 8 x GPUs) and `dmuon-verify`
-under torchrun (bf16, NCCL); writes <out>.json, <out>.md and <out>.png.
+``measure`` ([multi-gpu-dp]): ms/iteration of DMuon, gather_then_compute and Megatron AdamW; for each
+GPU count bench/e2e.py's measurement (global batch scaled with DP: 8 x GPUs; its JSON rows) and
+`dmuon-verify` under torchrun (bf16, NCCL); writes <out>.json, <out>.md and <out>.png.
+
+``simulate``: the DMuon optimizer step predicted by planning/simulate.py at 8-256 GPUs, next to the
+DMuon paper's published point, and validated against every optimizer step measured on the H200s
+lent here; writes <out>.json, <out>.md (tables) and <out>.png (plot; needs matplotlib).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
+import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e  # noqa: E402
+from harness import ROOT, Job, run  # noqa: E402
+from megatron_dmuon.planning.cost_model import (CostModel, cluster_spec, device_spec,  # noqa: E402
+                                                load_bench_kernels_profile)
+from megatron_dmuon.planning.models import PRESETS, ParallelSpec  # noqa: E402
+from megatron_dmuon.planning.simulate import predict_adamw_step, predict_optimizer_step  # noqa: E402
+
 MODES = ["adam", "dmuon", "gather_then_compute"]
 
 
 def run_e2e(nproc, preset, iters, modes):
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--preset", preset, "--nproc", str(nproc),
-           "--iters", str(iters), "--modes", *modes, "--extra", "--global-batch-size", str(8 * nproc)]
-    out = subprocess.run(cmd, capture_output=True, text=True).stdout
-    start = out.index("{\n")
-    return json.loads(out[start:out.index("\n}\n", start) + 3])["rows"]
+    """bench/e2e.py's JSON rows at ``nproc`` GPUs (global batch 8 per GPU)."""
+    args = e2e.parse_args(["--preset", preset, "--nproc", str(nproc), "--iters", str(iters), "--modes", *modes,
+                           "--extra", "--global-batch-size", str(8 * nproc)])
+    return e2e.measure(args)["rows"]
 
 
 def run_verify(nproc):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "megatron_dmuon.testing.verify_cli", "--bf16", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"ok": False, "error": proc.stderr[-2000:]}
+    r = run(Job(["--bf16", "--json"], program=["-m", "megatron_dmuon.testing.verify_cli"], nproc=nproc))
+    lines = [l for l in r["stdout"].splitlines() if l.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"ok": False, "error": r["output"][-2000:]}
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--preset", default="qwen7b-4l")
-    p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--modes", nargs="+", default=MODES)
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "scaling", "scaling"))
-    args = p.parse_args()
+def measure(args):
     results = {}
     for n in args.gpus:
         try:
-            e2e = run_e2e(n, args.preset, args.iters, args.modes)
+            rows = run_e2e(n, args.preset, args.iters, args.modes)
         except Exception as exc:  # keep the other GPU counts; say what failed
-            e2e = [{"mode": mode, "error": f"{type(exc).__name__}: {exc}"} for mode in args.modes]
-        results[n] = {"e2e": e2e, "verify": run_verify(n) if n > 1 else None}
+            rows = [{"mode": mode, "error": f"{type(exc).__name__}: {exc}"} for mode in args.modes]
+        results[n] = {"e2e": rows, "verify": run_verify(n) if n > 1 else None}
         print(json.dumps({n: results[n]}), flush=True)
         with open(args.out + ".json", "w") as f:  # after every count: a cut-off run keeps what it measured
             json.dump(results, f, indent=1)
@@ -77,6 +80,164 @@ def main():
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=120)
+
+
+# --- simulate: the published point, and the measured H200 steps the predictions are checked against
+PAPER = {"model": "qwen2.5-7b", "gpus": 256, "device": "A800", "optimizer_step_ms": 22.0,
+         "source": "DMuon paper (MISSION.md): Qwen2.5-7B optimizer step 22 ms at 256 A800s"}
+
+# Every optimizer step measured on the lent H200s (median ms; the 4-layer Qwen2.5-7B-shaped GPT,
+# 32k vocab; ns-method auto, Keller 5 steps, no split rules, greedy NS-FLOP plans).
+MEASURED = [
+    # (label, dp, tp, overlap_param_gather, mode, ms, source)
+    ("1 H200", 1, 1, False, "dmuon", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['1']"),
+    ("1 H200", 1, 1, False, "adam", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['1']"),
+    ("2 H200, DP=2", 2, 1, False, "dmuon", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['2']"),
+    ("2 H200, DP=2", 2, 1, False, "adam", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['2']"),
+    ("2 H200, DP=2 (bench/e2e.py)", 2, 1, False, "dmuon", 45.3, "FACTS.md, no overlap flags"),
+    ("2 H200, DP=2 (bench/e2e.py)", 2, 1, False, "adam", 21.9, "FACTS.md, no overlap flags"),
+    ("2 H200, DP=2, overlap", 2, 1, True, "dmuon", 39.8, "FACTS.md, --overlap-grad-reduce --overlap-param-gather"),
+    ("2 H200, DP=2, overlap", 2, 1, True, "adam", 19.2, "FACTS.md, same flags"),
+    ("1 H200, overlap", 1, 1, True, "dmuon", 75.4, "FACTS.md, global batch 4"),
+    ("1 H200, overlap", 1, 1, True, "adam", 34.5, "FACTS.md, global batch 4"),
+    ("2 H200, TP=2, overlap", 1, 2, True, "dmuon", 67.5, "docs/tp_ep_pp.md"),
+    ("2 H200, TP=2, overlap", 1, 2, True, "adam", 19.2, "docs/tp_ep_pp.md"),
+]
+
+
+def validate(cost_model, cluster):
+    scaling = json.load(open(os.path.join(ROOT, "docs/results/scaling/scaling_h200x2_2026-11-30.json")))
+    rows = []
+    for label, dp, tp, overlap, mode, ms, source in MEASURED:
+        if ms is None:
+            ms = next(r["median_optimizer_ms"] for r in scaling[str(dp)]["e2e"] if r["mode"] == mode)
+        par = ParallelSpec(dp=dp, tp=tp)
+        if mode == "dmuon":
+            pred = predict_optimizer_step(PRESETS["qwen7b-4l"], par, cluster, cost_model, planner="greedy",
+                                          overlap_param_gather=overlap)
+            parts = pred["slowest_gpu"]
+            detail = (f"NS {parts['ns_ms']:.1f} + element-wise {parts['elementwise_ms']:.1f} + TP exchange "
+                      f"{parts['tp_exchange_ms']:.1f} + publish {0.0 if overlap else pred['publish_ms']:.1f}")
+        else:
+            pred = predict_adamw_step(PRESETS["qwen7b-4l"], par, cluster, overlap_param_gather=overlap)
+            detail = f"element-wise {pred['elementwise_ms']:.1f} + publish {0.0 if overlap else pred['publish_ms']:.1f}"
+        p = pred["optimizer_step_ms"]
+        rows.append({"run": label, "optimizer": mode, "measured_ms": ms, "predicted_ms": p, "error": p / ms - 1,
+                     "parts": detail, "source": source})
+    return rows
+
+
+def scale(gpu_counts, clusters, bench_profile):
+    out = []
+    model = PRESETS["qwen2.5-7b"]
+    for name in clusters:
+        cluster = cluster_spec(name)
+        table = bench_profile if cluster.device.name == "H200" else None
+        cost_model = CostModel(cluster.device, table)
+        for gpus in gpu_counts:
+            par = ParallelSpec(dp=gpus, gpus_per_node=cluster.gpus_per_node)
+            for two_level in (False, True):
+                r = predict_optimizer_step(model, par, cluster, cost_model, two_level=two_level,
+                                           milp_options={"time_limit_s": 10.0})
+                g = predict_optimizer_step(model, par, cluster, cost_model, two_level=two_level, planner="greedy")
+                adam = predict_adamw_step(model, par, cluster, two_level=two_level)
+                out.append({"cluster": name, "gpus": gpus, "nodes": r["nodes"], "two_level": two_level,
+                            "step_ms": r["optimizer_step_ms"], "step_overlapped_ms": r["optimizer_step_overlapped_ms"],
+                            "owner_ns_ms": r["owner_ns_ms"], "greedy_owner_ns_ms": g["owner_ns_ms"],
+                            "greedy_step_overlapped_ms": g["optimizer_step_overlapped_ms"],
+                            "elementwise_ms": r["slowest_gpu"]["elementwise_ms"], "publish_ms": r["publish_ms"],
+                            "grad_reduce_ms": r["grad_reduce_ms"], "adamw_step_ms": adam["optimizer_step_ms"],
+                            "adamw_step_overlapped_ms": adam["elementwise_ms"]})
+    return out
+
+
+def simulated_markdown(valid, rows):
+    lines = ["## Validation: predicted vs measured optimizer step (4-layer Qwen2.5-7B-shaped GPT, H200)", "",
+             "| run | optimizer | measured ms | predicted ms | error | predicted parts (slowest GPU) |",
+             "|---|---|---:|---:|---:|---|"]
+    for v in valid:
+        lines.append(f"| {v['run']} | {v['optimizer']} | {v['measured_ms']:.1f} | {v['predicted_ms']:.1f} | "
+                     f"{100 * v['error']:+.0f}% | {v['parts']} |")
+    lines += ["", "## Qwen2.5-7B (28 layers), DP = GPUs, MILP plans", "",
+              "| cluster | GPUs | nodes | collectives | owner NS ms (greedy) | element-wise ms | step ms, publish "
+              "overlapped (greedy) | publish ms | step ms, publish exposed | grad reduce ms (backward) | AdamW step "
+              "ms, overlapped / exposed |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['cluster']} | {r['gpus']} | {r['nodes']} | {'two-level' if r['two_level'] else 'flat'} | "
+                     f"{r['owner_ns_ms']:.1f} ({r['greedy_owner_ns_ms']:.1f}) | {r['elementwise_ms']:.1f} | "
+                     f"{r['step_overlapped_ms']:.1f} ({r['greedy_step_overlapped_ms']:.1f}) | {r['publish_ms']:.1f} | "
+                     f"{r['step_ms']:.1f} | {r['grad_reduce_ms']:.1f} | "
+                     f"{r['adamw_step_overlapped_ms']:.1f} / {r['adamw_step_ms']:.1f} |")
+    lines.append(f"\nPublished: {PAPER['source']}.")
+    return "\n".join(lines)
+
+
+def plot_simulated(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for name, color in (("a800", "tab:red"), ("h200", "tab:blue")):
+        sub = [r for r in rows if r["cluster"] == name and r["two_level"]]
+        flat = [r for r in rows if r["cluster"] == name and not r["two_level"]]
+        x = [r["gpus"] for r in sub]
+        ax.plot(x, [r["step_overlapped_ms"] for r in sub], "o-", color=color,
+                label=f"{name.upper()}: DMuon step, publish overlapped")
+        ax.plot(x, [r["step_ms"] for r in sub], "s--", color=color, alpha=0.6,
+                label=f"{name.upper()}: + publish exposed, two-level")
+        ax.plot(x, [r["step_ms"] for r in flat], "^:", color=color, alpha=0.4,
+                label=f"{name.upper()}: + publish exposed, flat")
+    ax.plot([PAPER["gpus"]], [PAPER["optimizer_step_ms"]], "k*", markersize=14, label="DMuon paper, 256 A800s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs (DP)")
+    ax.set_ylabel("optimizer step, ms")
+    ax.set_title("Qwen2.5-7B optimizer step, predicted (MILP plans)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def simulate(args):
+    warnings.simplefilter("ignore")
+    profile = load_bench_kernels_profile(os.path.join(ROOT, "docs/results/kernels/bench_kernels_h200_2026-11-30.json"))
+    h200 = CostModel(device_spec("H200"), profile)
+    valid = validate(h200, cluster_spec("h200"))
+    rows = scale(args.gpus, args.clusters, profile)
+    report = {"validation": valid, "scaling": rows, "paper": PAPER,
+              "cost_model": "H200: docs/results/kernels/bench_kernels_h200_2026-11-30.json profile + analytic at its measured rate; "
+                            "A800: analytic (planning/clusters.json)"}
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    text = simulated_markdown(valid, rows)
+    with open(args.out + ".md", "w") as f:
+        f.write(text + "\n")
+    print(text)
+    try:
+        plot_simulated(rows, args.out + ".png")
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="how", required=True)
+    m = sub.add_parser("measure", help="ms/iteration per GPU count on this machine (bench/e2e.py, dmuon-verify)")
+    m.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8])
+    m.add_argument("--preset", default="qwen7b-4l")
+    m.add_argument("--iters", type=int, default=12)
+    m.add_argument("--modes", nargs="+", default=MODES)
+    m.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "scaling", "scaling"))
+    s = sub.add_parser("simulate", help="the optimizer step predicted at 8-256 GPUs, validated on the H200 measurements")
+    s.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "scaling", "simulate_scaling"))
+    s.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    s.add_argument("--clusters", nargs="+", default=["h200", "a800"])
+    args = p.parse_args(argv)
+    measure(args) if args.how == "measure" else simulate(args)
 
 
 if __name__ == "__main__":
