@@ -102,7 +102,7 @@ def test_kernel_standard_ns_leans_as_the_torch_path_does(shape):
     in the GEMM's float32 epilogue as Megatron's NS does. Folding a I into the 16-bit a I + b A + c A²
     instead rounded a to the diagonal's spacing (2⁻⁵ at 4.08 in bf16) in every entry: the result leaned
     by up to 8e-4 more than the torch path here (H200: +0.8-1.2e-3 at 3584² and 3584x18944, where
-    Megatron's bf16 NS leans -1e-5..-8e-5; bench/ns_accuracy.py --heavy-tailed)."""
+    Megatron's bf16 NS leans -1e-5..-8e-5; bench/ns.py accuracy --heavy-tailed)."""
     from megatron_dmuon.algorithms.coefficients import get_coefficients
     from megatron_dmuon.algorithms.newton_schulz import newton_schulz, normalised_wide
     from megatron_dmuon.kernels.autotune import OpChoice, ShapePlan
@@ -120,15 +120,15 @@ def test_kernel_standard_ns_leans_as_the_torch_path_does(shape):
 
 
 def test_ns_accuracy_bench_reports_every_path_against_float64_ns():
-    """bench/ns_accuracy.py --heavy-tailed (the H200 lean table in docs/kernels.md) on CPU: the fp32
+    """bench/ns.py accuracy --heavy-tailed (the H200 lean table in docs/kernels.md) on CPU: the fp32
     path is exact to ~1e-6 and leans by nothing, the 16-bit paths carry their dtype's rounding, and
     Megatron's NS (emerging_optimizers) at 'high' on CPU is full fp32 (no TF32 there)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    import ns_accuracy
+    import ns
 
-    records = {(r["spikes"], r["path"]): r for r in ns_accuracy.heavy_tailed_report(["48x160"], "cpu", seeds=1)}
+    records = {(r["spikes"], r["path"]): r for r in ns.heavy_tailed_report(["48x160"], "cpu", seeds=1)}
     fp32 = records[(4, "ours torch standard fp32")]
     assert fp32["round"] < 1e-5 and abs(fp32["scale_bias"]) < 1e-6
     assert 1e-4 < records[(0, "ours torch gram fp16")]["round"] < records[(0, "ours torch standard bf16")]["round"] < 0.3
