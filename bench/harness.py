@@ -152,6 +152,8 @@ def run(job: Job, capture: bool = True) -> dict:
     if timing:
         if os.path.exists(timing):
             result["timing"] = read_timing(timing)
+            if job.timing_json is True:  # a temporary file: the result holds it now
+                os.unlink(timing)
         else:
             result["ok"] = False
     if not result["ok"]:

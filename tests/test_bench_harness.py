@@ -61,6 +61,7 @@ def test_timing_json_is_read_back(fake, tmp_path):
     assert r["ok"] and r["attempts"] == 1 and r["timing"]["summary"]["last_loss"] == 1.5
     # one process of its own: rank 0 of 1 with a rendezvous port
     assert r["timing"]["summary"]["rank"] == "0" and int(r["timing"]["summary"]["port"]) > 0
+    assert r["command"][-2] == "--timing-json" and not os.path.exists(r["command"][-1])  # a temporary file, removed
     path = str(tmp_path / "t.json")
     harness.run(harness.Job([], program=fake, launch="single", timing_json=path))
     again = harness.run(harness.Job(["--fail"], program=fake, launch="single", timing_json=path, reuse=True))
