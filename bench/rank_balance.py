@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_dmuon.algorithms.splitting import rule_for_megatron_param  # noqa: E402
-from megatron_dmuon.megatron.config import DMuonConfig, add_dmuon_args  # noqa: E402
+from megatron_dmuon.megatron.config import DMuonConfig  # noqa: E402
+from megatron_dmuon.megatron.flags import add_dmuon_args  # noqa: E402
 from megatron_dmuon.planning.cost_model import (CostModel, device_spec, elementwise_costs,  # noqa: E402
                                                 load_bench_kernels_profile)
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec  # noqa: E402

@@ -338,7 +338,7 @@ def test_dmuon_plan_validates_its_arguments(capsys, argv, message):
 
 @pytest.mark.parametrize("kind", ["directory", "uncreatable"])
 def test_a_cache_path_that_cannot_be_written_is_named_and_leaves_nothing(tmp_path, monkeypatch, kind):
-    from megatron_dmuon.megatron.config import check_cache_paths
+    from megatron_dmuon.megatron.flags import check_cache_paths
     from megatron_dmuon.planning.caches import PlanCache
 
     (tmp_path / "afile").write_text("x")

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dmuon.megatron.config import add_dmuon_args, validate_dmuon_args
+from megatron_dmuon.megatron.flags import add_dmuon_args, validate_dmuon_args
 from megatron_dmuon.megatron.optimizer import DMuonChainedOptimizer
 from megatron_dmuon.runtime.owner_step import MuonSettings
 

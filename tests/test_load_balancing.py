@@ -440,7 +440,8 @@ def test_startup_budget_splits_between_profile_and_milp_and_the_plan_key_ignores
 def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_path):
     import argparse
 
-    from megatron_dmuon.megatron.config import DMuonConfig, add_dmuon_args
+    from megatron_dmuon.megatron.config import DMuonConfig
+    from megatron_dmuon.megatron.flags import add_dmuon_args
 
     monkeypatch.setenv("DMUON_PLAN_CACHE", str(tmp_path / "plans.json"))
     parser = add_dmuon_args(argparse.ArgumentParser(), validate=False)

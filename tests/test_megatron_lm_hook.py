@@ -19,9 +19,9 @@ import types
 import pytest
 import torch
 
-from megatron_dmuon.megatron.config import (
-    DMuonConfig, add_dmuon_args, config_from_args, megatron_muon_fields, validate_dmuon_args,
-)
+from megatron_dmuon.megatron.config import DMuonConfig, config_from_args
+from megatron_dmuon.megatron.flags import add_dmuon_args, validate_dmuon_args
+from megatron_dmuon.megatron.megatron_lm_flags import megatron_muon_fields
 from megatron_dmuon.testing.multiproc import run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -435,7 +435,7 @@ def test_dmuon_parse_errors_print_on_rank_0_only(capsys, monkeypatch):
 
 
 def test_every_muon_flag_dmuon_registers_has_a_stated_handling():
-    from megatron_dmuon.megatron.config import MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING
+    from megatron_dmuon.megatron.megatron_lm_flags import MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING
 
     assert {flag for flag, _ in MEGATRON_MUON_FLAGS} == set(MUON_FLAG_HANDLING)
 
@@ -475,7 +475,7 @@ def test_every_muon_flag_of_a_megatron_lm_tree_is_honoured_or_refused(tree):
     or refused at start-up for the values DMuon cannot run)."""
     import re
 
-    from megatron_dmuon.megatron.config import MUON_FLAG_HANDLING
+    from megatron_dmuon.megatron.megatron_lm_flags import MUON_FLAG_HANDLING
 
     with open(os.path.join(tree, "megatron", "training", "arguments.py")) as f:
         flags = set(re.findall(r"""add_argument\(\s*['"](--muon-[a-z0-9-]+)['"]""", f.read()))

@@ -160,7 +160,7 @@ def test_chunks_that_are_not_dmuons_go_to_megatrons_clip_qk_unchanged(monkeypatc
 def test_the_refusals_come_at_parse_time_under_megatron_lm(argv, match, capsys, monkeypatch):
     import argparse
 
-    from megatron_dmuon.megatron.config import add_dmuon_args
+    from megatron_dmuon.megatron.flags import add_dmuon_args
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     parser = argparse.ArgumentParser(prog="pretrain_gpt.py")  # Megatron-LM's names of the flags read here

@@ -8,7 +8,7 @@ import dataclasses
 from ..kernels.autotune import measured_method
 from ..planning.ns_choice import plan_ns_choices
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
-from .config import megatron_muon_fields
+from .megatron_lm_flags import megatron_muon_fields
 from .layout import plan_records
 from .owner_optimizer import _grad_scaler, _init_state_fn, _muon_adam_groups, _register_matrices
 

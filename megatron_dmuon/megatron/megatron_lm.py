@@ -44,7 +44,8 @@ from typing import Callable, Optional
 import torch
 
 from . import checkpoint_switch
-from .config import add_dmuon_args, config_of
+from .config import config_of
+from .flags import add_dmuon_args
 
 _ORIGINALS: dict = {}
 

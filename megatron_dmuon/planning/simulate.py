@@ -13,7 +13,7 @@ node, NVLink and InfiniBand alpha/beta), per GPU:
   or two-level (NVLink ring inside the node, then an InfiniBand ring over nodes with 1/L of the
   bytes, L = DP ranks per node).
 
-``optimizer_step_ms`` is what the harness times (examples/pretrain_gpt.py wraps ``optimizer.step``):
+``optimizer_step_ms`` is what the harness times (the trainer's ``train/loop.TimedOptimizer`` times ``step``):
 the slowest GPU's owner NS + element-wise + TP exchange, plus the publish when it is not
 overlapped with the next forward (``--overlap-param-gather``); the grad reduce runs in backward.
 """

@@ -54,7 +54,8 @@ class MuonSettings:
     ns_steps: int = 5
     ns_dtype: torch.dtype = torch.bfloat16
     # algorithms.muon.LR_SCALE_MODES (Megatron's --muon-scale-mode names). MuonSettings() is
-    # torch.optim.Muon's rule; megatron/config.py's DMuonConfig() carries Megatron-LM's defaults.
+    # torch.optim.Muon's rule; megatron/config.py's DMuonConfig() carries Megatron-LM's defaults
+    # (megatron/megatron_lm_flags.py).
     scale_mode: str = "shape_scaling"
     extra_scale: float = 1.0
     ns_launch: str = "eager"  # NS_LAUNCH_MODES; off CUDA every mode runs eagerly

@@ -38,7 +38,7 @@ def validate_update_settings(s) -> None:
                          "owner step keeps its momentum in the param dtype): drop --dmuon-momentum-dtype bf16")
     if s.update == "dion3" and s.nesterov:
         raise ValueError("--dmuon-update dion3 has no Nesterov form (momentum M + G with error feedback): "
-                         "drop --muon-nesterov (examples/pretrain_gpt.py, which defaults to Nesterov: pass "
+                         "drop --muon-nesterov (the trainer, dmuon-train, defaults to Nesterov: pass "
                          "--muon-no-nesterov; MuonSettings.nesterov=False)")
 
 

@@ -30,7 +30,8 @@ def _build_layerwise(shape_kw=None, ns_dtype="float32", muon_kw=None, split=None
         LayerWiseDistributedOptimizer, tag_params_for_buffer_routing)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_dmuon.megatron.config import DMuonConfig, megatron_muon_fields
+    from megatron_dmuon.megatron.config import DMuonConfig
+    from megatron_dmuon.megatron.megatron_lm_flags import megatron_muon_fields
     from megatron_dmuon.megatron.gpt import build_gpt, transformer_config, wire_sync_funcs
     from megatron_dmuon.testing.global_params import init_params_by_name
     from megatron_dmuon.testing.workers import _muon_settings, _shape, _split_kwargs

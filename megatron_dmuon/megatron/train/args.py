@@ -37,7 +37,7 @@ MAIN_JOB_MUON_DEFAULTS = dict(muon_momentum=0.95, muon_nesterov=True, muon_scale
 
 def parse_args(argv=None):
     """The job's flags, checked (usage errors exit 2 naming the flag)."""
-    from megatron_dmuon.megatron.config import add_dmuon_args
+    from megatron_dmuon.megatron.flags import add_dmuon_args
     from megatron_dmuon.megatron.gpt import FP8_FORMATS, FP8_RECIPES, TRANSFORMER_IMPLS
 
     p = JobArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

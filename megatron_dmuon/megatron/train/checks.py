@@ -36,7 +36,7 @@ class JobArgumentParser(argparse.ArgumentParser):
 
 def validate_args(p, args, default_lr: dict) -> None:
     """Every argument checked before anything is built; errors name the flag (argparse exit 2)."""
-    from megatron_dmuon.megatron.config import check_training_numbers
+    from megatron_dmuon.megatron.flags import check_training_numbers
 
     if args.lr is None:
         args.lr = default_lr[args.optimizer]
@@ -61,7 +61,7 @@ def validate_args(p, args, default_lr: dict) -> None:
     _check_layout(p, args)
     _check_transformer_engine(p, args)
     if args.optimizer == "dmuon":  # every --muon-*/--dmuon-* flag and DMuon's combination checks
-        from megatron_dmuon.megatron.config import validate_dmuon_args
+        from megatron_dmuon.megatron.flags import validate_dmuon_args
 
         try:
             validate_dmuon_args(args)

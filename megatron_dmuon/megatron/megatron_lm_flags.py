@@ -1,0 +1,144 @@
+"""Megatron-LM's own Muon flags (core_v0.19.0 and main, `--muon-*`) under `--optimizer dmuon`: the
+table with Megatron's defaults (registered where a parser lacks them), how DMuon treats each flag,
+Megatron's defaults as MuonSettings, and the mapping both ways (flags -> our schedule and NS
+precision; a DMuonConfig -> the OptimizerConfig fields Megatron's own Muon runs it with).
+
+A launch that switches `--optimizer muon` to `--optimizer dmuon` gets the same update rule
+(`docs/megatron_lm.md` has the flag-by-flag table).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..algorithms.coefficients import COEFFICIENT_SETS, YOU
+from ..algorithms.muon import LR_SCALE_MODES
+from ..runtime.owner_step import ADAPTIVE_SCHEDULE, MuonSettings
+
+# --muon-coefficient-type -> our schedule. Emerging-Optimizers 0.3: 'simple' = Keller's
+# (3.4445, -4.7750, 2.0315) every step (ours 'keller'); 'quintic' = modded-nanogpt's 5 per-step sets
+# (ours 'you'), cycled from the first set after step 5; 'polar_express' = the Polar Express
+# polynomials (ours 'polar_express', up to 5 steps; see docs/megatron_lm.md for the rounding).
+MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express")
+# --muon-fp32-matmul-prec -> NS compute dtype. Megatron's 'medium' casts the normalized matrix to
+# bf16 for the iterations; 'high' keeps fp32 (TF32 matmuls there; full fp32 here).
+MUON_FP32_MATMUL_PREC = {"medium": torch.bfloat16, "high": torch.float32}
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+MUON_SCALAR_OPTIMIZERS = ("adam",)
+# (flag, argparse kwargs) with Megatron's defaults; registered only where a parser lacks them.
+MEGATRON_MUON_FLAGS = (
+    ("--muon-momentum", dict(type=float, default=0.9, help="Muon momentum (Megatron's flag)")),
+    ("--muon-no-split-qkv", dict(action="store_false", default=True, dest="muon_split_qkv",
+                                 help="orthogonalize the fused QKV weight as one matrix (default: Q, K, V apart)")),
+    ("--muon-nesterov", dict(action="store_true", help="Nesterov momentum")),
+    ("--muon-scale-mode", dict(type=str, default="spectral", choices=LR_SCALE_MODES,
+                               help="per-matrix lr scale: spectral sqrt(max(r,c)), shape_scaling "
+                                    "sqrt(max(1,r/c)), unit_rms_norm sqrt(r/c), match_rms_adamw, none")),
+    ("--muon-fp32-matmul-prec", dict(type=str, default="medium", choices=tuple(MUON_FP32_MATMUL_PREC),
+                                     help="NS precision: medium = bf16, high = fp32")),
+    ("--muon-coefficient-type", dict(type=str, default="quintic", choices=MUON_COEFFICIENT_TYPES,
+                                     help="Newton-Schulz coefficients")),
+    ("--muon-num-ns-steps", dict(type=int, default=5, help="Newton-Schulz steps")),
+    # Megatron-LM main's default (core_v0.19.0's is blockwise, which DMuon refuses under TP > 1)
+    ("--muon-tp-mode", dict(type=str, default="duplicated", choices=MUON_TP_MODES,
+                            help="TP-sharded matrices: DMuon always orthogonalizes the whole matrix "
+                                 "(duplicated/distributed); blockwise is refused under TP > 1 except for "
+                                 "--dmuon-mode megatron_layerwise, which hands it to Megatron's own Muon")),
+    ("--muon-use-syrk", dict(action="store_true",
+                             help="Megatron's Triton SYRK Gram kernel (same math); DMuon's kernels choose "
+                                  "their own symmetric products, so it changes nothing under --optimizer dmuon")),
+    ("--muon-extra-scale-factor", dict(type=float, default=1.0, help="extra factor on the Muon update")),
+    ("--muon-scalar-optimizer", dict(type=str, default="adam", choices=MUON_SCALAR_OPTIMIZERS,
+                                     help="optimizer of embeddings, output layer, norms, biases")),
+)
+
+# How --optimizer dmuon treats every --muon-* flag of Megatron-LM's arguments.py (core_v0.19.0 and
+# main of 2026-08-22); tests/test_megatron_lm_hook.py fails on a tree's flag missing here. A
+# --muon-* flag a newer tree adds is refused at start-up when set (``refuse_unknown_muon_flags``).
+MUON_FLAG_HANDLING = {
+    "--muon-momentum": "honoured",
+    "--muon-no-split-qkv": "honoured (Q, K, V apart by default, per GQA group)",
+    "--muon-nesterov": "honoured",
+    "--muon-scale-mode": "honoured",
+    "--muon-fp32-matmul-prec": "honoured: medium (bf16 NS), high (fp32); low refused",
+    "--muon-coefficient-type": "honoured: simple, quintic, polar_express (<= 5 steps); others refused",
+    "--muon-num-ns-steps": "honoured",
+    "--muon-tp-mode": "honoured: duplicated, distributed (whole-matrix NS); blockwise refused at TP > 1 "
+                      "(except --dmuon-mode megatron_layerwise); other modes refused",
+    "--muon-use-syrk": "accepted: a kernel choice of the same math; DMuon's kernels choose their own",
+    "--muon-extra-scale-factor": "honoured",
+    "--muon-scalar-optimizer": "honoured: adam; lion refused",
+}
+# --muon-* flags a parser had that DMuon does not know: dest -> (flag, the parser's default)
+_UNKNOWN_MUON_FLAGS: dict = {}
+
+
+def refuse_unknown_muon_flags(args) -> None:
+    """A --muon-* flag DMuon does not know (a newer Megatron-LM tree's), set to other than its
+    default, would be ignored silently: refuse it by name (Megatron's own Muon, under
+    ``--dmuon-mode megatron_layerwise``, reads its flags itself)."""
+    if getattr(args, "dmuon_mode", "dmuon") == "megatron_layerwise":
+        return
+    for dest, (flag, default) in _UNKNOWN_MUON_FLAGS.items():
+        value = getattr(args, dest, default)
+        if value != default:
+            raise ValueError(
+                f"{flag} {value!r} is a Megatron-LM Muon flag that --optimizer dmuon does not know (this "
+                f"Megatron-LM tree is newer than DMuon's table, megatron/megatron_lm_flags.py MUON_FLAG_HANDLING), so "
+                f"it would be ignored: drop the flag, or train with --optimizer muon")
+
+
+def megatron_flag_defaults() -> dict:
+    """{dest: default} of Megatron's --muon-* flags, as the table registers them."""
+    return {kw.get("dest", flag[2:].replace("-", "_")): kw.get("default") for flag, kw in MEGATRON_MUON_FLAGS}
+
+
+def megatron_muon_settings(**overrides) -> MuonSettings:
+    """MuonSettings of Megatron-LM's `--optimizer muon` defaults (what an empty command line gives:
+    the table's defaults) and DMuon's `--dmuon-ns-method auto`, then ``overrides``."""
+    d = megatron_flag_defaults()
+    kw = dict(momentum=d["muon_momentum"], nesterov=bool(d["muon_nesterov"]),
+              coefficients=muon_coefficients_for(d["muon_coefficient_type"], d["muon_num_ns_steps"]),
+              ns_steps=d["muon_num_ns_steps"], ns_dtype=MUON_FP32_MATMUL_PREC[d["muon_fp32_matmul_prec"]],
+              scale_mode=d["muon_scale_mode"], extra_scale=d["muon_extra_scale_factor"], ns_method="auto")
+    kw.update(overrides)
+    return MuonSettings(**kw)
+
+
+def muon_coefficients_for(coefficient_type: str, steps: int):
+    """Our schedule for Megatron's --muon-coefficient-type at --muon-num-ns-steps."""
+    if coefficient_type == "simple":
+        return "keller"
+    if coefficient_type == "quintic":
+        # Emerging-Optimizers cycles its 5 sets; ours ('you') would repeat the last one
+        return "you" if steps <= len(YOU) else tuple(YOU[i % len(YOU)] for i in range(steps))
+    if coefficient_type == "polar_express":
+        if steps > 5:
+            raise ValueError(
+                f"--muon-coefficient-type polar_express with --muon-num-ns-steps {steps}: Megatron continues "
+                "with three further Polar Express sets that DMuon does not have; use <= 5 steps, or "
+                "--dmuon-coefficients polar_express (ours: the fifth set repeats)")
+        return "polar_express"
+    raise ValueError(
+        f"--muon-coefficient-type {coefficient_type!r} is not available under --optimizer dmuon; valid: "
+        f"{', '.join(MUON_COEFFICIENT_TYPES)}, or DMuon's own --dmuon-coefficients "
+        f"{{{','.join(COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,))}}}")
+
+
+def megatron_muon_fields(cfg, tp_mode: str = "duplicated") -> dict:
+    """OptimizerConfig `muon_*` fields under which Megatron's own Muon runs the rule of `cfg`
+    (the `megatron_layerwise` baseline; `tp_mode` is Megatron's --muon-tp-mode, which DMuon itself
+    does not need): the inverse of `DMuonConfig.from_args`."""
+    m = cfg.muon
+    names = {"keller": "simple", "you": "quintic", "polar_express": "polar_express"}
+    cycled = tuple(YOU[i % len(YOU)] for i in range(m.ns_steps))
+    coefficient_type = "quintic" if m.coefficients == cycled else names.get(m.coefficients) \
+        if isinstance(m.coefficients, str) else None
+    precision = {dtype: name for name, dtype in MUON_FP32_MATMUL_PREC.items()}.get(m.ns_dtype)
+    if coefficient_type is None or precision is None or cfg.split_per_head or cfg.split_glu:
+        raise ValueError(
+            "--dmuon-mode megatron_layerwise runs Megatron's own Muon, which has no equivalent of "
+            f"coefficients={m.coefficients!r}, ns_dtype={m.ns_dtype}, --dmuon-split-heads or --dmuon-split-glu")
+    return dict(muon_momentum=m.momentum, muon_nesterov=m.nesterov, muon_split_qkv=cfg.split_qkv,
+                muon_scale_mode=m.scale_mode, muon_extra_scale_factor=m.extra_scale,
+                muon_coefficient_type=coefficient_type, muon_num_ns_steps=m.ns_steps,
+                muon_fp32_matmul_prec=precision, muon_tp_mode=tp_mode, muon_scalar_optimizer="adam")
