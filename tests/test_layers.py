@@ -37,7 +37,8 @@ TESTING_IMPORTERS = (TESTING,)
 DECENTRALIZED = f"{PACKAGE}.decentralized"
 DECENTRALIZED_MAY_IMPORT = (DECENTRALIZED, f"{PACKAGE}.algorithms")
 PLANNING = f"{PACKAGE}.planning"
-PLANNING_MAY_IMPORT = (PLANNING, f"{PACKAGE}.algorithms")
+# json_store: the one on-disk store of the kernels' and the planner's caches (standard library only)
+PLANNING_MAY_IMPORT = (PLANNING, f"{PACKAGE}.algorithms", f"{PACKAGE}.json_store")
 PLANNING_THIRD_PARTY = ("torch", "numpy", "scipy", "mip")
 
 

@@ -24,20 +24,17 @@ when it runs is reported once (warning), counted (``metrics.NONFINITE_METRICS
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import statistics
-import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
+from ..json_store import JsonStore
 from . import symmetric_ops
 from .cutlass_symmetric import NUM_CONFIGS as NUM_CUTLASS_CONFIGS, CutlassConfig, cutlass_usable
 from .symmetric_ops import quack_usable, triton_usable
@@ -98,102 +95,15 @@ def default_cache_path() -> Path:
     return Path.home() / ".cache" / "megatron_dmuon" / "autotune.json"
 
 
-class AutotuneCache:
-    """The on-disk JSON cache ``{"version": CACHE_VERSION, "entries": {key: entry}}``.
-
-    ``version`` holds ``CACHE_VERSION`` (a file with any other value is ignored and its shapes
-    re-tuned); ``entries`` maps ``op_key`` / ``method_key`` strings (GPU, shape, batch, dtype)
-    to what ``tune_op`` / ``tune_method`` measured. Subclasses set their own ``version`` and
-    ``label`` (planning/caches.py keeps NS profiles and owner plans in files of the same format).
-    """
+class AutotuneCache(JsonStore):
+    """The kernels' cache: ``entries`` maps ``op_key`` / ``method_key`` strings (GPU, shape,
+    batch, dtype) to what ``tune_op`` / ``tune_method`` measured; a file of another
+    ``CACHE_VERSION`` is ignored and its shapes re-tuned."""
 
     version = CACHE_VERSION
     label = "autotune cache"
     env = f"${CACHE_ENV} (or --dmuon-autotune-cache)"  # where a user points it
-
-    def __init__(self, path: str | os.PathLike | None = None):
-        self.path = Path(path).expanduser() if path is not None else default_cache_path()
-        self._entries: dict | None = None
-
-    def _read_file(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            warnings.warn(f"{self.label} {self.path} is unreadable ({exc}); starting from an empty cache", RuntimeWarning)
-            return {}
-        if not isinstance(data, dict) or data.get("version") != self.version or not isinstance(data.get("entries"), dict):
-            warnings.warn(
-                f"{self.label} {self.path} has an unknown format or an older version "
-                f"(expected version {self.version}); ignoring its contents, they are rebuilt on use", RuntimeWarning
-            )
-            return {}
-        return data["entries"]
-
-    @property
-    def entries(self) -> dict:
-        if self._entries is None:
-            self._entries = self._read_file()
-        return self._entries
-
-    def get(self, key: str) -> dict | None:
-        return self.entries.get(key)
-
-    def put(self, key: str, entry: dict, save: bool = True) -> None:
-        self.entries[key] = entry
-        if save:
-            self.save()
-
-    def writable_problem(self) -> str | None:
-        """Why this cache's file cannot be written (or None): a directory in its place, or a folder
-        that cannot be created."""
-        path = self.path
-        if path.is_dir():
-            return "is a directory"
-        base = path.parent
-        while not base.exists() and base != base.parent:
-            base = base.parent
-        if not base.is_dir():
-            return f"cannot be created: {base} is not a directory"
-        if not os.access(base, os.W_OK | os.X_OK):
-            return f"cannot be created: {base} is not writable"
-        return None
-
-    def save(self) -> None:
-        problem = self.writable_problem()
-        if problem:
-            raise ValueError(f"{self.label} {self.path} {problem}: point {self.env} at a writable file path")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive_lock(self.path.with_name(self.path.name + ".lock")):
-            merged = self._read_file()  # under the lock: every other writer's keys are in it
-            merged.update(self.entries)
-            self._entries = merged
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.", suffix=".json.tmp", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as fh:
-                    json.dump({"version": self.version, "entries": merged}, fh, indent=1, sort_keys=True)
-                os.replace(tmp, self.path)
-            except BaseException:
-                if os.path.exists(tmp):  # no half-written temp files left behind
-                    os.unlink(tmp)
-                raise
-
-
-@contextlib.contextmanager
-def _exclusive_lock(lock_path: Path):
-    """An advisory exclusive lock (fcntl) held for the block; a no-op where fcntl is missing."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: atomic replace alone (a concurrent writer's key may be lost)
-        yield
-        return
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    default_path = staticmethod(default_cache_path)
 
 
 _CACHES: dict[Path, AutotuneCache] = {}
