@@ -108,7 +108,7 @@ def test_quartic_steps_beat_the_frobenius_schedules_with_fewer_steps(rows, cols)
 
 def test_quartic_errors_on_gradient_like_spectra():
     # rank-32 signal 30x above a Gaussian bulk, a 1/sqrt(i) power law, Gaussian: the wide design
-    # stays within 0.05 (measured <= 0.01 at Qwen2.5-7B sizes; bench/ns_schedules.py)
+    # stays within 0.05 (measured <= 0.01 at Qwen2.5-7B sizes; bench/ns.py schedules)
     g = torch.Generator().manual_seed(0)
     bulk = torch.linalg.svdvals(torch.randn(256, 1024, generator=g, dtype=torch.float64))
     spiked = bulk / bulk[0]

@@ -15,7 +15,7 @@ from megatron_dmuon.testing.multiproc import run_distributed
 
 # bf16 params + bf16 NS against the fp32 reference after 20 steps (lr 2e-2): measured 0.133 (DP=4),
 # 0.159 (DP=2), 0.165 (DP=2, bf16 momentum) relative Frobenius distance of the worst tensor; DMuon at
-# DP=1 is 0.230 from it (bench/mixed_precision_cpu.py): bf16 rounding of every update, not the
+# DP=1 is 0.230 from it (bench/mixed_precision.py accuracy): bf16 rounding of every update, not the
 # distribution. Losses: measured <= 0.17% apart at DP=2/4.
 BF16_PARAM_TOL = 0.2
 BF16_LOSS_TOL = 5e-3

@@ -18,7 +18,7 @@ for aspect ratio ``α = n/m`` well above 1 this costs far less than standard NS 
 ``flops.py``). When ``max(m,n)/min(m,n) < min_aspect_ratio`` the function falls back to
 ``newton_schulz`` with the same schedule and compute dtype (square matrices gain nothing).
 
-Its measured agreement with standard NS per dtype (bench/ns_accuracy.py) and the bounds the tests
+Its measured agreement with standard NS per dtype (bench/ns.py accuracy) and the bounds the tests
 assert: docs/algorithms.md, "Error metrics and bounds".
 """
 

@@ -33,7 +33,7 @@ errors are reported with three metrics (``megatron_dmuon.algorithms.ns_metrics``
 * ``round`` rounding error ``‖NS(x) − NS_exact(x)‖_F / ‖NS_exact(x)‖_F`` against the same
   polynomials applied to the exact singular values in float64 (``newton_schulz_reference``).
 
-Measured accuracy of every coefficient set per dtype (bench/ns_accuracy.py) and the bounds the tests
+Measured accuracy of every coefficient set per dtype (bench/ns.py accuracy) and the bounds the tests
 assert (``ns_metrics.DOCUMENTED_BOUNDS``): docs/algorithms.md, "Error metrics and bounds".
 """
 

@@ -37,7 +37,7 @@ __all__ = [
 # Asserted error bounds per (method, compute dtype), 5 steps, safety 1.01; valid for every named
 # coefficient set. ``wc_excess``: allowed ``wc − band`` (rounding on top of the schedule's own
 # band); ``round_gauss`` / ``round_cond``: ``round`` on Gaussian / cond-1e4 matrices. Each is
-# about 1.5–3× the worst value measured by bench/ns_accuracy.py (docs/algorithms.md lists them).
+# about 1.5–3× the worst value measured by bench/ns.py accuracy (docs/algorithms.md lists them).
 DOCUMENTED_BOUNDS: dict[tuple[str, str], dict[str, float]] = {
     ("standard", "float64"): {"wc_excess": 1e-10, "round_gauss": 1e-12, "round_cond": 1e-12},
     ("gram", "float64"): {"wc_excess": 1e-10, "round_gauss": 1e-11, "round_cond": 1e-11},

@@ -18,7 +18,7 @@ start an order of magnitude higher and the greedy design can aim at a narrower i
   cushion=0.005)``;
 * nearer square: 5 steps, ``design_polar_express(5, lower=1e-3, cushion=0.005)``.
 
-Their measured errors vs the polar factor (bench/ns_schedules.py): docs/algorithms.md, "Fewer steps".
+Their measured errors vs the polar factor (bench/ns.py schedules): docs/algorithms.md, "Fewer steps".
 ``POLAR_EXPRESS_6`` (6 steps for ‖X‖_F) stays available as explicit coefficients.
 """
 

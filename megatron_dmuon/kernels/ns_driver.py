@@ -211,7 +211,7 @@ def standard_core(X: Tensor, schedule, plan: ShapePlan, quartic: bool = False) -
     the GEMM's float32 epilogue (``baddbmm``), not folded into the 16-bit matrix as a I + b A + c A²:
     rounded there, a sits at the diagonal's magnitude (bf16 spacing 2⁻⁵ at 4.08), the same rounding
     in every entry, and the result leaned by ~1e-3 in scale on real shapes (H200,
-    bench/ns_accuracy.py --heavy-tailed; Megatron's NS adds a X this way too). The price is one
+    bench/ns.py accuracy --heavy-tailed; Megatron's NS adds a X this way too). The price is one
     copy of X per step (baddbmm writes its input into the output first)."""
     for t, (a, b, c) in enumerate(schedule):
         A = _syrk(plan.syrk, X)

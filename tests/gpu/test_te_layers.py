@@ -23,7 +23,7 @@ FP32_TOL = 1e-6  # tests/test_dmuon_dp.py's fp32 bound
 # output layer; CPU's GEMMs round alike in both and meet 1e-6. A wrong update is >= 1e-3.
 GPU_STACKED_FP32_TOL = 2e-6
 # bf16 against the fp32 reference after 20 steps: tests/test_mixed_precision.py's band (0.2 / 5e-3, measured
-# at DP = 2 and 4). At DP = 1 the local layers measured 0.230 (bench/mixed_precision_cpu.py; that file's
+# at DP = 2 and 4). At DP = 1 the local layers measured 0.230 (bench/mixed_precision.py accuracy; that file's
 # comment); TE layers on the H200 (2026-12-03) 0.223 and 0.225 for params, 0.64% and 0.56% for the worst loss.
 BF16_PARAM_TOL, BF16_LOSS_TOL = 0.25, 1e-2
 
