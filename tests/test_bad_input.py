@@ -277,6 +277,56 @@ def test_main_job_validates_its_arguments(tmp_path, capsys, monkeypatch, argv, m
     assert err.count("error:") == 1 and not err.rstrip().endswith(";")
 
 
+def _odd_dataset(prefix, kind):
+    """An indexed dataset of float32 'tokens' or with a negative token id."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = np.float32 if kind == "float" else np.int32
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for d in range(4):
+        doc = (np.arange(d, d + 200) % 50).astype(dtype)
+        if kind == "negative" and d == 3:
+            doc[7] = -1
+        builder.add_document(doc, [200])
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--decoupled-lr", "-1"], "--decoupled-lr -1.0 must be a finite number in (0, inf)"),
+    (["--decoupled-lr", "nan"], "--decoupled-lr nan must be a finite number in (0, inf)"),
+    (["--optimizer", "adam", "--decoupled-lr", "nan"], "--decoupled-lr nan must be a finite number in (0, inf)"),
+    (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"],
+     "--decoupled-min-lr (0.001) must not exceed --decoupled-lr (0.0001)"),
+    (["--split", "inf,inf"], "--split 'inf,inf': give 2 or 3 finite non-negative weights"),
+    (["--split", "1,inf"], "--split '1,inf': give 2 or 3 finite non-negative weights"),
+    (["--seed", "18446744073709551617"], "--seed must be in [0, 2^32) (got 18446744073709551617)"),
+    (["--seed", "-1"], "--seed must be in [0, 2^32) (got -1)"),
+    (["--vocab-size", "257", "--tensor-model-parallel-size", "2"],
+     "--vocab-size 257 must be divisible by --tensor-model-parallel-size 2"),
+    (["--hidden-size", "4", "--num-attention-heads", "4"], "the head dimension, must be even"),
+    (["--data-path", "FLOAT", "--vocab-size", "64"], "says its tokens are float32, not integer token ids"),
+    (["--data-path", "NEGATIVE", "--vocab-size", "64"], "the dataset holds a negative token id (-1)"),
+], ids=["decoupled_lr_negative", "decoupled_lr_nan", "adam_decoupled_lr_nan", "decoupled_min_above",
+        "split_inf_inf", "split_1_inf", "seed_overflow", "seed_negative", "vocab_tp", "head_dim_1", "float_tokens",
+        "negative_token"])
+def test_bad_input_3_is_refused_at_start_up(tmp_path, capsys, monkeypatch, argv, message):
+    """[bad-input-3]: inputs that were accepted silently or failed late (in the model, the forward, or the
+    CPU shim) are refused by the start-up checks, before any process group, naming the flag."""
+    monkeypatch.setenv("WORLD_SIZE", "2") if "--tensor-model-parallel-size" in argv else \
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for tag, kind in (("FLOAT", "float"), ("NEGATIVE", "negative")):
+        if tag in argv:
+            prefix = str(tmp_path / "corpus")
+            _odd_dataset(prefix, kind)
+            argv = [prefix if a == tag else a for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        _job_args().parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("error:") == 1
+
+
 def test_usage_errors_print_on_rank_0_only(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:

@@ -158,6 +158,16 @@ def test_adam_parameters_that_turn_non_finite_stop_the_run_before_a_save(tmp_pat
         assert all(torch.isfinite(t).all() for t in tensors(tmp_path / "ck", saved[-1]).values() if t.is_floating_point())
 
 
+def test_a_run_that_ends_on_skipped_steps_does_not_exit_0(tmp_path):
+    """[bad-input-3]: --lr 1e10 on a short run skips its last steps (non-finite gradients) below the
+    --exit-after-skipped-iterations limit: the summary is still written, then the job says the run did
+    not train to its end and exits 1."""
+    run = job("--train-iters", 6, "--lr", "1e10", "--clip-grad", 0, "--timing-json", tmp_path / "t.json", expect=1)
+    assert run.stderr.count("the run did not train to its end: at iteration 6, the last,") == 1, run.stderr[-2000:]
+    doc = json.load(open(tmp_path / "t.json"))
+    assert doc["summary"]["skipped_iterations"] >= 1 and len(doc["iterations"]) == 6
+
+
 def test_a_usage_error_under_run_main_prints_once_and_exits_2():
     proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "run_main.sh"), "--num-layers", "0"],
                           capture_output=True, text=True, timeout=600)

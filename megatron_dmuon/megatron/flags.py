@@ -162,6 +162,12 @@ def check_training_numbers(args) -> None:
     for beta in ("adam_beta1", "adam_beta2"):
         _number_check(args, beta, 0.0, 1.0, high_open=True)
     _number_check(args, "adam_eps", 0.0, low_open=True, fix="e.g. 1e-8")
+    _number_check(args, "decoupled_lr", 0.0, low_open=True,
+                  fix="the peak lr of the embedding and output layer; leave it unset for --lr")
+    _number_check(args, "decoupled_min_lr", 0.0, fix="0 decays to zero")
+    dlr, dmin = getattr(args, "decoupled_lr", None), getattr(args, "decoupled_min_lr", None)
+    if dlr is not None and dmin is not None and dmin > dlr:
+        raise ValueError(f"--decoupled-min-lr ({dmin}) must not exceed --decoupled-lr ({dlr})")
 
 
 def check_muon_numbers(args) -> None:

@@ -51,6 +51,8 @@ def validate_args(p, args, default_lr: dict) -> None:
     for name in ("lr_warmup_iters", "eval_iters", "exit_after_skipped_iterations"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
+    if not 0 <= args.seed < 2**32:  # numpy's and Megatron's per-rank seeds derive from it
+        p.error(f"--seed must be in [0, 2^32) (got {args.seed})")
     if args.optimizer != "dmuon":  # (for dmuon, validate_dmuon_args below checks them with the rest)
         try:
             check_training_numbers(args)  # lr, min-lr, weight decay, clipping, Adam betas: finite, in range
@@ -101,6 +103,13 @@ def _check_layout(p, args) -> None:
     if args.num_attention_heads % args.num_query_groups:
         p.error(f"--num-attention-heads {args.num_attention_heads} must be divisible by --num-query-groups "
                 f"{args.num_query_groups}")
+    if args.vocab_size % tp:
+        p.error(f"--vocab-size {args.vocab_size} must be divisible by --tensor-model-parallel-size {tp} (each TP rank "
+                "holds an equal slice of the embedding and output layer): pad the vocabulary to a multiple of it")
+    head_dim = args.hidden_size // args.num_attention_heads
+    if head_dim % 2:
+        p.error(f"--hidden-size / --num-attention-heads = {head_dim}, the head dimension, must be even: rotary "
+                "position embeddings rotate pairs of channels")
     dp = world // (tp * pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         p.error(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x DP = "

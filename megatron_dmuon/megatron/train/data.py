@@ -13,9 +13,11 @@ part, the same ones at every evaluation, so validation losses compare across run
 from __future__ import annotations
 
 import glob
+import math
 import os
 import sysconfig
 
+import numpy as np
 import torch
 
 
@@ -26,8 +28,8 @@ def parse_split(text: str) -> tuple[float, float]:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
         raise ValueError(f"--split {text!r}: give 2 or 3 comma-separated weights, e.g. 95,5") from None
-    if len(weights) not in (2, 3) or any(not w >= 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--split {text!r}: give 2 or 3 non-negative weights (train,valid[,test]) with a "
+    if len(weights) not in (2, 3) or any(not 0 <= w < math.inf for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {text!r}: give 2 or 3 finite non-negative weights (train,valid[,test]) with a "
                          "positive sum, e.g. 95,5")
     if weights[0] <= 0:
         raise ValueError(f"--split {text!r}: the train weight must be > 0")
@@ -59,6 +61,9 @@ def check_indexed_dataset(prefix: str) -> None:
     except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable index
         raise ValueError(f"--data-path {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e})") from None
     index = ds.index
+    if not np.issubdtype(index.dtype, np.integer):
+        raise ValueError(f"--data-path {prefix}: {prefix}.idx says its tokens are {np.dtype(index.dtype).name}, not "
+                         "integer token ids: preprocess the data into an integer-token indexed dataset")
     if len(index.sequence_lengths) == 0:
         raise ValueError(f"--data-path {prefix}: {prefix}.idx lists no documents")
     need = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
@@ -84,6 +89,10 @@ def _split_tokens(args) -> tuple[torch.Tensor, torch.Tensor]:
         if top >= args.vocab_size:
             raise ValueError(f"--vocab-size {args.vocab_size} is smaller than the dataset's max token id {top}; "
                              "raise --vocab-size")
+        low = min(int(train.min()), int(valid.min()) if valid.numel() else 0)
+        if low < 0:
+            raise ValueError(f"--data-path {args.data_path}: the dataset holds a negative token id ({low}); token "
+                             "ids must be in [0, --vocab-size): preprocess the data again")
         return train, valid
     if args.vocab_size < 256:
         raise ValueError("--vocab-size must be >= 256 for the byte-level default data")

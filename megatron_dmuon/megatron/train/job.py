@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 import torch
@@ -17,6 +18,7 @@ from megatron_dmuon.logs import log_to
 
 from .args import parse_args
 from .checkpoints import hold_save_lock
+from .checks import job_error
 from .data import TokenSource, token_source
 from .loop import train
 from .summary import print_start_line, report
@@ -52,7 +54,14 @@ def main(argv=None) -> None:
     hold_save_lock(args, rank)
     job = build(args, rank, world, backend)
     print_start_line(job)
-    report(job, train(job))
+    run = train(job)
+    report(job, run)
+    if run.timings and not (run.last_ok and math.isfinite(run.last_loss)):
+        what = "its update was skipped (non-finite gradients)" if not run.last_ok else \
+            f"its loss is {run.last_loss}"
+        job_error(f"the run did not train to its end: at iteration {run.timings[-1]['iteration']}, the last, {what}; "
+                  f"{run.skipped} of {len(run.timings)} iterations were skipped. Lower --lr, keep --clip-grad on, or "
+                  "check the data", 1)
     torch.distributed.destroy_process_group()
 
 

@@ -136,6 +136,7 @@ class History:
     first_loss: float = None
     last_loss: float = None
     skipped: int = 0
+    last_ok: bool = True  # the last trained iteration's update was applied
 
 
 def train(job) -> History:
@@ -165,6 +166,7 @@ def train(job) -> History:
         if ok:
             sched.step(increment=args.global_batch_size)  # Megatron counts samples (consumed samples)
         run.skipped += not ok  # a non-finite gradient: skipped on every rank, nothing changed
+        run.last_ok = ok
         streak = 0 if ok and math.isfinite(loss) else streak + 1
         stop_if_not_learning(args, it, streak, loss, ok, opt)
         if args.save and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
