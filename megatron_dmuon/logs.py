@@ -6,13 +6,15 @@ from __future__ import annotations
 import logging
 import sys
 
+_handler = None  # the one handler log_to added
+
 
 def log_to(stream=None, level: int = logging.INFO) -> None:
     """Send the package's records of ``level`` and above to ``stream`` (default: stdout); once."""
+    global _handler
     logger = logging.getLogger("megatron_dmuon")
-    if not any(getattr(h, "dmuon_stream", False) for h in logger.handlers):
-        handler = logging.StreamHandler(stream or sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.dmuon_stream = True
-        logger.addHandler(handler)
+    if _handler is None:
+        _handler = logging.StreamHandler(stream or sys.stdout)
+        _handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(_handler)
     logger.setLevel(level)
