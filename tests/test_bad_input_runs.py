@@ -115,6 +115,55 @@ def test_a_tracker_naming_a_lost_iteration_names_the_last_complete_one(adam, cap
 
 
 # ----------------------------------------------------------------- DMuon: another owner plan
+def _parse(argv):
+    """The job's start-up checks in this process (as launch/run_main.sh's --parse-only runs them)."""
+    from megatron_dmuon.megatron.train.args import parse_args
+
+    return parse_args([*SMALL, *map(str, argv)])
+
+
+def test_a_checkpoint_of_another_model_is_refused_at_start_up(adam, capsys, monkeypatch):
+    """[bad-input-3]: heads / query groups 4 / 2 saved, 2 / 1 asked: the same tensor shapes, another
+    model. Refused by name by the start-up checks, which every rank runs before anything is built."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    root = adam[0] / "full"
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(["--optimizer", "adam", "--load", root, "--num-attention-heads", 2, "--num-query-groups", 1])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("error:") == 1, err
+    assert ("was saved by another model (--num-attention-heads 4 --num-query-groups 2; this run: "
+            "--num-attention-heads 2 --num-query-groups 1)") in err, err
+    assert _parse(["--optimizer", "adam", "--load", root]).load == str(root)  # the same model loads
+
+
+def test_load_of_one_checkpoint_or_a_broken_tracker_is_refused(adam, tmp_path, capsys, monkeypatch):
+    """[bad-input-3]: --load DIR/iter_0000008 (one checkpoint, not its parent) and a tracker that is a
+    directory trained from scratch beside complete checkpoints; now both are refused, naming the fix."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    one = adam[0] / "full" / "iter_0000008"
+    with pytest.raises(SystemExit):
+        _parse(["--optimizer", "adam", "--load", one])
+    assert f"--load {one} is one checkpoint, not the directory that holds them: pass --load {one.parent}" in \
+        capsys.readouterr().err
+    broken = stop_at(adam[0] / "full", tmp_path / "broken", 8)
+    os.remove(broken / "latest_checkpointed_iteration.txt")
+    os.mkdir(broken / "latest_checkpointed_iteration.txt")
+    with pytest.raises(SystemExit):
+        _parse(["--optimizer", "adam", "--load", broken])
+    assert "latest_checkpointed_iteration.txt is not a file" in capsys.readouterr().err
+
+
+def test_a_fresh_run_into_another_runs_save_directory_is_refused(adam, capsys, monkeypatch):
+    """[bad-input-3]: a run without --load saving where another run's checkpoints are would have moved the
+    tracker back (a later --load resumes the wrong run); --load of the same directory continues it."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    root = adam[0] / "full"
+    with pytest.raises(SystemExit):
+        _parse(["--optimizer", "adam", "--save", root])
+    assert f"--save {root} holds the checkpoints of another run (up to iteration 8)" in capsys.readouterr().err
+    assert _parse(["--optimizer", "adam", "--save", root, "--load", root]).save == str(root)
+
+
 def test_resume_under_another_owner_plan_is_bit_identical(tmp_path):
     """The grad norm (and so clipping) no longer depends on which rank owns what (float64 partial
     sums): a run resumed under --dmuon-balance round_robin ends equal to one that kept 'cost'."""

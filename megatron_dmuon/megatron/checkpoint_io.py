@@ -64,8 +64,10 @@ def latest_iteration(root: str) -> Optional[int]:
     import os
 
     tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
+    if not os.path.exists(tracker):
         return None
+    if not os.path.isfile(tracker):
+        raise CheckpointMismatchError(f"{tracker} is not a file (it should hold the latest iteration): remove it")
     text = open(tracker).read().strip()
     try:
         return int(text)

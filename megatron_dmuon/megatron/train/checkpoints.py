@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .checks import job_error
+from .checks import job_error, model_config_of
 
 
 class SaveLock:
@@ -84,6 +84,7 @@ def load_if_requested(args, ddp, opt, sched, rank) -> int:
 def save(args, iteration, ddp, opt, sched, rank) -> None:
     from megatron_dmuon.megatron.checkpoint_io import save_checkpoint
 
-    path = save_checkpoint(args.save, iteration, [ddp], opt, extra={"opt_param_scheduler": sched.state_dict()})
+    path = save_checkpoint(args.save, iteration, [ddp], opt, extra={"opt_param_scheduler": sched.state_dict(),
+                                                                      "model_config": model_config_of(args)})
     if rank == 0:
         print(f"> saved checkpoint {path}", flush=True)

@@ -161,6 +161,38 @@ def _check_transformer_engine(p, args) -> None:
                     "output layer: build it with launch/build_apex_wgrad.sh, or drop the flag")
 
 
+# the flags that define this job's model: a checkpoint records them (checkpoints.save) and a --load
+# under other values is refused (the same tensor shapes can mean another model: heads vs groups)
+MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "vocab_size", "transformer_impl")
+
+
+def model_config_of(args) -> dict:
+    return {name: getattr(args, name) for name in MODEL_FLAGS}
+
+
+def _check_model_matches(p, args, iteration: int) -> None:
+    """--load of a checkpoint saved under other model flags: refused by name before anything is built."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir
+
+    path = checkpoint_dir(args.load, iteration)
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as e:  # noqa: BLE001 - any reader failure: a damaged checkpoint
+        p.error(f"--load {args.load}: {path} is damaged: its common state does not read ({type(e).__name__}: {e})")
+    saved = common.get("model_config") if isinstance(common, dict) else None
+    if saved is None:  # saved before checkpoints recorded their model: shapes are checked at load
+        return
+    mine = model_config_of(args)
+    differ = [name for name in MODEL_FLAGS if name in saved and saved[name] != mine[name]]
+    if differ:
+        flags = lambda cfg: " ".join(f"--{n.replace('_', '-')} {cfg[n]}" for n in differ)  # noqa: E731
+        p.error(f"--load {args.load}: {path} was saved by another model ({flags(saved)}; this run: {flags(mine)}); "
+                "pass the checkpoint's values, or another --load")
+
+
 def _check_checkpointing(p, args) -> None:
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         p.error("--save-interval needs --save DIR and must be >= 1")
@@ -173,14 +205,30 @@ def _check_checkpointing(p, args) -> None:
     if (args.save or args.load) and args.optimizer == "dmuon" and args.dmuon_mode != "dmuon":
         p.error(f"--save/--load support --dmuon-mode dmuon (and --optimizer adam); --dmuon-mode {args.dmuon_mode} "
                 "is a comparison baseline without checkpoints")
-    if args.load:
-        from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError
-        from megatron_dmuon.megatron.checkpoint_io import resume_iteration
+    from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError
+    from megatron_dmuon.megatron.checkpoint_io import TRACKER, complete_iterations, latest_iteration, resume_iteration
 
+    if args.load:
+        if os.path.isfile(os.path.join(args.load, "metadata.json")) and not os.path.exists(os.path.join(args.load, TRACKER)):
+            p.error(f"--load {args.load} is one checkpoint, not the directory that holds them: pass "
+                    f"--load {os.path.dirname(os.path.abspath(args.load))} (its {TRACKER} names the iteration to resume)")
         try:
-            resume_iteration(args.load)
+            iteration = resume_iteration(args.load)
         except CheckpointMismatchError as e:
             p.error(f"--load {args.load}: {e}")
+        if iteration is not None:
+            _check_model_matches(p, args, iteration)
+    if args.save and (not args.load or os.path.abspath(args.load) != os.path.abspath(args.save)):
+        try:
+            held = latest_iteration(args.save)
+        except CheckpointMismatchError as e:
+            p.error(f"--save {args.save}: {e}")
+        complete = complete_iterations(args.save)
+        if held is not None or complete:
+            last = held if held is not None else complete[-1]
+            p.error(f"--save {args.save} holds the checkpoints of another run (up to iteration {last}); this run "
+                    "would write its iterations beside them and move the tracker back: pass --load "
+                    f"{args.save} to continue that run, or save into another directory")
 
 
 def _nearest_existing(path: str) -> str:
