@@ -89,7 +89,7 @@ def test_adam_baseline_resumes_bit_identically(adam):
 def test_resume_under_another_global_batch_counts_consumed_samples(adam):
     tmp, _, _ = adam
     run = job("--optimizer", "adam", "--train-iters", 6, "--global-batch-size", 16,
-              "--load", stop_at(tmp / "full", tmp / "gbs", 4))
+              "--load", stop_at(tmp / "full", tmp / "gbs", 4), "--use-checkpoint-opt_param-scheduler")
     lines = [l for l in run.stdout.splitlines() if l.startswith(" iteration        5/")]
     assert "consumed samples:         48 |" in lines[0], lines  # 4 x 8 + 16 (not 5 x 16 = 80)
     assert summary(run)["consumed_samples"] == 64
@@ -98,7 +98,7 @@ def test_resume_under_another_global_batch_counts_consumed_samples(adam):
 def test_a_loaded_iteration_at_train_iters_trains_nothing_and_says_so(adam):
     tmp, _, _ = adam
     run = job("--optimizer", "adam", "--train-iters", 8, "--load", tmp / "full")
-    assert "nothing to train (raise --train-iters to continue)" in run.stdout
+    assert "nothing to train (raise --train-iters to continue, with --override-opt_param-scheduler" in run.stdout
     s = summary(run)
     assert s["trained_iterations"] == 0 and s["iteration"] == 8 and s["val_loss"] is not None
 
@@ -133,7 +133,7 @@ def test_a_checkpoint_of_another_model_is_refused_at_start_up(adam, capsys, monk
     assert exit_info.value.code == 2 and err.count("error:") == 1, err
     assert ("was saved by another model (--num-attention-heads 4 --num-query-groups 2; this run: "
             "--num-attention-heads 2 --num-query-groups 1)") in err, err
-    assert _parse(["--optimizer", "adam", "--load", root]).load == str(root)  # the same model loads
+    assert _parse(["--optimizer", "adam", "--load", root, "--train-iters", 8]).load == str(root)  # the same model
 
 
 def test_load_of_one_checkpoint_or_a_broken_tracker_is_refused(adam, tmp_path, capsys, monkeypatch):
@@ -161,7 +161,42 @@ def test_a_fresh_run_into_another_runs_save_directory_is_refused(adam, capsys, m
     with pytest.raises(SystemExit):
         _parse(["--optimizer", "adam", "--save", root])
     assert f"--save {root} holds the checkpoints of another run (up to iteration 8)" in capsys.readouterr().err
-    assert _parse(["--optimizer", "adam", "--save", root, "--load", root]).save == str(root)
+    assert _parse(["--optimizer", "adam", "--save", root, "--load", root, "--train-iters", 8]).save == str(root)
+
+
+def test_a_resume_under_another_schedule_needs_megatrons_flag(adam, capsys, monkeypatch):
+    """[bad-input-3]: a longer --train-iters after a run saved at its end kept the saved schedule (lr at
+    its minimum) without a word; as Megatron-LM, a differing schedule now needs --override-opt_param-
+    scheduler (this run's) or --use-checkpoint-opt_param-scheduler (the checkpoint's)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    root = adam[0] / "full"
+    with pytest.raises(SystemExit):
+        _parse(["--optimizer", "adam", "--load", root, "--train-iters", 12])
+    err = capsys.readouterr().err
+    assert "the checkpoint's lr/wd schedule differs from this run's (lr_decay_steps 64 -> 96" in err, err
+    assert "--override-opt_param-scheduler" in err and "--use-checkpoint-opt_param-scheduler" in err
+    for flag in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        assert _parse(["--optimizer", "adam", "--load", root, "--train-iters", 12, flag]).train_iters == 12
+    with pytest.raises(SystemExit):
+        _parse(["--optimizer", "adam", "--load", root, "--override-opt_param-scheduler",
+                "--use-checkpoint-opt_param-scheduler"])
+    assert "ask for opposite schedules" in capsys.readouterr().err
+
+
+def test_a_longer_resume_follows_the_schedule_its_flag_names(adam, tmp_path):
+    """Resumed at 8 of a run that ended at 8, now 12 iterations: under --override-opt_param-scheduler the
+    lr of iteration 9 is the new cosine's (above the minimum); under --use-checkpoint-opt_param-scheduler it
+    stays at the saved schedule's end (its minimum); --no-load-optim loads the model only."""
+    def lr_at(run, it):
+        line = next(l for l in run.stdout.splitlines() if l.startswith(f" iteration {it:8d}/"))
+        return float(line.split("learning rate: ")[1].split()[0])
+
+    load = stop_at(adam[0] / "full", tmp_path / "again", 8)
+    new = job("--optimizer", "adam", "--train-iters", 12, "--load", load, "--override-opt_param-scheduler")
+    old = job("--optimizer", "adam", "--train-iters", 12, "--load", load, "--use-checkpoint-opt_param-scheduler")
+    assert lr_at(new, 9) > 1.5 * lr_at(old, 9), (lr_at(new, 9), lr_at(old, 9))
+    fresh = job("--train-iters", 12, "--load", load, "--no-load-optim")  # AdamW checkpoint, DMuon run: model only
+    assert summary(fresh)["trained_iterations"] == 4
 
 
 def test_resume_under_another_owner_plan_is_bit_identical(tmp_path):

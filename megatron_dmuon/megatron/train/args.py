@@ -117,6 +117,12 @@ def _add_checkpoint_args(p):
     a("--save", default=None, help="checkpoint directory (Megatron-LM torch_dist layout)")
     a("--save-interval", type=int, default=None, help="save every N iterations (and after the last one)")
     a("--load", default=None, help="resume from the latest checkpoint in this directory (none there: start fresh)")
+    a("--no-load-optim", action="store_true",
+      help="--load the model only (Megatron-LM's flag): optimizer state and lr schedule start fresh")
+    a("--override-opt_param-scheduler", dest="override_opt_param_scheduler", action="store_true",
+      help="resume under this run's lr/wd schedule flags when the checkpoint's differ (Megatron-LM's flag)")
+    a("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler", action="store_true",
+      help="resume under the checkpoint's lr/wd schedule whatever this run's flags say (Megatron-LM's flag)")
     a("--fail-at-iteration", type=int, default=None,
       help="fault injection: SIGKILL --fail-rank at the start of this iteration, on the first torchrun attempt only")
     a("--fail-rank", type=int, default=-1, help="global rank --fail-at-iteration kills (-1: the last)")

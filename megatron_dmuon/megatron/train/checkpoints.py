@@ -66,8 +66,9 @@ def load_if_requested(args, ddp, opt, sched, rank) -> int:
         if rank == 0:
             print(f"> no checkpoint in {args.load}: starting from scratch", flush=True)
         return 0
-    common = load_checkpoint(checkpoint_dir(args.load, iteration), [ddp], opt)
-    sched.load_state_dict(common["opt_param_scheduler"])
+    common = load_checkpoint(checkpoint_dir(args.load, iteration), [ddp], opt, load_optimizer=not args.no_load_optim)
+    if not args.no_load_optim:  # (--no-load-optim: the schedule starts fresh, as in Megatron-LM)
+        sched.load_state_dict(common["opt_param_scheduler"])
     if rank == 0:
         print(f"> loaded checkpoint {checkpoint_dir(args.load, iteration)} at iteration {iteration}", flush=True)
     if hasattr(ddp, "dmuon_plan"):

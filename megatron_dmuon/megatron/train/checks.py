@@ -171,8 +171,32 @@ def model_config_of(args) -> dict:
     return {name: getattr(args, name) for name in MODEL_FLAGS}
 
 
+def schedule_of(args) -> dict:
+    """The lr / weight-decay schedule of Megatron's OptimizerParamScheduler under the flags (Megatron
+    counts samples); a resume compares it with the checkpoint's."""
+    samples = args.train_iters * args.global_batch_size
+    return dict(max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+                lr_decay_steps=samples, lr_decay_style="cosine", start_wd=args.weight_decay,
+                end_wd=args.weight_decay, wd_incr_steps=samples, wd_incr_style="constant")
+
+
+def _check_schedule_matches(p, args, saved) -> None:
+    """As Megatron-LM: a resume under other schedule values needs --override-opt_param-scheduler (this
+    run's) or --use-checkpoint-opt_param-scheduler (the checkpoint's), else it would silently keep one."""
+    if args.no_load_optim or not isinstance(saved, dict) or args.override_opt_param_scheduler \
+            or args.use_checkpoint_opt_param_scheduler:
+        return
+    mine = schedule_of(args)
+    differ = [f"{k} {saved[k]} -> {mine[k]}" for k in mine if k in saved and saved[k] != mine[k]]
+    if differ:
+        p.error(f"--load {args.load}: the checkpoint's lr/wd schedule differs from this run's ({', '.join(differ)}; "
+                "e.g. a raised --train-iters or a new --lr): pass --override-opt_param-scheduler to resume under "
+                "this run's flags, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
 def _check_model_matches(p, args, iteration: int) -> None:
-    """--load of a checkpoint saved under other model flags: refused by name before anything is built."""
+    """--load of a checkpoint saved under other model flags, or under another lr schedule without
+    Megatron-LM's flag that says which wins: refused by name before anything is built."""
     from megatron.core import dist_checkpointing
 
     from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir
@@ -183,14 +207,14 @@ def _check_model_matches(p, args, iteration: int) -> None:
     except Exception as e:  # noqa: BLE001 - any reader failure: a damaged checkpoint
         p.error(f"--load {args.load}: {path} is damaged: its common state does not read ({type(e).__name__}: {e})")
     saved = common.get("model_config") if isinstance(common, dict) else None
-    if saved is None:  # saved before checkpoints recorded their model: shapes are checked at load
-        return
     mine = model_config_of(args)
-    differ = [name for name in MODEL_FLAGS if name in saved and saved[name] != mine[name]]
+    # (a checkpoint saved before checkpoints recorded their model has its shapes checked at load)
+    differ = [name for name in MODEL_FLAGS if saved and name in saved and saved[name] != mine[name]]
     if differ:
         flags = lambda cfg: " ".join(f"--{n.replace('_', '-')} {cfg[n]}" for n in differ)  # noqa: E731
         p.error(f"--load {args.load}: {path} was saved by another model ({flags(saved)}; this run: {flags(mine)}); "
                 "pass the checkpoint's values, or another --load")
+    _check_schedule_matches(p, args, common.get("opt_param_scheduler") if isinstance(common, dict) else None)
 
 
 def _check_checkpointing(p, args) -> None:
@@ -208,6 +232,9 @@ def _check_checkpointing(p, args) -> None:
     from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError
     from megatron_dmuon.megatron.checkpoint_io import TRACKER, complete_iterations, latest_iteration, resume_iteration
 
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        p.error("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler ask for opposite schedules: "
+                "pass one")
     if args.load:
         if os.path.isfile(os.path.join(args.load, "metadata.json")) and not os.path.exists(os.path.join(args.load, TRACKER)):
             p.error(f"--load {args.load} is one checkpoint, not the directory that holds them: pass "

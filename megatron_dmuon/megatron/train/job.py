@@ -18,7 +18,7 @@ from megatron_dmuon.logs import log_to
 
 from .args import parse_args
 from .checkpoints import hold_save_lock
-from .checks import job_error
+from .checks import job_error, schedule_of
 from .data import TokenSource, token_source
 from .loop import train
 from .summary import print_start_line, report
@@ -127,12 +127,9 @@ def build(args, rank, world, backend) -> Job:
                                   params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
                                   fp8_recipe=args.fp8_recipe if args.fp8_format else None)
     opt = optimizer_factory_for(args, get_megatron_optimizer)(opt_config, [ddp])
-    sched = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,  # Megatron counts samples
-        lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style="cosine",
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant")
+    sched = OptimizerParamScheduler(  # a resume's other schedule needs one of the two flags (checks.py)
+        opt, init_lr=0.0, **schedule_of(args), override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler)
     return Job(args=args, rank=rank, world=world, backend=backend, dp_size=dp_size, dp_rank=dp_rank,
                grad_accum=args.global_batch_size // (args.micro_batch_size * dp_size), shape=shape, model=model,
                ddp=ddp, opt=opt, sched=sched, data=token_source(args))

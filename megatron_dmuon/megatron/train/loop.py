@@ -152,7 +152,8 @@ def train(job) -> History:
     run = History(start=load_if_requested(args, ddp, opt, sched, rank))
     if run.start >= args.train_iters and rank == 0:
         print(f"> the checkpoint is at iteration {run.start} and --train-iters is {args.train_iters}: nothing to train "
-              "(raise --train-iters to continue)", flush=True)
+              "(raise --train-iters to continue, with --override-opt_param-scheduler for the longer schedule or "
+              "--use-checkpoint-opt_param-scheduler to keep the saved one)", flush=True)
     streak = 0  # consecutive iterations without a finite loss and an applied update
     for it in range(run.start + 1, args.train_iters + 1):
         maybe_fail(args, it, rank, job.world)
