@@ -252,6 +252,15 @@ def test_a_run_that_ends_on_skipped_steps_does_not_exit_0(tmp_path):
     assert doc["summary"]["skipped_iterations"] >= 1 and len(doc["iterations"]) == 6
 
 
+def test_an_unwritable_timing_json_fails_the_run_by_name():
+    """[bad-input-3]: --timing-json /dev/full raised OSError after training; now the summary line stays,
+    then one error names the flag and the reason, and the run exits 1."""
+    run = job("--train-iters", 3, "--timing-json", "/dev/full", expect=1)
+    assert run.stderr.count("--timing-json /dev/full could not be written (No space left on device)") == 1, \
+        run.stderr[-2000:]
+    assert summary(run)["trained_iterations"] == 3 and "OSError" not in run.stderr  # (torchrun adds its own report)
+
+
 def test_a_usage_error_under_run_main_prints_once_and_exits_2():
     proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "run_main.sh"), "--num-layers", "0"],
                           capture_output=True, text=True, timeout=600)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
 import torch
@@ -224,6 +225,13 @@ def _check_checkpointing(p, args) -> None:
         problem = dir_problem(args.save)
         if problem:
             p.error(f"--save {args.save}: {problem}")
+        if os.path.isdir(os.path.join(args.save, ".dmuon_save.lock")):
+            p.error(f"--save {args.save}: its lock file .dmuon_save.lock is a directory: remove it")
+        blocking = sorted(n for n in (os.listdir(args.save) if os.path.isdir(args.save) else ())
+                          if re.fullmatch(r"iter_\d{7}", n) and not os.path.isdir(os.path.join(args.save, n)))
+        if blocking:
+            p.error(f"--save {args.save}: {blocking[0]} is a file where a checkpoint directory would be written: "
+                    "remove it, or save elsewhere")
     if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
         p.error(f"--load {args.load} is not a directory")
     if (args.save or args.load) and args.optimizer == "dmuon" and args.dmuon_mode != "dmuon":
@@ -310,13 +318,35 @@ def _check_data(p, args) -> None:
         p.error(str(e))
 
 
+def model_state_bytes(args) -> int:
+    """A lower bound of what this rank holds before any activation: its share of the params (TP x PP
+    split them) in the model's dtype plus their fp32 grad buffer (Megatron reduces grads in fp32),
+    and the sharded optimizer state (an fp32 master for bf16 params, and at least one fp32 moment)."""
+    h, heads, groups, ffn = args.hidden_size, args.num_attention_heads, args.num_query_groups, args.ffn_hidden_size
+    head_dim = h // heads
+    layer = h * (heads + 2 * groups) * head_dim + heads * head_dim * h + 3 * h * ffn + 2 * h  # SwiGLU MLP
+    params = args.num_layers * layer + 2 * args.vocab_size * h + h  # untied embedding and output layer
+    per_rank = params // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+    dp = max(int(os.environ.get("WORLD_SIZE", 1)) // (args.tensor_model_parallel_size
+                                                        * args.pipeline_model_parallel_size), 1)
+    optimizer = (4 if args.bf16 else 0) + 4
+    return per_rank * ((2 if args.bf16 else 4) + 4) + per_rank * optimizer // dp
+
+
 def _check_memory(p, args) -> None:
-    """A lower bound of what one micro-batch needs: the attention scores of one layer (unfused, in
-    fp32), against the memory this rank can have. Catches absurd sizes before the kernel's OOM
-    killer does (a SIGKILL with no message)."""
+    """Lower bounds, against the memory this rank can have: the model state (``model_state_bytes``)
+    and what one micro-batch adds (the attention scores of one layer, unfused, in fp32). Catches
+    absurd sizes before the kernel's OOM killer does (a SIGKILL with no message)."""
+    available = _available_bytes()
+    state = model_state_bytes(args)
+    if available and state > available:
+        p.error(f"the model (--num-layers {args.num_layers}, --hidden-size {args.hidden_size}, --ffn-hidden-size "
+                f"{args.ffn_hidden_size}, --vocab-size {args.vocab_size}) needs at least {state / 2**30:.1f} GiB per rank "
+                f"for its params, grads and optimizer state, more than the {available / 2**30:.1f} GiB this rank has: "
+                "make it smaller, or split it (--tensor-model-parallel-size, --pipeline-model-parallel-size, more "
+                "ranks)")
     scores = args.micro_batch_size * (args.num_attention_heads // args.tensor_model_parallel_size) \
         * args.seq_length ** 2 * 4
-    available = _available_bytes()
     if available and scores > available:
         p.error(f"--seq-length {args.seq_length} with --micro-batch-size {args.micro_batch_size} and "
                 f"--num-attention-heads {args.num_attention_heads} needs at least {scores / 2**30:.1f} GiB for one "

@@ -55,7 +55,10 @@ def main(argv=None) -> None:
     job = build(args, rank, world, backend)
     print_start_line(job)
     run = train(job)
-    report(job, run)
+    problem = [report(job, run)]  # rank 0's: an unwritable --timing-json
+    torch.distributed.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        job_error(problem[0], 1)
     if run.timings and not (run.last_ok and math.isfinite(run.last_loss)):
         what = "its update was skipped (non-finite gradients)" if not run.last_ok else \
             f"its loss is {run.last_loss}"

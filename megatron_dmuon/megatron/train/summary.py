@@ -65,8 +65,9 @@ def _memory_summary(opt, ddp, dp_size) -> dict:
     return out
 
 
-def report(job, run) -> None:
-    """Every rank: its median optimizer step to rank 0; rank 0: the summary line and --timing-json."""
+def report(job, run):
+    """Every rank: its median optimizer step to rank 0; rank 0: the summary line and --timing-json.
+    Returns, on rank 0, why --timing-json could not be written (None: written, or not asked)."""
     args, opt, ddp, start = job.args, job.opt, job.ddp, run.start
     timings = run.timings
     steady = timings[len(timings) // 2:] or timings
@@ -76,7 +77,7 @@ def report(job, run) -> None:
     per_rank_opt = [None] * job.world
     torch.distributed.all_gather_object(per_rank_opt, median("optimizer_ms"))
     if job.rank != 0:
-        return
+        return None
     summary = {"optimizer": args.optimizer, "mode": args.dmuon_mode if args.optimizer == "dmuon" else "adam",
                "transformer_impl": args.transformer_impl, "fp8": args.fp8_format and {
                    "format": args.fp8_format, "recipe": args.fp8_recipe, "param_gather": args.fp8_param_gather},
@@ -95,7 +96,12 @@ def report(job, run) -> None:
                **_memory_summary(opt, ddp, job.dp_size)}
     print("> summary " + json.dumps(summary), flush=True)
     if args.timing_json:
-        with open(args.timing_json, "w") as f:
-            plan = json.loads(ddp.dmuon_plan.to_json()) if hasattr(ddp, "dmuon_plan") else None
-            json.dump({"summary": summary, "iterations": timings, "validation": run.validation, "args": vars(args),
-                       "dmuon_plan": plan}, f, indent=1)  # dmuon plan --show <this file> prints the plan
+        plan = json.loads(ddp.dmuon_plan.to_json()) if hasattr(ddp, "dmuon_plan") else None
+        try:
+            with open(args.timing_json, "w") as f:
+                json.dump({"summary": summary, "iterations": timings, "validation": run.validation, "args": vars(args),
+                           "dmuon_plan": plan}, f, indent=1)  # dmuon plan --show <this file> prints the plan
+        except OSError as e:
+            return (f"--timing-json {args.timing_json} could not be written ({e.strerror or e}); the summary line "
+                    "above holds the run's figures")
+    return None
