@@ -388,9 +388,17 @@ def test_cli_flags_are_validated(capsys, cli, argv, message):
     (["--preset", "qwen2.5-7b", "--dp", "8", "--tp", "3"], "--tp 3 must divide the model's attention heads (28)"),
     (["--preset", "qwen2.5-7b", "--dp", "8", "--stage", "2"], "--stage 2 must be a pipeline stage in [0, --pp) = [0, 1)"),
     (["--preset", "qwen2.5-7b", "--dp", "8", "--time-limit", "nan"], "--time-limit must be a finite number"),
+    # [bad-input-3]: raw tracebacks before
+    (["--preset", "tiny", "--dp", "2", "--profile", "LIST"], "--profile LIST: not a CostTable, a one-entry profile"),
+    (["--preset", "tiny", "--dp", "2", "--cluster", "nosuch"], "--cluster nosuch: cluster 'nosuch' not in the cluster"),
+    (["--preset", "tiny", "--dp", "2", "--config", "/dev/null"], "--config /dev/null: not a readable cluster config"),
 ])
-def test_dmuon_plan_validates_its_arguments(capsys, argv, message):
+def test_dmuon_plan_validates_its_arguments(capsys, tmp_path, argv, message):
     from megatron_dmuon.planning import plan_cli
+
+    (tmp_path / "list.json").write_text("[1, 2]")
+    argv = [str(tmp_path / "list.json") if a == "LIST" else a for a in argv]
+    message = message.replace("LIST", str(tmp_path / "list.json"))
 
     with pytest.raises(SystemExit) as exit_info:
         plan_cli.main(argv)

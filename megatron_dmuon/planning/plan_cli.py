@@ -195,6 +195,27 @@ def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
         p.error(f"--pp {par.pp} must divide the model's {model.num_layers} layers")
 
 
+def _cost_inputs(p, args):
+    """(cluster config, cluster, measured profile or None), each refused by its flag's name when it
+    does not read."""
+    try:
+        config = load_config(args.config)
+        if not isinstance(config, dict) or not {"clusters", "devices", "optimizer"} <= set(config):
+            raise ValueError("needs the sections clusters, devices and optimizer (see planning/clusters.json)")
+    except (OSError, ValueError) as e:
+        p.error(f"--config {args.config}: not a readable cluster config JSON ({type(e).__name__}: {e})")
+    try:
+        cluster = cluster_spec(args.cluster, config)
+    except (KeyError, ValueError, TypeError) as e:
+        p.error(f"--cluster {args.cluster}: {e}")
+    try:
+        table = load_profile(args.profile, args.ns_steps) if args.profile else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        p.error(f"--profile {args.profile}: not a CostTable, a one-entry profile cache or a kernel benchmark JSON "
+                f"({type(e).__name__}: {e})")
+    return config, cluster, table
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -203,9 +224,7 @@ def main(argv=None) -> int:
         return 0
     model, par, extra = _model_and_parallel(args)
     _check(parser, args, model, par)
-    config = load_config(args.config)
-    cluster = cluster_spec(args.cluster, config)
-    table = load_profile(args.profile, args.ns_steps) if args.profile else None
+    config, cluster, table = _cost_inputs(parser, args)
     cost_model = CostModel(cluster.device, table, args.ns_steps, args.ns_method)
     milp_options = {"backend": args.backend, "time_limit_s": args.time_limit}
     plans = {}
