@@ -153,6 +153,30 @@ def test_load_of_one_checkpoint_or_a_broken_tracker_is_refused(adam, tmp_path, c
     assert "latest_checkpointed_iteration.txt is not a file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("damage", ["shard_cut", "dcp_metadata_cut", "metadata_json_garbage"])
+def test_a_damaged_checkpoint_is_named_with_the_last_one_that_reads(adam, tmp_path, capsys, monkeypatch, damage):
+    """[bad-input-3]: a data file cut to 100 bytes, torch DCP's .metadata cut, metadata.json = 'garbage{'
+    gave raw DCP/JSON errors (and 'Connection closed by peer' on the other rank); now the start-up checks
+    name the checkpoint as damaged, say why, and name the last complete iteration that reads (4)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    root = stop_at(adam[0] / "full", tmp_path / "damaged", 8)
+    last = root / "iter_0000008"
+    if damage == "shard_cut":
+        shard = next(f for f in os.listdir(last) if f.endswith(".distcp"))
+        os.truncate(last / shard, 100)
+    elif damage == "dcp_metadata_cut":
+        os.truncate(last / ".metadata", 100)
+    else:
+        (last / "metadata.json").write_text("garbage{")
+    with pytest.raises(SystemExit):
+        _parse(["--optimizer", "adam", "--load", root, "--train-iters", 8])
+    err = capsys.readouterr().err
+    assert f"the checkpoint {last} is damaged: " in err, err
+    assert {"shard_cut": "holds 100 bytes of", "dcp_metadata_cut": ".metadata does not read",
+            "metadata_json_garbage": "its metadata.json does not read"}[damage] in err, err
+    assert f"the last complete checkpoint that reads is iteration 4: write 4 into {root}" in err, err
+
+
 def test_a_fresh_run_into_another_runs_save_directory_is_refused(adam, capsys, monkeypatch):
     """[bad-input-3]: a run without --load saving where another run's checkpoints are would have moved the
     tracker back (a later --load resumes the wrong run); --load of the same directory continues it."""

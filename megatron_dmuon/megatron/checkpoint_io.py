@@ -105,6 +105,35 @@ def resume_iteration(root: str) -> Optional[int]:
     raise CheckpointMismatchError(f"{tracker} names iteration {iteration}, but {path} {state}; {hint}")
 
 
+def checkpoint_problem(path: str) -> Optional[str]:
+    """Why the checkpoint directory ``path`` cannot load, in words (None: it reads): an unreadable
+    metadata.json, torch DCP's .metadata, or a data file shorter than the metadata says. Reads no
+    tensor and needs no process group, so the start-up checks can run it."""
+    import json
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        return f"its metadata.json does not read ({type(e).__name__}: {e})"
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - torch DCP's reader raises whatever unpickling met
+        return f"torch DCP's .metadata does not read ({type(e).__name__}: {e})"
+    need = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = os.path.join(path, name)
+        have = os.path.getsize(file) if os.path.isfile(file) else None
+        if have is None or have < size:
+            return f"its data file {name} " + ("is missing" if have is None else f"holds {have} bytes of {size}")
+    return None
+
+
 def _fresh_data(state) -> None:
     """Point every model ShardedTensor / factory at an empty tensor of its shape (in place)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory

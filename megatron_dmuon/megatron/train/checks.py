@@ -200,9 +200,17 @@ def _check_model_matches(p, args, iteration: int) -> None:
     Megatron-LM's flag that says which wins: refused by name before anything is built."""
     from megatron.core import dist_checkpointing
 
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir
+    from megatron_dmuon.megatron.checkpoint_io import TRACKER, checkpoint_dir, checkpoint_problem, complete_iterations
 
     path = checkpoint_dir(args.load, iteration)
+    problem = checkpoint_problem(path)
+    if problem:
+        older = [i for i in complete_iterations(args.load) if i < iteration and not checkpoint_problem(
+            checkpoint_dir(args.load, i))]
+        tracker = os.path.join(args.load, TRACKER)
+        p.error(f"--load {args.load}: the checkpoint {path} is damaged: {problem}; " + (
+            f"the last complete checkpoint that reads is iteration {older[-1]}: write {older[-1]} into {tracker} to "
+            "resume from it" if older else f"no earlier checkpoint there reads: remove {tracker} to start fresh"))
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as e:  # noqa: BLE001 - any reader failure: a damaged checkpoint
