@@ -306,13 +306,14 @@ def _odd_dataset(prefix, kind):
     (["--hidden-size", "4", "--num-attention-heads", "4"], "the head dimension, must be even"),
     (["--data-path", "FLOAT", "--vocab-size", "64"], "says its tokens are float32, not integer token ids"),
     (["--data-path", "NEGATIVE", "--vocab-size", "64"], "the dataset holds a negative token id (-1)"),
+    (["--split", "1,10000000"], "the train split has "),
     (["--save", "LOCKDIR"], "its lock file .dmuon_save.lock is a directory: remove it"),
     (["--save", "ITERFILE"], "iter_0000004 is a file where a checkpoint directory would be written"),
     (["--hidden-size", "8192", "--num-layers", "4"], "needs at least 9.4 GiB per rank for its params, grads and "
                                                      "optimizer state, more than the 4.0 GiB this rank has"),
 ], ids=["decoupled_lr_negative", "decoupled_lr_nan", "adam_decoupled_lr_nan", "decoupled_min_above",
         "split_inf_inf", "split_1_inf", "seed_overflow", "seed_negative", "vocab_tp", "head_dim_1", "float_tokens",
-        "negative_token", "lock_is_a_directory", "iter_file_in_save", "model_state_beyond_memory"])
+        "negative_token", "split_train_too_short", "lock_is_a_directory", "iter_file_in_save", "model_state_beyond_memory"])
 def test_bad_input_3_is_refused_at_start_up(tmp_path, capsys, monkeypatch, argv, message):
     """[bad-input-3]: inputs that were accepted silently or failed late (in the model, the forward, or the
     CPU shim) are refused by the start-up checks, before any process group, naming the flag."""

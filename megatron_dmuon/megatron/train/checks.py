@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from .data import check_indexed_dataset, parse_split, token_source
+from .data import check_indexed_dataset, parse_split, token_source, train_split_problem
 
 PROG = "dmuon-train"  # the trainer's name in its messages, whichever entry started it
 
@@ -318,6 +318,9 @@ def _check_data(p, args) -> None:
     if not args.data_path:
         if args.vocab_size < 256:
             p.error("--vocab-size must be >= 256 for the byte-level default data")
+        problem = train_split_problem(args)
+        if problem:
+            p.error(problem)
         return
     try:
         check_indexed_dataset(args.data_path)

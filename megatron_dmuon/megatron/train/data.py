@@ -43,6 +43,18 @@ def stdlib_files() -> list:
                   if "site-packages" not in f and "dist-packages" not in f)
 
 
+def train_split_problem(args):
+    """Why the default data's train split is too short for one window (None: long enough), from the
+    files' sizes alone: the start-up checks run it without reading the corpus."""
+    train_share, valid_share = parse_split(args.split)
+    total = sum(os.path.getsize(f) for f in stdlib_files())
+    n_train = int(total * train_share) if valid_share else total
+    if n_train < args.seq_length + 2:
+        return (f"the train split has {n_train} tokens; need more than --seq-length {args.seq_length} (lower "
+                "--seq-length, or give more data / a larger train weight in --split)")
+    return None
+
+
 def stdlib_bytes() -> torch.Tensor:
     """The corpus as a uint8 tensor (windows are widened to int64 when they are cut)."""
     data = b"".join(open(f, "rb").read() for f in stdlib_files())
