@@ -63,8 +63,27 @@ def milp_layouts(rank, world_size, cache_dir):
     # the next start (another time left for the MILP): the plan comes from the cache
     second = plan(groups["stage"], cache, budget=45.0)
     assert runs["milp"] == milp_runs, "the cached plan was planned again"
+    calls = runs["cost_model"]
+    # [bad-input-3]: an entry whose owners are not ranks of this DP size (7 at DP = 2) is dropped with
+    # a warning naming the cache file, and the model is planned again
+    import json
+    import warnings
+
+    if rank == 0:
+        data = json.load(open(cache))
+        for entry in data["entries"].values():
+            for key, text in entry.items():
+                layout = json.loads(text)
+                layout["owners"] = {name: 7 for name in layout["owners"]}
+                entry[key] = json.dumps(layout)
+        json.dump(data, open(cache, "w"))
+    torch.distributed.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        third = plan(groups["stage"], cache, budget=45.0)
+    warned = [str(w.message) for w in caught if "unusable" in str(w.message)]
     return {"layouts": shared, "local": local, "second": second, "milp_runs": milp_runs,
-            "cost_model_calls": runs["cost_model"]}
+            "cost_model_calls": calls, "third": third, "warned": warned, "milp_after": runs["milp"]}
 
 
 def layout_item_costs(rank, world_size, split):

@@ -422,6 +422,11 @@ def test_milp_plans_are_identical_across_ranks_gloo(tmp_path):
     # the cost model is built on rank 0 alone, once per start
     assert results[0]["second"] == results[1]["second"] == results[0]["layouts"]
     assert [r["cost_model_calls"] for r in results] == [2, 0]
+    # a damaged cache entry (owners 7 at DP = 2): rank 0 warns, naming the file, and plans again
+    assert results[0]["third"] == results[1]["third"] == results[0]["layouts"]
+    assert results[0]["milp_after"] == 2 and results[1]["warned"] == []
+    assert len(results[0]["warned"]) == 1 and str(tmp_path / "plans.json") in results[0]["warned"][0]
+    assert "owner 7 of" in results[0]["warned"][0] and "is not a rank of 2" in results[0]["warned"][0]
 
 
 def test_startup_budget_splits_between_profile_and_milp_and_the_plan_key_ignores_the_limit():

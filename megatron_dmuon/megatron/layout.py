@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
@@ -208,7 +209,11 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
                                   "max_bucket_padding": opts.max_bucket_padding, "balance": opts.balance,
                                   "milp_options": milp_options, "elementwise": elementwise})
             cached = cache.get(cache_key)
-            if cached is not None and set(cached) == {str(k) for k in keys}:
+            problem = _cached_plan_problem(cached, keys, items, sizes) if cached is not None else None
+            if problem:  # a damaged or foreign entry: planned again (and replaced below)
+                warnings.warn(f"{cache.label} {cache.path}: its entry for this model is unusable ({problem}); "
+                              "planning again", RuntimeWarning)
+            elif cached is not None:
                 payload = [({k: cached[str(k)] for k in keys}, _cost_of(items))]
         if payload[0] is None:
             rank_cost: Dict[bool, List[float]] = {}
@@ -244,6 +249,22 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
             num_optimizer_shards=sizes(key)[0],
         )
     return plan, FullParamLayout(layouts=per_buffer)
+
+
+def _cached_plan_problem(cached, keys, items, sizes) -> Optional[str]:
+    """Why a plan-cache entry cannot serve this model (None: it can): other buffers, a layout that
+    does not read, or one that fails the layout's invariants at these DP x TP sizes."""
+    try:
+        if set(cached) != {str(k) for k in keys}:
+            return "other buffers"
+        for key in keys:
+            layout = OwnerLayout.from_json(cached[str(key)])
+            if (layout.world_size, layout.tp_size) != tuple(sizes(key)):
+                return f"made for DP x TP {layout.world_size} x {layout.tp_size}, not {sizes(key)[0]} x {sizes(key)[1]}"
+            layout.validate(items[key])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _cost_of(items) -> Dict[str, Tuple[float, float]]:

@@ -113,6 +113,7 @@ class OwnerLayout:
             require(bucket.start <= s and e <= bucket.end, f"{it.name} runs past its bucket")
             if it.is_matrix:
                 r = self.owners[it.name]
+                require(0 <= r < self.world_size, f"owner {r} of {it.name} is not a rank of {self.world_size}")
                 lo, hi = shard_range(r, bucket.shard_size, bucket.start)
                 require(lo <= s and e <= hi, f"matrix {it.name} crosses its owner's shard")
                 require(0 <= self.tp_owners.get(it.name, 0) < self.tp_size, f"TP owner of {it.name} out of range")
