@@ -339,6 +339,25 @@ def test_bad_input_3_is_refused_at_start_up(tmp_path, capsys, monkeypatch, argv,
     assert err.count("error:") == 1
 
 
+def test_a_damaged_index_is_named_without_a_stray_report(tmp_path, capsys, monkeypatch):
+    """[bad-input-3]: a damaged .idx gave its clear error, then "Exception ignored in IndexedDataset.__del__"."""
+    import gc
+    import sys
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    prefix = str(tmp_path / "corpus")
+    _dataset(prefix)
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(12)
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(u))
+    with pytest.raises(SystemExit):
+        _job_args().parse_args(["--data-path", prefix, "--vocab-size", "64"])
+    gc.collect()
+    assert f"cannot read {prefix}.idx" in capsys.readouterr().err
+    assert ignored == [], [str(u.exc_value) for u in ignored]
+
+
 def test_usage_errors_print_on_rank_0_only(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:

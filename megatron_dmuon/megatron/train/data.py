@@ -68,8 +68,13 @@ def check_indexed_dataset(prefix: str) -> None:
             raise ValueError(f"--data-path {prefix}: {prefix + ext} does not exist")
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    class Checked(IndexedDataset):
+        def __del__(self):  # Megatron's __del__ fails on an object whose index did not read (a stray report)
+            if hasattr(self, "index"):
+                super().__del__()
+
     try:
-        ds = IndexedDataset(prefix)
+        ds = Checked(prefix)
     except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable index
         raise ValueError(f"--data-path {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e})") from None
     index = ds.index
