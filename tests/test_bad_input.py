@@ -474,3 +474,38 @@ def test_every_row_of_the_bad_input_table_names_existing_tests():
             current_file = file or current_file
             source = open(os.path.join(ROOT, "tests", current_file)).read()
             assert f"def {name}(" in source, (current_file, name)
+
+
+@pytest.mark.parametrize("failure,reason", [
+    ("[enforce fail at inline_container.cc:603] . unexpected pos 4480 vs 4368", "the disk holding it is full"),
+    ("[Errno 28] No space left on device", "the disk holding it is full"),
+    ("some other failure", "RuntimeError: some other failure"),
+])
+def test_a_failed_save_names_the_directory_and_the_checkpoint_kept(tmp_path, capsys, monkeypatch, failure, reason):
+    """[bad-input-3]: --save on a full disk ended in torch's 'enforce fail ... unexpected pos', never 'disk
+    full'; the job now names --save, the reason and the checkpoint that is still the latest, and exits 1."""
+    import torch.distributed as dist
+
+    from megatron_dmuon.megatron import checkpoint_io
+    from megatron_dmuon.megatron.train import checkpoints
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+
+    def failing_save(*a, **k):
+        raise RuntimeError(failure)
+
+    monkeypatch.setattr(checkpoint_io, "save_checkpoint", failing_save)
+    monkeypatch.setattr(checkpoints, "model_config_of", lambda args: {})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        args = SimpleNamespace(save=str(tmp_path))
+        sched = SimpleNamespace(state_dict=lambda: {})
+        with pytest.raises(SystemExit) as exit_info:
+            checkpoints.save(args, 8, None, None, sched, 0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    assert (f"--save {tmp_path}: writing the checkpoint of iteration 8 failed ({reason}); iteration 4 is still the "
+            "latest complete checkpoint there (the tracker was not moved)") in err, err

@@ -82,10 +82,25 @@ def load_if_requested(args, ddp, opt, sched, rank) -> int:
     return int(common["iteration"])
 
 
-def save(args, iteration, ddp, opt, sched, rank) -> None:
-    from megatron_dmuon.megatron.checkpoint_io import save_checkpoint
+# what torch's writers say when the disk is full (its zip writer: "unexpected pos"; the OS: ENOSPC)
+DISK_FULL_SIGNS = ("No space left on device", "unexpected pos", "file write failed")
 
-    path = save_checkpoint(args.save, iteration, [ddp], opt, extra={"opt_param_scheduler": sched.state_dict(),
-                                                                      "model_config": model_config_of(args)})
+
+def save(args, iteration, ddp, opt, sched, rank) -> None:
+    from megatron_dmuon.megatron.checkpoint_io import latest_iteration, save_checkpoint
+
+    try:
+        path = save_checkpoint(args.save, iteration, [ddp], opt, extra={"opt_param_scheduler": sched.state_dict(),
+                                                                          "model_config": model_config_of(args)})
+    except BaseException as e:  # torch DCP's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        full = any(sign in str(e) for sign in DISK_FULL_SIGNS)
+        reason = "the disk holding it is full" if full else f"{type(e).__name__}: {str(e)[:300]}"
+        latest = latest_iteration(args.save)
+        kept = f"iteration {latest} is still the latest complete checkpoint there" if latest is not None else \
+            "no earlier checkpoint is there"
+        job_error(f"--save {args.save}: writing the checkpoint of iteration {iteration} failed ({reason}); {kept} "
+                  "(the tracker was not moved)" + ("; free space there, or save elsewhere" if full else ""), 1)
     if rank == 0:
         print(f"> saved checkpoint {path}", flush=True)
