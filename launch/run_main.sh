@@ -21,4 +21,12 @@ else
   ENTRY=megatron_dmuon.testing.cpu_train
 fi
 WORLD_SIZE="$NPROC" LOCAL_WORLD_SIZE="$NPROC" python -m "$ENTRY" "${EXTRA[@]}" "$@" --parse-only >/dev/null
-exec torchrun --standalone --nproc-per-node "$NPROC" -m "$ENTRY" "${EXTRA[@]}" "$@"
+# a run-time error of the job prints one block: torchrun's own report of the failed children is dropped
+# after it (launch/after_job_error.py); the exit code is torchrun's (the job's: 1, or 2 for a held --save)
+exec 3>&1
+set +e
+torchrun --standalone --nproc-per-node "$NPROC" -m "$ENTRY" "${EXTRA[@]}" "$@" 2>&1 1>&3 3>&- \
+  | python -u "$(dirname "${BASH_SOURCE[0]}")/after_job_error.py"
+status=${PIPESTATUS[0]}
+exec 3>&-
+exit "$status"

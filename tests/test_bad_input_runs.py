@@ -285,6 +285,16 @@ def test_an_unwritable_timing_json_fails_the_run_by_name():
     assert summary(run)["trained_iterations"] == 3 and "OSError" not in run.stderr  # (torchrun adds its own report)
 
 
+def test_a_run_time_error_under_run_main_prints_one_block_and_exits_1():
+    """[bad-input-3]: under launch/run_main.sh a run-time error (here: the run ends on skipped steps) printed
+    torchrun's report of the failed children after the job's own error; now the job's error alone, exit 1."""
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "run_main.sh"), *SMALL, "--train-iters", "6",
+                           "--lr", "1e10", "--clip-grad", "0"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count("error:") == 1 and "the run did not train to its end" in proc.stderr, proc.stderr[-2000:]
+    assert "ChildFailedError" not in proc.stderr + proc.stdout and "> summary " in proc.stdout
+
+
 def test_a_usage_error_under_run_main_prints_once_and_exits_2():
     proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "run_main.sh"), "--num-layers", "0"],
                           capture_output=True, text=True, timeout=600)
