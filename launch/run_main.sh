@@ -22,7 +22,7 @@ else
 fi
 WORLD_SIZE="$NPROC" LOCAL_WORLD_SIZE="$NPROC" python -m "$ENTRY" "${EXTRA[@]}" "$@" --parse-only >/dev/null
 # a run-time error of the job prints one block: torchrun's own report of the failed children is dropped
-# after it (launch/after_job_error.py); the exit code is torchrun's (the job's: 1, or 2 for a held --save)
+# after it (launch/after_job_error.py); the exit code is torchrun's (1 for any failed child)
 exec 3>&1
 set +e
 torchrun --standalone --nproc-per-node "$NPROC" -m "$ENTRY" "${EXTRA[@]}" "$@" 2>&1 1>&3 3>&- \

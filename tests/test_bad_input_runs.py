@@ -22,11 +22,13 @@ SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128"
 
 
 def job(*argv, nproc=2, expect=0):
+    """One 2-rank run; ``expect``: 0 (success), or the exit code a failing run must give (1: any non-zero)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *JOB,
            *SMALL, *map(str, argv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 if expect == 0 else proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ok = proc.returncode == 0 if expect == 0 else (proc.returncode != 0 if expect == 1 else proc.returncode == expect)
+    assert ok, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
@@ -283,6 +285,15 @@ def test_an_unwritable_timing_json_fails_the_run_by_name():
     assert run.stderr.count("--timing-json /dev/full could not be written (No space left on device)") == 1, \
         run.stderr[-2000:]
     assert summary(run)["trained_iterations"] == 3 and "OSError" not in run.stderr  # (torchrun adds its own report)
+
+
+def test_an_adam_checkpoint_under_dmuon_is_one_error_naming_no_load_optim(adam):
+    """[bad-input-3]: the AdamW baseline's checkpoint under --optimizer dmuon was a traceback; now one error
+    (the job exits 2; torchrun, as for any failed child, 1) whose advice, --no-load-optim, the job has
+    (test_a_longer_resume_... runs it)."""
+    run = job("--train-iters", 8, "--load", adam[0] / "full", "--use-checkpoint-opt_param-scheduler", expect=1)
+    assert run.stderr.count("dmuon-train: error: --load") == 1 and "--no-load-optim" in run.stderr, run.stderr[-2000:]
+    assert "raise CheckpointMismatchError" not in run.stderr
 
 
 def test_a_run_time_error_under_run_main_prints_one_block_and_exits_1():

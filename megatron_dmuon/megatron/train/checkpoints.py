@@ -66,7 +66,13 @@ def load_if_requested(args, ddp, opt, sched, rank) -> int:
         if rank == 0:
             print(f"> no checkpoint in {args.load}: starting from scratch", flush=True)
         return 0
-    common = load_checkpoint(checkpoint_dir(args.load, iteration), [ddp], opt, load_optimizer=not args.no_load_optim)
+    from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError
+
+    try:  # (the optimizer record is checked on every rank before anything is read: all ranks stop here together)
+        common = load_checkpoint(checkpoint_dir(args.load, iteration), [ddp], opt,
+                                 load_optimizer=not args.no_load_optim)
+    except CheckpointMismatchError as e:
+        job_error(f"--load {args.load}: {e}", 2)
     if not args.no_load_optim:  # (--no-load-optim: the schedule starts fresh, as in Megatron-LM)
         sched.load_state_dict(common["opt_param_scheduler"])
     if rank == 0:
