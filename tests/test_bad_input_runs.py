@@ -294,6 +294,11 @@ def test_an_adam_checkpoint_under_dmuon_is_one_error_naming_no_load_optim(adam):
     run = job("--train-iters", 8, "--load", adam[0] / "full", "--use-checkpoint-opt_param-scheduler", expect=1)
     assert run.stderr.count("dmuon-train: error: --load") == 1 and "--no-load-optim" in run.stderr, run.stderr[-2000:]
     assert "raise CheckpointMismatchError" not in run.stderr
+    # the same refusal at start-up, before the schedule's (the optimizer is the first thing that differs)
+    err = subprocess.run([sys.executable, *JOB, *SMALL, "--train-iters", "20", "--load", str(adam[0] / "full"),
+                          "--parse-only"], capture_output=True, text=True, timeout=300).stderr
+    assert "was written by --optimizer adam, with no Muon momenta to keep: load the model only (--no-load-optim)" \
+        in err and "lr/wd schedule differs" not in err, err[-2000:]
 
 
 def test_a_run_time_error_under_run_main_prints_one_block_and_exits_1():

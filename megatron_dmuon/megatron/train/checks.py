@@ -223,6 +223,13 @@ def _check_model_matches(p, args, iteration: int) -> None:
         flags = lambda cfg: " ".join(f"--{n.replace('_', '-')} {cfg[n]}" for n in differ)  # noqa: E731
         p.error(f"--load {args.load}: {path} was saved by another model ({flags(saved)}; this run: {flags(mine)}); "
                 "pass the checkpoint's values, or another --load")
+    if args.optimizer == "dmuon" and not args.no_load_optim and isinstance(common, dict):
+        from megatron_dmuon.megatron.checkpoint_switch import megatron_source
+
+        source = megatron_source(common.get("optimizer"))
+        if source is not None and not source["muon_groups"]:  # (Megatron's Muon: DMuon continues it at load)
+            p.error(f"--load {args.load}: {path} was written by --optimizer adam, with no Muon momenta to keep: load "
+                    "the model only (--no-load-optim) to start DMuon's state fresh, or train on with --optimizer adam")
     _check_schedule_matches(p, args, common.get("opt_param_scheduler") if isinstance(common, dict) else None)
 
 
