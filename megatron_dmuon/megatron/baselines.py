@@ -10,7 +10,7 @@ from ..planning.ns_choice import plan_ns_choices
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .megatron_lm_flags import megatron_muon_fields
 from .layout import plan_records
-from .owner_optimizer import _grad_scaler, _init_state_fn, _muon_adam_groups, _register_matrices
+from .owner_optimizer import grad_scaler, init_state_fn, muon_adam_groups, register_matrices
 
 
 def build_megatron_layerwise(config, model_chunks, cfg):
@@ -67,18 +67,18 @@ def build_gather_then_compute_parts(config, model_chunks, cfg) -> list:
     param_groups, _ = _get_param_groups_and_buffers(
         model_chunks, 0, config, get_standard_config_overrides(config), lambda g: True, "buffers")
     inner = OwnerMuonAdamW(
-        _muon_adam_groups(param_groups, infos),
+        muon_adam_groups(param_groups, infos),
         lr=config.lr, weight_decay=config.weight_decay,
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
     )
     if config.bf16 or config.fp16:
-        opt = Float16OptimizerWithFloat16Params(inner, config, _grad_scaler(config), _init_state_fn)
-        _register_matrices(inner, opt.float16_groups, opt.fp32_from_float16_groups, infos)
-        _register_matrices(inner, opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups, infos)
+        opt = Float16OptimizerWithFloat16Params(inner, config, grad_scaler(config), init_state_fn)
+        register_matrices(inner, opt.float16_groups, opt.fp32_from_float16_groups, infos)
+        register_matrices(inner, opt.fp32_from_fp32_groups, opt.fp32_from_fp32_groups, infos)
     else:
-        opt = FP32Optimizer(inner, config, _init_state_fn)
+        opt = FP32Optimizer(inner, config, init_state_fn)
         groups = [g["params"] for g in inner.param_groups]
-        _register_matrices(inner, groups, groups, infos)
+        register_matrices(inner, groups, groups, infos)
     opt.grad_stats_parallel_group = parallel_state.get_model_parallel_group()
     opt.tp_group = parallel_state.get_tensor_model_parallel_group()
     opt.expert_tp_group = opt.tp_group

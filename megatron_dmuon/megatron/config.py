@@ -216,14 +216,14 @@ def config_of(args) -> DMuonConfig:
     only for other args, or if a flag changed since (Megatron-LM may fill args in after validation)."""
     if _PARSED is not None and _PARSED[0] is args and _PARSED[2] == _flags(args):
         return _PARSED[1]
-    return _remember(args, DMuonConfig.from_args(args))
+    return remember_config(args, DMuonConfig.from_args(args))
 
 
 def _flags(args) -> dict:
     return {k: v for k, v in vars(args).items() if k.startswith(("dmuon_", "muon_"))}
 
 
-def _remember(args, cfg: DMuonConfig) -> DMuonConfig:
+def remember_config(args, cfg: DMuonConfig) -> DMuonConfig:
     global _PARSED
     _PARSED = (args, cfg, _flags(args))
     return cfg

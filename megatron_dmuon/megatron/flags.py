@@ -22,9 +22,9 @@ from ..planning.tp_cost import TP_METHODS
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES
 from ..runtime.row_update_step import UPDATE_RULES
 from .checks import check_dmuon_config
-from .config import DEFAULT_DION3_FRACTION, MODES, MOMENTUM_DTYPES, DMuonConfig, _remember
+from .config import DEFAULT_DION3_FRACTION, MODES, MOMENTUM_DTYPES, DMuonConfig, remember_config
 from .hierarchy import check_two_level_config
-from .megatron_lm_flags import _UNKNOWN_MUON_FLAGS, MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING
+from .megatron_lm_flags import UNKNOWN_MUON_FLAGS, MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING
 from .publish import PUBLISH_DTYPES
 
 
@@ -44,8 +44,8 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     optimizer = parser._option_string_actions.get("--optimizer")
     if optimizer is not None and optimizer.choices is not None and "dmuon" not in optimizer.choices:
         optimizer.choices = list(optimizer.choices) + ["dmuon"]
-    _UNKNOWN_MUON_FLAGS.clear()
-    _UNKNOWN_MUON_FLAGS.update({action.dest: (flag, action.default)
+    UNKNOWN_MUON_FLAGS.clear()
+    UNKNOWN_MUON_FLAGS.update({action.dest: (flag, action.default)
                                 for flag, action in parser._option_string_actions.items()
                                 if flag.startswith("--muon-") and flag not in MUON_FLAG_HANDLING})
     missing = [(flag, kw) for flag, kw in MEGATRON_MUON_FLAGS if not _has(parser, flag)]
@@ -239,7 +239,7 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
         return None
     check_training_numbers(args)
     check_muon_numbers(args)
-    cfg = _remember(args, DMuonConfig.from_args(args))  # the one parse of the run (config_of)
+    cfg = remember_config(args, DMuonConfig.from_args(args))  # the one parse of the run (config_of)
     view = _ArgsView(args, cfg)
     check_dmuon_config(view, view, cfg, model_config=view)
     for flag in ("use_torch_fsdp2", "use_megatron_fsdp", "use_mup"):

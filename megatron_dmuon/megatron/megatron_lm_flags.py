@@ -69,7 +69,7 @@ MUON_FLAG_HANDLING = {
     "--muon-scalar-optimizer": "honoured: adam; lion refused",
 }
 # --muon-* flags a parser had that DMuon does not know: dest -> (flag, the parser's default)
-_UNKNOWN_MUON_FLAGS: dict = {}
+UNKNOWN_MUON_FLAGS: dict = {}
 
 
 def refuse_unknown_muon_flags(args) -> None:
@@ -78,7 +78,7 @@ def refuse_unknown_muon_flags(args) -> None:
     ``--dmuon-mode megatron_layerwise``, reads its flags itself)."""
     if getattr(args, "dmuon_mode", "dmuon") == "megatron_layerwise":
         return
-    for dest, (flag, default) in _UNKNOWN_MUON_FLAGS.items():
+    for dest, (flag, default) in UNKNOWN_MUON_FLAGS.items():
         value = getattr(args, dest, default)
         if value != default:
             raise ValueError(

@@ -18,7 +18,7 @@ from .optimizer_checkpoint import OwnerCheckpoints
 from .publish import register_masters
 
 
-def _muon_adam_groups(param_groups, infos):
+def muon_adam_groups(param_groups, infos):
     """Split each Megatron param group (lr/wd multipliers intact) into a Muon and an AdamW group."""
     out = []
     for g in param_groups:
@@ -29,7 +29,7 @@ def _muon_adam_groups(param_groups, infos):
     return out
 
 
-def _init_state_fn(opt, config=None):
+def init_state_fn(opt, config=None):
     """Megatron's init_state_fn hook: every state tensor, for every param, now (see init_state)."""
     opt.init_state()
 
@@ -48,7 +48,7 @@ def _matrix_infos(model_chunks, muon) -> dict:
             for (idx, param, name, record), ns in zip(params, choices) if record.use_muon}
 
 
-def _register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, infos) -> None:
+def register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, infos) -> None:
     for model_group, main_group in zip(model_groups, main_groups):
         for model_param, main_param in zip(model_group, main_group):
             if model_param in infos:
@@ -61,7 +61,7 @@ def _master_pairs(opt):
             for m, s in zip(mg, sg)]
 
 
-def _grad_scaler(config):
+def grad_scaler(config):
     """bf16/fp32 need no scaler; a constant --loss-scale is honoured as Megatron does (fp16 needs
     one: check_dmuon_config rejects fp16 with Megatron's dynamic scaler)."""
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler
@@ -90,13 +90,13 @@ def build_owner_parts(config, model_chunks, cfg) -> list:
         if not any(g["params"] for g in param_groups):
             continue
         inner = OwnerMuonAdamW(
-            _muon_adam_groups(param_groups, infos),
+            muon_adam_groups(param_groups, infos),
             lr=config.lr, weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
             tp_group=tp_groups[expert],
         )
         opt = DMuonDistributedOptimizer(
-            inner, config, _grad_scaler(config), _init_state_fn,
+            inner, config, grad_scaler(config), init_state_fn,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
             data_parallel_group=pgs["intra_expt_dp_group"] if expert else pgs["intra_dp_cp_group"],
@@ -104,8 +104,8 @@ def build_owner_parts(config, model_chunks, cfg) -> list:
             data_parallel_group_idx=(pgs["expt_tp_pp_with_egtp_remat_group"] if expert else pgs["mp_group"]).rank(),
             distributed_optimizer_instance_id=0,
         )
-        _register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, infos)
-        _register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, infos)
+        register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, infos)
+        register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, infos)
         # Megatron's get_megatron_optimizer sets these three after construction, as here
         opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
         opt.tp_group = tp_groups[False]

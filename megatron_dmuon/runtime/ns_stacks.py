@@ -44,6 +44,7 @@ class StackPlan:
         self.sizes: List[int] = []
         self.pieces: List[List[Tuple[int, int, int, Tuple[int, ...]]]] = []
         self.direct: Dict[int, Tuple[int, int, int]] = {}
+        self.ns: list = []  # per stack, the planning.ns_choice.NSChoice it runs (set by the owner step)
         index: Dict[tuple, int] = {}
 
         def take(shape2d, dtype, count):

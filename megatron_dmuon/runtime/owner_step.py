@@ -553,14 +553,16 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             outputs = [self.orthogonalizer(x) if self.orthogonalizer is not None else run_ns(x, choice)
                        for x, choice in zip(stacks, plan.ns)]
         else:
-            calls = dict(method=[c.method for c in plan.ns], per_stack_kwargs=[c.kwargs() for c in plan.ns])
+            def calls():  # each stack's method and keyword arguments, as its NSChoice says
+                return dict(method=[c.method for c in plan.ns], per_stack_kwargs=[c.kwargs() for c in plan.ns])
+
             if s.ns_launch == "streams":
-                outputs = orthogonalize_groups(stacks, **calls)
+                outputs = orthogonalize_groups(stacks, **calls())
             else:
                 key = self._graph_key(plan, stacks[0].device)
                 graph = self._graphs.get(key)
                 if graph is None:  # captured on these very stacks: they become its input buffers
-                    graph = self._graphs[key] = GraphedGroups(stacks, adopt_inputs=True, **calls)
+                    graph = self._graphs[key] = GraphedGroups(stacks, adopt_inputs=True, **calls())
                 outputs = graph(stacks)  # the graph's static outputs: consumed before the next step
         if s.retry_nonfinite:
             outputs = self._retry_nonfinite(outputs, stacks)

@@ -195,9 +195,10 @@ def _check_schedule_matches(p, args, saved) -> None:
                 "this run's flags, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
 
 
-def _check_model_matches(p, args, iteration: int) -> None:
-    """--load of a checkpoint saved under other model flags, or under another lr schedule without
-    Megatron-LM's flag that says which wins: refused by name before anything is built."""
+def _check_resume(p, args, iteration: int) -> None:
+    """The checkpoint --load resumes from, before anything is built: it reads (else it is named as damaged,
+    with the last one that does), it holds this run's model and an optimizer state this run can take, and
+    its lr schedule is this run's unless Megatron-LM's flag says which wins. Refused by name."""
     from megatron.core import dist_checkpointing
 
     from megatron_dmuon.megatron.checkpoint_io import TRACKER, checkpoint_dir, checkpoint_problem, complete_iterations
@@ -267,7 +268,7 @@ def _check_checkpointing(p, args) -> None:
         except CheckpointMismatchError as e:
             p.error(f"--load {args.load}: {e}")
         if iteration is not None:
-            _check_model_matches(p, args, iteration)
+            _check_resume(p, args, iteration)
     if args.save and (not args.load or os.path.abspath(args.load) != os.path.abspath(args.save)):
         try:
             held = latest_iteration(args.save)
