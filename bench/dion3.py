@@ -49,13 +49,10 @@ QWEN25_7B_LAYER = {"q": (3584, 3584), "k": (512, 3584), "v": (512, 3584), "o": (
 
 
 def default_settings(**overrides):
-    """Megatron-LM's `--optimizer muon` defaults, as DMuonConfig() carries them (no megatron import)."""
+    """Megatron-LM's `--optimizer muon` defaults (MuonSettings' own) with the measured NS choice."""
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
-    kw = dict(momentum=0.9, nesterov=False, coefficients="you", ns_steps=5, ns_dtype=torch.bfloat16,
-              scale_mode="spectral", ns_method="auto")
-    kw.update(overrides)
-    return MuonSettings(**kw)
+    return MuonSettings(**{"ns_method": "auto", **overrides})
 
 
 def build(rule: str, fraction: float, layers: int, scale: int, device):

@@ -45,6 +45,7 @@ def add_ratios_to_adam(rows: list) -> None:
 
 def mode_args(mode: str, args) -> list:
     """The main job's arguments for one mode name (see --modes)."""
+    mode, _, overlap = mode.partition("^")
     name, _, tp_mode = mode.partition("@")
     name, _, launch = name.partition("~")
     name, _, coefficients = name.partition("+")
@@ -57,6 +58,8 @@ def mode_args(mode: str, args) -> list:
         opt += ["--dmuon-ns-launch", launch]
     if tp_mode:
         opt += ["--muon-tp-mode", tp_mode]
+    if overlap:
+        opt += ["--dmuon-overlap-step", overlap]
     return [*PRESETS[args.preset], *opt, "--train-iters", str(args.iters), *job_layer_args(args), *args.extra]
 
 
@@ -88,7 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["adam", "dmuon"],
                    help="adam, dmuon, gather_then_compute, megatron_layerwise; ':gram'/':standard' picks the NS "
                         "method, '+adaptive' (any --dmuon-coefficients name) the NS schedule, '~graph' the NS launch mode, "
-                        "megatron_layerwise@duplicated the TP mode of Megatron's own Muon")
+                        "megatron_layerwise@duplicated the TP mode of Megatron's own Muon, '^on'/'^sync' the "
+                        "--dmuon-overlap-step mode (with --extra --overlap-grad-reduce --overlap-param-gather)")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds: every mode runs once per round, in turn (GPU clocks drift over minutes; "
                         "a row then reports the median over its rounds, each round's figures under 'rounds')")

@@ -79,6 +79,7 @@ NO_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-bias-swiglu-fu
 MUON = ["--muon-momentum", "0.95", "--muon-nesterov", "--muon-scale-mode", "spectral",
         "--muon-extra-scale-factor", "0.2", "--muon-coefficient-type", "quintic", "--muon-num-ns-steps", "5",
         "--muon-tp-mode", "duplicated"]
+OVERLAP_COMM = ["--overlap-grad-reduce", "--overlap-param-gather"]
 RUNS = {
     "muon": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "medium"],
     "muon_fp32ns": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "high"],
@@ -87,6 +88,15 @@ RUNS = {
                        "--dmuon-ns-method", "standard"],
     "dmuon_fp32ns": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "high"],
     "adam": ["--optimizer", "adam"],
+    # Megatron-LM's communication overlap (launch/megatron_lm_common.sh's flags), and DMuon's overlapped
+    # step on top of it ('sync': the same per-bucket-group stacks inside the step, its bitwise twin)
+    "adam_ogp": ["--optimizer", "adam", *OVERLAP_COMM],
+    "muon_ogp": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM],
+    "dmuon_ogp": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM],
+    "dmuon_overlap": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
+                      "--dmuon-overlap-step", "on"],
+    "dmuon_overlap_sync": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
+                           "--dmuon-overlap-step", "sync"],
 }
 CLIP_SUMMARY = re.compile(r"local_max_logits summary: (\{.*\})")
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|")

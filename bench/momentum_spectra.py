@@ -33,15 +33,15 @@ def _stack_label(plan, g) -> str:
 
 
 def install_recorder(out_dir: str, at: set, keep: int, exact_every: int) -> dict:
-    """Wrap OwnerMuonAdamW._orthogonalize_stacks; returns the trace being filled."""
+    """Wrap OwnerMuonAdamW._check_outputs (once per step without --dmuon-overlap-step); returns the trace being filled."""
     from megatron_dmuon.algorithms.ns_metrics import orthogonality_overshoot
     from megatron_dmuon.runtime.owner_step import OwnerMuonAdamW
 
-    original = OwnerMuonAdamW._orthogonalize_stacks
+    original = OwnerMuonAdamW._check_outputs
     trace = {"steps": []}
 
-    def recording(self, plan, stacks):
-        outputs = original(self, plan, stacks)
+    def recording(self, plan, outputs, stacks, *args, **kwargs):
+        outputs = original(self, plan, outputs, stacks, *args, **kwargs)
         step = len(trace["steps"]) + 1
         row = {"step": step, "groups": {}}
         exact = step % exact_every == 0 or step in at
@@ -60,7 +60,7 @@ def install_recorder(out_dir: str, at: set, keep: int, exact_every: int) -> dict
                        os.path.join(out_dir, f"ns_inputs_it{step}.pt"))
         return outputs
 
-    OwnerMuonAdamW._orthogonalize_stacks = recording
+    OwnerMuonAdamW._check_outputs = recording
     return trace
 
 

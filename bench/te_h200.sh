@@ -8,6 +8,7 @@
 #           3 seeds in bf16, FP8 (hybrid, delayed) and FP8 with --fp8-param-gather (loss curves only)
 #   timing_bf16, timing_fp8  the Qwen2.5-7B 4-layer shape, GBS 4: adam / muon / dmuon, one at a time
 #   fp8pg   --fp8-param-gather on/off under Megatron's AdamW and DMuon (one seed); band_fp8x: FP8 band + dmuon_fp32ns
+#   overlap_e2e, overlap_mlm  --dmuon-overlap-step off/sync/on beside AdamW (and Megatron's Muon) with comm overlap, Qwen 4-layer
 #   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
 #   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
@@ -46,6 +47,13 @@ run_part() {
     band_fp8x)  # the FP8 band again with DMuon's fp32-NS curve as a further reference pair
       compare band_fp8x --model small --iters 30 --seeds 1234 2345 3456 --jobs ${JOBS:-6} --timeout 400 \
         --runs muon muon_fp32ns dmuon dmuon_fp32ns --fp8-format hybrid --fp8-recipe delayed ;;
+    overlap_e2e)  # --dmuon-overlap-step: the main job (TE layers) at the Qwen 4-layer shape, comm overlap on for all rows
+      python3 bench/e2e.py --preset qwen7b-4l --iters ${OITERS:-16} --repeat ${OREPEAT:-1} --modes adam dmuon dmuon^sync dmuon^on \
+        --out "$R/overlap_e2e.json" --extra --global-batch-size 4 --overlap-grad-reduce --overlap-param-gather \
+        > "$R/overlap_e2e.log" 2>&1; echo "== overlap_e2e rc=$?"; grep "^|" "$R/overlap_e2e.log" ;;
+    overlap_mlm)  # the same in Megatron-LM's loop (log every 10 iterations: its timers sync the device when they log)
+      compare overlap_mlm --model qwen7b-4l --iters ${OITERS_MLM:-40} --runs ${ORUNS:-adam_ogp muon_ogp dmuon_ogp dmuon_overlap_sync dmuon_overlap} \
+        --timeout 300 --extra --global-batch-size 4 --log-interval 10 ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
            --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
     quality)  # QSEEDS (default 1 2 3), QROWS (phase-2 rows, ';' between), QRESUME=PREFIX: PREFIX_{bf16,fp8}.json's runs are reused

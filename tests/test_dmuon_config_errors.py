@@ -143,3 +143,19 @@ def test_optimizer_cuda_graph_is_refused_by_name():
 def test_bad_tp_method():
     with pytest.raises(ValueError, match="--dmuon-tp-method"):
         check_dmuon_config(_opt(), DIST, DMuonConfig(muon=MuonSettings(tp_method="scatter")))
+
+
+def test_muon_settings_defaults_are_megatrons_flag_defaults():
+    """One source of Muon defaults: an empty command line of the --muon-* table (Megatron-LM's
+    argparse defaults) gives MuonSettings' own defaults; torch.optim.Muon's rule is a named preset."""
+    import argparse
+
+    from megatron_dmuon.megatron.flags import add_dmuon_args
+
+    parser = argparse.ArgumentParser()
+    add_dmuon_args(parser, validate=False)
+    cfg = DMuonConfig.from_args(parser.parse_args([]))
+    assert cfg == DMuonConfig() and cfg.muon == MuonSettings(ns_method="auto")
+    torch_rule = MuonSettings.torch_muon()
+    assert (torch_rule.momentum, torch_rule.nesterov, torch_rule.coefficients, torch_rule.scale_mode) == \
+        (0.95, True, "keller", "shape_scaling")

@@ -175,6 +175,43 @@ def test_gpu_owner_step_launch_modes_are_bit_identical(tmp_path, monkeypatch):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("launch", ["eager", "streams", "graph"])
+def test_gpu_overlapped_owner_step_is_bit_identical_to_its_sync_twin(tmp_path, monkeypatch, launch):
+    """--dmuon-overlap-step on the GPU: each need group's NS launched on a side stream by step()
+    and finished later, in need order, while other work (a stand-in forward: GEMMs on the current
+    stream) runs, gives bit for bit the params of the same per-group stacks run inside step()
+    ('sync'), with the kernels' auto NS (Gram and standard, Triton) under each launch mode."""
+    from megatron_dmuon.runtime.overlap_step import finish
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+
+    monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    shapes = [(512, 3584), (3584, 512), (1024, 1024), (512, 3584), (256, 1024), (1024, 1024)]
+    needs = [0, 0, 1, 1, 2, 2]
+    finals = {}
+    for mode in ("sync", "on"):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*s, device="cuda")) for s in shapes]
+        opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.01,
+                             muon=MuonSettings(ns_method="auto", ns_launch=launch, overlap_step=mode))
+        applied = []
+        opt.on_applied = applied.append
+        for i, q in enumerate(params):
+            opt.register_matrix(q, MatrixInfo(f"w{i}", tuple(q.shape), need=needs[i]))
+        work = torch.randn(4096, 4096, device="cuda")
+        for step in range(4):
+            for q in params:
+                q.grad = torch.randn_like(q)
+            opt.step()
+            for need in range(3):  # the next forward: each group finished just before its layers run
+                finish(opt, need)
+                work = torch.tanh(work @ work) * 0.5
+        torch.cuda.synchronize()
+        assert not opt.pending and len(applied) == 4 * 3 and opt.stats["overlap_groups_left"] == 0
+        finals[mode] = [q.detach().clone() for q in params]
+    for a, b in zip(finals["sync"], finals["on"]):
+        assert torch.equal(a, b)
+
+
 def test_gpu_quartic_schedules_match_the_torch_path_and_the_polar_factor():
     """The per-shape quartic schedules on the kernels (fused rescale, no Gram restart) against the
     algorithms' torch path and the exact polar factor; zero matrices stay zero; every scale

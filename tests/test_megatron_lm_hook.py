@@ -22,6 +22,7 @@ import torch
 from megatron_dmuon.megatron.config import DMuonConfig, config_from_args
 from megatron_dmuon.megatron.flags import add_dmuon_args, validate_dmuon_args
 from megatron_dmuon.megatron.megatron_lm_flags import megatron_muon_fields
+from megatron_dmuon.runtime.owner_step import MuonSettings
 from megatron_dmuon.testing.multiproc import run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -301,6 +302,8 @@ def test_defaults_agree_everywhere():
 
     megatron_args = parse(["--optimizer", "dmuon", "--use-distributed-optimizer"])
     assert DMuonConfig.from_args(megatron_args) == DMuonConfig()
+    # the one source: MuonSettings' own defaults are Megatron-LM's argparse defaults
+    assert DMuonConfig.from_args(megatron_args).muon == MuonSettings(ns_method="auto")
     recipe = parse(["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-momentum", "0.95", "--muon-nesterov",
                     "--muon-scale-mode", "spectral", "--muon-extra-scale-factor", "0.2"])
     example_args = example.parse_args([])
@@ -346,6 +349,8 @@ def stand_in_megatron_training(monkeypatch):
     def add_megatron_arguments(parser):
         parser.add_argument("--optimizer", default="adam", choices=list(MEGATRON_OPTIMIZERS))
         parser.add_argument("--use-distributed-optimizer", action="store_true")
+        parser.add_argument("--overlap-grad-reduce", action="store_true")
+        parser.add_argument("--overlap-param-gather", action="store_true")
         return parser
 
     def validate_args(args, defaults={}):  # noqa: B006
@@ -358,6 +363,7 @@ def stand_in_megatron_training(monkeypatch):
     training = types.ModuleType("megatron.training.training")
     training.DDP, training.get_megatron_optimizer = object, lambda *a, **k: "megatron's"
     training.clip_qk = lambda *a, **k: "megatron's clip_qk"
+    training.train = lambda *a, **k: "megatron's train"
     training.load_checkpoint = lambda model, optimizer, *a, **k: ("megatron's load", model, optimizer)
     checkpointing = types.ModuleType("megatron.training.checkpointing")
     checkpointing._load_base_checkpoint = lambda load_dir, args, rank0=False, sharded_state_dict=None, **k: (
@@ -409,6 +415,11 @@ def test_install_routes_dmuon_and_leaves_other_optimizers_alone(stand_in_megatro
     fallback = m.training.get_megatron_optimizer(types.SimpleNamespace(optimizer="adam"), [])
     assert fallback == "megatron's"  # the routed factory still hands other optimizers to Megatron
     assert m.training.clip_qk is qk_clip.clip_qk  # MuonClip rescales DMuon's owner masters
+    assert m.training.train() == "megatron's train" and m.training.train.__name__ == "<lambda>"
+    # --dmuon-overlap-step on: Megatron's own loop, run on a high-priority stream
+    _megatron_parse(m, ["--optimizer", "dmuon", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                        "--overlap-param-gather", "--dmuon-overlap-step", "on"])
+    assert m.training.train.__name__ == "prioritized_train" and m.training.train() == "megatron's train"
 
 
 def test_install_rejects_at_parse_time(stand_in_megatron_training, capsys):

@@ -34,7 +34,7 @@ def test_owner_step_equals_torch_optim_muon_and_adamw(nesterov, scale_mode, torc
     ours_vec = torch.nn.Parameter(vec.clone())
     theirs = [torch.nn.Parameter(s.clone()) for s in starts]
     theirs_vec = torch.nn.Parameter(vec.clone())
-    settings = MuonSettings(momentum=0.9, nesterov=nesterov, scale_mode=scale_mode, ns_dtype=torch.bfloat16)
+    settings = MuonSettings.torch_muon(momentum=0.9, nesterov=nesterov, scale_mode=scale_mode, ns_dtype=torch.bfloat16)
     opt = _owner(ours, settings, adam=[ours_vec])
     ref = [torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=torch_fn),
            torch.optim.AdamW([theirs_vec], lr=0.02, weight_decay=0.1)]
@@ -87,7 +87,7 @@ def test_split_matrix_is_muon_on_every_piece(rule):
     shape = (64, 24) if rule.kind == "qkv" else (40, 24)
     start = _rand(*shape)
     ours = torch.nn.Parameter(start.clone())
-    settings = MuonSettings(ns_dtype=torch.float32, scale_mode="match_rms_adamw")
+    settings = MuonSettings.torch_muon(ns_dtype=torch.float32, scale_mode="match_rms_adamw")
     opt = OwnerMuonAdamW([{"params": [ours], "use_muon": True}], lr=0.02, weight_decay=0.1, muon=settings)
     opt.register_matrix(ours, MatrixInfo("w", shape, rule))
     pieces = [p.clone() for p in rule.pieces(start)]

@@ -44,6 +44,10 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, extra: O
         os.makedirs(path)
     torch.distributed.barrier()
     metadata = _content_metadata(sharding_type)
+    for chunk in model_chunks:  # --overlap-param-gather: the last publish may still wait in a forward
+        if chunk.ddp_config.overlap_param_gather:  # hook (Megatron-LM disables the hooks around a save: the same sync)
+            with torch.no_grad():
+                chunk.start_param_sync(force_sync=True)
     state = model_state(model_chunks, metadata)
     state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
     state.update(extra or {})

@@ -52,6 +52,7 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
     cfg.validate()
     if model_config is not None:
         check_model_parallel_config(model_config, cfg.mode)
+    check_overlap_step(ddp_config, cfg, model_config)
     if getattr(config, "overlap_param_gather_with_optimizer_step", False):
         raise ValueError("--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step; drop the flag")
     if config.fp16 and not getattr(config, "loss_scale", None):
@@ -89,3 +90,29 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
             raise ValueError("--optimizer dmuon needs --num-distributed-optimizer-instances 1")
     elif cfg.mode == "gather_then_compute" and ddp_config.use_distributed_optimizer:
         raise ValueError("--dmuon-mode gather_then_compute all-reduces grads: drop --use-distributed-optimizer")
+
+
+def check_overlap_step(ddp_config, cfg, model_config=None) -> None:
+    """Start-up checks of --dmuon-overlap-step (megatron/overlap_step.py), before any state exists."""
+    overlap = cfg.muon.overlap_step
+    if overlap == "off":
+        return
+    flag = f"--dmuon-overlap-step {overlap}"
+    if cfg.mode != "dmuon":
+        raise ValueError(f"{flag} applies to --dmuon-mode dmuon (got {cfg.mode}): drop the flag")
+    if overlap == "on" and not getattr(ddp_config, "overlap_param_gather", False):
+        raise ValueError(
+            f"{flag} finishes each bucket group's Newton-Schulz in the next forward's param-gather hooks, which "
+            "exist only with --overlap-param-gather: add --overlap-param-gather (and --overlap-grad-reduce)")
+    if getattr(ddp_config, "fp8_param_gather", False):
+        raise ValueError(f"{flag} is not implemented with --fp8-param-gather (Megatron quantizes every master in "
+                         "one call after the step): drop one of the two flags")
+    tp = max(getattr(model_config, "tensor_model_parallel_size", 1) or 1,
+             getattr(model_config, "expert_tensor_parallel_size", 1) or 1) if model_config is not None else 1
+    if tp > 1:
+        raise ValueError(f"{flag} is not implemented with tensor parallelism (--tensor-model-parallel-size / "
+                         f"--expert-tensor-parallel-size {tp}): drop --dmuon-overlap-step")
+    if getattr(model_config, "qk_clip", False):
+        raise ValueError(f"{flag} cannot run with --qk-clip: the clip rescales weights right after the step, "
+                         "before the overlapped step has applied them; drop one of the two flags")
+

@@ -132,6 +132,7 @@ class DMuonConfig:
             ns_steps=steps, ns_dtype=MUON_FP32_MATMUL_PREC[args.muon_fp32_matmul_prec],
             scale_mode=args.muon_scale_mode, extra_scale=args.muon_extra_scale_factor,
             ns_method=args.dmuon_ns_method, ns_launch=args.dmuon_ns_launch, tp_method=args.dmuon_tp_method,
+            overlap_step=args.dmuon_overlap_step,
             momentum_dtype=MOMENTUM_DTYPES[args.dmuon_momentum_dtype],
             ns_check_interval=args.dmuon_ns_check_interval,
             ns_check_bound=args.dmuon_ns_check_bound,

@@ -19,6 +19,7 @@ from ..kernels.autotune import CACHE_ENV
 from ..planning.owner_layout import BALANCE
 from ..planning.startup_profile import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
+from ..runtime.overlap_step import OVERLAP_STEP_MODES
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES
 from ..runtime.row_update_step import UPDATE_RULES
 from .checks import check_dmuon_config
@@ -67,6 +68,10 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                         "5 for nearer-square matrices)")
     g.add_argument("--dmuon-ns-launch", default="eager", choices=NS_LAUNCH_MODES,
                    help="GPU: the owner's per-shape NS calls one by one, on concurrent streams, or as one CUDA graph")
+    g.add_argument("--dmuon-overlap-step", default="off", choices=OVERLAP_STEP_MODES,
+                   help="on: each bucket group's Newton-Schulz runs on a side stream after optimizer.step() returns "
+                        "and finishes when the next forward first needs its params (needs --overlap-param-gather); "
+                        "sync: the same per-bucket-group stacks inside the step (bit-identical to on, for checking)")
     g.add_argument("--dmuon-tp-method", default="auto", choices=TP_METHODS,
                    help="TP-sharded matrices: gather to the TP owner, distributed Gram NS, or auto (cost model)")
     g.add_argument("--dmuon-balance", default="cost", choices=BALANCE,

@@ -10,7 +10,9 @@ hook all build through them:
 
 `install()` is the thin Megatron-LM layer on top. Its whole contact surface with
 `megatron.training` (listed in docs/megatron_lm.md) is six module attributes, replaced by
-wrappers that pass everything but `--optimizer dmuon` through unchanged:
+wrappers that pass everything but `--optimizer dmuon` through unchanged (and, under
+`--dmuon-overlap-step on`, `megatron.training.training.train`: the loop then runs on a high-priority
+CUDA stream, so the owner's Newton-Schulz on its low-priority stream fills what the model leaves):
 
 1. `megatron.training.arguments.add_megatron_arguments` — also registers DMuon's flags
    (`dmuon` becomes an `--optimizer` choice; combinations are checked while parsing).
@@ -138,6 +140,21 @@ def _route(args) -> None:
     if ddp_class is not None:
         training.DDP = ddp_class
         dist_utils.DistributedDataParallel = ddp_class
+    if "train" not in _ORIGINALS:
+        _ORIGINALS["train"] = training.train
+    training.train = _prioritized(_ORIGINALS["train"]) if args.dmuon_overlap_step == "on" else _ORIGINALS["train"]
+
+
+def _prioritized(train: Callable) -> Callable:
+    """Megatron-LM's training loop on a high-priority stream (runtime/overlap_step.model_priority_stream):
+    the overlapped step's NS then fills what the model's kernels leave of the GPU."""
+    from ..runtime.overlap_step import model_priority_stream
+
+    def prioritized_train(*args, **kwargs):
+        with model_priority_stream():
+            return train(*args, **kwargs)
+
+    return prioritized_train
 
 
 def _route_checkpoint_loads() -> None:

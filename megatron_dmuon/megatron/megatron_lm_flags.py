@@ -93,15 +93,10 @@ def megatron_flag_defaults() -> dict:
 
 
 def megatron_muon_settings(**overrides) -> MuonSettings:
-    """MuonSettings of Megatron-LM's `--optimizer muon` defaults (what an empty command line gives:
-    the table's defaults) and DMuon's `--dmuon-ns-method auto`, then ``overrides``."""
-    d = megatron_flag_defaults()
-    kw = dict(momentum=d["muon_momentum"], nesterov=bool(d["muon_nesterov"]),
-              coefficients=muon_coefficients_for(d["muon_coefficient_type"], d["muon_num_ns_steps"]),
-              ns_steps=d["muon_num_ns_steps"], ns_dtype=MUON_FP32_MATMUL_PREC[d["muon_fp32_matmul_prec"]],
-              scale_mode=d["muon_scale_mode"], extra_scale=d["muon_extra_scale_factor"], ns_method="auto")
-    kw.update(overrides)
-    return MuonSettings(**kw)
+    """MuonSettings of Megatron-LM's `--optimizer muon` defaults (MuonSettings' own, which are the
+    table's: tests/test_megatron_lm_hook.py pins them together) and DMuon's `--dmuon-ns-method auto`,
+    then ``overrides``."""
+    return MuonSettings(**{"ns_method": "auto", **overrides})
 
 
 def muon_coefficients_for(coefficient_type: str, steps: int):

@@ -24,6 +24,7 @@ from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
 from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig  # noqa: F401 (MODES: public API)
 from .optimizer_checkpoint import OwnerCheckpoints
+from .overlap_step import finish_parts
 from .owner_optimizer import DMuonDistributedOptimizer, build_owner_parts
 from .publish import publish_layouts
 from .step_guards import found_nonfinite, report_ns_check
@@ -203,6 +204,11 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
             self.skipped_iterations += 1
         report_ns_check(self)
         return out
+
+    def finish_overlapped_step(self) -> None:
+        """--dmuon-overlap-step: finish every group still in flight (masters applied and copied into
+        the model's params), for a reader outside the forward (a finiteness check, an export)."""
+        finish_parts([p for p in self.chained_optimizers if isinstance(p, DMuonDistributedOptimizer)])
 
     # Checkpoints (OwnerCheckpoints): one structure for all parts (a load may split dense/expert
     # params differently); the gather_then_compute baseline (not a DistributedOptimizer) keeps Megatron's

@@ -8,6 +8,7 @@ from typing import Optional
 
 from . import checkpoint as ckpt
 from . import checkpoint_switch
+from .overlap_step import finish_parts
 
 
 class OwnerCheckpoints:
@@ -17,13 +18,21 @@ class OwnerCheckpoints:
     def _checkpoint_parts(self):
         raise NotImplementedError
 
-    def state_dict(self):
+    def _parts_finished(self):
+        """The owner parts, their overlapped steps finished (--dmuon-overlap-step): a checkpoint
+        reads and writes the masters and momenta."""
         parts = self._checkpoint_parts()
+        if parts:
+            finish_parts(parts)
+        return parts
+
+    def state_dict(self):
+        parts = self._parts_finished()
         return ckpt.optimizer_state_dict(parts) if parts else super().state_dict()
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
                            sharding_type: Optional[str] = None, metadata: Optional[dict] = None, **kwargs):
-        parts = self._checkpoint_parts()
+        parts = self._parts_finished()
         if not parts:
             return super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type=sharding_type,
                                               metadata=metadata, **kwargs)
@@ -32,15 +41,15 @@ class OwnerCheckpoints:
         return ckpt.sharded_optimizer_state(parts, model_sharded_state_dict, is_loading, metadata, sharding_type)
 
     def load_state_dict(self, state_dict):
-        parts = self._checkpoint_parts()
+        parts = self._parts_finished()
         return checkpoint_switch.load_optimizer_state(parts, state_dict) if parts else super().load_state_dict(state_dict)
 
     def save_parameter_state(self, filename: str):
-        parts = self._checkpoint_parts()
+        parts = self._parts_finished()
         return ckpt.save_param_state_file(parts, filename) if parts else super().save_parameter_state(filename)
 
     def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
-        parts = self._checkpoint_parts()
+        parts = self._parts_finished()
         if not parts:
             return super().load_parameter_state(filename, update_legacy_format=update_legacy_format)
         return ckpt.load_param_state_file(parts, filename)

@@ -15,6 +15,7 @@ from ..planning.dp_shards import shard_range
 from ..planning.ns_choice import plan_ns_choices
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .optimizer_checkpoint import OwnerCheckpoints
+from .overlap_step import install_overlap_step, need_order
 from .publish import register_masters
 
 
@@ -37,14 +38,17 @@ def init_state_fn(opt, config=None):
 def _matrix_infos(model_chunks, muon) -> dict:
     """{model param: MatrixInfo} for every Muon matrix of the chunks: the views of their plans'
     records, with the NS each piece's stack runs (``planning.ns_choice.plan_ns_choices`` over
-    every chunk's records: one optimizer stacks them together). Names are unique across chunks
+    every chunk's records: one optimizer stacks them together) and, under --dmuon-overlap-step,
+    when the next forward needs it (``overlap_step.need_order``). Names are unique across chunks
     (virtual pipeline)."""
     params = [(idx, param, name, chunk.dmuon_plan.record(name)) for idx, chunk in enumerate(model_chunks)
               for param, name in chunk.param_names().items()]
     device = next(p for _, p, _, _ in params).device if params else torch.device("cpu")
     choices = plan_ns_choices([r for *_, r in params], precision=muon.ns_dtype, on_cuda=device.type == "cuda",
                               measured=measured_method(device) if device.type == "cuda" else None)
-    return {param: MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}", ns)
+    need = need_order(model_chunks) if muon.overlap_step != "off" else {}
+    return {param: MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}", ns,
+                                          need.get(param, 0))
             for (idx, param, name, record), ns in zip(params, choices) if record.use_muon}
 
 
@@ -114,6 +118,8 @@ def build_owner_parts(config, model_chunks, cfg) -> list:
         for chunk in model_chunks:  # an FP8 publish quantizes from these fp32 masters
             register_masters(chunk, lambda o=opt: _master_pairs(o))
         parts.append(opt)
+    if cfg.muon.overlap_step != "off":
+        install_overlap_step(model_chunks, parts, infos)
     return parts
 
 
@@ -162,6 +168,36 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
 
     def _checkpoint_parts(self):
         return [self]
+
+    def model_params(self) -> list:
+        return [p for groups in (self.model_float16_groups, self.model_fp32_groups) for g in groups for p in g]
+
+    def _copy_main_params_to_model_params(self):
+        """Megatron's copy, of the masters not in flight (--dmuon-overlap-step: those are copied by
+        ``copy_applied_masters`` when their group is finished)."""
+        in_flight = self.optimizer.pending.main_params()
+        if not in_flight:
+            return super()._copy_main_params_to_model_params()
+        self._copy_masters(lambda main: main not in in_flight)
+
+    def copy_applied_masters(self, mains) -> None:
+        """Megatron's copy into the model's param buffer, of the masters ``mains`` only."""
+        wanted = set(mains)
+        self._copy_masters(lambda main: main in wanted)
+
+    def _copy_masters(self, keep) -> None:
+        names = ("shard_fp32_from_float16_groups", "model_float16_groups", "shard_fp32_groups", "model_fp32_groups")
+        saved = [getattr(self, n) for n in names]
+        try:
+            for main_name, model_name, mains, models in ((names[0], names[1], saved[0], saved[1]),
+                                                         (names[2], names[3], saved[2], saved[3])):
+                pairs = [[(s, m) for s, m in zip(sg, mg) if keep(s)] for sg, mg in zip(mains, models)]
+                setattr(self, main_name, [[s for s, _ in g] for g in pairs])
+                setattr(self, model_name, [[m for _, m in g] for g in pairs])
+            _import_distributed_optimizer()._copy_main_params_to_model_params(self)
+        finally:
+            for n, v in zip(names, saved):
+                setattr(self, n, v)
 
     def get_parameter_state_dp_zero(self, *args, **kwargs):
         return ckpt.param_state_dp_zero([self])

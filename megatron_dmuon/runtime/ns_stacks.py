@@ -38,8 +38,9 @@ class StackPlan:
     matrix's row blocks, in consecutive slots); ``direct[j]`` = (g, start, count) when job j is
     a view of its stack."""
 
-    def __init__(self, jobs: Sequence[StackJob]):
+    def __init__(self, jobs: Sequence[StackJob], tag: Optional[int] = None):
         self.jobs = list(jobs)
+        self.tag = tag  # the need group whose own stacks these are (overlapped step), else None
         self.groups: List[Tuple[int, int, torch.dtype]] = []
         self.sizes: List[int] = []
         self.pieces: List[List[Tuple[int, int, int, Tuple[int, ...]]]] = []

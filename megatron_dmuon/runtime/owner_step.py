@@ -10,142 +10,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.profiler import record_function
 
-from ..algorithms.coefficients import get_coefficients
-from ..algorithms.flops import NS_METHODS
 from ..algorithms.muon import muon_apply_, muon_direction, muon_direction_scale, muon_lr_scale
 from ..algorithms.ns_dispatch import orthogonalize
-from ..algorithms.ns_metrics import schedule_peak
-from ..algorithms.schedules import schedule_for_shape
-from ..kernels import GraphedGroups, measured_method, orthogonalize_batched, orthogonalize_groups
+from ..kernels import GraphedGroups, orthogonalize_batched, orthogonalize_groups
 from ..kernels.fused_muon import muon_apply_fast_, muon_momentum_fast_  # the torch ops where they cannot fuse
 from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite_stacks
-from ..planning.ns_choice import NSChoice, choose_ns, torch_path_method
+from ..planning.ns_choice import NSChoice, torch_path_method
 from ..planning.params import check_muon_matrix_shape
-from ..planning.tp_cost import TP_METHODS
 from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
-from .row_update_step import row_update_step, tp_refusal, validate_update_settings
+from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
+from .overlap_step import PendingSteps, finish_all, launch_need_groups
+from .row_update_step import row_update_step, tp_refusal
 from .tp_exchange import TPExchange, TPMatrix
 
-ADAPTIVE_SCHEDULE = "adaptive"
-# How the owner's per-shape NS calls are launched on CUDA: one after the other ('eager'), on
-# concurrent streams ('streams'), or the whole set captured once as a CUDA graph and replayed
-# every step ('graph': kills the launch overhead of many small matrices; the graph keeps its
-# input/output buffers and memory pool alive, one graph per distinct set of stack shapes).
-NS_LAUNCH_MODES = ("eager", "streams", "graph")
-
-
-@dataclasses.dataclass
-class MuonSettings:
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_method: str = "standard"  # 'standard' | 'gram' | 'auto' (kernels' autotuned choice)
-    # a set of algorithms.get_coefficients, or 'adaptive': per shape, the quartic normalisation with
-    # 4 designed steps for wide/tall matrices (aspect >= 2) and 5 for the rest
-    # (algorithms.schedules.schedule_for_shape; ns_steps is then not used)
-    coefficients: str = "keller"
-    ns_steps: int = 5
-    ns_dtype: torch.dtype = torch.bfloat16
-    # algorithms.muon.LR_SCALE_MODES (Megatron's --muon-scale-mode names). MuonSettings() is
-    # torch.optim.Muon's rule; megatron/config.py's DMuonConfig() carries Megatron-LM's defaults
-    # (megatron/megatron_lm_flags.py).
-    scale_mode: str = "shape_scaling"
-    extra_scale: float = 1.0
-    ns_launch: str = "eager"  # NS_LAUNCH_MODES; off CUDA every mode runs eagerly
-    # an NS output holding NaN/Inf (e.g. fp16 Gram overflow) is recomputed in float32 by the torch
-    # path and counted (kernels.metrics.NONFINITE_METRICS, OwnerMuonAdamW.stats['ns_fp32_retries'])
-    retry_nonfinite: bool = True
-    # TP-sharded matrices: 'gather' to the TP owner, 'distributed_gram' where it applies, or 'auto'
-    # (planning/tp_cost.py's time model picks per shape)
-    tp_method: str = "auto"
-    # dtype of the momentum buffer (bf16 halves the Muon state; the update itself runs in fp32)
-    momentum_dtype: torch.dtype = torch.float32
-    # the update rule: 'muon', or a row rule of algorithms/dion3.py ('normuon', 'dion3'; run by
-    # runtime/row_update_step.py); row_beta2: NorMuon's second-moment decay; fraction and
-    # fraction_lr: Dion3's selected share of rows and its lr factor
-    update: str = "muon"
-    fraction: float = 1.0
-    row_beta2: float = 0.95
-    fraction_lr: str = "none"
-    # online NS quality: every ns_check_interval steps (0: never) each owner estimates, per NS
-    # output, the top eigenvalue of OᵀO − I (random probes); an output above ns_check_bound (None:
-    # (1.25 x the schedule's exact-arithmetic peak)² − 1) is recomputed by the exact float32 NS
-    ns_check_interval: int = 100
-    ns_check_bound: Optional[float] = None
-
-    def validate(self) -> None:
-        validate_update_settings(self)
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"--muon-momentum {self.momentum} must be in [0, 1) (MuonSettings.momentum)")
-        if self.ns_method not in NS_METHODS:
-            raise ValueError(f"--dmuon-ns-method {self.ns_method!r} unknown; valid: {', '.join(NS_METHODS)}")
-        if self.ns_steps < 1:
-            raise ValueError(f"--muon-num-ns-steps {self.ns_steps} must be >= 1 (MuonSettings.ns_steps)")
-        if self.ns_launch not in NS_LAUNCH_MODES:
-            raise ValueError(f"dmuon ns_launch {self.ns_launch!r} unknown (--dmuon-ns-launch); valid: {NS_LAUNCH_MODES}")
-        if self.tp_method not in TP_METHODS:
-            raise ValueError(f"dmuon tp_method {self.tp_method!r} unknown (--dmuon-tp-method); valid: {TP_METHODS}")
-        if self.ns_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            raise ValueError(f"dmuon ns_dtype must be a float dtype, got {self.ns_dtype}")
-        if self.momentum_dtype not in (torch.float32, torch.bfloat16, torch.float64):
-            raise ValueError(f"dmuon momentum_dtype must be float32 or bfloat16 (--dmuon-momentum-dtype), got {self.momentum_dtype}")
-        if self.coefficients == ADAPTIVE_SCHEDULE:
-            if self.ns_steps != 5:
-                raise ValueError(
-                    f"--dmuon-coefficients adaptive chooses the step count per shape (4 for aspect >= 2, else 5); "
-                    f"--muon-num-ns-steps {self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
-                )
-        else:
-            get_coefficients(self.coefficients, self.ns_steps)  # raises a clear error if unknown
-        muon_lr_scale(2, 1, self.scale_mode)  # raises if the mode is unknown
-        if isinstance(self.ns_check_interval, bool) or not isinstance(self.ns_check_interval, int) \
-                or self.ns_check_interval < 0:
-            raise ValueError(f"--dmuon-ns-check-interval {self.ns_check_interval!r} must be an integer >= 0 (0 turns "
-                             "the check off; MuonSettings.ns_check_interval)")
-        if self.ns_check_bound is not None and not (0 < self.ns_check_bound < float("inf")):
-            raise ValueError(f"--dmuon-ns-check-bound {self.ns_check_bound!r} must be a finite number > 0 "
-                             "(MuonSettings.ns_check_bound)")
-
-    def ns_check_limit(self, rows: int, cols: int) -> float:
-        """The largest estimate of top-eig(OᵀO − I) an NS output of a [rows, cols] matrix may have."""
-        if self.ns_check_bound is not None:
-            return self.ns_check_bound
-        kw = self.ns_schedule(rows, cols)
-        coefficients = kw["coefficients"] if isinstance(kw["coefficients"], str) else tuple(map(tuple, kw["coefficients"]))
-        return _peak_limit(coefficients, kw["steps"])
-
-    def choose_ns(self, rows: int, cols: int, batch: int, device, requested: Optional[str] = None) -> NSChoice:
-        """The NS of a [batch, rows, cols] stack under these settings (``planning.ns_choice``):
-        for stacks the plan's records did not decide (an optimizer built without a plan, the row
-        rules' selected rows). ``requested`` overrides ``ns_method`` (distributed Gram NS)."""
-        device = torch.device(device)
-        return choose_ns(rows, cols, batch, requested=requested or self.ns_method, precision=self.ns_dtype,
-                         schedule=self.ns_schedule(rows, cols), on_cuda=device.type == "cuda",
-                         measured=measured_method(device) if device.type == "cuda" else None)
-
-    def ns_schedule(self, rows: int, cols: int) -> dict:
-        """The NS keyword arguments for a [rows, cols] matrix: ``{'coefficients', 'steps'}`` (and
-        ``'normalisation'`` for the adaptive schedule)."""
-        if self.coefficients == ADAPTIVE_SCHEDULE:
-            return schedule_for_shape(rows, cols)
-        return {"coefficients": self.coefficients, "steps": self.ns_steps}
-
-
-NS_CHECK_MARGIN = 1.25  # an output's largest singular value may exceed its schedule's exact peak by 25%
-
-
-@functools.lru_cache(maxsize=64)
-def _peak_limit(coefficients, steps: int) -> float:
-    return (NS_CHECK_MARGIN * schedule_peak(coefficients, steps)) ** 2 - 1.0
-
-
+# (re-exported: the settings live in runtime/muon_settings.py)
 @dataclasses.dataclass
 class MatrixInfo:
     """One Muon matrix as this rank sees it.
@@ -165,18 +50,22 @@ class MatrixInfo:
     # per piece, the NS its stack runs (planning.ns_choice, decided from the plan before the first
     # step); empty: the owner step decides once per stack shape, by the same rule
     ns: Tuple[NSChoice, ...] = ()
+    # when the next forward needs it: its DDP bucket group's place in the forward (the overlapped
+    # step cuts stacks and finishes them in this order; 0 for every matrix otherwise)
+    need: int = 0
 
     def __post_init__(self):
         self.shape = check_muon_matrix_shape(self.name, self.shape)
         self.local_shape = tuple(self.local_shape or self.shape)
 
     @classmethod
-    def from_record(cls, record, name: Optional[str] = None, ns: Tuple[NSChoice, ...] = ()) -> "MatrixInfo":
+    def from_record(cls, record, name: Optional[str] = None, ns: Tuple[NSChoice, ...] = (),
+                    need: int = 0) -> "MatrixInfo":
         """The owner step's view of a plan record (``planning.plan.MatrixRecord``) and the NS
         choices of its pieces (``planning.ns_choice.plan_ns_choices``)."""
         return cls(name or record.name, record.full_shape, record.split, local_shape=record.local_shape,
                    partition_dim=record.partition_dim, partition_stride=record.partition_stride,
-                   tp_owner=record.tp_owner, tp_method=record.tp_method, ns=tuple(ns))
+                   tp_owner=record.tp_owner, tp_method=record.tp_method, ns=tuple(ns), need=need)
 
     def tp_matrix(self) -> TPMatrix:
         return TPMatrix(self.name, self.tp_owner, self.local_shape[0] * self.local_shape[1],
@@ -245,6 +134,14 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.tp = TPExchange(tp_group)
         if self.muon.update != "muon" and self.tp.size > 1:
             raise ValueError(tp_refusal(self.muon.update))
+        if self.muon.overlap_step != "off" and self.tp.size > 1:
+            raise ValueError(f"--dmuon-overlap-step {self.muon.overlap_step} is not implemented with tensor "
+                             f"parallelism (TP={self.tp.size}): drop --dmuon-overlap-step")
+        # the overlapped step's launched, unfinished need groups (runtime/overlap_step.py), and what
+        # it calls with each group's fp32 masters once applied (the DistributedOptimizer's copy to
+        # the model params; None: nothing to copy)
+        self.pending = PendingSteps()
+        self.on_applied: Optional[Callable[[list], None]] = None
         self._graphs: Dict[tuple, object] = {}  # ns_launch='graph': one GraphedGroups per stack-shape set
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
         # ns_matrices / ns_calls / ns_fp32_retries of the last step; ns_matrices_total, ns_fp32_retries_total
@@ -315,6 +212,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        # the overlapped step's groups the last forward did not need (counted: each one is NS the
+        # forward did not hide)
+        self.stats["overlap_groups_left"] += len(self.pending.groups)
+        finish_all(self)
         self.ns_check.begin_step()
         grad_scale, self.grad_scale = self.grad_scale, None
         all_groups = self.param_groups
@@ -372,7 +273,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 if p.grad is not None or self.tp.size > 1:
                     entries.append((p, group, info))
         entries.sort(key=lambda e: e[2].name)  # the same order on every TP rank
+        self.stats["ns_calls"] = self.stats["ns_fp32_retries"] = self.stats["ns_matrices"] = 0
         if s.update == "muon" and self.tp.size == 1:
+            if s.overlap_step != "off":
+                return launch_need_groups(self, entries, grad_scale)
             return self._local_step(entries, grad_scale)  # clipping folded into the momentum pass
         if grad_scale is not None:
             torch._foreach_mul_([p.grad for p, _, _ in entries if p.grad is not None], grad_scale)
@@ -427,10 +331,19 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         into the NS input stacks and the directions applied straight from the NS outputs
         (ns_stacks.StackPlan), instead of materialising each update, stacking it, and reassembling
         split directions. The same arithmetic as the general path, in fewer passes."""
-        s = self.muon
+        plan, stacks = self._fill_stacks(entries, grad_scale)
+        with record_function("dmuon.ns"):
+            outputs = self._check_outputs(plan, self._launch_ns(plan, stacks), stacks)
+        self._apply_outputs(plan, outputs, [(p, info, group["lr"], group["weight_decay"]) for p, group, info in entries])
+        self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
+        self.stats["tp_bytes"] = 0
+
+    def _fill_stacks(self, entries, grad_scale: Optional[float] = None, tag: Optional[int] = None):
+        """The momentum pass of ``entries`` (whole matrices), written into their NS input stacks:
+        (StackPlan, stacks). ``tag``: the need group whose own stacks these are (overlapped step)."""
         device = entries[0][0].device if entries else None
         plan = self._stack_plan([StackJob(info.name, tuple(info.shape), info.split, p.dtype) for p, _, info in entries],
-                                device, [info for _, _, info in entries])
+                                device, [info for _, _, info in entries], tag)
         with record_function("dmuon.momentum"):
             stacks = self._input_stacks(plan, entries[0][0].device) if entries else []
             for j, (p, _, info) in enumerate(entries):
@@ -438,23 +351,25 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 update = self._momentum_update(p, info, out=view, grad_scale=grad_scale)
                 if view is None:
                     plan.write(stacks, j, update)
-        self.stats["ns_matrices"] = len(entries)
-        with record_function("dmuon.ns"):
-            outputs = self._orthogonalize_stacks(plan, stacks)
+        self.stats["ns_matrices"] += len(entries)
+        return plan, stacks
+
+    def _apply_outputs(self, plan: StackPlan, outputs, members) -> None:
+        """Decay and lr-scaled direction of every (main param, info, lr, weight decay) of ``plan``'s
+        jobs, straight from the NS outputs where a matrix is a view of its stack."""
+        s = self.muon
         with record_function("dmuon.apply"):
-            for j, (p, group, info) in enumerate(entries):
+            for j, (p, info, lr, wd) in enumerate(members):
                 view = plan.direct_view(outputs, j)
                 if view is not None:  # its pieces share one shape, so one lr multiplier
                     piece_scale = muon_lr_scale(*plan.piece_shape(j)[-2:], s.scale_mode, s.extra_scale)
                     whole = info.split is None or info.split.kind == "none"
-                    muon_apply_fast_(p, view, group["lr"], group["weight_decay"],  # reads any float dtype
+                    muon_apply_fast_(p, view, lr, wd,  # reads any float dtype
                                      piece_scale if whole else 1.0, 1.0 if whole else piece_scale)
                     continue
                 direction, scale = muon_direction(plan.outputs(outputs, j), info.split, shape=info.shape,
                                                   scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)
-                muon_apply_(p, direction, group["lr"], group["weight_decay"], scale)
-        self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
-        self.stats["tp_bytes"] = 0
+                muon_apply_(p, direction, lr, wd, scale)
 
     def _gather_step(self, entries, updates, like) -> Dict[str, torch.Tensor]:
         """Directions (this rank's shards) of matrices gathered whole to their TP owner (without TP:
@@ -506,18 +421,19 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         stacks = self._input_stacks(plan, device) if jobs else []
         for j, (_, update) in enumerate(jobs):
             plan.write(stacks, j, update)
-        outputs = self._orthogonalize_stacks(plan, stacks)
+        outputs = self._check_outputs(plan, self._launch_ns(plan, stacks), stacks)
         return {info.name: plan.outputs(outputs, j) for j, (info, _) in enumerate(jobs)}
 
-    def _stack_plan(self, jobs: List[StackJob], device, infos: Sequence[Optional[MatrixInfo]] = ()) -> StackPlan:
+    def _stack_plan(self, jobs: List[StackJob], device, infos: Sequence[Optional[MatrixInfo]] = (),
+                    tag: Optional[int] = None) -> StackPlan:
         """The stacks of ``jobs`` and the NS each runs: the plan's choice where the jobs' infos
         carry one, else decided once here (``MuonSettings.choose_ns``), per set of jobs."""
-        key = (tuple(jobs), str(device))
+        key = (tuple(jobs), str(device), tag)
         plans = self.__dict__.setdefault("_stack_plans", {})
         if key not in plans:
-            if len(plans) > 16:  # shapes change rarely (row rules with a new selection size)
+            if len(plans) > 16 and tag is None:  # shapes change rarely (row rules with a new selection size)
                 plans.clear()
-            plan = StackPlan(jobs)
+            plan = StackPlan(jobs, tag)
             planned = {}
             for j, info in enumerate(infos):
                 for (g, _, _, _), choice in zip(plan.pieces[j], info.ns if info is not None else ()):
@@ -528,7 +444,8 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         return plans[key]
 
     def _graph_key(self, plan: StackPlan, device) -> tuple:
-        return tuple((shape, dtype, str(device)) for shape, (_, _, dtype) in zip(plan.stack_shapes(), plan.groups))
+        # a need group's stacks are its own graph's inputs (groups of equal shapes are all in flight at once)
+        return (plan.tag, *((shape, dtype, str(device)) for shape, (_, _, dtype) in zip(plan.stack_shapes(), plan.groups)))
 
     def _input_stacks(self, plan: StackPlan, device) -> List[torch.Tensor]:
         """Empty NS input stacks for ``plan``: the CUDA graph's own input buffers under
@@ -536,12 +453,11 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         graph = self._graphs.get(self._graph_key(plan, device)) if self.muon.ns_launch == "graph" else None
         return list(graph.static_inputs) if graph is not None else plan.new_stacks(device)
 
-    def _orthogonalize_stacks(self, plan: StackPlan, stacks: List[torch.Tensor]) -> List[torch.Tensor]:
-        """One NS result per stack (launched as ``MuonSettings.ns_launch`` says), NaN/Inf outputs
-        recomputed in float32."""
+    def _launch_ns(self, plan: StackPlan, stacks: List[torch.Tensor]) -> List[torch.Tensor]:
+        """One NS result per stack, launched as ``MuonSettings.ns_launch`` says (unchecked: see
+        ``_check_outputs``)."""
         s = self.muon
-        self.stats["ns_calls"] = len(stacks)
-        self.stats["ns_fp32_retries"] = 0
+        self.stats["ns_calls"] += len(stacks)
         if not stacks:
             return []
         for x, choice in zip(stacks, plan.ns):
@@ -564,8 +480,25 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 if graph is None:  # captured on these very stacks: they become its input buffers
                     graph = self._graphs[key] = GraphedGroups(stacks, adopt_inputs=True, **calls())
                 outputs = graph(stacks)  # the graph's static outputs: consumed before the next step
+        return outputs
+
+    def _check_outputs(self, plan: StackPlan, outputs: List[torch.Tensor], stacks: List[torch.Tensor],
+                       standard_retry: bool = True) -> List[torch.Tensor]:
+        """NaN/Inf outputs recomputed in float32, and the online NS check when due. Without
+        ``standard_retry`` the stacks whose NS is standard (normalized input: finite whenever the
+        input is) are not read back, which saves the overlapped step a host sync."""
+        s = self.muon
+        if not outputs:
+            return outputs
         if s.retry_nonfinite:
-            outputs = self._retry_nonfinite(outputs, stacks)
+            read = [standard_retry or c.runs != "standard" or (s.ns_launch == "eager" and self.orthogonalizer is not None)
+                    for c in plan.ns]
+            if all(read):
+                outputs = self._retry_nonfinite(outputs, stacks)
+            elif any(read):
+                kept = self._retry_nonfinite([o for o, r in zip(outputs, read) if r], [x for x, r in zip(stacks, read) if r])
+                it = iter(kept)
+                outputs = [next(it) if r else o for o, r in zip(outputs, read)]
         if self.ns_check.due():
             with record_function("dmuon.ns_check"):
                 outputs = self.ns_check.check(outputs, stacks, plan.slot_names())

@@ -60,7 +60,8 @@ def _muon_settings(ns_dtype="float32", ns_method="standard", coefficients="kelle
     if isinstance(kw.get("momentum_dtype"), str):
         kw["momentum_dtype"] = getattr(torch, kw["momentum_dtype"])
 
-    return MuonSettings(ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method, coefficients=coefficients, **kw)
+    return MuonSettings.torch_muon(ns_dtype=getattr(torch, ns_dtype), ns_method=ns_method, coefficients=coefficients,
+                                   **kw)
 
 
 def _shape(**kw):

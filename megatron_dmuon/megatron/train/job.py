@@ -21,6 +21,7 @@ from .checkpoints import hold_save_lock
 from .checks import job_error, schedule_of
 from .data import TokenSource, token_source
 from .loop import train
+from ...runtime.overlap_step import model_priority_stream
 from .summary import print_start_line, report
 
 
@@ -54,7 +55,9 @@ def main(argv=None) -> None:
     hold_save_lock(args, rank)
     job = build(args, rank, world, backend)
     print_start_line(job)
-    run = train(job)
+    overlapped = args.optimizer == "dmuon" and args.dmuon_overlap_step == "on"
+    with model_priority_stream(overlapped):  # the overlapped step's NS fills what the model leaves of the GPU
+        run = train(job)
     problem = [report(job, run)]  # rank 0's: an unwritable --timing-json
     torch.distributed.broadcast_object_list(problem, src=0)
     if problem[0]:

@@ -144,7 +144,9 @@ def train(job) -> History:
     from megatron_dmuon.megatron.gpt import eval_loss, gpt_training_flops, on_gpu, train_step
 
     args, rank, ddp, opt, sched, data = job.args, job.rank, job.ddp, job.opt, job.sched, job.data
-    sync = torch.cuda.synchronize if on_gpu() else (lambda: None)
+    # the current stream only: under --dmuon-overlap-step on, a step's Newton-Schulz runs on a side
+    # stream into the next iteration's forward (a device-wide sync would serialize it again)
+    sync = (lambda: torch.cuda.current_stream().synchronize()) if on_gpu() else (lambda: None)
     timed = TimedOptimizer(opt, sync, args.profile_out)
     log = IntervalLog(args, job.world, gpt_training_flops(job.shape, args.global_batch_size))
     evaluate = validation_runner(args, data, job.dp_size, job.dp_rank, rank, lambda micro: eval_loss(
@@ -171,6 +173,8 @@ def train(job) -> History:
         streak = 0 if ok and math.isfinite(loss) else streak + 1
         stop_if_not_learning(args, it, streak, loss, ok, opt)
         if args.save and ((args.save_interval and it % args.save_interval == 0) or it == args.train_iters):
+            if hasattr(opt, "finish_overlapped_step"):
+                opt.finish_overlapped_step()
             if not params_finite(opt):
                 job_error(f"the parameters are not finite after iteration {it}: not saved (the last checkpoint in "
                           f"{args.save} is still the latest); lower --lr or keep --clip-grad on", 1)

@@ -1,0 +1,76 @@
+"""`--dmuon-overlap-step`: the owner's Newton–Schulz of each DDP bucket group finishes when the
+next forward first needs that group's params, not inside ``optimizer.step()``.
+
+The order the forward needs params in is the order of Megatron's param all-gather chain: a chunk's
+bucket groups last to first (buckets are built in backward order), chunk by chunk. Every Muon
+matrix gets its group's place (``MatrixInfo.need``), so the owner step cuts its stacks per group
+and launches them in that order (runtime/overlap_step.py). The bucket group's
+``start_param_sync`` (called by the forward pre-hook under ``--overlap-param-gather``, by the
+optimizer step without it, and with ``force_sync`` whenever Megatron needs every param: hooks
+disabled for evaluation or a checkpoint) first finishes the group on every owner part: wait for its
+NS, apply it to the fp32 masters, copy them into the model's param buffer; only then does
+Megatron's all-gather publish them. Megatron's own copy in the step skips the masters in flight.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from ..runtime.overlap_step import finish, finish_all
+from .bucket_groups import extend_bucket_groups
+
+
+def need_order(model_chunks) -> Dict[torch.nn.Parameter, int]:
+    """{model param: the place of its bucket group in the next forward}: chunk by chunk, each
+    chunk's dense then expert bucket groups last to first (Megatron's param all-gather chain)."""
+    order, need = {}, 0
+    for chunk in model_chunks:
+        for groups in (chunk.bucket_groups, chunk.expert_parallel_bucket_groups):
+            for bucket_group in reversed(groups):
+                for bucket in bucket_group.buckets:
+                    for p in bucket.params_list:
+                        order[p] = need
+                need += 1
+    return order
+
+
+class _OverlapStepState:
+    """The (owner step, need) pairs a bucket group's params wait for."""
+
+    def __init__(self):
+        self.waits = []
+
+
+class _OverlapStepBucketGroup:
+    state_name = "owner_step"
+    owner_step: _OverlapStepState
+
+    def start_param_sync(self, force_sync: bool = False):
+        for inner, need in self.owner_step.waits:
+            finish(inner, need)
+        return super().start_param_sync(force_sync=force_sync)
+
+
+def install_overlap_step(model_chunks, parts, infos: dict) -> None:
+    """Connect every owner part to the bucket groups of its matrices: the group's param sync
+    finishes them; the part copies the masters of a finished group into the model's params."""
+    for chunk in model_chunks:
+        extend_bucket_groups(chunk, _OverlapStepBucketGroup, lambda group: _OverlapStepState())
+    for part in parts:
+        inner = part.optimizer
+        inner.on_applied = part.copy_applied_masters
+        for model_param in part.model_params():
+            info = infos.get(model_param)
+            if info is None:
+                continue
+            chunk = next(c for c in model_chunks if model_param in c.param_to_bucket_group)
+            waits = chunk.param_to_bucket_group[model_param].owner_step.waits
+            if (inner, info.need) not in waits:
+                waits.append((inner, info.need))
+
+
+def finish_parts(parts) -> None:
+    """Every part's groups in flight, finished (before anything reads the masters or params)."""
+    for part in parts:
+        finish_all(part.optimizer)

@@ -1,0 +1,137 @@
+"""The overlapped owner step (`--dmuon-overlap-step on`): each need group's Newton–Schulz runs
+while the next forward computes the layers before it.
+
+``MatrixInfo.need`` orders the Muon matrices by when the next forward needs them (their DDP bucket
+group's place in the forward, megatron/overlap_step.py). The step cuts the NS stacks per need group
+(a stack never spans two groups), runs every momentum pass, and launches each group's NS in need
+order: on CUDA on a side stream, so ``optimizer.step()`` returns while it runs; on the CPU right
+away. ``finish(need)`` is called when that group's params are first needed (the param sync of its
+bucket group, before the forward of its layers); it makes the current stream wait for the group's
+NS, checks the outputs, applies the directions to the fp32 masters with the lr and weight decay of
+the step, and hands the masters to ``OwnerMuonAdamW.on_applied`` (the copy into the model's params).
+``finish_all()`` runs whatever is left (a checkpoint, the next step, a forced param sync).
+
+The arithmetic is the synchronous step's on the same stacks: mode 'sync' runs the same cut stacks
+inside ``step()``, and the two agree bit for bit (tests/test_overlap_step.py). A stack cut per need
+group is smaller than the owner's whole same-shape stack of mode 'off', which the GPU's batched
+GEMMs may round differently; 'off' and 'on' therefore agree to rounding, not to the bit.
+One difference in checking: the NaN/Inf retry reads back only the stacks whose NS can overflow (Gram
+NS in 16 bits); a standard NS of a finite input is finite (its input is normalized), so reading
+those back would add a host sync per group for nothing. The online NS check keeps its host sync on
+the steps it is due.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Dict, Optional
+
+import torch
+from torch.profiler import record_function
+
+OVERLAP_STEP_MODES = ("off", "on", "sync")
+
+
+class _LaunchedGroup:
+    """One need group in flight: its stacks, NS outputs, the event after its NS, and its members
+    as (main param, info, lr, weight decay) with the values of the step that launched it."""
+
+    def __init__(self, plan, stacks, members):
+        self.plan, self.stacks, self.members = plan, stacks, members
+        self.outputs = None
+        self.event = None  # CUDA: recorded on the side stream after the group's NS
+        self.device = stacks[0].device if stacks else None
+
+
+class PendingSteps:
+    """The need groups launched and not yet finished, by need (at most one step's worth)."""
+
+    def __init__(self):
+        self.groups: Dict[int, _LaunchedGroup] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def needs(self) -> list:
+        return sorted(self.groups)
+
+    def main_params(self) -> set:
+        return {p for item in self.groups.values() for p, *_ in item.members}
+
+
+def launch_need_groups(opt, entries, grad_scale: Optional[float] = None) -> None:
+    """The Muon part of ``OwnerMuonAdamW.step`` for whole matrices (no TP), cut per need group:
+    momentum passes now, each group's NS launched (side stream on CUDA), finished later by
+    ``finish`` (mode 'on') or right here (mode 'sync')."""
+    by_need = defaultdict(list)
+    for p, group, info in entries:
+        by_need[info.need].append((p, group, info))
+    launched = {}
+    for need in sorted(by_need):
+        members = by_need[need]
+        plan, stacks = opt._fill_stacks(members, grad_scale, tag=need)
+        launched[need] = _LaunchedGroup(plan, stacks, [(p, info, g["lr"], g["weight_decay"]) for p, g, info in members])
+    side = _ns_stream(opt, entries[0][0].device) if entries and entries[0][0].is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(side.device))  # the momentum passes wrote the stacks
+    with record_function("dmuon.ns_launch"), (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+        for item in launched.values():
+            item.outputs = opt._launch_ns(item.plan, item.stacks)
+            if side is not None:
+                for x in item.stacks:  # allocated on the current stream, read by the side stream
+                    x.record_stream(side)
+                item.event = torch.cuda.Event()
+                item.event.record(side)
+    opt.pending.groups = launched
+    opt.stats["ns_matrices_total"] += opt.stats["ns_matrices"]
+    opt.stats["tp_bytes"] = 0
+    if opt.muon.overlap_step == "sync":
+        finish_all(opt)
+
+
+@torch.no_grad()  # also from the forward's pre-hooks, where autograd records
+def finish(opt, need: int) -> None:
+    """Finish need group ``need`` if it is in flight: wait for its NS on the current stream, check
+    the outputs, apply them, and hand the masters to ``opt.on_applied``."""
+    item = opt.pending.groups.pop(need, None)
+    if item is None:
+        return
+    with record_function("dmuon.finish_group"):
+        if item.event is not None:
+            torch.cuda.current_stream(item.device).wait_event(item.event)
+        outputs = opt._check_outputs(item.plan, item.outputs, item.stacks, standard_retry=False)
+        opt._apply_outputs(item.plan, outputs, item.members)
+        if opt.on_applied is not None:
+            opt.on_applied([p for p, *_ in item.members])
+
+
+def finish_all(opt) -> None:
+    """Finish every group in flight, in need order."""
+    for need in opt.pending.needs():
+        finish(opt, need)
+
+
+@contextlib.contextmanager
+def model_priority_stream(enabled: bool = True):
+    """Run the body (a training loop) on a CUDA stream of the highest priority. The overlapped
+    step's NS runs on a stream of the default, lowest priority, so the GPU's block scheduler gives
+    the model's own kernels the SMs first and the NS fills what they leave, instead of the forward
+    queueing behind every NS kernel launched before it."""
+    if not (enabled and torch.cuda.is_available()):
+        yield
+        return
+    outer = torch.cuda.current_stream()
+    stream = torch.cuda.Stream(priority=-100)  # clamped to the device's highest priority
+    stream.wait_stream(outer)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        outer.wait_stream(stream)
+
+
+def _ns_stream(opt, device) -> "torch.cuda.Stream":
+    streams = opt.__dict__.setdefault("_overlap_ns_streams", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device=device, priority=0)  # the lowest: see model_priority_stream
+    return streams[device]
