@@ -5,7 +5,7 @@
 # TOKENIZER_TYPE) for real data instead of --mock-data; NO_TE=1 for a machine without Transformer
 # Engine (local layers, fusions off); with TE, Megatron-LM's --gradient-accumulation-fusion stays on where
 # Apex's fused_weight_gradient_mlp_cuda imports (GRAD_ACCUM_FUSION=1: always). Defines MEGATRON_ARGS (shared training flags, recipe, data,
-# optimizer flags).
+# optimizer flags) and ENTRY (the script torchrun runs).
 DMUON_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (git clone NVIDIA/Megatron-LM; git checkout core_v0.19.0)}"
 : "${RECIPE:?set RECIPE to one of: $(cd "$DMUON_REPO/launch/recipes" && ls ./*.sh | sed 's#^\./##; s/\.sh$//' | tr '\n' ' ')}"
@@ -14,7 +14,15 @@ recipe_file="$DMUON_REPO/launch/recipes/$RECIPE.sh"
 # shellcheck disable=SC1090
 source "$recipe_file"
 
-bash "$DMUON_REPO/patches/apply.sh" "$MEGATRON_LM" >&2  # idempotent: pretrain_gpt.py calls the hook
+# ENTRY: what torchrun runs. By default the unmodified pretrain_gpt.py through the launcher that installs
+# the hook first (megatron_dmuon/megatron/run.py); DMUON_PATCH=1 patches the checkout instead (idempotent).
+if [ "${DMUON_PATCH:-0}" = 1 ]; then
+  bash "$DMUON_REPO/patches/apply.sh" "$MEGATRON_LM" >&2
+  ENTRY=("$MEGATRON_LM/pretrain_gpt.py")
+else
+  [ -f "$MEGATRON_LM/pretrain_gpt.py" ] || { echo "MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py" >&2; exit 1; }
+  ENTRY=(-m megatron_dmuon.megatron.run "$MEGATRON_LM/pretrain_gpt.py")
+fi
 export PYTHONPATH="$DMUON_REPO:$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # NCCL: keep NVLink multicast (NVLS) off; the rest are the usual Megatron settings, override per site

@@ -5,12 +5,13 @@
 #
 # RECIPE: gpt_small | qwen2.5_7b (launch/recipes/). Extra flags are appended (later ones win), e.g.
 # --tensor-model-parallel-size 2 --sequence-parallel --muon-tp-mode duplicated, --save DIR, --dmuon-*.
-# GPUS_PER_NODE defaults to every visible GPU; see launch/megatron_lm_common.sh for DATA_PATH, NO_TE.
+# GPUS_PER_NODE defaults to every visible GPU; see launch/megatron_lm_common.sh for DATA_PATH, NO_TE,
+# DMUON_PATCH (the checkout's pretrain_gpt.py stays unmodified unless DMUON_PATCH=1).
 set -euo pipefail
-[ $# -ge 1 ] || { sed -n '2,8p' "$0" >&2; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,9p' "$0" >&2; exit 2; }
 RECIPE="$1"
 shift
 source "$(dirname "${BASH_SOURCE[0]}")/megatron_lm_common.sh"
 GPUS_PER_NODE="${GPUS_PER_NODE:-$(nvidia-smi -L | wc -l)}"
 exec torchrun --standalone --nnodes=1 --nproc-per-node="$GPUS_PER_NODE" \
-  "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}" "$@"
+  "${ENTRY[@]}" "${MEGATRON_ARGS[@]}" "$@"

@@ -145,18 +145,18 @@ def test_owner_step_auto_method_comes_from_the_kernels(monkeypatch):
     """--dmuon-ns-method auto on CUDA: the owner step's choice (planning.ns_choice.choose_ns) reads the kernels'
     autotune lookup (megatron_dmuon.kernels.measured_method), else counts FLOPs, so a wide stack runs Gram NS
     (an import that fails would silently run standard NS everywhere); off CUDA the torch path's standard NS."""
-    from megatron_dmuon.runtime import owner_step
+    from megatron_dmuon.runtime import muon_settings
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
     asked = []
-    monkeypatch.setattr(owner_step, "measured_method", lambda device: (lambda *key: asked.append(key)))
+    monkeypatch.setattr(muon_settings, "measured_method", lambda device: (lambda *key: asked.append(key)))
     settings = MuonSettings(ns_method="auto", ns_dtype=torch.bfloat16)
     gram = settings.choose_ns(512, 3584, 2, "cuda")
     assert (gram.method, gram.compute_dtype, gram.runs) == ("gram", torch.float16, "gram")
     assert settings.choose_ns(512, 512, 2, "cuda").method == "standard"
     assert settings.choose_ns(8, 64, 2, "cpu").method == "standard"
     assert asked == [(512, 3584, 2, torch.bfloat16, 5), (512, 512, 2, torch.bfloat16, 5)]
-    monkeypatch.setattr(owner_step, "measured_method", lambda device: (lambda *key: "standard"))
+    monkeypatch.setattr(muon_settings, "measured_method", lambda device: (lambda *key: "standard"))
     assert settings.choose_ns(512, 3584, 2, "cuda").method == "standard"  # a measurement outranks the FLOPs
 
 

@@ -165,12 +165,13 @@ def test_slurm_template_renders_two_nodes_of_eight_gpus(tmp_path):
     argv = next(iter(lines.values()))
     assert argv[:6] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
                         "--rdzv-endpoint=node-a:29500", "--rdzv-id=4242"]
-    assert argv[6] == os.path.join(os.path.abspath(tree), "pretrain_gpt.py")
-    megatron = argv[7:]
+    # the checkout's own pretrain_gpt.py, unmodified, through the launcher that installs the hook
+    assert argv[6:9] == ["-m", "megatron_dmuon.megatron.run", os.path.join(os.path.abspath(tree), "pretrain_gpt.py")]
+    megatron = argv[9:]
     assert " ".join(megatron).count("--optimizer dmuon --use-distributed-optimizer") == 1
     assert megatron[-4:] == ["--dmuon-ranks-per-node", "8", "--save", "/ckpt dir"]
     assert "--num-layers 28 --hidden-size 3584 --ffn-hidden-size 18944" in " ".join(megatron)
-    assert "megatron_dmuon.megatron.install()" in read(tree)  # the job patched the checkout
+    assert "megatron_dmuon.megatron.install()" not in read(tree)  # the checkout is left as it was
     _check_dmuon_accepts(megatron, world_size=16)
 
 
@@ -205,12 +206,19 @@ def test_one_node_torchrun_launcher(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (label, argv), = _argv_lines(proc.stdout).items()
     assert label == f"local NCCL_NVLS_ENABLE=0 PYTHONPATH={ROOT}:{tree}"
-    assert argv[:5] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-                        os.path.join(tree, "pretrain_gpt.py")]
+    assert argv[:7] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+                        "-m", "megatron_dmuon.megatron.run", os.path.join(tree, "pretrain_gpt.py")]
     joined = " ".join(argv)
     assert "--transformer-impl local" in joined and "--mock-data --tokenizer-type NullTokenizer --vocab-size 32000" in joined
     assert argv[-2:] == ["--train-iters", "10"]
-    _check_dmuon_accepts(argv[5:], world_size=2)
+    assert "megatron_dmuon.megatron.install()" not in read(tree)
+    _check_dmuon_accepts(argv[7:], world_size=2)
+    # DMUON_PATCH=1: the checkout patched (idempotently), its script run directly
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "torchrun_megatron_lm.sh"), "gpt_small"],
+                          capture_output=True, text=True, env=dict(env, DMUON_PATCH="1"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (_, argv), = _argv_lines(proc.stdout).items()
+    assert argv[4] == os.path.join(tree, "pretrain_gpt.py") and "megatron_dmuon.megatron.install()" in read(tree)
 
 
 def test_launcher_needs_a_checkout_and_a_known_recipe(tmp_path):

@@ -118,6 +118,9 @@ def install() -> None:
             out = _ORIGINALS["validate_args"](args, defaults)
         finally:
             args.optimizer = "dmuon"
+        if getattr(args, "rank", 0) == 0:  # Megatron's argument dump was printed during its own validation
+            print("> --optimizer dmuon: the argument dump above shows 'optimizer adam', the distributed-Adam run "
+                  f"DMuon is built on; DMuon runs (--dmuon-mode {args.dmuon_mode})", flush=True)
         _route(args)
         return out
 
