@@ -1,4 +1,4 @@
-"""Each DP rank's owner step, emulated one rank at a time on one GPU, under two owner plans.
+"""Each DP rank's owner step, emulated one rank at a time on one GPU, under several owner plans.
 
 The DP ranks of a DMuon job each run an owner step: Newton-Schulz and Muon's element-wise passes
 on the matrices they own, AdamW on the element-wise params inside their shard of every bucket
@@ -15,6 +15,8 @@ Plans (``planning.plans.plan_stage`` with the job's NS cost function and bucket 
 * ``pieces_elementwise``: what the job plans now: NS of the pieces the optimizer orthogonalizes
   (QKV split) plus the element-wise work the layout gives each rank
   (``planning.cost_model.elementwise_costs``);
+* ``megatron_lpt``: Megatron-LM main's layer-sharded Muon's rule (LPT on max(m,n)·min(m,n)²),
+  the baseline every other public Muon balances by;
 * ``milp_elementwise`` (``--milp``): ``--dmuon-balance milp`` on the measured H200 NS profile
   (docs/results/kernels/bench_kernels_h200_2026-11-30.json; shapes it lacks analytic), pieces and element-wise work in ms.
 
@@ -66,6 +68,9 @@ def plans_for(model, dp, bucket_size, cfg, milp=False):
         "ns_whole": plan_stage(model, par, None, "greedy", bucket_size=bucket_size, cost_fn=cost_fn),
         "pieces_elementwise": plan_stage(model, par, None, "greedy", bucket_size=bucket_size, cost_fn=cost_fn,
                                     split=split, elementwise=elementwise),
+        # Megatron-LM main's layer-sharded Muon: LPT on max(m,n)·min(m,n)² of whole matrices
+        "megatron_lpt": plan_stage(model, par, None, "megatron_lpt", bucket_size=bucket_size, cost_fn=cost_fn,
+                                   split=split),
     }
     if milp:
         h200 = device_spec("H200")

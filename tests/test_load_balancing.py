@@ -338,6 +338,23 @@ def test_plan_owner_layout_milp_and_numel_lpt_give_valid_layouts():
         assert max(milp_loads) <= max(_predicted_loads(plans["numel_lpt"], items))
 
 
+def test_megatron_lpt_is_lpt_on_max_times_min_squared():
+    """The baseline of Megatron-LM main's layer-sharded Muon: largest max(m,n)·min(m,n)² first to the
+    rank holding the least of it (an independent LPT here), whatever the items' own costs say."""
+    shapes = {"a": (1000, 10), "b": (100, 100), "c": (100, 100), "d": (50, 50), "e": (30, 300), "f": (64, 700)}
+    items = [ParamItem(n, m * k, True, 1.0, f"{m}x{k}") for n, (m, k) in shapes.items()] + [ParamItem("norm", 100, False)]
+    layout = plan_owner_layout(items, 3, None, balance="megatron_lpt")
+    layout.validate(items)
+    load, expect = [0, 0, 0], {}
+    for name in sorted(shapes, key=lambda n: -max(shapes[n]) * min(shapes[n]) ** 2):
+        rank = load.index(min(load))
+        expect[name] = rank
+        load[rank] += max(shapes[name]) * min(shapes[name]) ** 2
+    assert layout.owners == expect
+    assert plan_owner_layout(items, 3, None, balance="numel_lpt").owners != expect  # the rules differ here
+    assert layout.rank_cost == [sum(1.0 for n, r in expect.items() if r == c) for c in range(3)]  # the run's costs
+
+
 def test_dmuon_plan_qwen_acceptance(capsys):
     from megatron_dmuon.cli import main
 
@@ -345,11 +362,12 @@ def test_dmuon_plan_qwen_acceptance(capsys):
         assert main(["plan", "--preset", "qwen2.5-7b", "--dp", str(dp), "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         plans = report["plans"]
-        assert set(plans) == {"round_robin", "numel_lpt", "greedy", "milp"}
+        assert set(plans) == {"round_robin", "numel_lpt", "megatron_lpt", "greedy", "milp"}
         for p in plans.values():
             assert {"makespan_ms", "mean_ms", "bytes_per_rank", "padding_bytes"} <= set(p) and len(p["rank_ms"]) == dp
         m = plans["milp"]["makespan_ms"]
         assert m < plans["numel_lpt"]["makespan_ms"] and m < plans["round_robin"]["makespan_ms"]
+        assert m <= plans["megatron_lpt"]["makespan_ms"]  # predicted; the emulated check needs the GPU ([balance-2])
         assert m <= plans["greedy"]["makespan_ms"]
         assert m <= 1.05 * report["lower_bound_ms"], (dp, m, report["lower_bound_ms"])
         # optimizer state: every element's state on exactly one rank (bf16 model: fp32 master, then

@@ -76,7 +76,8 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                    help="TP-sharded matrices: gather to the TP owner, distributed Gram NS, or auto (cost model)")
     g.add_argument("--dmuon-balance", default="cost", choices=BALANCE,
                    help="owner assignment: cost (greedy on predicted NS time), milp (NS profiled on this GPU, "
-                        "then an MILP; both cached), numel_lpt or round_robin (baselines)")
+                        "then an MILP; both cached), numel_lpt, megatron_lpt (max·min², Megatron main's layer-sharded "
+                        "Muon) or round_robin (baselines)")
     g.add_argument("--dmuon-plan-budget", type=float, default=STARTUP_BUDGET_S, metavar="SECONDS",
                    help="--dmuon-balance milp: start-up seconds for NS profiling + the MILP on rank 0 "
                         "(the best plan found by then is used; cached plans cost nothing)")

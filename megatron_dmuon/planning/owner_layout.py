@@ -167,9 +167,23 @@ def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world
 
 
 # cost: greedy by predicted cost (default); milp: planning/milp.py (makespan with batched-launch
-# costs, globally over the buckets); round_robin and numel_lpt (Megatron 0.19 LayerWise's rule:
-# largest numel first to the rank with the least numel): baselines for comparisons and tests
-BALANCE = ("cost", "round_robin", "numel_lpt", "milp")
+# costs, globally over the buckets); round_robin, numel_lpt (Megatron 0.19 LayerWise's rule:
+# largest numel first to the rank with the least numel) and megatron_lpt (Megatron-LM main's
+# layer-sharded Muon, PR #6379: LPT on max(m, n) * min(m, n)^2 of each matrix): baselines
+BALANCE = ("cost", "round_robin", "numel_lpt", "megatron_lpt", "milp")
+
+
+def _max_min_squared(item) -> float:
+    """Megatron's layer-sharded Muon's cost of a matrix: max(m, n) * min(m, n)^2 of its shape."""
+    dims = [int(d) for d in item.shape_key.split("x")] if item.shape_key else []
+    if len(dims) != 2:
+        return float(item.numel)
+    m, n = dims
+    return float(max(m, n) * min(m, n) ** 2)
+
+
+# the baselines' LPT costs: (item) -> the cost their rule balances (loads start at zero: no element-wise work)
+_LPT_RULES = {"numel_lpt": lambda item: float(item.numel), "megatron_lpt": _max_min_squared}
 
 
 def _min_shard(items, members, world_size) -> int:
@@ -467,15 +481,15 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
         owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,
                                          milp_options, info, elementwise)
     else:
-        by_numel = balance == "numel_lpt"
-        assign_items = [dataclasses.replace(it, cost=float(it.numel)) for it in items] if by_numel else items
-        load = [0.0] * len(rank_cost) if by_numel else rank_cost
+        rule = _LPT_RULES.get(balance)
+        assign_items = [dataclasses.replace(it, cost=rule(it)) for it in items] if rule else items
+        load = [0.0] * len(rank_cost) if rule else rank_cost
         counted = elementwise if balance == "cost" else None
         offset = 0
         for b, members in enumerate(buckets_members):
             base = list(load)
             bucket_owners, bucket_tp_owners = _assign_owners(
-                assign_items, members, world_size, load, tp_size, "cost" if by_numel else balance,
+                assign_items, members, world_size, load, tp_size, "cost" if rule else balance,
                 assigned=len(owners), elementwise=counted)
             if counted:  # the loads this bucket's layout really gives, for the next buckets
                 loads, pos, shard = _bucket_loads(items, members, bucket_owners, bucket_tp_owners, world_size, tp_size,
@@ -484,7 +498,7 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
                 offset += shard * world_size
             owners.update(bucket_owners)
             tp_owners.update(bucket_tp_owners)
-        if by_numel:
+        if rule:  # the loads the plan really gives, in the run's own costs
             for it in items:
                 if it.is_matrix:
                     rank_cost[owners[it.name] * tp_size + tp_owners[it.name]] += it.cost

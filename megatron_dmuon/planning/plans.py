@@ -6,8 +6,10 @@ Planners (all produce an owner-aligned ``OwnerLayout`` per DDP buffer through
 * ``round_robin``: matrices in buffer order to the DP x TP cells in turn;
 * ``numel_lpt``: Megatron 0.19's LayerWise rule: largest numel first to the cell with the least
   numel;
-* ``greedy``: ours until now: largest NS FLOPs (planning/params.ns_cost) first to the least-loaded
-  cell (Megatron-LM main balances by max(M,N)·min(M,N)², PR #6379: the same idea);
+* ``megatron_lpt``: Megatron-LM main's layer-sharded Muon (PR #6379): largest max(M,N)·min(M,N)²
+  first to the cell with the least of it (whole matrices, no element-wise work counted);
+* ``greedy``: ours: largest predicted NS cost (planning/params.ns_cost: the pieces the owner step
+  orthogonalizes, their schedule) first to the least-loaded cell, element-wise work counted;
 * ``milp``: planning/milp.py on predicted milliseconds with batched-launch costs.
 
 Every plan is then predicted with the one ``CostModel``: per GPU, each same-shape group it owns
@@ -28,8 +30,9 @@ from .params import ns_cost
 __all__ = ["PLANNERS", "buffer_items", "split_rule_for", "matrix_pieces", "transformer_shape", "split_pieces", "plan_stage",
            "predict_stage", "compare_plans"]
 
-PLANNERS = ("round_robin", "numel_lpt", "greedy", "milp")
-_BALANCE = {"round_robin": "round_robin", "numel_lpt": "numel_lpt", "greedy": "cost", "milp": "milp"}
+PLANNERS = ("round_robin", "numel_lpt", "megatron_lpt", "greedy", "milp")
+_BALANCE = {"round_robin": "round_robin", "numel_lpt": "numel_lpt", "megatron_lpt": "megatron_lpt", "greedy": "cost",
+            "milp": "milp"}
 
 
 def shape_group(shape: Sequence[int]) -> str:
