@@ -10,7 +10,8 @@ from megatron_dmuon.testing.compare import full_params, rel_diffs
 from megatron_dmuon.testing.multiproc import run_distributed
 
 WORKER = "megatron_dmuon.testing.overlap_workers:overlap_step_variants"
-VARIANTS = {"off": {}, "sync": {"overlap_step": "sync"}, "on": {"overlap_step": "on"}}
+CHECK = {"ns_check_interval": 2}  # the online NS check on every other step: its host sync and report under 'on' too
+VARIANTS = {"off": CHECK, "sync": {"overlap_step": "sync", **CHECK}, "on": {"overlap_step": "on", **CHECK}}
 BASE = dict(steps=6, grad_accum=2, overlap=True, bucket_size=2000, clip_grad=1.0, shape_kw=dict(num_layers=4))
 
 
@@ -31,6 +32,7 @@ def _check(runs, min_groups=2):
     _assert_bitwise(runs["on"], runs["sync"])
     # every group was finished by the forward's param-sync hooks (or the last forced sync), none by the next step
     assert all(r["pending_after"] == 0 and r["groups_left"] == 0 for r in runs["on"])
+    assert runs["on"][0]["ns_checked"] == runs["sync"][0]["ns_checked"] > 0  # the checks ran and were reported
     assert all(len(r["needs"]) >= min_groups for r in runs["on"])  # the stacks really were cut per bucket group
     assert all(r["needs"] in ([0], []) for r in runs["off"])
     diffs = rel_diffs(full_params(runs["on"]), full_params(runs["off"]))
