@@ -311,9 +311,17 @@ def _odd_dataset(prefix, kind):
     (["--save", "ITERFILE"], "iter_0000004 is a file where a checkpoint directory would be written"),
     (["--hidden-size", "8192", "--num-layers", "4"], "needs at least 9.4 GiB per rank for its params, grads and "
                                                      "optimizer state, more than the 4.0 GiB this rank has"),
+    (["--dmuon-overlap-step", "on"], "exist only with --overlap-param-gather: add --overlap-param-gather"),
+    (["--dmuon-overlap-step", "on", "--overlap-param-gather", "--dmuon-mode", "gather_then_compute"],
+     "--dmuon-overlap-step on applies to --dmuon-mode dmuon (got gather_then_compute)"),
+    (["--dmuon-overlap-step", "sync", "--dmuon-update", "normuon"], "--dmuon-overlap-step sync runs the Muon rule only"),
+    (["--dmuon-overlap-step", "on", "--overlap-param-gather", "--vocab-size", "256", "--tensor-model-parallel-size", "2"],
+     "--dmuon-overlap-step on is not implemented with tensor parallelism"),
 ], ids=["decoupled_lr_negative", "decoupled_lr_nan", "adam_decoupled_lr_nan", "decoupled_min_above",
         "split_inf_inf", "split_1_inf", "seed_overflow", "seed_negative", "vocab_tp", "head_dim_1", "float_tokens",
-        "negative_token", "split_train_too_short", "lock_is_a_directory", "iter_file_in_save", "model_state_beyond_memory"])
+        "negative_token", "split_train_too_short", "lock_is_a_directory", "iter_file_in_save", "model_state_beyond_memory",
+        "overlap_step_without_param_gather_hooks", "overlap_step_baseline_mode", "overlap_step_row_rule",
+        "overlap_step_tp"])
 def test_bad_input_3_is_refused_at_start_up(tmp_path, capsys, monkeypatch, argv, message):
     """[bad-input-3]: inputs that were accepted silently or failed late (in the model, the forward, or the
     CPU shim) are refused by the start-up checks, before any process group, naming the flag."""
