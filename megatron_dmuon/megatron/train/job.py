@@ -16,12 +16,12 @@ import torch
 
 from megatron_dmuon.logs import log_to
 
+from ...runtime.overlap_step import model_priority_stream
 from .args import parse_args
 from .checkpoints import hold_save_lock
 from .checks import job_error, schedule_of
 from .data import TokenSource, token_source
 from .loop import train
-from ...runtime.overlap_step import model_priority_stream
 from .summary import print_start_line, report
 
 
