@@ -177,6 +177,23 @@ def test_fallback_when_the_time_limit_leaves_no_solution(monkeypatch):
     assert sol.backend == "greedy" and sol.status == "greedy"
 
 
+@pytest.mark.parametrize("seed", [0, 2])
+def test_the_milp_is_never_worse_than_any_warm_start_it_is_given(seed):
+    """[balance-2]: whatever plan it is handed (a baseline's, or a better one found earlier), the MILP
+    returns one no worse under the objective it minimises, even when its time limit cuts it short
+    (on these problems a 1 ms search alone ends above the 2 s plan: the warm start must carry it)."""
+    problem = random_problem(random.Random(seed), n=16, dp=4, tp=1, buckets=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        good = solve_owner_milp(problem, backend="cbc", time_limit_s=2.0)
+        assert good.objective < evaluate(problem, milp.greedy_cells(problem))[0]  # better than the greedy
+        rr = [i % problem.cells for i in range(len(problem.per_matrix))]  # round robin: a poor start
+        for starts in ([good.cells], [rr], [rr, good.cells]):
+            sol = solve_owner_milp(problem, backend="cbc", time_limit_s=0.001, warm_starts=starts)
+            assert sol.objective <= min(evaluate(problem, w)[0] for w in starts) + 1e-12
+            assert sol.objective <= evaluate(problem, milp.greedy_cells(problem))[0] + 1e-12
+
+
 def test_a_real_time_limit_still_returns_a_plan_no_worse_than_greedy():
     rng = random.Random(5)
     problem = random_problem(rng, n=40, dp=6, tp=2, buckets=3)
