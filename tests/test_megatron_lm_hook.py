@@ -422,6 +422,15 @@ def test_install_routes_dmuon_and_leaves_other_optimizers_alone(stand_in_megatro
     assert m.training.train.__name__ == "prioritized_train" and m.training.train() == "megatron's train"
 
 
+def test_overlap_step_refuses_megatron_lms_params_norm_log():
+    from megatron_dmuon.megatron.checks import check_overlap_step
+
+    args = argparse.Namespace(overlap_param_gather=True, log_params_norm=True, fp8_param_gather=False)
+    with pytest.raises(ValueError, match="--dmuon-overlap-step on with --log-params-norm"):
+        check_overlap_step(args, DMuonConfig(muon=MuonSettings(overlap_step="on")), args)
+    check_overlap_step(args, DMuonConfig(muon=MuonSettings(overlap_step="sync")), args)  # sync: applied in the step
+
+
 def test_install_rejects_at_parse_time(stand_in_megatron_training, capsys):
     import megatron_dmuon.megatron as dm
 

@@ -115,4 +115,7 @@ def check_overlap_step(ddp_config, cfg, model_config=None) -> None:
     if getattr(model_config, "qk_clip", False):
         raise ValueError(f"{flag} cannot run with --qk-clip: the clip rescales weights right after the step, "
                          "before the overlapped step has applied them; drop one of the two flags")
+    if overlap == "on" and getattr(ddp_config, "log_params_norm", False):  # Megatron-LM's args at parse time
+        raise ValueError(f"{flag} with --log-params-norm would log the norm of the params before the step's Muon "
+                         "update (it is applied in the next forward): drop one of the two flags")
 
