@@ -32,14 +32,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import ROOT, Job, has_cuda, run  # noqa: E402
 from megatron_dmuon.runtime.owner_step import MatrixInfo, OwnerMuonAdamW  # noqa: E402
 
-# (label, flags): the rules compared; Dion3 at f = 1/4 and 1/8 with NorDion2's lr (no f factor)
+# (label, flags): the rules compared; Dion3 at f = 1/4 and 1/8 with NorDion2's lr (no f factor).
+# Dion3's momentum has no Nesterov form (it is refused), so its rows turn off the job's default Nesterov.
+DION3 = ["--dmuon-update", "dion3", "--muon-no-nesterov"]
 RULES = [
     ("muon", []),
     ("normuon", ["--dmuon-update", "normuon"]),
-    ("dion3 f=1/4", ["--dmuon-update", "dion3", "--dmuon-fraction", "0.25"]),
-    ("dion3 f=1/8", ["--dmuon-update", "dion3", "--dmuon-fraction", "0.125"]),
-    ("dion3 f=1/4 lr/sqrt(f)", ["--dmuon-update", "dion3", "--dmuon-fraction", "0.25",
-                                "--dmuon-fraction-lr", "inverse_sqrt"]),
+    ("dion3 f=1/4", [*DION3, "--dmuon-fraction", "0.25"]),
+    ("dion3 f=1/8", [*DION3, "--dmuon-fraction", "0.125"]),
+    ("dion3 f=1/4 lr/sqrt(f)", [*DION3, "--dmuon-fraction", "0.25", "--dmuon-fraction-lr", "inverse_sqrt"]),
 ]
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "704", "--num-attention-heads", "8",
          "--num-query-groups", "4", "--seq-length", "256", "--global-batch-size", "32", "--micro-batch-size", "8",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import checkpoint as ckpt
-from . import checkpoint_switch
+from . import checkpoint_switch, checkpoint_torch
 from .overlap_step import finish_parts
 
 
@@ -46,10 +46,10 @@ class OwnerCheckpoints:
 
     def save_parameter_state(self, filename: str):
         parts = self._parts_finished()
-        return ckpt.save_param_state_file(parts, filename) if parts else super().save_parameter_state(filename)
+        return checkpoint_torch.save_param_state_file(parts, filename) if parts else super().save_parameter_state(filename)
 
     def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
         parts = self._parts_finished()
         if not parts:
             return super().load_parameter_state(filename, update_legacy_format=update_legacy_format)
-        return ckpt.load_param_state_file(parts, filename)
+        return checkpoint_torch.load_param_state_file(parts, filename)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checkpoint as ckpt
+from . import checkpoint_torch
 from ..kernels.autotune import measured_method
 from ..planning.dp_shards import shard_range
 from ..planning.ns_choice import plan_ns_choices
@@ -200,10 +200,10 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
                 setattr(self, n, v)
 
     def get_parameter_state_dp_zero(self, *args, **kwargs):
-        return ckpt.param_state_dp_zero([self])
+        return checkpoint_torch.param_state_dp_zero([self])
 
     def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format: bool = False):
-        ckpt.load_param_state_dp_zero([self], state_dict)
+        checkpoint_torch.load_param_state_dp_zero([self], state_dict)
 
     def _megatron_format_not_used(self, *args, **kwargs):
         raise NotImplementedError(
