@@ -92,6 +92,12 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
         raise ValueError("--dmuon-mode gather_then_compute all-reduces grads: drop --use-distributed-optimizer")
 
 
+def tensor_parallel_size(config) -> int:
+    """The largest TP size of a run (dense or expert), from parsed flags or a model config."""
+    return max(getattr(config, "tensor_model_parallel_size", 1) or 1,
+               getattr(config, "expert_tensor_parallel_size", 1) or 1)
+
+
 def check_overlap_step(ddp_config, cfg, model_config=None) -> None:
     """Start-up checks of --dmuon-overlap-step (megatron/overlap_step.py), before any state exists."""
     overlap = cfg.muon.overlap_step
@@ -107,8 +113,7 @@ def check_overlap_step(ddp_config, cfg, model_config=None) -> None:
     if getattr(ddp_config, "fp8_param_gather", False):
         raise ValueError(f"{flag} is not implemented with --fp8-param-gather (Megatron quantizes every master in "
                          "one call after the step): drop one of the two flags")
-    tp = max(getattr(model_config, "tensor_model_parallel_size", 1) or 1,
-             getattr(model_config, "expert_tensor_parallel_size", 1) or 1) if model_config is not None else 1
+    tp = tensor_parallel_size(model_config) if model_config is not None else 1
     if tp > 1:
         raise ValueError(f"{flag} is not implemented with tensor parallelism (--tensor-model-parallel-size / "
                          f"--expert-tensor-parallel-size {tp}): drop --dmuon-overlap-step")

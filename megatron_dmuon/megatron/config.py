@@ -14,6 +14,7 @@ import torch
 from ..planning.caches import default_plan_cache_path
 from ..planning.owner_layout import BALANCE
 from ..runtime.row_update_step import tp_refusal
+from .checks import tensor_parallel_size
 from .megatron_lm_flags import (MUON_FP32_MATMUL_PREC, MUON_SCALAR_OPTIMIZERS, MUON_TP_MODES, megatron_muon_settings,
                                 muon_coefficients_for, refuse_unknown_muon_flags)
 from .publish import PUBLISH_DTYPES
@@ -117,8 +118,7 @@ class DMuonConfig:
             raise ValueError(
                 f"--muon-scalar-optimizer {args.muon_scalar_optimizer} is not supported by --optimizer dmuon "
                 "(its element-wise params take AdamW on their owner shard); drop the flag or pass adam")
-        tp = max(getattr(args, "tensor_model_parallel_size", 1) or 1,
-                 getattr(args, "expert_tensor_parallel_size", 1) or 1)
+        tp = tensor_parallel_size(args)
         if args.muon_tp_mode not in MUON_TP_MODES:
             raise ValueError(f"--muon-tp-mode {args.muon_tp_mode!r} unknown; valid: {', '.join(MUON_TP_MODES)}")
         if args.muon_tp_mode == "blockwise" and tp > 1 and args.dmuon_mode != "megatron_layerwise":

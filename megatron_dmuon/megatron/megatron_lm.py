@@ -50,6 +50,16 @@ from .config import config_of
 from .flags import add_dmuon_args
 
 _ORIGINALS: dict = {}
+# every (module, attribute) of megatron.training that install() and its routes replace
+HOOK_POINTS = (("megatron.training.arguments", "add_megatron_arguments"),
+               ("megatron.training.arguments", "validate_args"),
+               ("megatron.training.training", "DDP"),
+               ("megatron.training.training", "get_megatron_optimizer"),
+               ("megatron.training.training", "clip_qk"),
+               ("megatron.training.training", "load_checkpoint"),
+               ("megatron.training.training", "train"),
+               ("megatron.training.checkpointing", "_load_base_checkpoint"),
+               ("megatron.training.models.dist_utils", "DistributedDataParallel"))
 
 
 def ddp_class_for(args) -> Optional[type]:

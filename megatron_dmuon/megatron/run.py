@@ -20,29 +20,20 @@ import sys
 
 USAGE = "usage: python -m megatron_dmuon.megatron.run /path/to/Megatron-LM/SCRIPT.py [its arguments...]"
 
-# what megatron_lm.install() and its routes replace: (module, attribute)
-HOOKED = (("megatron.training.arguments", "add_megatron_arguments"),
-          ("megatron.training.arguments", "validate_args"),
-          ("megatron.training.training", "DDP"),
-          ("megatron.training.training", "get_megatron_optimizer"),
-          ("megatron.training.training", "clip_qk"),
-          ("megatron.training.training", "load_checkpoint"),
-          ("megatron.training.training", "train"),
-          ("megatron.training.checkpointing", "_load_base_checkpoint"),
-          ("megatron.training.models.dist_utils", "DistributedDataParallel"))
-
-
 def _refuse(message: str, code: int = 2) -> None:
     print(f"megatron_dmuon.megatron.run: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
 def missing_hook_points() -> list:
-    """'module.attribute' of every hook point the importable ``megatron.training`` lacks."""
+    """'module.attribute' of every hook point (``megatron_lm.HOOK_POINTS``) the importable
+    ``megatron.training`` lacks."""
     import importlib
 
+    from .megatron_lm import HOOK_POINTS
+
     missing = []
-    for module, attribute in HOOKED:
+    for module, attribute in HOOK_POINTS:
         try:
             found = hasattr(importlib.import_module(module), attribute)
         except ImportError:
