@@ -19,7 +19,7 @@ die() { echo "patches/apply.sh: $*" >&2; exit 1; }
 [ $# -eq 1 ] || { echo "usage: patches/apply.sh /path/to/Megatron-LM" >&2; exit 2; }
 TREE="$(cd "$1" 2>/dev/null && pwd)" || die "no such directory: $1"
 [ -f "$TREE/pretrain_gpt.py" ] && [ -f "$TREE/megatron/training/arguments.py" ] \
-  || die "$TREE is not a Megatron-LM checkout (needs pretrain_gpt.py and megatron/training/); megatron-core's pip package has no megatron/training: clone NVIDIA/Megatron-LM at $SUPPORTED"
+  || die "$TREE is not a Megatron-LM checkout (needs pretrain_gpt.py and megatron/training/); clone NVIDIA/Megatron-LM at $SUPPORTED (or run an unmodified script through python -m megatron_dmuon.megatron.run)"
 
 version="unknown"
 info="$TREE/megatron/core/package_info.py"

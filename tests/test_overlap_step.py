@@ -55,3 +55,27 @@ def test_overlap_step_pp2_virtual_stages():
 
 def test_overlap_step_ep2_moe():
     _check(_variants(2, ep=2, shape_kw=dict(num_layers=4, num_experts=4)))
+
+
+def test_overlap_step_matches_the_single_process_reference_in_float64():
+    """The overlapped step against the TP=PP=EP=1 single-process reference on real megatron-core
+    (float64, as tests/test_dmuon_parallel.py: only the reduce order differs, ~1e-13)."""
+    from megatron_dmuon.testing.compare import run_dmuon, run_reference
+
+    kw = dict(steps=6, grad_accum=2, overlap=True, bucket_size=2000, ns_dtype="float64",
+              shape_kw=dict(num_layers=4, fp64=True), muon_kw={"overlap_step": "on"})
+    results = run_dmuon(2, **kw)
+    ref = run_reference(2, layouts=results[0]["layouts"], **kw)
+    diffs = rel_diffs(full_params(results), ref["params"])
+    assert max(diffs.values()) <= 1e-10, sorted(diffs.items(), key=lambda x: -x[1])[:3]
+    assert results[0]["losses"] == pytest.approx(ref["losses"], rel=1e-10)
+
+
+@pytest.mark.parametrize("extra", [dict(publish_dtype="fp8_e4m3", shape_kw=dict(num_layers=4, bf16=True)),
+                                   dict(ranks_per_node=1)], ids=["fp8_publish", "two_level"])
+def test_overlap_step_composes_with_the_other_bucket_group_extensions(extra):
+    """The FP8 publish and the two-level groups also extend Megatron's bucket groups: the group is
+    finished before their pack / two-level all-gather, bit for bit as its sync twin."""
+    runs = _variants(2, **extra)
+    _assert_bitwise(runs["on"], runs["sync"])
+    assert all(r["pending_after"] == 0 and r["groups_left"] == 0 and len(r["needs"]) >= 2 for r in runs["on"])
