@@ -218,6 +218,8 @@ def _dataset(prefix, truncate=False):
     (["--save-interval", "5"], "--save-interval needs --save DIR"),
     (["--save", "ck", "--dmuon-mode", "gather_then_compute"], "--save/--load support --dmuon-mode dmuon"),
     (["--fail-at-iteration", "0"], "--fail-at-iteration must be in"),
+    (["--profile-iterations", "2"], "--profile-iterations 2 needs --profile-optimizer-at ITER"),
+    (["--train-iters", "4", "--profile-optimizer-at", "4", "--profile-iterations", "2"], "ITER + N - 1 <= --train-iters"),
     (["--data-path", "PREFIX"], "PREFIX.bin does not exist"),
     (["--data-path", "TRUNCATED", "--vocab-size", "64"], "TRUNCATED.bin is truncated"),
     (["--dmuon-balance", "milp", "--dmuon-plan-budget", "0"], "--dmuon-plan-budget 0.0 must be a finite number in (0"),

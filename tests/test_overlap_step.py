@@ -79,3 +79,40 @@ def test_overlap_step_composes_with_the_other_bucket_group_extensions(extra):
     runs = _variants(2, **extra)
     _assert_bitwise(runs["on"], runs["sync"])
     assert all(r["pending_after"] == 0 and r["groups_left"] == 0 and len(r["needs"]) >= 2 for r in runs["on"])
+
+
+def _main_job(tmp_path, mode, *extra):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / f"{mode}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", "6", "--log-interval", "1", "--seq-length", "64",
+           "--dmuon-overlap-step", mode, "--overlap-param-gather", "--timing-json", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_main_job_overlap_on_equals_sync_and_profiles_whole_iterations(tmp_path):
+    """The README's main job (CPU, DP=2) under 'on' and 'sync': the same loss lines to the last digit;
+    --profile-iterations 2 profiles iterations 3 and 4 whole, so the NS launched by step 3 and the
+    finishing of its groups in iteration 4's forward are both in the table and the trace."""
+    trace = tmp_path / "iterations.json"
+    on, on_summary = _main_job(tmp_path, "on", "--profile-optimizer-at", "3", "--profile-iterations", "2",
+                               "--profile-out", str(trace))
+    sync, _ = _main_job(tmp_path, "sync")
+
+    def losses(stdout):
+        return [line.split("lm loss:")[1].split("|")[0] for line in stdout.splitlines() if "lm loss:" in line]
+
+    assert len(losses(on)) == 6 and losses(on) == losses(sync)
+    table = on.split("> profile of iterations 3..4", 1)[1]
+    assert "> profile of the optimizer step" not in on  # the whole iterations, not the step alone
+    assert all(f" {phase} " in table for phase in ("dmuon.ns_launch", "dmuon.finish_group", "dmuon.momentum"))
+    events = {e.get("name") for e in __import__("json").loads(trace.read_text())["traceEvents"]}
+    assert {"dmuon.ns_launch", "dmuon.finish_group"} <= events
+    assert on_summary["summary"]["last_loss"] < on_summary["summary"]["first_loss"]

@@ -99,6 +99,9 @@ def parse_args(argv=None):
       help="profile the optimizer step of this iteration (torch.profiler, rank 0): a kernel table on stdout, "
            "and a Chrome trace at --profile-out")
     a("--profile-out", default=None, help="Chrome trace file for --profile-optimizer-at")
+    a("--profile-iterations", type=int, default=0, metavar="N",
+      help="with --profile-optimizer-at ITER: profile N whole iterations from ITER (forward, backward and step, "
+           "so --dmuon-overlap-step on's Newton-Schulz shows beside the next forward) instead of the step alone")
     a("--exit-after-skipped-iterations", type=int, default=10, metavar="K",
       help="stop with an error after K consecutive iterations whose update was skipped (non-finite gradients) "
            "or whose loss was not finite; 0: never")

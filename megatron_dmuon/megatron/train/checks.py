@@ -75,6 +75,10 @@ def validate_args(p, args, default_lr: dict) -> None:
         p.error(f"--profile-optimizer-at must be in [1, --train-iters] (got {args.profile_optimizer_at})")
     if args.profile_out and args.profile_optimizer_at is None:
         p.error("--profile-out needs --profile-optimizer-at ITER (the iteration whose optimizer step to profile)")
+    if args.profile_iterations and (args.profile_iterations < 0 or args.profile_optimizer_at is None
+                                    or args.profile_optimizer_at + args.profile_iterations - 1 > args.train_iters):
+        p.error(f"--profile-iterations {args.profile_iterations} needs --profile-optimizer-at ITER with "
+                "ITER + N - 1 <= --train-iters (the whole iterations to profile)")
     if args.fail_at_iteration is not None and not 1 <= args.fail_at_iteration <= args.train_iters:
         p.error(f"--fail-at-iteration must be in [1, --train-iters] (got {args.fail_at_iteration})")
     if args.eval_interval is not None and args.eval_interval < 1:

@@ -36,21 +36,34 @@ class TimedOptimizer:
 
 
 def profiled(step, trace_path=None):
-    """Run ``step()`` under torch.profiler; print the kernels by total device time (and the
-    record_function ranges), optionally export a Chrome trace."""
-    from torch.profiler import ProfilerActivity, profile
+    """Run ``step()`` under torch.profiler (see ``Profile``)."""
+    prof = Profile(trace_path, "the optimizer step")
+    out = step()
+    prof.stop()
+    return out
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        out = step()
+
+class Profile:
+    """torch.profiler from construction to ``stop()``: then the kernels by total device time (and
+    the record_function ranges) on stdout, and a Chrome trace at ``trace_path`` if given."""
+
+    def __init__(self, trace_path=None, what="the optimizer step"):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.trace_path, self.what = trace_path, what
+        self.prof = profile(activities=activities)
+        self.prof.start()
+
+    def stop(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    print("> profile of the optimizer step\n" + prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90),
-          flush=True)
-    if trace_path:
-        prof.export_chrome_trace(trace_path)
-    return out
+        self.prof.stop()
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(f"> profile of {self.what}\n" + self.prof.key_averages().table(sort_by=sort, row_limit=45,
+                                                                               max_name_column_width=90), flush=True)
+        if self.trace_path:
+            self.prof.export_chrome_trace(self.trace_path)
 
 
 def maybe_fail(args, iteration, rank, world) -> None:
@@ -157,15 +170,22 @@ def train(job) -> History:
               "(raise --train-iters to continue, with --override-opt_param-scheduler for the longer schedule or "
               "--use-checkpoint-opt_param-scheduler to keep the saved one)", flush=True)
     streak = 0  # consecutive iterations without a finite loss and an applied update
+    whole = None  # the --profile-iterations profile while it runs
     for it in range(run.start + 1, args.train_iters + 1):
         maybe_fail(args, it, rank, job.world)
-        timed.profile = rank == 0 and args.profile_optimizer_at == it
+        profile_here = rank == 0 and args.profile_optimizer_at == it
+        timed.profile = profile_here and not args.profile_iterations
         sync()
+        if profile_here and args.profile_iterations:  # whole iterations: the overlapped NS beside the forward
+            whole = Profile(args.profile_out, f"iterations {it}..{it + args.profile_iterations - 1}")
         t0 = time.perf_counter()
         micro = [data.batch(it, job.dp_rank, m, args.micro_batch_size) for m in range(job.grad_accum)]
         loss, grad_norm, _, ok = train_step([ddp], timed, micro, args.seq_length, args.micro_batch_size)
         sync()
         step_ms = (time.perf_counter() - t0) * 1e3
+        if whole is not None and it == args.profile_optimizer_at + args.profile_iterations - 1:
+            whole.stop()
+            whole = None
         if ok:
             sched.step(increment=args.global_batch_size)  # Megatron counts samples (consumed samples)
         run.skipped += not ok  # a non-finite gradient: skipped on every rank, nothing changed
