@@ -219,7 +219,7 @@ def _dataset(prefix, truncate=False):
     (["--save", "ck", "--dmuon-mode", "gather_then_compute"], "--save/--load support --dmuon-mode dmuon"),
     (["--fail-at-iteration", "0"], "--fail-at-iteration must be in"),
     (["--profile-iterations", "2"], "--profile-iterations 2 needs --profile-optimizer-at ITER"),
-    (["--train-iters", "4", "--profile-optimizer-at", "4", "--profile-iterations", "2"], "ITER + N - 1 <= --train-iters"),
+    (["--train-iters", "8", "--profile-optimizer-at", "8", "--profile-iterations", "2"], "ITER + N - 1 <= --train-iters"),
     (["--data-path", "PREFIX"], "PREFIX.bin does not exist"),
     (["--data-path", "TRUNCATED", "--vocab-size", "64"], "TRUNCATED.bin is truncated"),
     (["--dmuon-balance", "milp", "--dmuon-plan-budget", "0"], "--dmuon-plan-budget 0.0 must be a finite number in (0"),
@@ -249,7 +249,7 @@ def _dataset(prefix, truncate=False):
     # [bad-input-2]: the parallel layout's own error first
     (["--tensor-model-parallel-size", "3"], "the world size 2 must be a multiple of --tensor-model-parallel-size"),
 ], ids=["layers0", "mbs0", "hidden_heads", "heads_groups", "lr0", "clip_negative", "batch_split", "interval_no_save",
-        "save_baseline_mode", "fail_iteration", "missing_bin", "truncated_bin", "plan_budget0",
+        "save_baseline_mode", "fail_iteration", "profile_iterations_alone", "profile_iterations_past_end", "missing_bin", "truncated_bin", "plan_budget0",
         "extra_scale0", "extra_scale_negative", "extra_scale_nan", "lr_inf", "adam_lr_nan", "clip_nan", "wd_nan",
         "wd_negative", "min_lr_nan", "momentum_1_5", "ns_steps0", "check_bound_negative", "check_interval_negative",
         "skip_limit_negative", "vocab_below_max_id", "data_shorter_than_seq", "absurd_seq_length",
