@@ -97,6 +97,8 @@ def parse_args(argv=None):
                    help="rounds: every mode runs once per round, in turn (GPU clocks drift over minutes; "
                         "a row then reports the median over its rounds, each round's figures under 'rounds')")
     p.add_argument("--out", default=None, help="write the JSON document here too")
+    p.add_argument("--print-args", metavar="MODE", default=None,
+                   help="print the main job's arguments for MODE (one line) and exit")
     add_layer_args(p)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     return p.parse_args(argv)
@@ -112,6 +114,9 @@ def measure(args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.print_args:
+        print(" ".join(mode_args(args.print_args, args)))
+        return
     doc = measure(args)
     rows = doc["rows"]
     print(json.dumps(doc, indent=1))

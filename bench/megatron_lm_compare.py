@@ -97,6 +97,13 @@ RUNS = {
                       "--dmuon-overlap-step", "on"],
     "dmuon_overlap_sync": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
                            "--dmuon-overlap-step", "sync"],
+    # the same three with each NS stack set replayed as one CUDA graph (the step returns at once)
+    "dmuon_ogp_graph": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
+                        "--dmuon-ns-launch", "graph"],
+    "dmuon_overlap_graph": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
+                            "--dmuon-overlap-step", "on", "--dmuon-ns-launch", "graph"],
+    "dmuon_overlap_sync_graph": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
+                                 "--dmuon-overlap-step", "sync", "--dmuon-ns-launch", "graph"],
 }
 CLIP_SUMMARY = re.compile(r"local_max_logits summary: (\{.*\})")
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|")

@@ -48,9 +48,17 @@ run_part() {
       compare band_fp8x --model small --iters 30 --seeds 1234 2345 3456 --jobs ${JOBS:-6} --timeout 400 \
         --runs muon muon_fp32ns dmuon dmuon_fp32ns --fp8-format hybrid --fp8-recipe delayed ;;
     overlap_e2e)  # --dmuon-overlap-step: the main job (TE layers) at the Qwen 4-layer shape, comm overlap on for all rows
-      python3 bench/e2e.py --preset qwen7b-4l --iters ${OITERS:-16} --repeat ${OREPEAT:-1} --modes adam dmuon dmuon^sync dmuon^on \
-        --out "$R/overlap_e2e.json" --extra --global-batch-size 4 --overlap-grad-reduce --overlap-param-gather \
-        > "$R/overlap_e2e.log" 2>&1; echo "== overlap_e2e rc=$?"; grep "^|" "$R/overlap_e2e.log" ;;
+      # OMODES: the modes (default off/sync/on eagerly launched); OEXTRA: more main-job flags; OTAG: the files' tag
+      python3 bench/e2e.py --preset qwen7b-4l --iters ${OITERS:-16} --repeat ${OREPEAT:-1} --modes ${OMODES:-adam dmuon dmuon^sync dmuon^on} \
+        --out "$R/overlap_e2e${OTAG:-}.json" --extra --global-batch-size 4 --overlap-grad-reduce --overlap-param-gather ${OEXTRA:-} \
+        > "$R/overlap_e2e${OTAG:-}.log" 2>&1; echo "== overlap_e2e${OTAG:-} rc=$?"; grep "^|" "$R/overlap_e2e${OTAG:-}.log" ;;
+    overlap_profile)  # the main job under --dmuon-overlap-step on (CUDA-graph NS), iterations 8 and 9 whole under torch.profiler
+      python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/pretrain_gpt.py \
+        $(python3 bench/e2e.py --preset qwen7b-4l --print-args "${OPMODE:-dmuon~graph^on}") --train-iters 10 --log-interval 1 \
+        --global-batch-size 4 --overlap-grad-reduce --overlap-param-gather ${OEXTRA:-} \
+        --profile-optimizer-at 8 --profile-iterations 2 --profile-out "$R/overlap_profile.trace.json" \
+        > "$R/overlap_profile.log" 2>&1; echo "== overlap_profile rc=$?"; grep -E "iteration +[0-9]+/|dmuon\\.|Self CUDA time" "$R/overlap_profile.log" | cut -c1-220
+      gzip -f "$R/overlap_profile.trace.json" ;;
     overlap_mlm)  # the same in Megatron-LM's loop (log every 10 iterations: its timers sync the device when they log)
       compare overlap_mlm --model qwen7b-4l --iters ${OITERS_MLM:-40} --runs ${ORUNS:-adam_ogp muon_ogp dmuon_ogp dmuon_overlap_sync dmuon_overlap} \
         --timeout 300 --extra --global-batch-size 4 --log-interval 10 ;;

@@ -29,7 +29,7 @@ from .owner_layout import megatron_bucket_size
 from .plans import gpu_cells, plan_stage, predict_stage
 from .tp_cost import choose_tp_method
 
-__all__ = ["collective_ms", "predict_optimizer_step", "predict_adamw_step"]
+__all__ = ["collective_ms", "gpu_step_parts", "predict_optimizer_step", "predict_adamw_step"]
 
 
 def collective_ms(cluster: ClusterSpec, dp: int, tp: int, total_bytes: float, two_level: bool) -> float:
@@ -85,21 +85,14 @@ def adamw_in_shard(layout, params, dp_rank: int) -> int:
     return sum(adamw_fragments_in_shard(layout, params, dp_rank))
 
 
-def predict_optimizer_step(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec, cost_model: CostModel, *,
-                           planner: str = "milp", two_level: bool = True, overlap_param_gather: bool = False,
-                           overlap_grad_reduce: bool = False, optimizer: Optional[dict] = None,
-                           milp_options: Optional[dict] = None, stage: int = 0, plan: Optional[dict] = None) -> dict:
-    """Predicted optimizer step (ms) and its parts for DMuon on ``cluster`` (``plan``: a
-    ``plan_stage`` result to reuse instead of planning again)."""
-    opt = optimizer or load_config()["optimizer"]
-    if plan is None:
-        size = megatron_bucket_size(par.dp_size, overlap_grad_reduce, None, pp_rank=stage)
-        plan = plan_stage(model, par, cost_model, planner, stage=stage, bucket_size=size, milp_options=milp_options)
-    pred = predict_stage(plan, par, cost_model, opt["grad_bytes"], opt["param_bytes"])
-    gpus = par.dp_size * par.tp
+def gpu_step_parts(plan: dict, par: ParallelSpec, cluster: ClusterSpec, cost_model: CostModel, opt: dict,
+                   rank_ms: List[float]) -> List[dict]:
+    """Per GPU of the stage: {'ns_ms' (``rank_ms[r]``, the plan's predicted owner NS), 'elementwise_ms'
+    (Muon bytes on the matrices its DP rank owns + AdamW bytes in its shards, at the HBM rate),
+    'tp_exchange_ms'}."""
     hbm = cluster.device.hbm_gbytes_per_s * 1e6  # bytes per ms
     per_gpu: List[dict] = []
-    for r in range(gpus):
+    for r in range(par.dp_size * par.tp):
         cells = gpu_cells(par, r)
         muon_numel = adamw_numel = 0
         tp_ms = 0.0
@@ -111,7 +104,23 @@ def predict_optimizer_step(model: ModelSpec, par: ParallelSpec, cluster: Cluster
             tp_ms += _tp_exchange_ms(cluster.intra, params, layout.owners, dp_rank, layout.tp_size,
                                      cost_model.ns_method, cost_model.steps)
         elementwise = (muon_numel * opt["muon_bytes_per_param"] + adamw_numel * opt["adamw_bytes_per_param"]) / hbm
-        per_gpu.append({"ns_ms": pred["rank_ms"][r], "elementwise_ms": elementwise, "tp_exchange_ms": tp_ms})
+        per_gpu.append({"ns_ms": rank_ms[r], "elementwise_ms": elementwise, "tp_exchange_ms": tp_ms})
+    return per_gpu
+
+
+def predict_optimizer_step(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec, cost_model: CostModel, *,
+                           planner: str = "milp", two_level: bool = True, overlap_param_gather: bool = False,
+                           overlap_grad_reduce: bool = False, optimizer: Optional[dict] = None,
+                           milp_options: Optional[dict] = None, stage: int = 0, plan: Optional[dict] = None) -> dict:
+    """Predicted optimizer step (ms) and its parts for DMuon on ``cluster`` (``plan``: a
+    ``plan_stage`` result to reuse instead of planning again)."""
+    opt = optimizer or load_config()["optimizer"]
+    if plan is None:
+        size = megatron_bucket_size(par.dp_size, overlap_grad_reduce, None, pp_rank=stage)
+        plan = plan_stage(model, par, cost_model, planner, stage=stage, bucket_size=size, milp_options=milp_options)
+    pred = predict_stage(plan, par, cost_model, opt["grad_bytes"], opt["param_bytes"])
+    per_gpu = gpu_step_parts(plan, par, cluster, cost_model, opt, pred["rank_ms"])
+    gpus = par.dp_size * par.tp
     compute = [g["ns_ms"] + g["elementwise_ms"] + g["tp_exchange_ms"] for g in per_gpu]
     slowest = max(range(gpus), key=lambda r: compute[r])
     buffer_bytes = {k: l.numel for k, l in plan["layouts"].items()}
