@@ -198,7 +198,7 @@ def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
     flags = [*MODELS[args.model], *COMMON, *(layer_flags(args) if hasattr(args, "transformer_impl") else NO_TE),
              "--train-iters", str(args.iters), *RUNS[name], *args.extra, *more,
              *(["--qk-clip", "--qk-clip-threshold", str(qk_clip)] if qk_clip else [])]
-    env = dict(CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore", **harness.NO_MULTICAST,
+    env = dict(CUDA_DEVICE_MAX_CONNECTIONS=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"), PYTHONWARNINGS="ignore", **harness.NO_MULTICAST,
                PYTHONPATH=os.pathsep.join([ROOT, megatron_lm] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     result = harness.run(harness.Job(flags, program=[*launcher, os.path.join(megatron_lm, "pretrain_gpt.py")],
                                      nproc=args.nproc, env=env, cwd=megatron_lm, timeout=args.timeout,

@@ -10,6 +10,11 @@ GPU count bench/e2e.py's measurement (global batch scaled with DP: 8 x GPUs; its
 ``simulate``: the DMuon optimizer step predicted by planning/simulate.py at 8-256 GPUs, next to the
 DMuon paper's published point, and validated against every optimizer step measured on the H200s
 lent here; writes <out>.json, <out>.md (tables) and <out>.png (plot; needs matplotlib).
+``simulate --overlap``: instead, the owner NS that ``--dmuon-overlap-step`` leaves exposed per iteration
+(planning/simulate_overlap.py: off / on / on with the start in the last backward, % of off's NS
+hidden, an eta sweep, the 1-H200 check) at ``--gpus``; writes <out>.json and <out>.md only:
+
+    python bench/scaling.py simulate --overlap --gpus 8 64 256 --out docs/results/scaling/simulate_overlap_cpu_2026-12-04
 """
 from __future__ import annotations
 
@@ -25,7 +30,10 @@ from harness import ROOT, Job, run  # noqa: E402
 from megatron_dmuon.planning.cost_model import (CostModel, cluster_spec, device_spec,  # noqa: E402
                                                 load_bench_kernels_profile)
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec  # noqa: E402
+from megatron_dmuon.planning.owner_layout import megatron_bucket_size  # noqa: E402
+from megatron_dmuon.planning.plans import plan_stage  # noqa: E402
 from megatron_dmuon.planning.simulate import predict_adamw_step, predict_optimizer_step  # noqa: E402
+from megatron_dmuon.planning.simulate_overlap import DEFAULT_ETA, simulate_overlap  # noqa: E402
 
 MODES = ["adam", "dmuon", "gather_then_compute"]
 
@@ -202,9 +210,106 @@ def plot_simulated(rows, path):
     fig.savefig(path, dpi=120)
 
 
+# --- simulate --overlap: the NS the overlapped owner step leaves exposed
+OVERLAP_SETTING = {"seq_length": 4096, "micro_batch": 1, "micro_batches": 4}
+ETAS = (0.0, 0.1, 0.25, 0.5, 1.0)
+# the 1-H200 runs of docs/overlap_step.md (Qwen2.5-7B-shaped 4 layers, GBS 4): ms/iteration
+MEASURED_OVERLAP = [("Megatron-LM run B (30 its)", 292.7, 301.1), ("main job run 1", 299.1, 300.5),
+                    ("main job run 2 (priority stream)", 298.1, 317.4)]
+
+
+def overlap_rows(gpu_counts, clusters, bench_profile):
+    """simulate_overlap at each (cluster, GPUs): Qwen2.5-7B, DP = GPUs, MILP plans on Megatron's
+    --overlap-grad-reduce buckets (one plan per point, reused for every eta)."""
+    model, rows = PRESETS["qwen2.5-7b"], []
+    for name in clusters:
+        cluster = cluster_spec(name)
+        cost_model = CostModel(cluster.device, bench_profile if cluster.device.name == "H200" else None)
+        for gpus in gpu_counts:
+            par = ParallelSpec(dp=gpus, gpus_per_node=cluster.gpus_per_node)
+            plan = plan_stage(model, par, cost_model, "milp", bucket_size=megatron_bucket_size(gpus, True),
+                              milp_options={"time_limit_s": 10.0})
+            by_eta = {eta: simulate_overlap(model, par, cluster, cost_model, plan=plan, eta=eta, **OVERLAP_SETTING)
+                      for eta in ETAS}
+            rows.append({"cluster": name, "gpus": gpus, "default": by_eta[DEFAULT_ETA],
+                         "by_eta": {str(e): {"on": r["exposed_ns_ms"]["on"],
+                                             "on_backward_start": r["exposed_ns_ms"]["on_backward_start"]}
+                                    for e, r in by_eta.items()}})
+            print(f"{name} {gpus}: {rows[-1]['default']['exposed_ns_ms']}", flush=True)
+    return rows
+
+
+def overlap_check(cost_model, cluster):
+    """The 1-H200 4-layer run: predicted on - off against the measured ms/iteration."""
+    model, par = PRESETS["qwen7b-4l"], ParallelSpec(dp=1)
+    plan = plan_stage(model, par, cost_model, "greedy", bucket_size=megatron_bucket_size(1, True))
+    out = {}
+    for eta in (0.0, DEFAULT_ETA):
+        r = simulate_overlap(model, par, cluster, cost_model, plan=plan, eta=eta, **OVERLAP_SETTING)
+        out[str(eta)] = {"on_minus_off_ms": r["exposed_ns_ms"]["on"] - r["exposed_ns_ms"]["off"],
+                         "stack_cut_ms": r["stack_cut_ms"], "exposed_ns_ms": r["exposed_ns_ms"],
+                         "iteration_ms": r["iteration_ms"], "need_groups": r["need_groups"]}
+    return {"predicted": out, "measured": [{"run": run, "off_ms": off, "on_ms": on, "on_minus_off_ms": on - off}
+                                           for run, off, on in MEASURED_OVERLAP]}
+
+
+def overlap_markdown(rows, check):
+    s = OVERLAP_SETTING
+    lines = [f"## Exposed owner NS per iteration, Qwen2.5-7B (28 layers), DP = GPUs, MILP plans, eta {DEFAULT_ETA}", "",
+             f"Per GPU: micro-batch {s['micro_batch']} x seq {s['seq_length']}, {s['micro_batches']} micro-batches per "
+             "iteration; Megatron's --overlap-grad-reduce buckets (one need group each); two-level collectives. "
+             "'on + bwd': the start in the last micro-batch's backward (--clip-grad 0). % hidden: of off's exposed NS.", "",
+             "| cluster | GPUs | need groups (with NS) | fwd / bwd ms per micro-batch | owner NS ms, per shape / cut "
+             "per group | exposed NS ms: off | on | on + bwd | % hidden: on | on + bwd | exposed NS % of iteration "
+             "at 1 / 4 / 16 micro-batches: off | on |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        r = row["default"]
+        e, h = r["exposed_ns_ms"], r["hidden_fraction"]
+
+        def shares(mode):
+            return " / ".join(f"{100 * e[mode] / (m * (r['forward_ms'] + r['backward_ms']) + r['elementwise_ms'] + e[mode]):.1f}"
+                              for m in (1, 4, 16))
+
+        lines.append(f"| {row['cluster'].upper()} | {row['gpus']} | {r['need_groups']} ({r['groups_with_ns']}) | "
+                     f"{r['forward_ms']:.0f} / {r['backward_ms']:.0f} | {r['owner_ns_off_ms']:.1f} / "
+                     f"{r['owner_ns_cut_ms']:.1f} | {e['off']:.1f} | {e['on']:.1f} | {e['on_backward_start']:.1f} | "
+                     f"{100 * h['on']:.0f}% | {100 * h['on_backward_start']:.0f}% | {shares('off')} | {shares('on')} |")
+    lines += ["", "## Exposed NS ms against eta (on / on + bwd)", "",
+              "| cluster | GPUs | " + " | ".join(f"eta {e}" for e in ETAS) + " |", "|---|---:|" + "---:|" * len(ETAS)]
+    for row in rows:
+        lines.append(f"| {row['cluster'].upper()} | {row['gpus']} | " + " | ".join(
+            f"{row['by_eta'][str(e)]['on']:.1f} / {row['by_eta'][str(e)]['on_backward_start']:.1f}" for e in ETAS) + " |")
+    lines += ["", "## Check: the 1-H200 4-layer runs (docs/overlap_step.md), on - off in ms/iteration", "",
+              "| source | on - off ms |", "|---|---:|"]
+    for eta, p in check["predicted"].items():
+        lines.append(f"| predicted, eta {eta} (stack cut +{p['stack_cut_ms']:.1f} ms, {p['need_groups']} groups) | "
+                     f"{p['on_minus_off_ms']:+.1f} |")
+    for m in check["measured"]:
+        lines.append(f"| measured, {m['run']}: {m['off_ms']} -> {m['on_ms']} | {m['on_minus_off_ms']:+.1f} |")
+    return "\n".join(lines)
+
+
+def simulate_overlap_table(args, profile):
+    h200 = CostModel(device_spec("H200"), profile)
+    check = overlap_check(h200, cluster_spec("h200"))
+    rows = overlap_rows(args.gpus, args.clusters, profile)
+    report = {"setting": OVERLAP_SETTING, "default_eta": DEFAULT_ETA, "etas": list(ETAS), "rows": rows, "check": check,
+              "cost_model": "H200: docs/results/kernels/bench_kernels_h200_2026-11-30.json profile + analytic at its "
+                            "measured rate; A800: analytic; model rate: planning/clusters.json model_tflops"}
+    with open(args.out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    text = overlap_markdown(rows, check)
+    with open(args.out + ".md", "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
 def simulate(args):
     warnings.simplefilter("ignore")
     profile = load_bench_kernels_profile(os.path.join(ROOT, "docs/results/kernels/bench_kernels_h200_2026-11-30.json"))
+    if args.overlap:
+        return simulate_overlap_table(args, profile)
     h200 = CostModel(device_spec("H200"), profile)
     valid = validate(h200, cluster_spec("h200"))
     rows = scale(args.gpus, args.clusters, profile)
@@ -236,6 +341,8 @@ def main(argv=None):
     s.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "scaling", "simulate_scaling"))
     s.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     s.add_argument("--clusters", nargs="+", default=["h200", "a800"])
+    s.add_argument("--overlap", action="store_true",
+                   help="the overlapped owner step's exposed NS instead (writes <out>.json/.md only)")
     args = p.parse_args(argv)
     measure(args) if args.how == "measure" else simulate(args)
 

@@ -16,6 +16,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/te_results; mkdir -p "$R"; started=$(date +%s)
 source tests/gpu/setup_h200.sh > "$R/setup.log" 2>&1; tail -3 "$R/setup.log"; echo "set-up $(( $(date +%s) - started )) s"
+# MAX_CONNECTIONS=N: CUDA's hardware work queues for every run (set-up's default is Megatron's 1; with one
+# queue the kernels of different streams run in launch order, so no side stream overlaps the model's)
+[ -n "${MAX_CONNECTIONS:-}" ] && export CUDA_DEVICE_MAX_CONNECTIONS=$MAX_CONNECTIONS && echo "CUDA_DEVICE_MAX_CONNECTIONS=$MAX_CONNECTIONS"
 MLM=${MLM:-.mlm}
 compare() {  # name, compare.py args...
   local name=$1; shift

@@ -4,13 +4,16 @@
     dmuon plan --preset qwen2.5-7b --dp 64 --json
     dmuon plan --megatron-argv "--num-layers 28 --hidden-size 3584 ... --tensor-model-parallel-size 2" --nodes 4
     dmuon plan --preset qwen7b-4l --dp 2 --profile docs/results/kernels/bench_kernels_h200_2026-11-30.json --simulate
+    dmuon plan --preset qwen2.5-7b --dp 8 --simulate --overlap-step on --overlap-eta 0.25
     dmuon plan --show timing.json      # the DMuonPlan a run made (main job --timing-json, or a plan JSON)
 
 For round-robin, numel-LPT (Megatron 0.19 LayerWise), the NS-FLOP greedy (ours until now) and the
 MILP: per-rank predicted owner time, bytes reduced and published per rank, padding, makespan and
 mean, all predicted with one cost model (planning/cost_model.py: analytic by default, or a
 measured profile). ``--simulate`` adds the predicted optimizer step on the cluster
-(planning/simulate.py).
+(planning/simulate.py); ``--overlap-step on`` adds the NS the overlapped owner step leaves exposed
+per iteration, off vs on vs on with the start in the last backward (planning/simulate_overlap.py;
+it plans Megatron's buckets of ``--overlap-grad-reduce``, which ``--overlap-param-gather`` needs).
 """
 from __future__ import annotations
 
@@ -68,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help='print {"plans": {...}, ...} as JSON')
     out.add_argument("--simulate", action="store_true", help="also predict the optimizer step on the cluster")
     out.add_argument("--flat", action="store_true", help="simulate flat instead of two-level collectives")
+    ovl = p.add_argument_group("overlapped owner step (--dmuon-overlap-step; implies --simulate and --overlap-grad-reduce)")
+    ovl.add_argument("--overlap-step", default="off", choices=["off", "on"],
+                     help="on: also simulate the owner NS beside the next forward / last backward")
+    ovl.add_argument("--overlap-eta", type=float, default=None,
+                     help="co-run efficiency: the fraction of its standalone speed NS keeps beside the model's "
+                          "kernels, 0..1 (default: simulate_overlap.DEFAULT_ETA, a placeholder until measured)")
+    ovl.add_argument("--seq-length", type=int, default=4096)
+    ovl.add_argument("--micro-batch-size", type=int, default=1)
+    ovl.add_argument("--micro-batches", type=int, default=4, help="micro-batches per GPU per iteration (default 4)")
+    ovl.add_argument("--model-tflops", type=float, default=None,
+                     help="achieved forward+backward TFLOP/s per GPU (default: the device's model_tflops in the config)")
     out.add_argument("--show", metavar="FILE", default=None,
                      help="print the DMuonPlan a run built (planning/plan.py) from a plan JSON or the main job's "
                           "--timing-json file, instead of planning a model")
@@ -166,7 +180,25 @@ def _table(report: dict) -> str:
                      f"{'two-level' if s['two_level'] else 'flat'}): {s['optimizer_step_ms']:.1f} ms "
                      f"({s['optimizer_step_overlapped_ms']:.1f} ms with the publish overlapped; "
                      f"publish {s['publish_ms']:.1f} ms, grad reduce {s['grad_reduce_ms']:.1f} ms in backward)")
+    if "overlap" in report:
+        lines += overlap_lines(report["overlap"])
     return "\n".join(lines)
+
+
+def overlap_lines(o: dict) -> list:
+    """The overlap simulation's lines (``simulate_overlap``'s result)."""
+    e, h = o["exposed_ns_ms"], o["hidden_fraction"]
+    return [f"\noverlapped owner step (eta {o['eta']:.2f}, model {o['model_tflops']:.0f} TFLOP/s, seq {o['seq_length']} "
+            f"x micro-batch {o['micro_batch']}: forward {o['forward_ms']:.1f} ms, backward {o['backward_ms']:.1f} ms "
+            f"per micro-batch; {o['need_groups']} need groups, {o['groups_with_ns']} with NS)",
+            f"  owner NS: {o['owner_ns_off_ms']:.1f} ms per shape stack, {o['owner_ns_cut_ms']:.1f} ms cut per group "
+            f"(+{o['stack_cut_ms']:.1f} ms); first group {o['first_group_ns_ms']:.1f} ms",
+            f"  exposed NS per iteration: off {e['off']:.1f} ms | on {e['on']:.1f} ms ({100 * h['on']:.0f}% hidden) | "
+            f"on + start in the last backward (--clip-grad 0) {e['on_backward_start']:.1f} ms "
+            f"({100 * h['on_backward_start']:.0f}% hidden)",
+            f"  iteration of {o['micro_batches']} micro-batches: off {o['iteration_ms']['off']:.0f} ms, on "
+            f"{o['iteration_ms']['on']:.0f} ms, on + backward start {o['iteration_ms']['on_backward_start']:.0f} ms "
+            f"(compute + element-wise step + exposed NS)"]
 
 
 def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
@@ -193,6 +225,15 @@ def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
             p.error(f"--tp {par.tp} must divide the model's {what} ({size})")
     if model.num_layers % par.pp:
         p.error(f"--pp {par.pp} must divide the model's {model.num_layers} layers")
+    if args.overlap_eta is not None and not 0.0 <= args.overlap_eta <= 1.0:
+        p.error(f"--overlap-eta must be in [0, 1] (got {args.overlap_eta})")
+    for name in ("seq_length", "micro_batch_size", "micro_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if args.model_tflops is not None and not 0 < args.model_tflops < float("inf"):
+        p.error(f"--model-tflops must be a finite number > 0 (got {args.model_tflops})")
+    if args.overlap_step == "on" and model.num_experts:
+        p.error("--overlap-step on: the compute model covers dense GPTs only (no --experts)")
 
 
 def _cost_inputs(p, args):
@@ -224,6 +265,9 @@ def main(argv=None) -> int:
         return 0
     model, par, extra = _model_and_parallel(args)
     _check(parser, args, model, par)
+    if args.overlap_step == "on":  # Megatron's --overlap-param-gather needs --overlap-grad-reduce's buckets
+        args.simulate = True
+        extra["overlap_grad_reduce"] = True
     config, cluster, table = _cost_inputs(parser, args)
     cost_model = CostModel(cluster.device, table, args.ns_steps, args.ns_method)
     milp_options = {"backend": args.backend, "time_limit_s": args.time_limit}
@@ -242,6 +286,14 @@ def main(argv=None) -> int:
             report["simulation"] = predict_optimizer_step(
                 model, par, cluster, cost_model, planner=planner, two_level=not args.flat,
                 optimizer=config["optimizer"], stage=args.stage, plan=plans[planner])
+            if args.overlap_step == "on":
+                from .simulate_overlap import DEFAULT_ETA, simulate_overlap
+
+                report["overlap"] = simulate_overlap(
+                    model, par, cluster, cost_model, plan=plans[planner], planner=planner, two_level=not args.flat,
+                    config=config, stage=args.stage, eta=DEFAULT_ETA if args.overlap_eta is None else args.overlap_eta,
+                    seq_length=args.seq_length, micro_batch=args.micro_batch_size, micro_batches=args.micro_batches,
+                    tflops=args.model_tflops)
     report["warnings"] = sorted({str(w.message) for w in caught})
     report["cost_model"] = {"device": cluster.device.name, "profile": args.profile, "ns_method": args.ns_method,
                             "steps": args.ns_steps, "tflops_for_unprofiled_shapes": cost_model.tflops}
