@@ -207,7 +207,7 @@ def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
     rows = parse_log(log)
     shown = [l for l in log.splitlines() if LINE.search(l)]
     print("\n".join(shown[:2] + (["..."] if len(shown) > 4 else []) + shown[-2:]), flush=True)
-    if returncode != 0 or len(rows) < args.iters - getattr(args, "start", 0):  # (a --load run: from start on)
+    if returncode != 0 or len(rows) < expected_rows(args, flags):
         tail = "\n".join(log.splitlines()[-40:])
         print(f"[{name}] failed (rc {returncode}, {len(rows)} iterations logged):\n{tail}", flush=True)
         return {"run": name, "error": tail, "iterations": rows}
@@ -220,6 +220,14 @@ def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
             "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
             "skipped": sum(int(r["skipped"] or 0) for r in rows), "nan": sum(int(r["nan"] or 0) for r in rows),
             **({"qk_clip": json.loads(clips.group(1))} if clips else {})}
+
+
+def expected_rows(args, flags) -> int:
+    """The progress lines a finished run prints: one per --log-interval iterations from --start on (a
+    --load run), and Megatron's first iteration's line."""
+    interval = int(flags[len(flags) - 1 - flags[::-1].index("--log-interval") + 1]) if "--log-interval" in flags else 1
+    trained = range(getattr(args, "start", 0) + 1, args.iters + 1)
+    return len([i for i in trained if i % interval == 0 or i == 1])
 
 
 def loss_gap(a: dict, b: dict) -> dict:

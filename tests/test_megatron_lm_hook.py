@@ -431,6 +431,26 @@ def test_overlap_step_refuses_megatron_lms_params_norm_log():
     check_overlap_step(args, DMuonConfig(muon=MuonSettings(overlap_step="sync")), args)  # sync: applied in the step
 
 
+def test_overlap_step_refuses_one_cuda_hardware_queue(monkeypatch):
+    """Under CUDA_DEVICE_MAX_CONNECTIONS=1 the overlapped NS cannot run beside the next forward (the
+    H200 trace: the step's trailing kernels waited 52 ms behind the NS graph): refused by name."""
+    import torch
+
+    from megatron_dmuon.megatron.checks import check_overlap_step
+
+    args = argparse.Namespace(overlap_param_gather=True, log_params_norm=False, fp8_param_gather=False)
+    on = DMuonConfig(muon=MuonSettings(overlap_step="on"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ValueError, match="--dmuon-overlap-step on needs CUDA_DEVICE_MAX_CONNECTIONS > 1"):
+        check_overlap_step(args, on, args)
+    check_overlap_step(args, DMuonConfig(muon=MuonSettings(overlap_step="sync")), args)  # sync: no side stream
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    check_overlap_step(args, on, args)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    check_overlap_step(args, on, args)
+
+
 def test_install_rejects_at_parse_time(stand_in_megatron_training, capsys):
     import megatron_dmuon.megatron as dm
 

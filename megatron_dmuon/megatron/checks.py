@@ -98,6 +98,16 @@ def tensor_parallel_size(config) -> int:
                getattr(config, "expert_tensor_parallel_size", 1) or 1)
 
 
+def _one_hardware_queue() -> bool:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 on a CUDA machine (Megatron-LM's launch scripts set it for TP's
+    communication overlap): every stream's work then enters the GPU through one queue, in launch order."""
+    import os
+
+    import torch
+
+    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and torch.cuda.is_available()
+
+
 def check_overlap_step(ddp_config, cfg, model_config=None) -> None:
     """Start-up checks of --dmuon-overlap-step (megatron/overlap_step.py), before any state exists."""
     overlap = cfg.muon.overlap_step
@@ -120,6 +130,12 @@ def check_overlap_step(ddp_config, cfg, model_config=None) -> None:
     if getattr(model_config, "qk_clip", False):
         raise ValueError(f"{flag} cannot run with --qk-clip: the clip rescales weights right after the step, "
                          "before the overlapped step has applied them; drop one of the two flags")
+    if overlap == "on" and _one_hardware_queue():
+        raise ValueError(
+            f"{flag} needs CUDA_DEVICE_MAX_CONNECTIONS > 1 (or unset): with one hardware queue the GPU runs the "
+            "side stream's Newton-Schulz in launch order, so the next forward waits for all of it and nothing is "
+            "hidden (measured slower than off). Without tensor or context parallelism Megatron needs no single "
+            "queue: unset CUDA_DEVICE_MAX_CONNECTIONS (or set 8), or use --dmuon-overlap-step off")
     if overlap == "on" and getattr(ddp_config, "log_params_norm", False):  # Megatron-LM's args at parse time
         raise ValueError(f"{flag} with --log-params-norm would log the norm of the params before the step's Muon "
                          "update (it is applied in the next forward): drop one of the two flags")
