@@ -14,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job, add_layer_args, job_layer_args, layers_of, progress_tail, run  # noqa: E402
+from harness import Job, add_layer_args, command, job_layer_args, layers_of, progress_tail, run  # noqa: E402
 
 PRESETS = {
     # Qwen2.5-7B-shaped layers (4 of them), as in the [megatron-dp] acceptance
@@ -97,8 +97,8 @@ def parse_args(argv=None):
                    help="rounds: every mode runs once per round, in turn (GPU clocks drift over minutes; "
                         "a row then reports the median over its rounds, each round's figures under 'rounds')")
     p.add_argument("--out", default=None, help="write the JSON document here too")
-    p.add_argument("--print-args", metavar="MODE", default=None,
-                   help="print the main job's arguments for MODE (one line) and exit")
+    p.add_argument("--print-command", metavar="MODE", default=None,
+                   help="print the main job's command line for MODE under torchrun (one line; --extra appended) and exit")
     add_layer_args(p)
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     return p.parse_args(argv)
@@ -114,8 +114,8 @@ def measure(args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.print_args:
-        print(" ".join(mode_args(args.print_args, args)))
+    if args.print_command:
+        print(" ".join(command(Job(mode_args(args.print_command, args), nproc=args.nproc))))
         return
     doc = measure(args)
     rows = doc["rows"]

@@ -56,10 +56,9 @@ run_part() {
         --out "$R/overlap_e2e${OTAG:-}.json" --extra --global-batch-size 4 --overlap-grad-reduce --overlap-param-gather ${OEXTRA:-} \
         > "$R/overlap_e2e${OTAG:-}.log" 2>&1; echo "== overlap_e2e${OTAG:-} rc=$?"; grep "^|" "$R/overlap_e2e${OTAG:-}.log" ;;
     overlap_profile)  # the main job under --dmuon-overlap-step on (CUDA-graph NS), iterations 8 and 9 whole under torch.profiler
-      python3 -m torch.distributed.run --standalone --nproc-per-node 1 examples/pretrain_gpt.py \
-        $(python3 bench/e2e.py --preset qwen7b-4l --print-args "${OPMODE:-dmuon~graph^on}") --train-iters 10 --log-interval 1 \
-        --global-batch-size 4 --overlap-grad-reduce --overlap-param-gather ${OEXTRA:-} \
-        --profile-optimizer-at 8 --profile-iterations 2 --profile-out "$R/overlap_profile.trace.json" \
+      $(python3 bench/e2e.py --preset qwen7b-4l --print-command "${OPMODE:-dmuon~graph^on}" --extra --train-iters 10 \
+        --log-interval 1 --global-batch-size 4 --overlap-grad-reduce --overlap-param-gather ${OEXTRA:-} \
+        --profile-optimizer-at 8 --profile-iterations 2 --profile-out "$R/overlap_profile.trace.json") \
         > "$R/overlap_profile.log" 2>&1; echo "== overlap_profile rc=$?"; grep -E "iteration +[0-9]+/|dmuon\\.|Self CUDA time" "$R/overlap_profile.log" | cut -c1-220
       gzip -f "$R/overlap_profile.trace.json" ;;
     overlap_mlm)  # the same in Megatron-LM's loop (log every 10 iterations: its timers sync the device when they log)
