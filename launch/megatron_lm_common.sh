@@ -24,6 +24,8 @@ else
   ENTRY=(-m megatron_dmuon.megatron.run "$MEGATRON_LM/pretrain_gpt.py")
 fi
 export PYTHONPATH="$DMUON_REPO:$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
+# Megatron-LM's convention (TP/CP communication overlap on Hopper needs one hardware queue); export 8
+# before launching with --dmuon-overlap-step on, which needs the queues (it is refused under 1)
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # NCCL: keep NVLink multicast (NVLS) off; the rest are the usual Megatron settings, override per site
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
