@@ -29,9 +29,11 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 # is gone fails test_known_violations_are_still_in_the_code).
 KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
-LAYERS = ("algorithms", "kernels", "planning", "runtime", "megatron")
+LAYERS = ("algorithms", "kernels", "planning", "runtime", "megatron", "bridge")
 TOOLS = (f"{PACKAGE}.cli",)
-MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.testing", *TOOLS)
+MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.bridge", f"{PACKAGE}.testing", *TOOLS)
+# Megatron-Bridge: one module imports it (the package's launcher and names import without Bridge)
+BRIDGE_IMPORTER = f"{PACKAGE}.bridge.adapter"
 TESTING = f"{PACKAGE}.testing"
 TESTING_IMPORTERS = (TESTING,)
 DECENTRALIZED = f"{PACKAGE}.decentralized"
@@ -239,6 +241,13 @@ def test_megatron_core_only_in_megatron_testing_and_tools():
         if within(i.imported, "megatron") and not within_any(i.importer, MEGATRON_CORE_IMPORTERS)
     ]
     assert not bad, _report(bad, "megatron-core imported outside megatron/, testing/, verify.py, cli.py")
+
+
+def test_megatron_bridge_only_in_the_bridge_adapter():
+    imports = checked_imports()
+    bad = [i for i in imports if within(i.imported, "megatron.bridge") and i.importer != BRIDGE_IMPORTER]
+    assert not bad, _report(bad, f"megatron.bridge imported outside {BRIDGE_IMPORTER}")
+    assert any(i.importer == BRIDGE_IMPORTER and within(i.imported, "megatron.bridge") for i in imports)
 
 
 def test_production_code_does_not_import_testing():

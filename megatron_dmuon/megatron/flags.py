@@ -262,3 +262,40 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
     check_two_level_config(view, _data_parallel_size(args) or max(args.dmuon_ranks_per_node, 1),
                            args.dmuon_ranks_per_node)
     return cfg
+
+
+def dmuon_config_from_fields(optimizer_config, tensor_parallel_size: int = 1, **options) -> DMuonConfig:
+    """DMuon's config for a megatron-core ``OptimizerConfig`` that carries Megatron's ``muon_*``
+    fields (Megatron-Bridge's recipes set them): each keeps the meaning its ``--muon-*`` flag has,
+    as under Megatron-LM's hook. ``options`` are DMuon's own, named as their flag without
+    ``--dmuon-`` (``ns_launch="graph"``, ``balance="milp"``); unset ones take the flags' defaults.
+    A ``muon_*`` field DMuon does not know, set to other than its default, is refused by name."""
+    import dataclasses
+
+    from .megatron_lm_flags import megatron_flag_defaults
+
+    saved = dict(UNKNOWN_MUON_FLAGS)  # (add_dmuon_args resets the table for its own parser)
+    try:
+        args = add_dmuon_args(argparse.ArgumentParser(add_help=False), validate=False).parse_args([])
+    finally:
+        UNKNOWN_MUON_FLAGS.clear()
+        UNKNOWN_MUON_FLAGS.update(saved)
+    known = megatron_flag_defaults()
+    for field in dataclasses.fields(optimizer_config):
+        if not field.name.startswith("muon_"):
+            continue
+        value = getattr(optimizer_config, field.name)
+        if field.name in known:
+            setattr(args, field.name, value)
+        elif value != field.default:
+            raise ValueError(f"--{field.name.replace('_', '-')} {value!r} is a Muon setting --optimizer dmuon does "
+                             "not know (megatron/megatron_lm_flags.py MUON_FLAG_HANDLING), so it would be ignored: "
+                             "leave it at its default, or train with Megatron's own Muon")
+    for name, value in options.items():
+        if not hasattr(args, f"dmuon_{name}"):
+            valid = sorted(k[len("dmuon_"):] for k in vars(args) if k.startswith("dmuon_"))
+            raise TypeError(f"unknown DMuon option {name!r}; valid: {', '.join(valid)}")
+        setattr(args, f"dmuon_{name}", value)
+    args.optimizer, args.tensor_model_parallel_size = "dmuon", tensor_parallel_size
+    check_muon_numbers(args)
+    return DMuonConfig.from_args(args)

@@ -69,20 +69,26 @@ def ddp_class_for(args) -> Optional[type]:
     `--dmuon-mode gather_then_compute`)."""
     if args.optimizer != "dmuon" or args.dmuon_mode == "gather_then_compute":
         return None
-    from .layout import DMuonDDP, MegatronLayerWiseDDP
+    from .layout import MegatronLayerWiseDDP
 
     if args.dmuon_mode == "megatron_layerwise":  # Megatron's own LayerWise Muon, wired as Megatron-LM does
         return MegatronLayerWiseDDP
 
-    cfg = config_of(args)
+    return dmuon_ddp_class(config_of(args))
 
-    class MegatronLMDMuonDDP(DMuonDDP):
+
+def dmuon_ddp_class(cfg) -> type:
+    """DMuonDDP bound to ``cfg``, constructed as Megatron constructs its DistributedDataParallel
+    (what Megatron-LM's and Megatron-Bridge's model builders call)."""
+    from .layout import DMuonDDP
+
+    class BoundDMuonDDP(DMuonDDP):
         def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
                      full_param_layout=None):
             super().__init__(config, ddp_config, module, disable_bucketing=disable_bucketing,
                              pg_collection=pg_collection, full_param_layout=full_param_layout, dmuon=cfg)
 
-    return MegatronLMDMuonDDP
+    return BoundDMuonDDP
 
 
 def optimizer_factory_for(args, fallback: Callable) -> Callable:

@@ -1,0 +1,146 @@
+"""Megatron-Bridge's extension points filled with DMuon (the package docstring, megatron_dmuon/bridge/__init__.py,
+says how to use them). The only module that imports ``megatron.bridge``."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.bridge.training.config import OptimizerConfig
+
+from ..megatron.checks import tensor_parallel_size
+from ..megatron.config import DMuonConfig
+from ..megatron.flags import dmuon_config_from_fields
+from .names import bridge_names
+
+DMUON = "dmuon"
+
+
+def _refuse(error: Exception):
+    return type(error)(bridge_names(str(error)))
+
+
+@dataclasses.dataclass
+class DMuonOptimizerConfig(OptimizerConfig):
+    """Bridge's OptimizerConfig for DMuon (``optimizer="dmuon"``); everything else is Bridge's."""
+
+    optimizer: str = DMUON
+    use_distributed_optimizer: bool = True  # DMuon's owners are the distributed optimizer's shards
+    dmuon_options: dict = dataclasses.field(default_factory=dict)
+
+    def dmuon_config(self, tensor_parallel: int = 1) -> DMuonConfig:
+        try:
+            return dmuon_config_from_fields(self, tensor_parallel, **self.dmuon_options)
+        except (ValueError, TypeError) as e:
+            raise _refuse(e) from None
+
+    def megatron_core_config(self):
+        """The plain megatron-core OptimizerConfig DMuon's builder reads (as ``adam``: the distributed
+        optimizer DMuon's parts are built on)."""
+        from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig
+
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(CoreOptimizerConfig) if f.init}
+        return CoreOptimizerConfig(**{**fields, "optimizer": "adam"})
+
+    def finalize(self) -> None:
+        super().finalize()
+        route_ddp(self.dmuon_config())
+
+    def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False, pg_collection=None):
+        """DMuon's chained optimizer for Bridge's DDP-wrapped ``model_chunks`` (Bridge's
+        ``setup_optimizer`` hook)."""
+        from megatron.core.optimizer import get_standard_config_overrides
+
+        from ..megatron.optimizer import get_dmuon_optimizer
+
+        chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        core = self.megatron_core_config()
+        if config_overrides and config_overrides != get_standard_config_overrides(core):
+            raise ValueError(
+                "optimizer 'dmuon' builds its param groups with megatron-core's standard overrides (no weight decay "
+                "on biases and norms), as Megatron-LM does; this run's OptimizerConfigOverrideProvider (or muP) "
+                "asks for others: drop the custom provider / model.use_mup, or train with Bridge's own optimizers")
+        if not getattr(chunks[0], "dmuon_plan", None):
+            raise ValueError(
+                "optimizer 'dmuon' needs DMuon's owner-aligned DDP, but the model was wrapped by another "
+                f"{type(chunks[0]).__name__}: build the model after DMuonOptimizerConfig.finalize() (Bridge's "
+                "pretrain does), or call megatron_dmuon.bridge.use_dmuon(config) before building it")
+        cfg = self.dmuon_config(tensor_parallel_size(chunks[0].config))
+        try:
+            return get_dmuon_optimizer(core, chunks, cfg)
+        except ValueError as e:
+            raise _refuse(e) from None
+
+
+def route_ddp(cfg: DMuonConfig) -> None:
+    """Bridge's DDP wrap (megatron-core's ``_ddp_wrap``) constructs DMuon's DDP bound to ``cfg``."""
+    import megatron.training.models.dist_utils as dist_utils
+
+    from ..megatron.megatron_lm import dmuon_ddp_class
+
+    dist_utils.DistributedDataParallel = dmuon_ddp_class(cfg)
+
+
+def as_dmuon_config(optimizer_config, **options) -> DMuonOptimizerConfig:
+    """``optimizer_config`` (Bridge's, any optimizer) as DMuon's: its lr, schedule, precision and
+    ``muon_*`` fields kept; ``options`` added to its DMuon options."""
+    kept = {f.name: getattr(optimizer_config, f.name) for f in dataclasses.fields(OptimizerConfig)
+            if f.init and f.name not in ("optimizer", "use_distributed_optimizer")}
+    previous = dict(getattr(optimizer_config, "dmuon_options", None) or {})
+    return DMuonOptimizerConfig(**kept, dmuon_options={**previous, **options})
+
+
+def use_dmuon(config, **options) -> None:
+    """Switch a Bridge ConfigContainer to DMuon (before ``pretrain``): the optimizer config becomes
+    ``DMuonOptimizerConfig`` with the recipe's settings, the distributed optimizer's DDP buffers
+    are turned on (DMuon's owners are its shards), and the model's parallel layout is checked
+    against DMuon's options now, before anything is built."""
+    unsupported = [f"{part}.{name}" for part in ("ddp", "dist") for name in ("use_megatron_fsdp", "use_torch_fsdp2")
+                   if getattr(getattr(config, part, None), name, False)]
+    if unsupported:
+        raise ValueError(f"optimizer 'dmuon' runs on megatron-core's DDP: drop {', '.join(unsupported)}")
+    optimizer = as_dmuon_config(config.optimizer, **options)
+    optimizer.dmuon_config(tensor_parallel_size(config.model))  # refuses what this layout cannot run
+    if not config.ddp.use_distributed_optimizer:
+        print("> megatron_dmuon.bridge: ddp.use_distributed_optimizer=True (DMuon's owners are the distributed "
+              "optimizer's shards)", flush=True)
+    config.ddp.use_distributed_optimizer = True
+    config.optimizer = optimizer
+
+
+def dmuon_with_cosine_annealing(*args, dmuon_options: Optional[dict] = None, **kwargs):
+    """Bridge's ``distributed_muon_with_cosine_annealing`` (same arguments, same schedule) with DMuon
+    as the optimizer: (DMuonOptimizerConfig, SchedulerConfig)."""
+    from megatron.bridge.recipes.utils.optimizer_utils import distributed_muon_with_cosine_annealing
+
+    optimizer, scheduler = distributed_muon_with_cosine_annealing(*args, **kwargs)
+    return as_dmuon_config(optimizer, **(dmuon_options or {})), scheduler
+
+
+_ORIGINALS: dict = {}
+
+
+def install(**options) -> None:
+    """Let Bridge's entry scripts take ``optimizer.optimizer=dmuon``: ``pretrain`` (and ``finetune``)
+    switch a ConfigContainer whose optimizer says 'dmuon' with ``use_dmuon(config, **options)``
+    first. Call it before the script imports them (``python -m megatron_dmuon.bridge`` does).
+    Without it, Bridge would hand the string 'dmuon' to its Muon branch ('muon' in the name), so
+    the launcher, or DMuonOptimizerConfig, is the way in. Idempotent."""
+    import importlib
+
+    for module_name, name in (("megatron.bridge.training.pretrain", "pretrain"),
+                              ("megatron.bridge.training.finetune", "finetune")):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if (module_name, name) in _ORIGINALS or not hasattr(module, name):
+            continue
+        original = _ORIGINALS[(module_name, name)] = getattr(module, name)
+
+        def entry(config, *args, _original=original, **kwargs):
+            if getattr(config.optimizer, "optimizer", None) == DMUON:
+                use_dmuon(config, **options)
+            return _original(config, *args, **kwargs)
+
+        entry.__name__ = entry.__qualname__ = name
+        setattr(module, name, entry)
