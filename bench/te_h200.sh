@@ -87,6 +87,12 @@ for shape in [(2, 4, 64), (8, 64, 64), (4, 160, 64)]:
     print(f"gemm probe {shape}: X X^T stacked vs alone, max |diff| {float((stacked - alone).abs().max()):.3e}")
 PY
       ;;
+    bridge)  # Megatron-Bridge 0.6.2's own loop (bench/bridge.py): DMuon vs Bridge's Muon; carry .bridge_whl too
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .bridge_whl/*.whl \
+        > "$R/bridge_install.log" 2>&1; echo "== bridge wheels rc=$?"; tail -2 "$R/bridge_install.log"
+      BRIDGE_LITE="$PWD/.bridge_whl" python3 bench/bridge.py compare --out-dir "$R/bridge" --stages ${BSTAGES:-sanity resume timing band} \
+        --timing-optimizers ${BTIMING:-muon dmuon adam} > "$R/bridge.log" 2>&1; echo "== bridge rc=$?"
+      cat "$R/bridge/bridge.md"; grep -h "failed\|Error" "$R/bridge.log" | head -20 ;;
     *) echo "unknown part $part" ;;
   esac
   echo "== part $part: $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,303 @@
+"""DMuon against Megatron-Bridge's own Muon inside Bridge's own train loop (``pretrain``, mock data).
+
+    torchrun --nproc-per-node 1 bench/bridge.py run --optimizer dmuon --model small --iters 30 --out run.json
+    python bench/bridge.py compare --out-dir /tmp/bridge        # the H200 driver: every stage below
+
+``run``: one Bridge run. The model is a GPTModelProvider (TE layers where Transformer Engine imports).
+The optimizer is chosen as a Bridge user chooses it:
+- ``muon``: Bridge's ``distributed_muon_with_cosine_annealing``, its LayerWise Muon, with DDP settings
+  as its Kimi-K2 recipe sets them;
+- ``dmuon``: the same call with DMuon's ``dmuon_with_cosine_annealing`` and ``use_dmuon``;
+- ``adam``: Bridge's ``distributed_fused_adam_with_cosine_annealing``.
+
+A callback records every iteration's loss (full precision), grad norm and ms (between device
+syncs), and at the end a SHA-256 of the model's params. ``--save/--load`` use Bridge's own
+checkpointing (torch_dist).
+
+``compare`` stages (one H200):
+- ``sanity``: 3 DMuon iterations;
+- ``timing``: Qwen2.5-7B-shaped 4 layers, one run at a time, muon / dmuon / adam;
+- ``band``: small dense and small MoE over 3 seeds, several runs at once;
+- ``resume``: a DMuon run saved at iteration 10 and resumed to 20 against the same run unbroken,
+  bit for bit.
+
+It writes ``bridge.json`` and ``bridge.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.environ.get("BRIDGE_LITE"):  # an image without diffusers: register megatron.bridge without its
+    # __init__ (which imports every HF/diffusion model bridge); the training path imports as usual
+    sys.path.insert(0, os.environ["BRIDGE_LITE"])
+    import lite  # noqa: E402
+
+    lite.install()
+MODELS = {
+    # Qwen2.5-7B-shaped layers (the Megatron-LM comparisons' shape), GBS 4
+    "qwen4l": dict(num_layers=4, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
+                   seq_length=4096, vocab_size=32000, micro_batch_size=1, global_batch_size=4),
+    "small": dict(num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16, num_query_groups=4,
+                  seq_length=1024, vocab_size=32000, micro_batch_size=4, global_batch_size=16),
+    # the small model with 8 experts (top-2, grouped GEMM) in every layer: a DeepSeek/Kimi-like MoE cut down
+    "small_moe": dict(num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16, num_query_groups=4,
+                      seq_length=1024, vocab_size=32000, micro_batch_size=4, global_batch_size=16,
+                      num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=704),
+}
+
+
+def build_config(args):
+    """The ConfigContainer of one run, as a Bridge user writes it."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.recipes.utils.optimizer_utils import (distributed_fused_adam_with_cosine_annealing,
+                                                               distributed_muon_with_cosine_annealing)
+    from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, DistributedDataParallelConfig,
+                                                 DistributedInitConfig, GPTDatasetConfig, LoggerConfig, RNGConfig,
+                                                 TokenizerConfig, TrainingConfig, ValidationConfig)
+
+    shape = dict(MODELS[args.model])
+    mbs, gbs = shape.pop("micro_batch_size"), shape.pop("global_batch_size")
+    moe = {}
+    if "num_moe_experts" in shape:
+        moe = dict(num_moe_experts=shape.pop("num_moe_experts"), moe_router_topk=shape.pop("moe_router_topk"),
+                   moe_ffn_hidden_size=shape.pop("moe_ffn_hidden_size"), moe_grouped_gemm=True,
+                   moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+                   moe_aux_loss_coeff=1e-2)
+    model = GPTModelProvider(**shape, **moe, make_vocab_size_divisible_by=128, normalization="RMSNorm",
+                             gated_linear_unit=True, activation_func=F.silu, position_embedding_type="rope",
+                             add_bias_linear=False, share_embeddings_and_output_weights=False, hidden_dropout=0.0,
+                             attention_dropout=0.0, init_method_std=0.02, bf16=True, params_dtype=torch.bfloat16)
+    schedule = dict(precision="bf16-mixed", lr_warmup_iters=max(1, args.iters // 10), lr_decay_iters=args.iters,
+                    max_lr=args.lr, min_lr=args.lr / 10)
+    muon = dict(muon_momentum=0.95, muon_use_nesterov=True, muon_scale_mode="spectral", muon_extra_scale_factor=0.2,
+                muon_tp_mode="duplicated")
+    if args.optimizer == "adam":
+        opt, sched = distributed_fused_adam_with_cosine_annealing(**schedule)
+    else:
+        opt, sched = distributed_muon_with_cosine_annealing(**schedule, **muon)
+    muon_layerwise = args.optimizer == "muon"  # Bridge's Kimi-K2 recipe: no distributed optimizer under its Muon
+    cfg = ConfigContainer(
+        model=model,
+        train=TrainingConfig(train_iters=args.iters, global_batch_size=gbs, micro_batch_size=mbs),
+        validation=ValidationConfig(eval_interval=10 ** 6, eval_iters=0),
+        optimizer=opt, scheduler=sched,
+        ddp=DistributedDataParallelConfig(use_distributed_optimizer=not muon_layerwise, overlap_grad_reduce=True,
+                                          overlap_param_gather=not muon_layerwise, grad_reduce_in_fp32=True),
+        dataset=GPTDatasetConfig(random_seed=args.seed, seq_length=model.seq_length, blend=None, blend_per_split=None,
+                                 split="9999,8,2", dataloader_type="single", reset_position_ids=False,
+                                 reset_attention_mask=False, eod_mask_loss=False, num_workers=1),
+        logger=LoggerConfig(log_interval=args.log_interval),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size),
+        checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
+                                    ckpt_step=args.ckpt_step, ckpt_format="torch_dist"),
+        rng=RNGConfig(seed=args.seed),
+        dist=DistributedInitConfig(),
+        mixed_precision="bf16_mixed",
+    )
+    if args.optimizer == "dmuon":
+        from megatron_dmuon.bridge import use_dmuon
+
+        use_dmuon(cfg, **dict(o.split("=", 1) for o in args.dmuon_option))
+    return cfg
+
+
+def recorder(out_path: str):
+    """A Bridge callback: per-iteration loss/grad norm/ms, then the params' SHA-256, into ``out_path``."""
+    import torch
+    from megatron.bridge.training.callbacks import Callback
+
+    class Record(Callback):
+        def __init__(self):
+            self.rows, self.t0 = [], None
+
+        def on_train_step_start(self, context):
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_train_step_end(self, context):
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - self.t0) * 1e3
+            losses = {k: (v.double().tolist() if torch.is_tensor(v) else v) for k, v in (context.loss_dict or {}).items()}
+            self.rows.append({"iteration": context.state.train_state.step, "ms": ms, "loss": losses,
+                              "grad_norm": None if context.grad_norm is None else float(context.grad_norm),
+                              "skipped": bool(context.skipped_iter)})
+
+        def on_train_end(self, context):
+            for chunk in context.model:  # the last step's params, published (overlapped param gather)
+                if hasattr(chunk, "start_param_sync"):
+                    chunk.start_param_sync(force_sync=True)
+            torch.cuda.synchronize()
+            digest = hashlib.sha256()
+            for chunk in context.model:
+                for name, p in sorted(chunk.named_parameters()):
+                    digest.update(name.encode())
+                    digest.update(p.detach().float().cpu().numpy().tobytes())
+            if torch.distributed.get_rank() == 0:
+                with open(out_path, "w") as f:
+                    json.dump({"rows": self.rows, "params_sha256": digest.hexdigest(),
+                               "optimizer": type(context.optimizer).__name__}, f)
+
+    return Record()
+
+
+def run(args) -> None:
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    cfg = build_config(args)
+    if args.dry:
+        print(f"> config built: optimizer {type(cfg.optimizer).__name__}({cfg.optimizer.optimizer}), "
+              f"ddp.use_distributed_optimizer={cfg.ddp.use_distributed_optimizer}", flush=True)
+        return
+    pretrain(cfg, forward_step, callbacks=[recorder(args.out)])
+
+
+# ---------------------------------------------------------------- the driver (compare)
+
+def one(out_dir: str, name: str, extra: list, timeout: int = 900) -> dict:
+    """One ``run`` under torchrun: its JSON plus log tail, or the error."""
+    out = os.path.join(out_dir, f"{name}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           os.path.abspath(__file__), "run", "--out", out, *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    t = time.time()
+    with open(os.path.join(out_dir, f"{name}.log"), "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    if proc.returncode or not os.path.exists(out):
+        tail = open(os.path.join(out_dir, f"{name}.log")).read()[-2500:]
+        print(f"[{name}] failed (rc {proc.returncode}):\n{tail}", flush=True)
+        return {"name": name, "error": tail}
+    with open(out) as f:
+        doc = json.load(f)
+    doc.update(name=name, wall_s=time.time() - t)
+    return doc
+
+
+def lm_loss(row) -> float:
+    v = row["loss"].get("lm loss")
+    return v[0] / v[1] if isinstance(v, list) and len(v) == 2 else (v[0] if isinstance(v, list) else v)
+
+
+def steady_ms(doc) -> float:
+    rows = doc["rows"]
+    return statistics.median(r["ms"] for r in rows[len(rows) // 2:])
+
+
+def compare(args) -> None:
+    os.makedirs(args.out_dir, exist_ok=True)
+    results, lines = {}, []
+    stages = args.stages
+
+    def log(text):
+        print(text, flush=True)
+        lines.append(text)
+
+    if "sanity" in stages:
+        r = one(args.out_dir, "sanity_dmuon", ["--optimizer", "dmuon", "--model", "small", "--iters", "3"])
+        results["sanity"] = r
+        if "error" in r:
+            log("sanity failed: stopping")
+            return _write(args, results, lines)
+        log(f"sanity: {r['optimizer']}, losses {[round(lm_loss(x), 4) for x in r['rows']]}")
+        _write(args, results, lines)
+    if "timing" in stages:
+        log("\n| optimizer (Bridge, qwen4l, TE) | ms/iteration | vs AdamW | last loss |\n|---|---:|---:|---:|")
+        rows = {}
+        for opt in args.timing_optimizers:
+            rows[opt] = one(args.out_dir, f"timing_{opt}", ["--optimizer", opt, "--model", "qwen4l",
+                                                             "--iters", str(args.timing_iters), "--lr", "3e-4"])
+        results["timing"] = rows
+        base = steady_ms(rows["adam"]) if "error" not in rows.get("adam", {"error": 1}) else None
+        for opt, r in rows.items():
+            if "error" in r:
+                log(f"| {opt} | failed | | |")
+            else:
+                ms = steady_ms(r)
+                log(f"| {opt} ({r['optimizer']}) | {ms:.1f} | {ms / base if base else float('nan'):.3f} | "
+                    f"{lm_loss(r['rows'][-1]):.4f} |")
+        _write(args, results, lines)
+    if "band" in stages:
+        jobs = [(model, opt, seed) for model in ("small", "small_moe") for opt in ("muon", "dmuon") for seed in (1, 2, 3)]
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            band = dict(zip(jobs, pool.map(lambda j: one(args.out_dir, f"band_{j[0]}_{j[1]}_s{j[2]}", [
+                "--optimizer", j[1], "--model", j[0], "--iters", str(args.band_iters), "--seed", str(j[2]),
+                "--lr", "2e-3"]), jobs)))
+        results["band"] = {f"{m}/{o}/{s}": r for (m, o, s), r in band.items()}
+        log("\n| model | optimizer | final loss, seeds 1 / 2 / 3 (mean of the last 5 iterations) | mean |\n|---|---|---|---:|")
+        for model in ("small", "small_moe"):
+            for opt in ("muon", "dmuon"):
+                finals = []
+                for seed in (1, 2, 3):
+                    r = band[(model, opt, seed)]
+                    finals.append(None if "error" in r else statistics.mean(lm_loss(x) for x in r["rows"][-5:]))
+                ok = [f for f in finals if f is not None]
+                log(f"| {model} | {opt} | {' / '.join('failed' if f is None else f'{f:.4f}' for f in finals)} | "
+                    f"{statistics.mean(ok) if ok else float('nan'):.4f} |")
+        _write(args, results, lines)
+    if "resume" in stages:
+        ck = os.path.join(args.out_dir, "ckpt")
+        base = ["--optimizer", "dmuon", "--model", "small", "--iters", "20", "--seed", "7", "--lr", "2e-3"]
+        whole = one(args.out_dir, "resume_whole", [*base, "--save", ck, "--save-interval", "10"])
+        resumed = one(args.out_dir, "resume_from10", [*base, "--load", ck, "--ckpt-step", "10"])
+        results["resume"] = {"whole": whole, "resumed": resumed}
+        if "error" in whole or "error" in resumed:
+            log("resume: a run failed")
+        else:
+            a = {r["iteration"]: r["loss"] for r in whole["rows"]}
+            b = {r["iteration"]: r["loss"] for r in resumed["rows"]}
+            same_loss = all(a[i] == b[i] for i in b)
+            log(f"\nresume (DMuon, Bridge's torch_dist checkpoint at 10, resumed to 20): iterations {sorted(b)[0]}..{sorted(b)[-1]} "
+                f"losses identical: {same_loss}; params SHA-256 identical: "
+                f"{whole['params_sha256'] == resumed['params_sha256']}")
+    _write(args, results, lines)
+
+
+def _write(args, results, lines) -> None:
+    with open(os.path.join(args.out_dir, "bridge.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(os.path.join(args.out_dir, "bridge.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--optimizer", choices=("muon", "dmuon", "adam"), required=True)
+    r.add_argument("--model", choices=sorted(MODELS), default="small")
+    r.add_argument("--iters", type=int, default=30)
+    r.add_argument("--seed", type=int, default=1234)
+    r.add_argument("--lr", type=float, default=2e-3)
+    r.add_argument("--log-interval", type=int, default=1)
+    r.add_argument("--save", default=None)
+    r.add_argument("--save-interval", type=int, default=None)
+    r.add_argument("--load", default=None)
+    r.add_argument("--ckpt-step", type=int, default=None, help="load this iteration's checkpoint (not the latest)")
+    r.add_argument("--dmuon-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a DMuon option (dmuon_options), e.g. ns_launch=graph")
+    r.add_argument("--out", default="bridge_run.json")
+    r.add_argument("--dry", action="store_true", help="build the ConfigContainer and stop")
+    c = sub.add_parser("compare")
+    c.add_argument("--out-dir", default="/tmp/bridge")
+    c.add_argument("--stages", nargs="+", default=["sanity", "timing", "band", "resume"])
+    c.add_argument("--timing-iters", type=int, default=20)
+    c.add_argument("--timing-optimizers", nargs="+", default=["adam", "muon", "dmuon"])
+    c.add_argument("--band-iters", type=int, default=40)
+    c.add_argument("--jobs", type=int, default=6)
+    args = p.parse_args(argv)
+    (run if args.command == "run" else compare)(args)
+
+
+if __name__ == "__main__":
+    main()
