@@ -91,7 +91,9 @@ PY
       # into a folder of their own, then merged: pip --target --upgrade would replace $SITE/megatron (megatron-core)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_bridge .bridge_whl/*.whl \
         > "$R/bridge_install.log" 2>&1; echo "== bridge wheels rc=$?"; tail -2 "$R/bridge_install.log"
-      cp -rn /tmp/site_bridge/. "$SITE/"; python3 -c "import megatron.core, megatron.bridge.training.config" 2>&1 | tail -1
+      cp -r --update=none /tmp/site_bridge/. "$SITE/"
+      # Bridge's initialize runs `make` in megatron/core/datasets, which the wheel ships prebuilt without a Makefile
+      D="$SITE/megatron/core/datasets"; [ -f "$D/Makefile" ] || printf 'default:\n\t@ls helpers_cpp*.so\n' > "$D/Makefile"
       BRIDGE_LITE="$PWD/.bridge_whl" python3 bench/bridge.py compare --out-dir "$R/bridge" --stages ${BSTAGES:-sanity resume timing band} \
         --timing-optimizers ${BTIMING:-muon dmuon adam} > "$R/bridge.log" 2>&1; echo "== bridge rc=$?"
       cat "$R/bridge/bridge.md"; grep -h "failed\|Error" "$R/bridge.log" | head -20 ;;
