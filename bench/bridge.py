@@ -135,7 +135,8 @@ def recorder(out_path: str):
 
         def on_train_end(self, context):
             for chunk in context.model:  # the last step's params, published (overlapped param gather)
-                if hasattr(chunk, "start_param_sync"):
+                ddp = getattr(chunk, "ddp_config", None)
+                if ddp is not None and (ddp.use_distributed_optimizer or ddp.overlap_param_gather):
                     chunk.start_param_sync(force_sync=True)
             torch.cuda.synchronize()
             digest = hashlib.sha256()
@@ -195,72 +196,83 @@ def steady_ms(doc) -> float:
 
 
 def compare(args) -> None:
+    """The stages in the order given; each writes bridge.json/bridge.md as it ends (a deadline keeps
+    what finished). A failed sanity stage stops the rest."""
     os.makedirs(args.out_dir, exist_ok=True)
     results, lines = {}, []
-    stages = args.stages
 
     def log(text):
         print(text, flush=True)
         lines.append(text)
 
-    if "sanity" in stages:
-        r = one(args.out_dir, "sanity_dmuon", ["--optimizer", "dmuon", "--model", "small", "--iters", "3"])
-        results["sanity"] = r
+    for stage in args.stages:
+        ok = STAGES[stage](args, results, log)
+        _write(args, results, lines)
+        if not ok:
+            break
+
+
+def stage_sanity(args, results, log) -> bool:
+    r = results["sanity"] = one(args.out_dir, "sanity_dmuon", ["--optimizer", "dmuon", "--model", "small", "--iters", "3"])
+    if "error" in r:
+        log("sanity failed: stopping")
+        return False
+    log(f"sanity: {r['optimizer']}, losses {[round(lm_loss(x), 4) for x in r['rows']]}")
+    return True
+
+
+def stage_timing(args, results, log) -> bool:
+    rows = results["timing"] = {opt: one(args.out_dir, f"timing_{opt}", [
+        "--optimizer", opt, "--model", "qwen4l", "--iters", str(args.timing_iters), "--lr", "3e-4"])
+        for opt in args.timing_optimizers}
+    base = steady_ms(rows["adam"]) if "error" not in rows.get("adam", {"error": 1}) else None
+    log("\n| optimizer (Bridge, qwen4l, TE) | ms/iteration | vs AdamW | last loss |\n|---|---:|---:|---:|")
+    for opt, r in rows.items():
         if "error" in r:
-            log("sanity failed: stopping")
-            return _write(args, results, lines)
-        log(f"sanity: {r['optimizer']}, losses {[round(lm_loss(x), 4) for x in r['rows']]}")
-        _write(args, results, lines)
-    if "timing" in stages:
-        log("\n| optimizer (Bridge, qwen4l, TE) | ms/iteration | vs AdamW | last loss |\n|---|---:|---:|---:|")
-        rows = {}
-        for opt in args.timing_optimizers:
-            rows[opt] = one(args.out_dir, f"timing_{opt}", ["--optimizer", opt, "--model", "qwen4l",
-                                                             "--iters", str(args.timing_iters), "--lr", "3e-4"])
-        results["timing"] = rows
-        base = steady_ms(rows["adam"]) if "error" not in rows.get("adam", {"error": 1}) else None
-        for opt, r in rows.items():
-            if "error" in r:
-                log(f"| {opt} | failed | | |")
-            else:
-                ms = steady_ms(r)
-                log(f"| {opt} ({r['optimizer']}) | {ms:.1f} | {ms / base if base else float('nan'):.3f} | "
-                    f"{lm_loss(r['rows'][-1]):.4f} |")
-        _write(args, results, lines)
-    if "band" in stages:
-        jobs = [(model, opt, seed) for model in ("small", "small_moe") for opt in ("muon", "dmuon") for seed in (1, 2, 3)]
-        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            band = dict(zip(jobs, pool.map(lambda j: one(args.out_dir, f"band_{j[0]}_{j[1]}_s{j[2]}", [
-                "--optimizer", j[1], "--model", j[0], "--iters", str(args.band_iters), "--seed", str(j[2]),
-                "--lr", "2e-3"]), jobs)))
-        results["band"] = {f"{m}/{o}/{s}": r for (m, o, s), r in band.items()}
-        log("\n| model | optimizer | final loss, seeds 1 / 2 / 3 (mean of the last 5 iterations) | mean |\n|---|---|---|---:|")
-        for model in ("small", "small_moe"):
-            for opt in ("muon", "dmuon"):
-                finals = []
-                for seed in (1, 2, 3):
-                    r = band[(model, opt, seed)]
-                    finals.append(None if "error" in r else statistics.mean(lm_loss(x) for x in r["rows"][-5:]))
-                ok = [f for f in finals if f is not None]
-                log(f"| {model} | {opt} | {' / '.join('failed' if f is None else f'{f:.4f}' for f in finals)} | "
-                    f"{statistics.mean(ok) if ok else float('nan'):.4f} |")
-        _write(args, results, lines)
-    if "resume" in stages:
-        ck = os.path.join(args.out_dir, "ckpt")
-        base = ["--optimizer", "dmuon", "--model", "small", "--iters", "20", "--seed", "7", "--lr", "2e-3"]
-        whole = one(args.out_dir, "resume_whole", [*base, "--save", ck, "--save-interval", "10"])
-        resumed = one(args.out_dir, "resume_from10", [*base, "--load", ck, "--ckpt-step", "10"])
-        results["resume"] = {"whole": whole, "resumed": resumed}
-        if "error" in whole or "error" in resumed:
-            log("resume: a run failed")
+            log(f"| {opt} | failed | | |")
         else:
-            a = {r["iteration"]: r["loss"] for r in whole["rows"]}
-            b = {r["iteration"]: r["loss"] for r in resumed["rows"]}
-            same_loss = all(a[i] == b[i] for i in b)
-            log(f"\nresume (DMuon, Bridge's torch_dist checkpoint at 10, resumed to 20): iterations {sorted(b)[0]}..{sorted(b)[-1]} "
-                f"losses identical: {same_loss}; params SHA-256 identical: "
-                f"{whole['params_sha256'] == resumed['params_sha256']}")
-    _write(args, results, lines)
+            ms = steady_ms(r)
+            log(f"| {opt} ({r['optimizer']}) | {ms:.1f} | {ms / base if base else float('nan'):.3f} | "
+                f"{lm_loss(r['rows'][-1]):.4f} |")
+    return True
+
+
+def stage_band(args, results, log) -> bool:
+    jobs = [(model, opt, seed) for model in ("small", "small_moe") for opt in ("muon", "dmuon") for seed in (1, 2, 3)]
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        band = dict(zip(jobs, pool.map(lambda j: one(args.out_dir, f"band_{j[0]}_{j[1]}_s{j[2]}", [
+            "--optimizer", j[1], "--model", j[0], "--iters", str(args.band_iters), "--seed", str(j[2]),
+            "--lr", "2e-3"]), jobs)))
+    results["band"] = {f"{m}/{o}/{s}": r for (m, o, s), r in band.items()}
+    log("\n| model | optimizer | final loss, seeds 1 / 2 / 3 (mean of the last 5 iterations) | mean |\n|---|---|---|---:|")
+    for model in ("small", "small_moe"):
+        for opt in ("muon", "dmuon"):
+            finals = [None if "error" in band[(model, opt, seed)] else
+                      statistics.mean(lm_loss(x) for x in band[(model, opt, seed)]["rows"][-5:]) for seed in (1, 2, 3)]
+            ok = [f for f in finals if f is not None]
+            log(f"| {model} | {opt} | {' / '.join('failed' if f is None else f'{f:.4f}' for f in finals)} | "
+                f"{statistics.mean(ok) if ok else float('nan'):.4f} |")
+    return True
+
+
+def stage_resume(args, results, log) -> bool:
+    ck = os.path.join(args.out_dir, "ckpt")
+    base = ["--optimizer", "dmuon", "--model", "small", "--iters", "20", "--seed", "7", "--lr", "2e-3"]
+    whole = one(args.out_dir, "resume_whole", [*base, "--save", ck, "--save-interval", "10"])
+    resumed = one(args.out_dir, "resume_from10", [*base, "--load", ck, "--ckpt-step", "10"])
+    results["resume"] = {"whole": whole, "resumed": resumed}
+    if "error" in whole or "error" in resumed:
+        log("resume: a run failed")
+        return True
+    a = {r["iteration"]: r["loss"] for r in whole["rows"]}
+    b = {r["iteration"]: r["loss"] for r in resumed["rows"]}
+    log(f"\nresume (DMuon, Bridge's torch_dist checkpoint at 10, resumed to 20): iterations {min(b)}..{max(b)}; "
+        f"losses identical: {all(a.get(i) == b[i] for i in b)}; params SHA-256 identical: "
+        f"{whole['params_sha256'] == resumed['params_sha256']}")
+    return True
+
+
+STAGES = {"sanity": stage_sanity, "timing": stage_timing, "band": stage_band, "resume": stage_resume}
 
 
 def _write(args, results, lines) -> None:
@@ -290,7 +302,7 @@ def main(argv=None) -> None:
     r.add_argument("--dry", action="store_true", help="build the ConfigContainer and stop")
     c = sub.add_parser("compare")
     c.add_argument("--out-dir", default="/tmp/bridge")
-    c.add_argument("--stages", nargs="+", default=["sanity", "timing", "band", "resume"])
+    c.add_argument("--stages", nargs="+", default=["sanity", "resume", "timing", "band"], choices=sorted(STAGES))
     c.add_argument("--timing-iters", type=int, default=20)
     c.add_argument("--timing-optimizers", nargs="+", default=["adam", "muon", "dmuon"])
     c.add_argument("--band-iters", type=int, default=40)

@@ -1,0 +1,160 @@
+"""[bridge]: DMuon in Megatron-Bridge (megatron_dmuon/bridge/).
+
+In CI (no Bridge installed): Bridge's OptimizerConfig fields map onto DMuon's config as the
+Megatron-LM flags do, errors speak Bridge's field names, and the launcher's argument handling.
+Where Megatron-Bridge imports (DMUON_BRIDGE_SHIMS=<folder with te_shim.py and lite.py> on a CPU
+machine without Transformer Engine / diffusers): Bridge's own ``setup_optimizer`` builds DMuon
+through ``DMuonOptimizerConfig.provide`` on a model wrapped by megatron-core's ``_ddp_wrap`` (the
+DDP class routed by ``finalize()``), and its steps equal, bit for bit, those of the optimizer built
+directly by ``get_dmuon_optimizer`` (which the rest of the suite checks against the single-process
+reference). Bridge's own train loop needs CUDA: the H200 run is bench/bridge.py (docs/bridge.md).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_dmuon.bridge import bridge_names
+from megatron_dmuon.bridge.__main__ import split_argv
+from megatron_dmuon.megatron.flags import dmuon_config_from_fields
+
+
+def _core_config(**kw):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(**kw)
+
+
+def test_muon_fields_keep_their_meaning():
+    """The muon_* fields a Bridge recipe sets (distributed_muon_with_cosine_annealing's) give the
+    config the same flags give under Megatron-LM; DMuon's own options go by their flag's name."""
+    cfg = dmuon_config_from_fields(_core_config(muon_momentum=0.95, muon_nesterov=True, muon_extra_scale_factor=0.2,
+                                                muon_scale_mode="shape_scaling", muon_num_ns_steps=6,
+                                                muon_fp32_matmul_prec="high", muon_split_qkv=False),
+                                   ns_launch="graph", balance="numel_lpt")
+    m = cfg.muon
+    assert (m.momentum, m.nesterov, m.extra_scale, m.scale_mode, m.ns_steps) == (0.95, True, 0.2, "shape_scaling", 6)
+    assert str(m.ns_dtype) == "torch.float32" and m.ns_launch == "graph" and cfg.layout.balance == "numel_lpt"
+    assert cfg.split_qkv is False
+    default = dmuon_config_from_fields(_core_config())
+    assert default.muon.momentum == 0.95 and default.muon.nesterov is False  # megatron-core's own field defaults
+
+
+def test_refusals_name_bridges_fields():
+    from megatron_dmuon.megatron.megatron_lm_flags import UNKNOWN_MUON_FLAGS
+
+    before = dict(UNKNOWN_MUON_FLAGS)
+    with pytest.raises(ValueError, match="blockwise") as e:
+        dmuon_config_from_fields(_core_config(muon_tp_mode="blockwise"), tensor_parallel_size=2)
+    assert "optimizer.muon_tp_mode duplicated" in bridge_names(str(e.value))
+    with pytest.raises(ValueError, match="--muon-scalar-optimizer lion"):
+        dmuon_config_from_fields(_core_config(muon_scalar_optimizer="lion"))
+    with pytest.raises(TypeError, match="unknown DMuon option 'ns_lunch'; valid: .*ns_launch"):
+        dmuon_config_from_fields(_core_config(), ns_lunch="graph")
+    assert dict(UNKNOWN_MUON_FLAGS) == before  # the Megatron-LM hook's table is left as it was
+    assert bridge_names("pass --dmuon-ns-launch graph with --use-distributed-optimizer") == (
+        "pass dmuon_options['ns_launch'] graph with ddp.use_distributed_optimizer and "
+        "optimizer.use_distributed_optimizer")
+
+
+def test_launcher_splits_dmuon_options_from_the_script():
+    options, script, rest = split_argv(["--dmuon-ns-launch", "graph", "--dmuon-balance", "milp", "run_recipe.py",
+                                        "--recipe", "x", "optimizer.optimizer=dmuon"])
+    assert options == {"ns_launch": "graph", "balance": "milp"}
+    assert script.endswith("run_recipe.py") and rest == ["--recipe", "x", "optimizer.optimizer=dmuon"]
+    assert split_argv(["run.py"])[0] == {}
+    with pytest.raises(SystemExit, match="only --dmuon-\\* flags go there"):
+        split_argv(["--recipe", "x", "run.py"])
+    with pytest.raises(SystemExit, match="no Python script given"):
+        split_argv(["--dmuon-ns-launch", "graph"])
+    with pytest.raises(SystemExit):  # argparse's own error: not a launch mode
+        split_argv(["--dmuon-ns-launch", "fast", "run.py"])
+
+
+SHIMS = os.environ.get("DMUON_BRIDGE_SHIMS")
+
+BRIDGE_SCRIPT = textwrap.dedent("""
+    import os, sys, warnings
+    warnings.filterwarnings("ignore")
+    shims = os.environ.get("DMUON_BRIDGE_SHIMS")
+    if shims:  # a CPU machine without Transformer Engine and diffusers
+        sys.path.insert(0, shims)
+        import te_shim, lite
+        te_shim.install(); lite.install()
+    from megatron_dmuon.testing import cpu_shim
+    cpu_shim.install()
+    import torch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    import megatron.training.models.dist_utils as dist_utils
+    from megatron.bridge.training.optim import setup_optimizer
+    from megatron_dmuon.bridge import dmuon_with_cosine_annealing
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, wire_sync_funcs
+    from megatron_dmuon.megatron.optimizer import get_dmuon_optimizer
+
+    parallel_state.initialize_model_parallel(1, 1)
+    opt_cfg, sched_cfg = dmuon_with_cosine_annealing(precision="fp32", lr_warmup_iters=1, lr_decay_iters=10,
+                                                     max_lr=1e-2, min_lr=1e-3, muon_tp_mode="duplicated")
+    opt_cfg.bf16, opt_cfg.params_dtype = False, torch.float32
+    opt_cfg.finalize()  # what Bridge's ConfigContainer.validate() calls: routes the DDP wrap
+    sched_cfg.lr_warmup_steps, sched_cfg.lr_decay_steps, sched_cfg.wd_incr_steps = 1, 10, 10
+    assert dist_utils.DistributedDataParallel.__name__ == "BoundDMuonDDP"
+    shape = GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                     vocab_size=128, seq_length=32, bf16=False)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    runs = {}
+    for how in ("bridge", "direct"):
+        torch.manual_seed(0); model_parallel_cuda_manual_seed(0)
+        chunks = dist_utils._ddp_wrap([build_gpt(shape)], False, ddp_config, False, pg_collection=pgs)
+        wire_sync_funcs(chunks, ddp_config)
+        assert chunks[0].dmuon_plan is not None
+        if how == "bridge":
+            opt, sched = setup_optimizer(opt_cfg, sched_cfg, chunks, pg_collection=pgs)
+            lrs = lambda: sched.step(increment=4)
+        else:
+            opt = get_dmuon_optimizer(opt_cfg.megatron_core_config(), chunks, opt_cfg.dmuon_config())
+            from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+            sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
+                                            lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.033, end_wd=0.033,
+                                            wd_incr_steps=10, wd_incr_style="constant")
+            lrs = lambda: sched.step(increment=4)
+        assert type(opt).__name__ == "DMuonChainedOptimizer", type(opt)
+        torch.manual_seed(1)
+        tokens = torch.randint(0, 128, (4, 33))  # one batch again and again: the loss must fall
+        losses = []
+        for _ in range(5):
+            loss, _, _, ok = train_step(chunks, opt, [tokens[:2], tokens[2:]], 32, 2)
+            assert ok
+            lrs()
+            losses.append(loss)
+        runs[how] = (losses, {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()})
+    assert runs["bridge"][0] == runs["direct"][0], runs
+    assert all(torch.equal(runs["bridge"][1][k], runs["direct"][1][k]) for k in runs["direct"][1])
+    assert runs["bridge"][0][-1] < runs["bridge"][0][0]
+    print("BRIDGE OK", runs["bridge"][0])
+""")
+
+
+def _bridge_importable() -> bool:
+    code = ("import os,sys\ns=os.environ.get('DMUON_BRIDGE_SHIMS')\nif s:\n sys.path.insert(0,s)\n import te_shim,lite\n"
+            " te_shim.install(); lite.install()\nimport megatron.bridge.training.optim")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _bridge_importable(), reason="Megatron-Bridge does not import here (CI); "
+                    "set DMUON_BRIDGE_SHIMS on a CPU machine with Bridge installed")
+def test_bridge_setup_optimizer_builds_dmuon_bit_for_bit(tmp_path):
+    from megatron_dmuon.testing.multiproc import free_port
+
+    script = tmp_path / "bridge_setup_optimizer.py"
+    script.write_text(BRIDGE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0 and "BRIDGE OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
