@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 -m megatron_dmuon.bridge [--dmuon-* flags] scripts/training/run_recipe.py \\
         --recipe qwen3_8b_pretrain_config optimizer.optimizer=dmuon ...
+    torchrun --nproc-per-node 8 --no-python dmuon-bridge [--dmuon-* flags] SCRIPT.py ...
 
 The ``--dmuon-*`` flags before the script are DMuon's own options (``--dmuon-ns-launch graph``; the
 same flags as under Megatron-LM); the rest goes to the script, which runs unmodified as ``__main__``
