@@ -158,3 +158,71 @@ def test_bridge_setup_optimizer_builds_dmuon_bit_for_bit(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0 and "BRIDGE OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+SWITCH_SCRIPT = textwrap.dedent("""
+    import os, sys, warnings
+    warnings.filterwarnings("ignore")
+    shims = os.environ.get("DMUON_BRIDGE_SHIMS")
+    if shims:
+        sys.path.insert(0, shims)
+        import te_shim, lite
+        te_shim.install(); lite.install()
+    sys.path.insert(0, sys.argv[1])
+    import types
+    import bridge as bench  # bench/bridge.py: the ConfigContainer a Bridge user writes
+    import megatron_dmuon.bridge as mb
+
+    def config(optimizer="muon", **kw):
+        args = types.SimpleNamespace(model="small", optimizer=optimizer, iters=10, seed=1, lr=1e-3, log_interval=1,
+                                     save=None, save_interval=None, load=None, ckpt_step=None, dmuon_option=[], **kw)
+        return bench.build_config(args)
+
+    # use_dmuon keeps the recipe's settings and turns the distributed optimizer's buffers on
+    cfg = config()
+    assert cfg.optimizer.optimizer == "dist_muon" and not cfg.ddp.use_distributed_optimizer
+    lr, momentum = cfg.optimizer.lr, cfg.optimizer.muon_momentum
+    mb.use_dmuon(cfg, ns_launch="graph")
+    assert type(cfg.optimizer).__name__ == "DMuonOptimizerConfig" and cfg.optimizer.optimizer == "dmuon"
+    assert (cfg.optimizer.lr, cfg.optimizer.muon_momentum) == (lr, momentum) and cfg.ddp.use_distributed_optimizer
+    assert cfg.optimizer.dmuon_options == {"ns_launch": "graph"}
+    # refused by name, in Bridge's terms, before anything is built
+    for change, message in ((lambda c: setattr(c.ddp, "use_megatron_fsdp", True), "drop ddp.use_megatron_fsdp"),
+                            (lambda c: (setattr(c.optimizer, "muon_tp_mode", "blockwise"),
+                                        setattr(c.model, "tensor_model_parallel_size", 2)), "optimizer.muon_tp_mode"),
+                            (lambda c: setattr(c.optimizer, "muon_scalar_optimizer", "lion"),
+                             "optimizer.muon_scalar_optimizer lion")):
+        c = config()
+        change(c)
+        try:
+            mb.use_dmuon(c)
+        except ValueError as e:
+            assert message in str(e), (message, str(e))
+            assert type(c.optimizer).__name__ == "OptimizerConfig"  # unchanged
+        else:
+            raise AssertionError("not refused: " + message)
+    # install(): Bridge's pretrain takes optimizer 'dmuon' (the override a run_recipe.py user writes)
+    import megatron.bridge.training.pretrain as pretrain_module
+    mb.install(ns_launch="graph")
+    assert pretrain_module.pretrain.__name__ == "pretrain" and ("megatron.bridge.training.pretrain", "pretrain") in \\
+        __import__("megatron_dmuon.bridge.adapter", fromlist=["_ORIGINALS"])._ORIGINALS
+    c = config()
+    c.optimizer.optimizer = "dmuon"
+    try:
+        pretrain_module.pretrain(c, lambda *a: None)  # stops at Bridge's CUDA set-up on a CPU machine
+    except BaseException:
+        pass
+    assert type(c.optimizer).__name__ == "DMuonOptimizerConfig" and c.optimizer.dmuon_options == {"ns_launch": "graph"}
+    print("SWITCH OK")
+""")
+
+
+@pytest.mark.skipif(not _bridge_importable(), reason="Megatron-Bridge does not import here (CI); "
+                    "set DMUON_BRIDGE_SHIMS on a CPU machine with Bridge installed")
+def test_use_dmuon_install_and_refusals_on_a_real_config_container(tmp_path):
+    script = tmp_path / "bridge_switch.py"
+    script.write_text(SWITCH_SCRIPT)
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    proc = subprocess.run([sys.executable, str(script), bench], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0 and "SWITCH OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
