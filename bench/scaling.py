@@ -214,8 +214,12 @@ def plot_simulated(rows, path):
 OVERLAP_SETTING = {"seq_length": 4096, "micro_batch": 1, "micro_batches": 4}
 ETAS = (0.0, 0.1, 0.25, 0.5, 1.0)
 # the 1-H200 runs of docs/overlap_step.md (Qwen2.5-7B-shaped 4 layers, GBS 4): ms/iteration
-MEASURED_OVERLAP = [("Megatron-LM run B (30 its)", 292.7, 301.1), ("main job run 1", 299.1, 300.5),
-                    ("main job run 2 (priority stream)", 298.1, 317.4)]
+# (off, on); runs 1-3 under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue: nothing overlaps), run 4 under 8
+MEASURED_OVERLAP = [("Megatron-LM run B (30 its), 1 queue", 292.7, 301.1), ("main job run 1, 1 queue", 299.1, 300.5),
+                    ("main job run 2 (priority stream), 1 queue", 298.1, 317.4),
+                    ("main job run 3, CUDA-graph NS, 1 queue", 297.6, 303.9),
+                    ("main job run 4, CUDA-graph NS, 8 queues", 299.8, 292.7),
+                    ("Megatron-LM run 4, CUDA-graph NS, 8 queues", 282.5, 282.0)]
 
 
 def overlap_rows(gpu_counts, clusters, bench_profile):
@@ -297,10 +301,14 @@ def simulate_overlap_table(args, profile):
     report = {"setting": OVERLAP_SETTING, "default_eta": DEFAULT_ETA, "etas": list(ETAS), "rows": rows, "check": check,
               "cost_model": "H200: docs/results/kernels/bench_kernels_h200_2026-11-30.json profile + analytic at its "
                             "measured rate; A800: analytic; model rate: planning/clusters.json model_tflops"}
-    with open(args.out + ".json", "w") as f:
+    write_report(args.out, report, overlap_markdown(rows, check))
+
+
+def write_report(out: str, report: dict, text: str) -> None:
+    """OUT.json and OUT.md, and the table on stdout."""
+    with open(out + ".json", "w") as f:
         json.dump(report, f, indent=1)
-    text = overlap_markdown(rows, check)
-    with open(args.out + ".md", "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(text + "\n")
     print(text)
 
@@ -316,12 +324,7 @@ def simulate(args):
     report = {"validation": valid, "scaling": rows, "paper": PAPER,
               "cost_model": "H200: docs/results/kernels/bench_kernels_h200_2026-11-30.json profile + analytic at its measured rate; "
                             "A800: analytic (planning/clusters.json)"}
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    text = simulated_markdown(valid, rows)
-    with open(args.out + ".md", "w") as f:
-        f.write(text + "\n")
-    print(text)
+    write_report(args.out, report, simulated_markdown(valid, rows))
     try:
         plot_simulated(rows, args.out + ".png")
     except ImportError:
