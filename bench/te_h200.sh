@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/te_results; mkdir -p "$R"; started=$(date +%s)
 source tests/gpu/setup_h200.sh > "$R/setup.log" 2>&1; tail -3 "$R/setup.log"; echo "set-up $(( $(date +%s) - started )) s"
-# MAX_CONNECTIONS=N: CUDA's hardware work queues for every run (set-up's default is Megatron's 1; with one
+# MAX_CONNECTIONS=N: CUDA's hardware work queues for every run (set-up's default is Megatron's 1, the overlap_* parts' 8; with one
 # queue the kernels of different streams run in launch order, so no side stream overlaps the model's)
 [ -n "${MAX_CONNECTIONS:-}" ] && export CUDA_DEVICE_MAX_CONNECTIONS=$MAX_CONNECTIONS && echo "CUDA_DEVICE_MAX_CONNECTIONS=$MAX_CONNECTIONS"
 MLM=${MLM:-.mlm}
@@ -50,6 +50,7 @@ run_part() {
     band_fp8x)  # the FP8 band again with DMuon's fp32-NS curve as a further reference pair
       compare band_fp8x --model small --iters 30 --seeds 1234 2345 3456 --jobs ${JOBS:-6} --timeout 400 \
         --runs muon muon_fp32ns dmuon dmuon_fp32ns --fp8-format hybrid --fp8-recipe delayed ;;
+    overlap_*) export CUDA_DEVICE_MAX_CONNECTIONS=${MAX_CONNECTIONS:-8} ;;&  # then the part itself: 'on' needs several hardware queues, and every row of the part runs under the same
     overlap_e2e)  # --dmuon-overlap-step: the main job (TE layers) at the Qwen 4-layer shape, comm overlap on for all rows
       # OMODES: the modes (default off/sync/on eagerly launched); OEXTRA: more main-job flags; OTAG: the files' tag
       python3 bench/e2e.py --preset qwen7b-4l --iters ${OITERS:-16} --repeat ${OREPEAT:-1} --modes ${OMODES:-adam dmuon dmuon^sync dmuon^on} \
