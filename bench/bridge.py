@@ -36,12 +36,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.environ.get("BRIDGE_LITE"):  # an image without diffusers: register megatron.bridge without its
+sys.path.insert(0, ROOT)
+if os.environ.get("BRIDGE_LITE"):  # an image without diffusers: megatron.bridge registered without its
     # __init__ (which imports every HF/diffusion model bridge); the training path imports as usual
-    sys.path.insert(0, os.environ["BRIDGE_LITE"])
-    import lite  # noqa: E402
+    from megatron_dmuon.testing.bridge_imports import without_model_bridges  # noqa: E402
 
-    lite.install()
+    without_model_bridges()
 MODELS = {
     # Qwen2.5-7B-shaped layers (the Megatron-LM comparisons' shape), GBS 4
     "qwen4l": dict(num_layers=4, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,

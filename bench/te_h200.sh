@@ -89,13 +89,14 @@ for shape in [(2, 4, 64), (8, 64, 64), (4, 160, 64)]:
 PY
       ;;
     bridge)  # Megatron-Bridge 0.6.2's own loop (bench/bridge.py): DMuon vs Bridge's Muon; carry .bridge_whl too
+      # (made here by launch/bridge/h200_wheels.sh)
       # into a folder of their own, then merged: pip --target --upgrade would replace $SITE/megatron (megatron-core)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_bridge .bridge_whl/*.whl \
         > "$R/bridge_install.log" 2>&1; echo "== bridge wheels rc=$?"; tail -2 "$R/bridge_install.log"
       cp -r --update=none /tmp/site_bridge/. "$SITE/"
       # Bridge's initialize runs `make` in megatron/core/datasets, which the wheel ships prebuilt without a Makefile
       D="$SITE/megatron/core/datasets"; [ -f "$D/Makefile" ] || printf 'default:\n\t@ls helpers_cpp*.so\n' > "$D/Makefile"
-      BRIDGE_LITE="$PWD/.bridge_whl" python3 bench/bridge.py compare --out-dir "$R/bridge" --stages ${BSTAGES:-sanity resume timing band} \
+      BRIDGE_LITE=1 python3 bench/bridge.py compare --out-dir "$R/bridge" --stages ${BSTAGES:-sanity resume timing band} \
         --timing-optimizers ${BTIMING:-muon dmuon adam} > "$R/bridge.log" 2>&1; echo "== bridge rc=$?"
       cat "$R/bridge/bridge.md"; grep -h "failed\|Error" "$R/bridge.log" | head -20 ;;
     *) echo "unknown part $part" ;;

@@ -2,8 +2,8 @@
 
 In CI (no Bridge installed): Bridge's OptimizerConfig fields map onto DMuon's config as the
 Megatron-LM flags do, errors speak Bridge's field names, and the launcher's argument handling.
-Where Megatron-Bridge imports (DMUON_BRIDGE_SHIMS=<folder with te_shim.py and lite.py> on a CPU
-machine without Transformer Engine / diffusers): Bridge's own ``setup_optimizer`` builds DMuon
+Where Megatron-Bridge is installed (launch/bridge/cpu_venv.sh makes such a CPU venv; there
+testing/bridge_imports.py stands in for Transformer Engine and diffusers, which Bridge imports eagerly): Bridge's own ``setup_optimizer`` builds DMuon
 through ``DMuonOptimizerConfig.provide`` on a model wrapped by megatron-core's ``_ddp_wrap`` (the
 DDP class routed by ``finalize()``), and its steps equal, bit for bit, those of the optimizer built
 directly by ``get_dmuon_optimizer`` (which the rest of the suite checks against the single-process
@@ -73,16 +73,11 @@ def test_launcher_splits_dmuon_options_from_the_script():
         split_argv(["--dmuon-ns-launch", "fast", "run.py"])
 
 
-SHIMS = os.environ.get("DMUON_BRIDGE_SHIMS")
-
 BRIDGE_SCRIPT = textwrap.dedent("""
     import os, sys, warnings
     warnings.filterwarnings("ignore")
-    shims = os.environ.get("DMUON_BRIDGE_SHIMS")
-    if shims:  # a CPU machine without Transformer Engine and diffusers
-        sys.path.insert(0, shims)
-        import te_shim, lite
-        te_shim.install(); lite.install()
+    from megatron_dmuon.testing import bridge_imports
+    bridge_imports.install()  # a CPU machine without Transformer Engine and diffusers
     from megatron_dmuon.testing import cpu_shim
     cpu_shim.install()
     import torch
@@ -143,13 +138,15 @@ BRIDGE_SCRIPT = textwrap.dedent("""
 
 
 def _bridge_importable() -> bool:
-    code = ("import os,sys\ns=os.environ.get('DMUON_BRIDGE_SHIMS')\nif s:\n sys.path.insert(0,s)\n import te_shim,lite\n"
-            " te_shim.install(); lite.install()\nimport megatron.bridge.training.optim")
+    code = ("from megatron_dmuon.testing import bridge_imports; bridge_imports.install(); "
+            "import megatron.bridge.training.optim")
     return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _bridge_importable(), reason="Megatron-Bridge does not import here (CI); "
-                    "set DMUON_BRIDGE_SHIMS on a CPU machine with Bridge installed")
+NO_BRIDGE = "Megatron-Bridge is not installed here (CI); launch/bridge/cpu_venv.sh makes a CPU venv that has it"
+
+
+@pytest.mark.skipif(not _bridge_importable(), reason=NO_BRIDGE)
 def test_bridge_setup_optimizer_builds_dmuon_bit_for_bit(tmp_path):
     from megatron_dmuon.testing.multiproc import free_port
 
@@ -163,11 +160,8 @@ def test_bridge_setup_optimizer_builds_dmuon_bit_for_bit(tmp_path):
 SWITCH_SCRIPT = textwrap.dedent("""
     import os, sys, warnings
     warnings.filterwarnings("ignore")
-    shims = os.environ.get("DMUON_BRIDGE_SHIMS")
-    if shims:
-        sys.path.insert(0, shims)
-        import te_shim, lite
-        te_shim.install(); lite.install()
+    from megatron_dmuon.testing import bridge_imports
+    bridge_imports.install()
     sys.path.insert(0, sys.argv[1])
     import types
     import bridge as bench  # bench/bridge.py: the ConfigContainer a Bridge user writes
@@ -217,8 +211,7 @@ SWITCH_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not _bridge_importable(), reason="Megatron-Bridge does not import here (CI); "
-                    "set DMUON_BRIDGE_SHIMS on a CPU machine with Bridge installed")
+@pytest.mark.skipif(not _bridge_importable(), reason=NO_BRIDGE)
 def test_use_dmuon_install_and_refusals_on_a_real_config_container(tmp_path):
     script = tmp_path / "bridge_switch.py"
     script.write_text(SWITCH_SCRIPT)
