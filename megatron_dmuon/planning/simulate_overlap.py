@@ -44,7 +44,8 @@ from .simulate import collective_ms, gpu_step_parts
 __all__ = ["DEFAULT_ETA", "MODES", "need_groups", "group_ns_ms", "overlap_timeline", "simulate_overlap"]
 
 # Co-run efficiency: the fraction of its standalone speed the NS stream keeps beside the model's
-# kernels. A placeholder until the H200 measurement lands (docs/load_balancing.md, "Overlap model").
+# kernels. Kept low on purpose: the 1-H200 runs fit 0.5-1.0 under eight hardware queues (0 under one),
+# but their window is too short to pin it (docs/load_balancing.md, "Overlap model").
 DEFAULT_ETA = 0.25
 MODES = ("none", "off", "on", "on_backward_start")
 
