@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on: also simulate the owner NS beside the next forward / last backward")
     ovl.add_argument("--overlap-eta", type=float, default=None,
                      help="co-run efficiency: the fraction of its standalone speed NS keeps beside the model's "
-                          "kernels, 0..1 (default: simulate_overlap.DEFAULT_ETA, a placeholder until measured)")
+                          "kernels, 0..1 (default: simulate_overlap.DEFAULT_ETA, 0.25: low on purpose, docs/load_balancing.md)")
     ovl.add_argument("--seq-length", type=int, default=4096)
     ovl.add_argument("--micro-batch-size", type=int, default=1)
     ovl.add_argument("--micro-batches", type=int, default=4, help="micro-batches per GPU per iteration (default 4)")
