@@ -192,9 +192,11 @@ def run(name, args, megatron_lm, log_dir, label=None, more=()) -> dict:
     """One run of Megatron-LM's pretrain_gpt.py (bench/harness.py) with RUNS[name] (+ ``more`` flags); its log is
     ``label or name``.log."""
     qk_clip = getattr(args, "qk_clip", None)
-    # TE's attention records the max logits MuonClip reads; the local one does through this launcher
+    # every run through DMuon's launcher (megatron/run.py: the hook on the unmodified script, as users
+    # run it; a patched tree's own install() is the same, idempotent). TE's attention records the max
+    # logits MuonClip reads; the local one does through local_max_logits, which then runs that launcher
     local = getattr(args, "transformer_impl", "local") == "local"
-    launcher = ["-m", "megatron_dmuon.testing.local_max_logits"] if qk_clip and local else []
+    launcher = ["-m", "megatron_dmuon.testing.local_max_logits" if qk_clip and local else "megatron_dmuon.megatron.run"]
     flags = [*MODELS[args.model], *COMMON, *(layer_flags(args) if hasattr(args, "transformer_impl") else NO_TE),
              "--train-iters", str(args.iters), *RUNS[name], *args.extra, *more,
              *(["--qk-clip", "--qk-clip-threshold", str(qk_clip)] if qk_clip else [])]

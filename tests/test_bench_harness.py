@@ -128,3 +128,6 @@ def test_megatron_lm_runs_go_through_the_harness(tmp_path, monkeypatch):
     assert job.flags[-6:] == ["--x", "--seed", "3", "--qk-clip", "--qk-clip-threshold", "1.5"]
     assert job.env["NCCL_NVLS_ENABLE"] == "0" and job.env["PYTHONPATH"].split(os.pathsep)[:2] == [ROOT, str(tmp_path)]
     assert [it["loss"] for it in r["iterations"]] == [9.0, 8.0] and r["median_ms"] == 500.0
+    args.qk_clip = None  # any other run: DMuon's launcher on the unmodified script
+    megatron_lm_compare.run("adam", args, str(tmp_path), str(tmp_path))
+    assert seen[-1].program == ["-m", "megatron_dmuon.megatron.run", str(tmp_path / "pretrain_gpt.py")]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
 
 import torch
@@ -130,8 +129,9 @@ def main(argv=None) -> None:
     if not argv:
         raise SystemExit("usage: python -m megatron_dmuon.testing.local_max_logits pretrain_gpt.py ARGS...")
     install()
-    sys.argv = argv
-    runpy.run_path(argv[0], run_name="__main__")
+    from megatron_dmuon.megatron.run import main as run_megatron_lm  # the DMuon hook, on an unmodified script too
+
+    run_megatron_lm(argv)
     if CLIPS and int(os.environ.get("RANK", "0")) == 0:
         print("local_max_logits summary: " + json.dumps(summary()), flush=True)
 
