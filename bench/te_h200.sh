@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Transformer Engine measurements on one H200 (the device tool), from the repository root; each PART
 # writes under $OUT and ends with one archive of its results (te_<part>.tgz). Carry .te .whl .mlm (.apex).
+# MLM=DIR picks the Megatron-LM tree (default .mlm, patched; .mlm_core_v0.19.0 / .mlm_main are the unmodified
+# trees: every Megatron-LM run goes through DMuon's launcher, megatron/run.py, so both serve).
 #   bash bench/te_h200.sh suite+band timing  # in the order given; parts joined by '+' run at the same time
 # Parts:
 #   suite   the GPU suite (tests/gpu/run_h200.sh)
