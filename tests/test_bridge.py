@@ -54,6 +54,9 @@ def test_refusals_name_bridges_fields():
     with pytest.raises(TypeError, match="unknown DMuon option 'ns_lunch'; valid: .*ns_launch"):
         dmuon_config_from_fields(_core_config(), ns_lunch="graph")
     assert dict(UNKNOWN_MUON_FLAGS) == before  # the Megatron-LM hook's table is left as it was
+    assert bridge_names("drop --fp8-param-gather or --qk-clip; keep --no-such-field",
+                        {"fp8_param_gather": "ddp", "qk_clip": "model"}) == \
+        "drop ddp.fp8_param_gather or model.qk_clip; keep --no-such-field"
     assert bridge_names("pass --dmuon-ns-launch graph with --use-distributed-optimizer") == (
         "pass dmuon_options['ns_launch'] graph with ddp.use_distributed_optimizer and "
         "optimizer.use_distributed_optimizer")
@@ -185,7 +188,11 @@ SWITCH_SCRIPT = textwrap.dedent("""
                             (lambda c: (setattr(c.optimizer, "muon_tp_mode", "blockwise"),
                                         setattr(c.model, "tensor_model_parallel_size", 2)), "optimizer.muon_tp_mode"),
                             (lambda c: setattr(c.optimizer, "muon_scalar_optimizer", "lion"),
-                             "optimizer.muon_scalar_optimizer lion")):
+                             "optimizer.muon_scalar_optimizer lion"),
+                            # the optimizer build's own start-up checks, run by use_dmuon before any model exists
+                            (lambda c: setattr(c.model, "context_parallel_size", 2), "model.context_parallel_size > 1"),
+                            (lambda c: setattr(c.optimizer, "overlap_param_gather_with_optimizer_step", True),
+                             "optimizer.overlap_param_gather_with_optimizer_step")):
         c = config()
         change(c)
         try:

@@ -7,7 +7,7 @@ from typing import Optional
 
 from megatron.bridge.training.config import OptimizerConfig
 
-from ..megatron.checks import tensor_parallel_size
+from ..megatron.checks import check_dmuon_config, tensor_parallel_size
 from ..megatron.config import DMuonConfig
 from ..megatron.flags import dmuon_config_from_fields
 from .names import bridge_names
@@ -15,8 +15,19 @@ from .names import bridge_names
 DMUON = "dmuon"
 
 
+def _sections() -> dict:
+    """{config field: its ConfigContainer section} for the fields DMuon's checks name as flags."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    out = {f.name: "model" for f in dataclasses.fields(TransformerConfig)}
+    out.update({f.name: "ddp" for f in dataclasses.fields(DistributedDataParallelConfig)})
+    out.update({f.name: "optimizer" for f in dataclasses.fields(OptimizerConfig)})
+    return out
+
+
 def _refuse(error: Exception):
-    return type(error)(bridge_names(str(error)))
+    return type(error)(bridge_names(str(error), _sections()))
 
 
 @dataclasses.dataclass
@@ -99,7 +110,12 @@ def use_dmuon(config, **options) -> None:
     if unsupported:
         raise ValueError(f"optimizer 'dmuon' runs on megatron-core's DDP: drop {', '.join(unsupported)}")
     optimizer = as_dmuon_config(config.optimizer, **options)
-    optimizer.dmuon_config(tensor_parallel_size(config.model))  # refuses what this layout cannot run
+    cfg = optimizer.dmuon_config(tensor_parallel_size(config.model))  # refuses what this layout cannot run
+    ddp = dataclasses.replace(config.ddp, use_distributed_optimizer=True)
+    try:  # every start-up check the optimizer build makes, now, before any model exists
+        check_dmuon_config(optimizer.megatron_core_config(), ddp, cfg, config.model)
+    except ValueError as e:
+        raise _refuse(e) from None
     if not config.ddp.use_distributed_optimizer:
         print("> megatron_dmuon.bridge: ddp.use_distributed_optimizer=True (DMuon's owners are the distributed "
               "optimizer's shards)", flush=True)
