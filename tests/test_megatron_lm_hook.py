@@ -686,3 +686,24 @@ def test_qk_clip_in_megatron_lms_own_loop_muon_and_dmuon_agree_on_cpu():
     assert between[True] <= 2 * between[False] + 0.01 * effect, (between, effect)
     assert runs["dmuon", True]["losses"] == pytest.approx(runs["muon", True]["losses"], rel=1e-4)
     assert runs["dmuon", True]["max_logits"] == pytest.approx(runs["muon", True]["max_logits"], rel=2e-2)
+
+
+def test_backward_start_refusals(monkeypatch):
+    """--dmuon-overlap-step backward: its grads must be the reduced fp32 grads, unclipped; not yet on a GPU."""
+    import torch
+
+    from megatron_dmuon.megatron.checks import check_overlap_step
+
+    ddp = argparse.Namespace(overlap_param_gather=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
+                             log_params_norm=False, fp8_param_gather=False)
+    opt = argparse.Namespace(clip_grad=0.0, fp16=False)
+    backward = DMuonConfig(muon=MuonSettings(overlap_step="backward"))
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    check_overlap_step(ddp, backward, ddp, opt)  # CPU: runs
+    with pytest.raises(ValueError, match="needs --accumulate-allreduce-grads-in-fp32"):
+        check_overlap_step(argparse.Namespace(**{**vars(ddp), "grad_reduce_in_fp32": False}), backward, ddp, opt)
+    with pytest.raises(ValueError, match="cannot run with --fp16"):
+        check_overlap_step(ddp, backward, ddp, argparse.Namespace(clip_grad=0.0, fp16=True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="not verified on a GPU yet"):
+        check_overlap_step(ddp, backward, ddp, opt)

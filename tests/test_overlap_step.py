@@ -49,6 +49,31 @@ def test_overlap_step_dp2_several_buckets_and_resume(tmp_path):
     assert runs["on+resumed"][0]["losses"] == runs["on"][0]["losses"][3:]
 
 
+BACKWARD = {"sync": {"overlap_step": "sync", **CHECK}, "backward": {"overlap_step": "backward", **CHECK}}
+
+
+def test_backward_start_equals_its_sync_twin_skips_and_resumes(tmp_path):
+    """--dmuon-overlap-step backward (--clip-grad 0): each bucket group's momentum and NS start in
+    the last micro-batch's backward when Megatron launches its grad reduce. Bit for bit the
+    same-cut stacks run inside the step ('sync'), at DP=2 with several groups per rank; a NaN
+    grad on one rank at step 3 skips that step on both runs with nothing changed (the momenta the
+    backward had already overwritten are restored); a checkpoint at step 4 resumes bit for bit."""
+    results = run_distributed(WORKER, 2, kwargs=dict(variants=BACKWARD, **{**BASE, "clip_grad": 0.0, "nan_at": (3, 1)},
+                                                     resume=("backward", 4, str(tmp_path))))
+    runs = {name: [r[name] for r in results] for name in results[0]}
+    _assert_bitwise(runs["backward"], runs["sync"])
+    assert all(r["skipped_iterations"] == 1 for name in ("backward", "sync") for r in runs[name])
+    assert all(r["pending_after"] == 0 and r["groups_left"] == 0 and len(r["needs"]) >= 2 for r in runs["backward"])
+    # every group of every step (the skipped one too) started in the backward (iteration 1 as well:
+    # Megatron's first reduce starts at the step's finalize, through the same hook), none in the step
+    assert all(r["groups_early"] == BASE["steps"] * len(r["needs"]) for r in runs["backward"]), \
+        [r["groups_early"] for r in runs["backward"]]
+    assert all(r["groups_early"] == 0 for r in runs["sync"])
+    resumed, whole = full_params(runs["backward+resumed"]), full_params(runs["backward"])
+    assert all(torch.equal(resumed[n], whole[n]) for n in whole)
+    assert runs["backward+resumed"][0]["losses"] == runs["backward"][0]["losses"][4:]
+
+
 def test_overlap_step_pp2_virtual_stages():
     _check(_variants(2, pp=2, vpp=2, align_param_gather=True))
 

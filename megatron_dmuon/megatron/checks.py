@@ -52,7 +52,7 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
     cfg.validate()
     if model_config is not None:
         check_model_parallel_config(model_config, cfg.mode)
-    check_overlap_step(ddp_config, cfg, model_config)
+    check_overlap_step(ddp_config, cfg, model_config, config)
     if getattr(config, "overlap_param_gather_with_optimizer_step", False):
         raise ValueError("--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step; drop the flag")
     if config.fp16 and not getattr(config, "loss_scale", None):
@@ -108,15 +108,18 @@ def _one_hardware_queue() -> bool:
     return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and torch.cuda.is_available()
 
 
-def check_overlap_step(ddp_config, cfg, model_config=None) -> None:
-    """Start-up checks of --dmuon-overlap-step (megatron/overlap_step.py), before any state exists."""
+def check_overlap_step(ddp_config, cfg, model_config=None, config=None) -> None:
+    """Start-up checks of --dmuon-overlap-step (megatron/overlap_step.py), before any state exists
+    (``config``: the OptimizerConfig, where known)."""
     overlap = cfg.muon.overlap_step
     if overlap == "off":
         return
     flag = f"--dmuon-overlap-step {overlap}"
+    if overlap == "backward":
+        _check_backward_start(flag, ddp_config, cfg, config)
     if cfg.mode != "dmuon":
         raise ValueError(f"{flag} applies to --dmuon-mode dmuon (got {cfg.mode}): drop the flag")
-    if overlap == "on" and not getattr(ddp_config, "overlap_param_gather", False):
+    if overlap in ("on", "backward") and not getattr(ddp_config, "overlap_param_gather", False):
         raise ValueError(
             f"{flag} finishes each bucket group's Newton-Schulz in the next forward's param-gather hooks, which "
             "exist only with --overlap-param-gather: add --overlap-param-gather (and --overlap-grad-reduce)")
@@ -130,13 +133,38 @@ def check_overlap_step(ddp_config, cfg, model_config=None) -> None:
     if getattr(model_config, "qk_clip", False):
         raise ValueError(f"{flag} cannot run with --qk-clip: the clip rescales weights right after the step, "
                          "before the overlapped step has applied them; drop one of the two flags")
-    if overlap == "on" and _one_hardware_queue():
+    if overlap in ("on", "backward") and _one_hardware_queue():
         raise ValueError(
             f"{flag} needs CUDA_DEVICE_MAX_CONNECTIONS > 1 (or unset): with one hardware queue the GPU runs the "
             "side stream's Newton-Schulz in launch order, so the next forward waits for all of it and nothing is "
             "hidden (measured slower than off). Without tensor or context parallelism Megatron needs no single "
             "queue: unset CUDA_DEVICE_MAX_CONNECTIONS (or set 8), or use --dmuon-overlap-step off")
-    if overlap == "on" and getattr(ddp_config, "log_params_norm", False):  # Megatron-LM's args at parse time
+    if overlap in ("on", "backward") and getattr(ddp_config, "log_params_norm", False):  # Megatron-LM's args
         raise ValueError(f"{flag} with --log-params-norm would log the norm of the params before the step's Muon "
                          "update (it is applied in the next forward): drop one of the two flags")
 
+
+
+def _check_backward_start(flag, ddp_config, cfg, config) -> None:
+    """--dmuon-overlap-step backward starts a group's momentum and NS in the backward hook that
+    launches its grad reduce: its grads must be final there, unscaled and unclipped."""
+    import torch
+
+    if not getattr(ddp_config, "overlap_grad_reduce", False):
+        raise ValueError(f"{flag} starts each bucket group when Megatron launches its grad reduce during the "
+                         "backward, which happens only with --overlap-grad-reduce: add it")
+    if not getattr(ddp_config, "grad_reduce_in_fp32", False) or getattr(
+            ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+        raise ValueError(f"{flag} reads the reduced grads in the grad buffer itself, which needs "
+                         "--accumulate-allreduce-grads-in-fp32 (grad_reduce_in_fp32) without "
+                         "reduce_scatter_with_fp32_accumulation: add the first, drop the second")
+    if config is not None and (config.clip_grad > 0.0 or config.fp16):
+        what = f"--clip-grad {config.clip_grad}" if config.clip_grad > 0.0 else "--fp16 (a loss scaler)"
+        raise ValueError(f"{flag} starts the Muon update before the step knows the whole grad norm, so it cannot "
+                         f"run with {what}: pass --clip-grad 0.0 (and bf16), or use --dmuon-overlap-step on")
+    if cfg.layout.ranks_per_node or getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
+        raise ValueError(f"{flag} is not implemented with the two-level reduce (--dmuon-ranks-per-node) or "
+                         "several optimizer instances: drop those, or use --dmuon-overlap-step on")
+    if torch.cuda.is_available():
+        raise ValueError(f"{flag} is exact on the CPU (tests/test_overlap_step.py) but not verified on a GPU yet "
+                         "(its streams): use --dmuon-overlap-step on there")

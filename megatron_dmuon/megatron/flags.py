@@ -71,7 +71,9 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     g.add_argument("--dmuon-overlap-step", default="off", choices=OVERLAP_STEP_MODES,
                    help="on: each bucket group's Newton-Schulz runs on a side stream after optimizer.step() returns "
                         "and finishes when the next forward first needs its params (needs --overlap-param-gather); "
-                        "sync: the same per-bucket-group stacks inside the step (bit-identical to on, for checking)")
+                        "sync: the same per-bucket-group stacks inside the step (bit-identical to on, for checking); "
+                        "backward: on, and each group's momentum and NS start in the last backward when its grad "
+                        "reduce is launched (needs --overlap-grad-reduce and --clip-grad 0; CPU-verified only)")
     g.add_argument("--dmuon-tp-method", default="auto", choices=TP_METHODS,
                    help="TP-sharded matrices: gather to the TP owner, distributed Gram NS, or auto (cost model)")
     g.add_argument("--dmuon-balance", default="cost", choices=BALANCE,
@@ -219,6 +221,9 @@ class _ArgsView:
             num_distributed_optimizer_instances=get("num_distributed_optimizer_instances", 1),
             fp8_param=get("fp8_param_gather", False),
             decoupled_weight_decay=get("decoupled_weight_decay", True),
+            # Megatron-LM's --accumulate-allreduce-grads-in-fp32; a program without the flag (the
+            # main job) sets grad_reduce_in_fp32 itself
+            grad_reduce_in_fp32=get("grad_reduce_in_fp32", get("accumulate_allreduce_grads_in_fp32", True)),
         )
 
     def __getattr__(self, name):

@@ -161,7 +161,8 @@ def _route(args) -> None:
         dist_utils.DistributedDataParallel = ddp_class
     if "train" not in _ORIGINALS:
         _ORIGINALS["train"] = training.train
-    training.train = _prioritized(_ORIGINALS["train"]) if args.dmuon_overlap_step == "on" else _ORIGINALS["train"]
+    overlapped = args.dmuon_overlap_step in ("on", "backward")  # (runtime/overlap_step.OVERLAPPED)
+    training.train = _prioritized(_ORIGINALS["train"]) if overlapped else _ORIGINALS["train"]
 
 
 def _prioritized(train: Callable) -> Callable:

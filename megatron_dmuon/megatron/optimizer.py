@@ -24,6 +24,7 @@ from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
 from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig  # noqa: F401 (MODES: public API)
 from .optimizer_checkpoint import OwnerCheckpoints
+from ..runtime.overlap_step import cancel_early
 from .overlap_step import finish_parts
 from .owner_optimizer import DMuonDistributedOptimizer, build_owner_parts
 from .publish import publish_layouts
@@ -202,6 +203,9 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
             self._folded_clip, self._covers_this_step = [], None
         if not out[0]:
             self.skipped_iterations += 1
+            for part in self.chained_optimizers:  # --dmuon-overlap-step backward: undo what the backward started
+                if isinstance(part, DMuonDistributedOptimizer):
+                    cancel_early(part.optimizer)
         report_ns_check(self)
         return out
 

@@ -36,10 +36,12 @@ def need_order(model_chunks) -> Dict[torch.nn.Parameter, int]:
 
 
 class _OverlapStepState:
-    """The (owner step, need) pairs a bucket group's params wait for."""
+    """The (owner step, need) pairs a bucket group's params wait for, and under 'backward' the
+    (owner part, need) pairs its grad reduce starts."""
 
     def __init__(self):
         self.waits = []
+        self.starts = []
 
 
 class _OverlapStepBucketGroup:
@@ -50,6 +52,14 @@ class _OverlapStepBucketGroup:
         for inner, need in self.owner_step.waits:
             finish(inner, need)
         return super().start_param_sync(force_sync=force_sync)
+
+    def start_grad_sync(self, force_all_reduce=False):
+        """'backward': Megatron launches this group's grad reduce (in the last micro-batch's
+        backward, once all its grads are ready); the owners start its Muon work behind it."""
+        out = super().start_grad_sync(force_all_reduce=force_all_reduce)
+        for part, need in self.owner_step.starts:
+            part.launch_early(need, self.grad_reduce_handle)
+        return out
 
 
 def install_overlap_step(model_chunks, parts, infos: dict) -> None:
@@ -65,9 +75,11 @@ def install_overlap_step(model_chunks, parts, infos: dict) -> None:
             if info is None:
                 continue
             chunk = next(c for c in model_chunks if model_param in c.param_to_bucket_group)
-            waits = chunk.param_to_bucket_group[model_param].owner_step.waits
-            if (inner, info.need) not in waits:
-                waits.append((inner, info.need))
+            state = chunk.param_to_bucket_group[model_param].owner_step
+            if (inner, info.need) not in state.waits:
+                state.waits.append((inner, info.need))
+            if inner.muon.overlap_step == "backward" and (part, info.need) not in state.starts:
+                state.starts.append((part, info.need))
 
 
 def finish_parts(parts) -> None:

@@ -7,12 +7,15 @@ the NS its owner's stack runs (``planning.ns_choice.plan_ns_choices``) become th
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import checkpoint_torch
 from ..kernels.autotune import measured_method
 from ..planning.dp_shards import shard_range
 from ..planning.ns_choice import plan_ns_choices
+from ..runtime.overlap_step import ns_stream, launch_early
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .optimizer_checkpoint import OwnerCheckpoints
 from .overlap_step import install_overlap_step, need_order
@@ -179,6 +182,33 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
         if not in_flight:
             return super()._copy_main_params_to_model_params()
         self._copy_masters(lambda main: main not in in_flight)
+
+    @torch.no_grad()
+    def launch_early(self, need: int, reduce_handle=None) -> None:
+        """--dmuon-overlap-step backward: the Muon work of need group ``need``, started by its
+        bucket group's grad reduce during the backward. Its main grads are set as Megatron's step
+        sets them (``_copy_model_grads_to_main_grads``: views of the grad buffer's shard, fp32)
+        once the reduce is done; on CUDA all of it runs on the NS side stream, which waits for the
+        reduce, so the backward goes on meanwhile."""
+        inner = self.optimizer
+        group_of = {p: g for g in inner.param_groups if g.get("use_muon", False) for p in g["params"]}
+        pairs = [(model, main) for models, mains in ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                                                     (self.model_fp32_groups, self.shard_fp32_groups))
+                 for mg, sg in zip(models, mains) for model, main in zip(mg, sg)
+                 if main in group_of and inner.matrix_info[main].need == need]
+        if not pairs:
+            return
+        device = pairs[0][1].device
+        side = ns_stream(inner, device) if device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if reduce_handle is not None:
+                reduce_handle.wait()  # on CUDA: the side stream waits for the reduce, not the host
+            entries = []
+            for model, main in pairs:
+                shard = self._get_model_param_range_map(model)["param"]
+                main.grad = model.main_grad.view(-1)[shard.start:shard.end].float()
+                entries.append((main, group_of[main], inner.matrix_info[main]))
+            launch_early(inner, sorted(entries, key=lambda e: e[2].name))
 
     def copy_applied_masters(self, mains) -> None:
         """Megatron's copy into the model's param buffer, of the masters ``mains`` only."""

@@ -29,7 +29,10 @@ from typing import Dict, Optional
 import torch
 from torch.profiler import record_function
 
-OVERLAP_STEP_MODES = ("off", "on", "sync")
+# 'backward': 'on', and each group's momentum and NS launched during the last micro-batch's backward,
+# as soon as its grads are reduced (``launch_early``); needs no clipping (--clip-grad 0)
+OVERLAP_STEP_MODES = ("off", "on", "sync", "backward")
+OVERLAPPED = ("on", "backward")  # the modes whose NS runs outside optimizer.step()
 
 
 class _LaunchedGroup:
@@ -44,10 +47,16 @@ class _LaunchedGroup:
 
 
 class PendingSteps:
-    """The need groups launched and not yet finished, by need (at most one step's worth)."""
+    """The need groups launched and not yet finished, by need (at most one step's worth). Under
+    'backward', ``early`` holds the needs launched during this step's backward, ``backups`` the
+    momenta they overwrote (restored if the step is skipped), ``momentum_done`` the events after
+    their momentum passes (the grads they read must outlive them)."""
 
     def __init__(self):
         self.groups: Dict[int, _LaunchedGroup] = {}
+        self.early: set = set()
+        self.backups: dict = {}
+        self.momentum_done: list = []
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -71,7 +80,12 @@ def launch_need_groups(opt, entries, grad_scale: Optional[float] = None) -> None
         members = by_need[need]
         plan, stacks = opt._fill_stacks(members, grad_scale, tag=need)
         launched[need] = _LaunchedGroup(plan, stacks, [(p, info, g["lr"], g["weight_decay"]) for p, g, info in members])
-    side = _ns_stream(opt, entries[0][0].device) if entries and entries[0][0].is_cuda else None
+    if launched and entries[0][0].is_cuda:  # (launch_early reads its grads' lifetime from it)
+        device = entries[0][0].device
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        opt.pending.momentum_done.append((device, event))
+    side = ns_stream(opt, entries[0][0].device) if entries and entries[0][0].is_cuda else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(side.device))  # the momentum passes wrote the stacks
     with record_function("dmuon.ns_launch"), (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
@@ -82,7 +96,7 @@ def launch_need_groups(opt, entries, grad_scale: Optional[float] = None) -> None
                     x.record_stream(side)
                 item.event = torch.cuda.Event()
                 item.event.record(side)
-    opt.pending.groups = launched
+    opt.pending.groups.update(launched)
     opt.stats["ns_matrices_total"] += opt.stats["ns_matrices"]
     opt.stats["tp_bytes"] = 0
     if opt.muon.overlap_step == "sync":
@@ -105,10 +119,60 @@ def finish(opt, need: int) -> None:
             opt.on_applied([p for p, *_ in item.members])
 
 
-def finish_all(opt) -> None:
-    """Finish every group in flight, in need order."""
+def finish_all(opt, keep_early: bool = False) -> None:
+    """Finish every group in flight, in need order (``keep_early``: but this step's early ones)."""
     for need in opt.pending.needs():
-        finish(opt, need)
+        if not (keep_early and need in opt.pending.early):
+            finish(opt, need)
+
+
+def launch_early(opt, entries) -> None:
+    """'backward': one need group's momentum pass and NS, launched while the backward still runs
+    (its grads final: reduced to this owner). Whatever the last forward left in flight is finished
+    first. The momenta it overwrites are kept until the step decides (``commit_early`` /
+    ``cancel_early``), so a skipped step changes nothing."""
+    if not entries:
+        return
+    finish_all(opt, keep_early=True)
+    if not opt.pending.early:  # the step's counters start with its first early group
+        opt.stats["ns_calls"] = opt.stats["ns_fp32_retries"] = opt.stats["ns_matrices"] = 0
+    for p, _, _ in entries:
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        opt.pending.backups[p] = None if buf is None else buf.clone()
+    before, total = set(opt.pending.groups), opt.stats["ns_matrices_total"]
+    launch_need_groups(opt, entries)
+    opt.stats["ns_matrices_total"] = total  # (added by the step, once)
+    started = set(opt.pending.groups) - before
+    opt.pending.early |= started
+    opt.stats["overlap_groups_early"] += len(started)  # need groups started during a backward, all steps
+
+
+def _wait_momentum_passes(opt) -> None:
+    for device, event in opt.pending.momentum_done:
+        torch.cuda.current_stream(device).wait_event(event)
+    opt.pending.momentum_done = []
+
+
+def commit_early(opt) -> None:
+    """The step is applied: the early groups stay in flight for the forward; their backups go."""
+    _wait_momentum_passes(opt)
+    opt.pending.backups = {}
+
+
+def cancel_early(opt) -> None:
+    """The step is skipped (non-finite grads): the early groups are dropped unapplied and the
+    momenta they overwrote restored, as if nothing had run."""
+    if not opt.pending.early and not opt.pending.backups:
+        return
+    _wait_momentum_passes(opt)
+    for need in opt.pending.early:
+        opt.pending.groups.pop(need, None)
+    for p, buf in opt.pending.backups.items():
+        if buf is None:
+            opt.state.get(p, {}).pop("momentum_buffer", None)
+        else:
+            opt.state[p]["momentum_buffer"].copy_(buf)
+    opt.pending.early, opt.pending.backups = set(), {}
 
 
 @contextlib.contextmanager
@@ -130,7 +194,7 @@ def model_priority_stream(enabled: bool = True):
         outer.wait_stream(stream)
 
 
-def _ns_stream(opt, device) -> "torch.cuda.Stream":
+def ns_stream(opt, device) -> "torch.cuda.Stream":
     streams = opt.__dict__.setdefault("_overlap_ns_streams", {})
     if device not in streams:
         streams[device] = torch.cuda.Stream(device=device, priority=0)  # the lowest: see model_priority_stream

@@ -26,7 +26,7 @@ from ..planning.params import check_muon_matrix_shape
 from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
-from .overlap_step import PendingSteps, finish_all, launch_need_groups
+from .overlap_step import PendingSteps, commit_early, finish_all, launch_need_groups
 from .row_update_step import row_update_step, tp_refusal
 from .tp_exchange import TPExchange, TPMatrix
 
@@ -214,8 +214,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         loss = closure() if closure is not None else None
         # the overlapped step's groups the last forward did not need (counted: each one is NS the
         # forward did not hide)
-        self.stats["overlap_groups_left"] += len(self.pending.groups)
-        finish_all(self)
+        # ('backward': this step's own groups, launched during its backward, stay in flight)
+        self.stats["overlap_groups_left"] += len(self.pending.groups) - len(self.pending.early)
+        finish_all(self, keep_early=True)
+        commit_early(self)
         self.ns_check.begin_step()
         grad_scale, self.grad_scale = self.grad_scale, None
         all_groups = self.param_groups
@@ -273,7 +275,15 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 if p.grad is not None or self.tp.size > 1:
                     entries.append((p, group, info))
         entries.sort(key=lambda e: e[2].name)  # the same order on every TP rank
-        self.stats["ns_calls"] = self.stats["ns_fp32_retries"] = self.stats["ns_matrices"] = 0
+        if self.pending.early:  # 'backward': launched during the backward; the step launches the rest
+            launched = {p for item in self.pending.groups.values() for p, *_ in item.members}
+            entries = [e for e in entries if e[0] not in launched]
+            self.pending.early = set()
+            if not entries:
+                self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
+                return None
+        else:
+            self.stats["ns_calls"] = self.stats["ns_fp32_retries"] = self.stats["ns_matrices"] = 0
         if s.update == "muon" and self.tp.size == 1:
             if s.overlap_step != "off":
                 return launch_need_groups(self, entries, grad_scale)
