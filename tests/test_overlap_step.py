@@ -74,6 +74,17 @@ def test_backward_start_equals_its_sync_twin_skips_and_resumes(tmp_path):
     assert runs["backward+resumed"][0]["losses"] == runs["backward"][0]["losses"][4:]
 
 
+@pytest.mark.parametrize("layout", [dict(pp=2, vpp=2, align_param_gather=True),
+                                    dict(ep=2, shape_kw=dict(num_layers=4, num_experts=4))], ids=["pp2_vpp2", "ep2_moe"])
+def test_backward_start_under_pp_vpp_and_ep(layout):
+    """The backward start where the pipeline schedule (virtual stages) or the expert buffers launch
+    the grad reduces: bit for bit its 'sync' twin, every group started in a backward."""
+    results = run_distributed(WORKER, 2, kwargs=dict(variants=BACKWARD, **{**BASE, "clip_grad": 0.0, **layout}))
+    runs = {name: [r[name] for r in results] for name in results[0]}
+    _assert_bitwise(runs["backward"], runs["sync"])
+    assert all(r["groups_early"] == BASE["steps"] * len(r["needs"]) > 0 for r in runs["backward"])
+
+
 def test_overlap_step_pp2_virtual_stages():
     _check(_variants(2, pp=2, vpp=2, align_param_gather=True))
 

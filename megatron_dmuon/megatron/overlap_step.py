@@ -58,7 +58,8 @@ class _OverlapStepBucketGroup:
         backward, once all its grads are ready); the owners start its Muon work behind it."""
         out = super().start_grad_sync(force_all_reduce=force_all_reduce)
         for part, need in self.owner_step.starts:
-            part.launch_early(need, self.grad_reduce_handle)
+            if need not in part.optimizer.pending.early:  # (Megatron may call it again, as a no-op, at the step)
+                part.launch_early(need, self.grad_reduce_handle)
         return out
 
 
