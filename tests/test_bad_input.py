@@ -319,16 +319,13 @@ def _odd_dataset(prefix, kind):
     (["--dmuon-overlap-step", "sync", "--dmuon-update", "normuon"], "--dmuon-overlap-step sync runs the Muon rule only"),
     (["--dmuon-overlap-step", "on", "--overlap-param-gather", "--vocab-size", "256", "--tensor-model-parallel-size", "2"],
      "--dmuon-overlap-step on is not implemented with tensor parallelism"),
-    (["--dmuon-overlap-step", "backward", "--overlap-grad-reduce", "--overlap-param-gather"],
-     "--dmuon-overlap-step backward starts the Muon update before the step knows the whole grad norm, so it cannot "
-     "run with --clip-grad 1.0: pass --clip-grad 0.0"),
     (["--dmuon-overlap-step", "backward", "--overlap-param-gather", "--clip-grad", "0"],
      "happens only with --overlap-grad-reduce: add it"),
 ], ids=["decoupled_lr_negative", "decoupled_lr_nan", "adam_decoupled_lr_nan", "decoupled_min_above",
         "split_inf_inf", "split_1_inf", "seed_overflow", "seed_negative", "vocab_tp", "head_dim_1", "float_tokens",
         "negative_token", "split_train_too_short", "lock_is_a_directory", "iter_file_in_save", "model_state_beyond_memory",
         "overlap_step_without_param_gather_hooks", "overlap_step_baseline_mode", "overlap_step_row_rule",
-        "overlap_step_tp", "backward_start_with_clipping", "backward_start_without_grad_reduce_hooks"])
+        "overlap_step_tp", "backward_start_without_grad_reduce_hooks"])
 def test_bad_input_3_is_refused_at_start_up(tmp_path, capsys, monkeypatch, argv, message):
     """[bad-input-3]: inputs that were accepted silently or failed late (in the model, the forward, or the
     CPU shim) are refused by the start-up checks, before any process group, naming the flag."""

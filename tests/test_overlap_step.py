@@ -74,6 +74,20 @@ def test_backward_start_equals_its_sync_twin_skips_and_resumes(tmp_path):
     assert runs["backward+resumed"][0]["losses"] == runs["backward"][0]["losses"][4:]
 
 
+def test_backward_start_under_clipping_is_kept_or_redone():
+    """With --clip-grad on, the backward starts every group unclipped, speculatively: a step whose
+    clipping does not fire keeps it, one whose clipping fires restores the momenta and redoes the
+    groups clipped in the step. Bit for bit 'sync' either way (threshold 1.35: these grad norms run
+    1.07-1.46, so both happen)."""
+    results = run_distributed(WORKER, 2, kwargs=dict(variants=BACKWARD, **{**BASE, "clip_grad": 1.35}))
+    runs = {name: [r[name] for r in results] for name in results[0]}
+    _assert_bitwise(runs["backward"], runs["sync"])
+    norms = runs["sync"][0]["grad_norms"]
+    clipped = sum(n > 1.35 for n in norms)
+    assert 0 < clipped < len(norms), norms
+    assert all(r["redos"] == clipped * len(r["needs"]) for r in runs["backward"]), [r["redos"] for r in runs["backward"]]
+
+
 @pytest.mark.parametrize("layout", [dict(pp=2, vpp=2, align_param_gather=True),
                                     dict(ep=2, shape_kw=dict(num_layers=4, num_experts=4))], ids=["pp2_vpp2", "ep2_moe"])
 def test_backward_start_under_pp_vpp_and_ep(layout):

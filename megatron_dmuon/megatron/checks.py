@@ -147,7 +147,8 @@ def check_overlap_step(ddp_config, cfg, model_config=None, config=None) -> None:
 
 def _check_backward_start(flag, ddp_config, cfg, config) -> None:
     """--dmuon-overlap-step backward starts a group's momentum and NS in the backward hook that
-    launches its grad reduce: its grads must be final there, unscaled and unclipped."""
+    launches its grad reduce: its grads must be final there and not rescaled by a loss scaler
+    (clipping is speculated: a step whose clipping fires redoes the groups)."""
     import torch
 
     if not getattr(ddp_config, "overlap_grad_reduce", False):
@@ -158,10 +159,9 @@ def _check_backward_start(flag, ddp_config, cfg, config) -> None:
         raise ValueError(f"{flag} reads the reduced grads in the grad buffer itself, which needs "
                          "--accumulate-allreduce-grads-in-fp32 (grad_reduce_in_fp32) without "
                          "reduce_scatter_with_fp32_accumulation: add the first, drop the second")
-    if config is not None and (config.clip_grad > 0.0 or config.fp16):
-        what = f"--clip-grad {config.clip_grad}" if config.clip_grad > 0.0 else "--fp16 (a loss scaler)"
-        raise ValueError(f"{flag} starts the Muon update before the step knows the whole grad norm, so it cannot "
-                         f"run with {what}: pass --clip-grad 0.0 (and bf16), or use --dmuon-overlap-step on")
+    if config is not None and config.fp16:
+        raise ValueError(f"{flag} starts the Muon update before the step knows whether the loss scaler skips it "
+                         "or rescales: it cannot run with --fp16; use --bf16, or --dmuon-overlap-step on")
     if cfg.layout.ranks_per_node or getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
         raise ValueError(f"{flag} is not implemented with the two-level reduce (--dmuon-ranks-per-node) or "
                          "several optimizer instances: drop those, or use --dmuon-overlap-step on")

@@ -73,7 +73,8 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                         "and finishes when the next forward first needs its params (needs --overlap-param-gather); "
                         "sync: the same per-bucket-group stacks inside the step (bit-identical to on, for checking); "
                         "backward: on, and each group's momentum and NS start in the last backward when its grad "
-                        "reduce is launched (needs --overlap-grad-reduce and --clip-grad 0; CPU-verified only)")
+                        "reduce is launched, redone in the step when clipping fires (needs --overlap-grad-reduce; "
+                        "CPU-verified only)")
     g.add_argument("--dmuon-tp-method", default="auto", choices=TP_METHODS,
                    help="TP-sharded matrices: gather to the TP owner, distributed Gram NS, or auto (cost model)")
     g.add_argument("--dmuon-balance", default="cost", choices=BALANCE,

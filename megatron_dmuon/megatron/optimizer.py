@@ -189,6 +189,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
         self._covers_this_step = self._norm_covers_every_grad()
         self._folded_clip = self._clipping_to_fold()
         configs = [(part, part.config) for part, _ in self._folded_clip]
+        self._redo_early_groups_megatron_clips()
         try:
             # Megatron's step clips a part whose config asks for it: those parts get a config copy
             # without clipping for this step (their own step applies it; get_grad_norm hands it over)
@@ -208,6 +209,17 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
                     cancel_early(part.optimizer)
         report_ns_check(self)
         return out
+
+    def _redo_early_groups_megatron_clips(self) -> None:
+        """--dmuon-overlap-step backward starts each group's Muon work speculatively, unclipped. A part
+        whose clipping its owner step applies redoes those groups itself when clipping fires
+        (OwnerMuonAdamW.step); a part Megatron clips (scaling the grads in place) redoes them always."""
+        folded = {id(part) for part, _ in self._folded_clip}
+        for part in self.chained_optimizers:
+            if (isinstance(part, DMuonDistributedOptimizer) and part.config.clip_grad > 0.0
+                    and id(part) not in folded and part.optimizer.pending.early):
+                part.optimizer.stats["overlap_redos"] += len(part.optimizer.pending.early)
+                cancel_early(part.optimizer)
 
     def finish_overlapped_step(self) -> None:
         """--dmuon-overlap-step: finish every group still in flight (masters applied and copied into

@@ -30,7 +30,7 @@ import torch
 from torch.profiler import record_function
 
 # 'backward': 'on', and each group's momentum and NS launched during the last micro-batch's backward,
-# as soon as its grads are reduced (``launch_early``); needs no clipping (--clip-grad 0)
+# as soon as its grads are reduced (``launch_early``), unclipped: a step whose clipping fires redoes them
 OVERLAP_STEP_MODES = ("off", "on", "sync", "backward")
 OVERLAPPED = ("on", "backward")  # the modes whose NS runs outside optimizer.step()
 

@@ -26,7 +26,7 @@ from ..planning.params import check_muon_matrix_shape
 from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
-from .overlap_step import PendingSteps, commit_early, finish_all, launch_need_groups
+from .overlap_step import PendingSteps, cancel_early, commit_early, finish_all, launch_need_groups
 from .row_update_step import row_update_step, tp_refusal
 from .tp_exchange import TPExchange, TPMatrix
 
@@ -217,9 +217,12 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         # ('backward': this step's own groups, launched during its backward, stay in flight)
         self.stats["overlap_groups_left"] += len(self.pending.groups) - len(self.pending.early)
         finish_all(self, keep_early=True)
+        grad_scale, self.grad_scale = self.grad_scale, None
+        if grad_scale is not None and self.pending.early:  # clipping fired: the backward started them unclipped
+            self.stats["overlap_redos"] += len(self.pending.early)
+            cancel_early(self)  # (redone below, clipped, as 'on' launches them)
         commit_early(self)
         self.ns_check.begin_step()
-        grad_scale, self.grad_scale = self.grad_scale, None
         all_groups = self.param_groups
         adam_groups = [g for g in all_groups if not g.get("use_muon", False)]
         muon_groups = [g for g in all_groups if g.get("use_muon", False)]
