@@ -689,7 +689,7 @@ def test_qk_clip_in_megatron_lms_own_loop_muon_and_dmuon_agree_on_cpu():
 
 
 def test_backward_start_refusals(monkeypatch):
-    """--dmuon-overlap-step backward: its grads must be the reduced fp32 grads, unclipped; not yet on a GPU."""
+    """--dmuon-overlap-step backward: its grads must be the reduced grads in the buffer, no loss scaler; not yet on a GPU."""
     import torch
 
     from megatron_dmuon.megatron.checks import check_overlap_step
@@ -700,8 +700,9 @@ def test_backward_start_refusals(monkeypatch):
     backward = DMuonConfig(muon=MuonSettings(overlap_step="backward"))
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     check_overlap_step(ddp, backward, ddp, opt)  # CPU: runs
-    with pytest.raises(ValueError, match="needs --accumulate-allreduce-grads-in-fp32"):
-        check_overlap_step(argparse.Namespace(**{**vars(ddp), "grad_reduce_in_fp32": False}), backward, ddp, opt)
+    with pytest.raises(ValueError, match="reduce_scatter_with_fp32_accumulation copies them elsewhere"):
+        check_overlap_step(argparse.Namespace(**{**vars(ddp), "reduce_scatter_with_fp32_accumulation": True}),
+                           backward, ddp, opt)
     with pytest.raises(ValueError, match="cannot run with --fp16"):
         check_overlap_step(ddp, backward, ddp, argparse.Namespace(clip_grad=0.0, fp16=True))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -107,13 +107,15 @@ def test_overlap_step_ep2_moe():
     _check(_variants(2, ep=2, shape_kw=dict(num_layers=4, num_experts=4)))
 
 
-def test_overlap_step_matches_the_single_process_reference_in_float64():
-    """The overlapped step against the TP=PP=EP=1 single-process reference on real megatron-core
-    (float64, as tests/test_dmuon_parallel.py: only the reduce order differs, ~1e-13)."""
+@pytest.mark.parametrize("mode", ["on", "backward"])
+def test_overlap_step_matches_the_single_process_reference_in_float64(mode):
+    """The overlapped step (and its start in the backward) against the TP=PP=EP=1 single-process
+    reference on real megatron-core (float64, as tests/test_dmuon_parallel.py: only the reduce
+    order differs, ~1e-13)."""
     from megatron_dmuon.testing.compare import run_dmuon, run_reference
 
     kw = dict(steps=6, grad_accum=2, overlap=True, bucket_size=2000, ns_dtype="float64",
-              shape_kw=dict(num_layers=4, fp64=True), muon_kw={"overlap_step": "on"})
+              shape_kw=dict(num_layers=4, fp64=True), muon_kw={"overlap_step": mode})
     results = run_dmuon(2, **kw)
     ref = run_reference(2, layouts=results[0]["layouts"], **kw)
     diffs = rel_diffs(full_params(results), ref["params"])

@@ -154,11 +154,9 @@ def _check_backward_start(flag, ddp_config, cfg, config) -> None:
     if not getattr(ddp_config, "overlap_grad_reduce", False):
         raise ValueError(f"{flag} starts each bucket group when Megatron launches its grad reduce during the "
                          "backward, which happens only with --overlap-grad-reduce: add it")
-    if not getattr(ddp_config, "grad_reduce_in_fp32", False) or getattr(
-            ddp_config, "reduce_scatter_with_fp32_accumulation", False):
-        raise ValueError(f"{flag} reads the reduced grads in the grad buffer itself, which needs "
-                         "--accumulate-allreduce-grads-in-fp32 (grad_reduce_in_fp32) without "
-                         "reduce_scatter_with_fp32_accumulation: add the first, drop the second")
+    if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+        raise ValueError(f"{flag} reads the reduced grads in the grad buffer when the reduce is launched; "
+                         "reduce_scatter_with_fp32_accumulation copies them elsewhere only at the step: drop it")
     if config is not None and config.fp16:
         raise ValueError(f"{flag} starts the Muon update before the step knows whether the loss scaler skips it "
                          "or rescales: it cannot run with --fp16; use --bf16, or --dmuon-overlap-step on")

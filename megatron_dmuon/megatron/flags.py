@@ -222,9 +222,6 @@ class _ArgsView:
             num_distributed_optimizer_instances=get("num_distributed_optimizer_instances", 1),
             fp8_param=get("fp8_param_gather", False),
             decoupled_weight_decay=get("decoupled_weight_decay", True),
-            # Megatron-LM's --accumulate-allreduce-grads-in-fp32; a program without the flag (the
-            # main job) sets grad_reduce_in_fp32 itself
-            grad_reduce_in_fp32=get("grad_reduce_in_fp32", get("accumulate_allreduce_grads_in_fp32", True)),
         )
 
     def __getattr__(self, name):

@@ -68,6 +68,12 @@ def install_overlap_step(model_chunks, parts, infos: dict) -> None:
     finishes them; the part copies the masters of a finished group into the model's params."""
     for chunk in model_chunks:
         extend_bucket_groups(chunk, _OverlapStepBucketGroup, lambda group: _OverlapStepState())
+    if any(part.optimizer.muon.overlap_step == "backward" for part in parts) and any(
+            getattr(bucket, "params_with_extra_main_grads", None) for chunk in model_chunks
+            for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups for bucket in group.buckets):
+        raise ValueError("--dmuon-overlap-step backward reads each group's reduced grads in the grad buffer; params "
+                         "that accumulate grads in a separate higher-precision main_grad get theirs copied back "
+                         "only at the step: use --dmuon-overlap-step on")
     for part in parts:
         inner = part.optimizer
         inner.on_applied = part.copy_applied_masters

@@ -187,7 +187,7 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
     def launch_early(self, need: int, reduce_handle=None) -> None:
         """--dmuon-overlap-step backward: the Muon work of need group ``need``, started by its
         bucket group's grad reduce during the backward. Its main grads are set as Megatron's step
-        sets them (``_copy_model_grads_to_main_grads``: views of the grad buffer's shard, fp32)
+        sets them (``_copy_model_grads_to_main_grads``: the grad buffer's shard, in the master's dtype)
         once the reduce is done; on CUDA all of it runs on the NS side stream, which waits for the
         reduce, so the backward goes on meanwhile."""
         inner = self.optimizer
@@ -206,7 +206,8 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
             entries = []
             for model, main in pairs:
                 shard = self._get_model_param_range_map(model)["param"]
-                main.grad = model.main_grad.view(-1)[shard.start:shard.end].float()
+                # Megatron's .float() (a view of fp32 grads): in the master's dtype, as its step gets it
+                main.grad = model.main_grad.view(-1)[shard.start:shard.end].to(main.dtype)
                 entries.append((main, group_of[main], inner.matrix_info[main]))
             launch_early(inner, sorted(entries, key=lambda e: e[2].name))
 
