@@ -190,26 +190,38 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
         sets them (``_copy_model_grads_to_main_grads``: the grad buffer's shard, in the master's dtype)
         once the reduce is done; on CUDA all of it runs on the NS side stream, which waits for the
         reduce, so the backward goes on meanwhile."""
-        inner = self.optimizer
-        group_of = {p: g for g in inner.param_groups if g.get("use_muon", False) for p in g["params"]}
-        pairs = [(model, main) for models, mains in ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
-                                                     (self.model_fp32_groups, self.shard_fp32_groups))
-                 for mg, sg in zip(models, mains) for model, main in zip(mg, sg)
-                 if main in group_of and inner.matrix_info[main].need == need]
-        if not pairs:
+        members = self._early_members().get(need)
+        if not members:
             return
-        device = pairs[0][1].device
+        inner = self.optimizer
+        device = members[0][1].device
         side = ns_stream(inner, device) if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if reduce_handle is not None:
                 reduce_handle.wait()  # on CUDA: the side stream waits for the reduce, not the host
-            entries = []
-            for model, main in pairs:
-                shard = self._get_model_param_range_map(model)["param"]
+            for model, main, shard, _ in members:
                 # Megatron's .float() (a view of fp32 grads): in the master's dtype, as its step gets it
                 main.grad = model.main_grad.view(-1)[shard.start:shard.end].to(main.dtype)
-                entries.append((main, group_of[main], inner.matrix_info[main]))
-            launch_early(inner, sorted(entries, key=lambda e: e[2].name))
+            launch_early(inner, [(main, group, inner.matrix_info[main]) for _, main, _, group in members])
+
+    def _early_members(self) -> dict:
+        """{need: [(model param, main param, its shard range, its param group)]} of the Muon
+        matrices, in the step's order (by name): worked out once, at the first early launch."""
+        if getattr(self, "_early_by_need", None) is None:
+            inner = self.optimizer
+            group_of = {p: g for g in inner.param_groups if g.get("use_muon", False) for p in g["params"]}
+            by_need = {}
+            for models, mains in ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                                  (self.model_fp32_groups, self.shard_fp32_groups)):
+                for mg, sg in zip(models, mains):
+                    for model, main in zip(mg, sg):
+                        if main in group_of:
+                            by_need.setdefault(inner.matrix_info[main].need, []).append(
+                                (model, main, self._get_model_param_range_map(model)["param"], group_of[main]))
+            for members in by_need.values():
+                members.sort(key=lambda m: inner.matrix_info[m[1]].name)
+            self._early_by_need = by_need
+        return self._early_by_need
 
     def copy_applied_masters(self, mains) -> None:
         """Megatron's copy into the model's param buffer, of the masters ``mains`` only."""
