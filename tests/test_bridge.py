@@ -206,7 +206,7 @@ SWITCH_SCRIPT = textwrap.dedent("""
     import megatron.bridge.training.pretrain as pretrain_module
     mb.install(ns_launch="graph")
     assert pretrain_module.pretrain.__name__ == "pretrain" and ("megatron.bridge.training.pretrain", "pretrain") in \\
-        __import__("megatron_dmuon.bridge.adapter", fromlist=["_ORIGINALS"])._ORIGINALS
+        __import__("megatron_dmuon.megatron.bridge", fromlist=["_ORIGINALS"])._ORIGINALS
     c = config()
     c.optimizer.optimizer = "dmuon"
     try:

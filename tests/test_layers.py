@@ -31,9 +31,9 @@ KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 
 LAYERS = ("algorithms", "kernels", "planning", "runtime", "megatron", "bridge")
 TOOLS = (f"{PACKAGE}.cli",)
-MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.bridge", f"{PACKAGE}.testing", *TOOLS)
-# Megatron-Bridge: one module imports it (the package's launcher and names import without Bridge)
-BRIDGE_IMPORTER = f"{PACKAGE}.bridge.adapter"
+MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.testing", *TOOLS)
+# Megatron-Bridge: one module imports it, beside the Megatron-LM hook (bridge/, the package users import, does not)
+BRIDGE_IMPORTER = f"{PACKAGE}.megatron.bridge"
 TESTING = f"{PACKAGE}.testing"
 TESTING_IMPORTERS = (TESTING,)
 DECENTRALIZED = f"{PACKAGE}.decentralized"

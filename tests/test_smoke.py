@@ -38,7 +38,7 @@ def test_every_module_imports():
     # the Megatron-Bridge adapter needs Bridge, an optional dependency (docs/bridge.md): where Bridge
     # itself does not import (not installed; or installed without Transformer Engine, which it
     # imports unguarded), only that module may fail, and only with an import error
-    adapter = failures.pop("megatron_dmuon.bridge.adapter", None)
+    adapter = failures.pop("megatron_dmuon.megatron.bridge", None)
     if adapter is not None:
         bridge = subprocess.run([sys.executable, "-c", "import megatron.bridge.training.config"], capture_output=True)
         assert bridge.returncode != 0 and ("ModuleNotFoundError" in adapter or "ImportError" in adapter), adapter

@@ -1,5 +1,5 @@
-"""DMuon in Megatron-Bridge, through Bridge's own extension points. Only its ``adapter`` module
-imports ``megatron.bridge``.
+"""DMuon in Megatron-Bridge, through Bridge's own extension points. The adapter itself is
+``megatron_dmuon.megatron.bridge``, the only module that imports ``megatron.bridge``.
 
     from megatron_dmuon.bridge import dmuon_with_cosine_annealing
     cfg = <a Bridge recipe>(...)                       # e.g. a Qwen or DeepSeek recipe's ConfigContainer
@@ -24,7 +24,7 @@ Bridge's scripts with ``optimizer.optimizer=dmuon`` among their overrides,
 """
 from __future__ import annotations
 
-from .names import bridge_names  # noqa: F401 (public)
+from ..megatron.bridge_names import bridge_names  # noqa: F401 (public)
 
 # the adapter (imports megatron.bridge) is loaded on first use, so the launcher's argument handling
 # and these names import without Bridge installed
@@ -34,7 +34,7 @@ _ADAPTER_NAMES = ("DMuonOptimizerConfig", "as_dmuon_config", "dmuon_with_cosine_
 
 def __getattr__(name):
     if name in _ADAPTER_NAMES:
-        from . import adapter
+        from ..megatron import bridge as adapter
 
         return getattr(adapter, name)
     raise AttributeError(f"module 'megatron_dmuon.bridge' has no attribute {name!r}")

@@ -1,5 +1,6 @@
-"""Megatron-Bridge's extension points filled with DMuon (the package docstring, megatron_dmuon/bridge/__init__.py,
-says how to use them). The only module that imports ``megatron.bridge``."""
+"""Megatron-Bridge's extension points filled with DMuon (megatron_dmuon/bridge/__init__.py, the package users
+import, says how to use them; docs/bridge.md). The only module that imports ``megatron.bridge``: it sits beside
+the Megatron-LM hook (megatron_lm.py), in the one package that imports megatron."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,10 +8,10 @@ from typing import Optional
 
 from megatron.bridge.training.config import OptimizerConfig
 
-from ..megatron.checks import check_dmuon_config, tensor_parallel_size
-from ..megatron.config import DMuonConfig
-from ..megatron.flags import dmuon_config_from_fields
-from .names import bridge_names
+from .checks import check_dmuon_config, tensor_parallel_size
+from .config import DMuonConfig
+from .flags import dmuon_config_from_fields
+from .bridge_names import bridge_names
 
 DMUON = "dmuon"
 
@@ -61,7 +62,7 @@ class DMuonOptimizerConfig(OptimizerConfig):
         ``setup_optimizer`` hook)."""
         from megatron.core.optimizer import get_standard_config_overrides
 
-        from ..megatron.optimizer import get_dmuon_optimizer
+        from .optimizer import get_dmuon_optimizer
 
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         core = self.megatron_core_config()
@@ -86,7 +87,7 @@ def route_ddp(cfg: DMuonConfig) -> None:
     """Bridge's DDP wrap (megatron-core's ``_ddp_wrap``) constructs DMuon's DDP bound to ``cfg``."""
     import megatron.training.models.dist_utils as dist_utils
 
-    from ..megatron.megatron_lm import dmuon_ddp_class
+    from .megatron_lm import dmuon_ddp_class
 
     dist_utils.DistributedDataParallel = dmuon_ddp_class(cfg)
 

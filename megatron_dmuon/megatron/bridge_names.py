@@ -1,4 +1,4 @@
-"""DMuon's messages in Megatron-Bridge's terms (no Bridge import: the launcher and CI use it)."""
+"""DMuon's messages in Megatron-Bridge's terms (no Bridge import: the Bridge launcher and CI use it)."""
 from __future__ import annotations
 
 import re
