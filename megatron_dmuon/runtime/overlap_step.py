@@ -80,7 +80,7 @@ def launch_need_groups(opt, entries, grad_scale: Optional[float] = None) -> None
         members = by_need[need]
         plan, stacks = opt._fill_stacks(members, grad_scale, tag=need)
         launched[need] = _LaunchedGroup(plan, stacks, [(p, info, g["lr"], g["weight_decay"]) for p, g, info in members])
-    if launched and entries[0][0].is_cuda:  # (launch_early reads its grads' lifetime from it)
+    if launched and entries[0][0].is_cuda and opt.muon.overlap_step == "backward":  # (the grads' lifetime: commit_early)
         device = entries[0][0].device
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
