@@ -238,14 +238,14 @@ def stage_timing(args, results, log) -> bool:
 
 
 def stage_band(args, results, log) -> bool:
-    jobs = [(model, opt, seed) for model in ("small", "small_moe") for opt in ("muon", "dmuon") for seed in (1, 2, 3)]
+    jobs = [(model, opt, seed) for model in args.band_models for opt in ("muon", "dmuon") for seed in (1, 2, 3)]
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         band = dict(zip(jobs, pool.map(lambda j: one(args.out_dir, f"band_{j[0]}_{j[1]}_s{j[2]}", [
             "--optimizer", j[1], "--model", j[0], "--iters", str(args.band_iters), "--seed", str(j[2]),
             "--lr", "2e-3"]), jobs)))
     results["band"] = {f"{m}/{o}/{s}": r for (m, o, s), r in band.items()}
     log("\n| model | optimizer | final loss, seeds 1 / 2 / 3 (mean of the last 5 iterations) | mean |\n|---|---|---|---:|")
-    for model in ("small", "small_moe"):
+    for model in args.band_models:
         for opt in ("muon", "dmuon"):
             finals = [None if "error" in band[(model, opt, seed)] else
                       statistics.mean(lm_loss(x) for x in band[(model, opt, seed)]["rows"][-5:]) for seed in (1, 2, 3)]
@@ -306,6 +306,7 @@ def main(argv=None) -> None:
     c.add_argument("--timing-iters", type=int, default=20)
     c.add_argument("--timing-optimizers", nargs="+", default=["adam", "muon", "dmuon"])
     c.add_argument("--band-iters", type=int, default=40)
+    c.add_argument("--band-models", nargs="+", default=["small", "small_moe"], choices=("small", "small_moe"))
     c.add_argument("--jobs", type=int, default=6)
     args = p.parse_args(argv)
     (run if args.command == "run" else compare)(args)

@@ -104,6 +104,9 @@ RUNS = {
                             "--dmuon-overlap-step", "on", "--dmuon-ns-launch", "graph"],
     "dmuon_overlap_sync_graph": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
                                  "--dmuon-overlap-step", "sync", "--dmuon-ns-launch", "graph"],
+    # started in the last backward, each bucket group behind its grad reduce (speculative under clipping)
+    "dmuon_backward_graph": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
+                             "--dmuon-overlap-step", "backward", "--dmuon-ns-launch", "graph"],
 }
 CLIP_SUMMARY = re.compile(r"local_max_logits summary: (\{.*\})")
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|")

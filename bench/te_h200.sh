@@ -64,9 +64,10 @@ run_part() {
         --profile-optimizer-at 8 --profile-iterations 2 --profile-out "$R/overlap_profile.trace.json") \
         > "$R/overlap_profile.log" 2>&1; echo "== overlap_profile rc=$?"; grep -E "iteration +[0-9]+/|dmuon\\.|Self CUDA time" "$R/overlap_profile.log" | cut -c1-220
       gzip -f "$R/overlap_profile.trace.json" ;;
-    overlap_mlm)  # the same in Megatron-LM's loop (log every 10 iterations: its timers sync the device when they log)
+    overlap_mlm)  # the same in Megatron-LM's loop (log every 10 iterations: its timers sync the device when they log);
+      # ORUNS: megatron_lm_compare.py's runs, OEXTRA_MLM: more Megatron-LM flags for every run (e.g. --clip-grad 0)
       compare overlap_mlm --model qwen7b-4l --iters ${OITERS_MLM:-40} --runs ${ORUNS:-adam_ogp muon_ogp dmuon_ogp dmuon_overlap_sync dmuon_overlap} \
-        --timeout 300 --extra --global-batch-size 4 --log-interval 10 ;;
+        --timeout 300 --extra --global-batch-size 4 --log-interval 10 ${OEXTRA_MLM:-} ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
            --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
     quality)  # QSEEDS (default 1 2 3), QROWS (phase-2 rows, ';' between), QRESUME=PREFIX: PREFIX_{bf16,fp8}.json's runs are reused
@@ -99,7 +100,8 @@ PY
       # Bridge's initialize runs `make` in megatron/core/datasets, which the wheel ships prebuilt without a Makefile
       D="$SITE/megatron/core/datasets"; [ -f "$D/Makefile" ] || printf 'default:\n\t@ls helpers_cpp*.so\n' > "$D/Makefile"
       BRIDGE_LITE=1 python3 bench/bridge.py compare --out-dir "$R/bridge" --stages ${BSTAGES:-sanity resume timing band} \
-        --timing-optimizers ${BTIMING:-muon dmuon adam} > "$R/bridge.log" 2>&1; echo "== bridge rc=$?"
+        --timing-optimizers ${BTIMING:-muon dmuon adam} \
+        --band-models ${BMODELS:-small small_moe} --band-iters ${BITERS:-40} --jobs ${BJOBS:-6} > "$R/bridge.log" 2>&1; echo "== bridge rc=$?"
       cat "$R/bridge/bridge.md"; grep -h "failed\|Error" "$R/bridge.log" | head -20 ;;
     *) echo "unknown part $part" ;;
   esac

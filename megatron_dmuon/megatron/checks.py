@@ -144,13 +144,10 @@ def check_overlap_step(ddp_config, cfg, model_config=None, config=None) -> None:
                          "update (it is applied in the next forward): drop one of the two flags")
 
 
-
 def _check_backward_start(flag, ddp_config, cfg, config) -> None:
     """--dmuon-overlap-step backward starts a group's momentum and NS in the backward hook that
     launches its grad reduce: its grads must be final there and not rescaled by a loss scaler
     (clipping is speculated: a step whose clipping fires redoes the groups)."""
-    import torch
-
     if not getattr(ddp_config, "overlap_grad_reduce", False):
         raise ValueError(f"{flag} starts each bucket group when Megatron launches its grad reduce during the "
                          "backward, which happens only with --overlap-grad-reduce: add it")
@@ -163,6 +160,3 @@ def _check_backward_start(flag, ddp_config, cfg, config) -> None:
     if cfg.layout.ranks_per_node or getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
         raise ValueError(f"{flag} is not implemented with the two-level reduce (--dmuon-ranks-per-node) or "
                          "several optimizer instances: drop those, or use --dmuon-overlap-step on")
-    if torch.cuda.is_available():
-        raise ValueError(f"{flag} is exact on the CPU (tests/test_overlap_step.py) but not verified on a GPU yet "
-                         "(its streams): use --dmuon-overlap-step on there")

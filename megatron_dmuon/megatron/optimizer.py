@@ -235,13 +235,16 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
     def dmuon_stats(self) -> dict:
         """Counters for the job's log: skipped steps, NS outputs recomputed in fp32 (non-finite
         ones, and those the online NS check found out of bounds on this rank), and the NS path
-        each matrix shape ran on this rank (what 'auto' resolved to)."""
+        each matrix shape ran on this rank (what 'auto' resolved to), and the backward start's counts."""
         return {"skipped_iterations": self.skipped_iterations,
                 "ns_fp32_retries": sum(o.optimizer.stats["ns_fp32_retries_total"] for o in self.chained_optimizers),
                 "ns_check_recomputed": sum(o.optimizer.ns_check.recomputed_total for o in self.chained_optimizers),
                 # NS calls that ran the torch path because a kernel failed (process-wide; warned on stderr)
                 "ns_kernel_fallbacks": NONFINITE_METRICS["kernel_fallbacks"],
-                "ns_paths": {k: v for o in self.chained_optimizers for k, v in sorted(o.optimizer.ns_paths.items())}}
+                "ns_paths": {k: v for o in self.chained_optimizers for k, v in sorted(o.optimizer.ns_paths.items())},
+                # --dmuon-overlap-step backward: bucket groups started in a backward, and those its clipping redid
+                "overlap_groups_early": sum(o.optimizer.stats["overlap_groups_early"] for o in self.chained_optimizers),
+                "overlap_redos": sum(o.optimizer.stats["overlap_redos"] for o in self.chained_optimizers)}
 
 
 def comm_bytes_per_step(model_chunks, mode: str) -> dict:

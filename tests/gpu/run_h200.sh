@@ -9,6 +9,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s)
 source tests/gpu/setup_h200.sh
 echo "setup $(( $(date +%s) - t0 )) s"
+# TP = 1 throughout, so Megatron's single queue is not needed: several, so that side streams (the overlapped
+# step's Newton-Schulz) really run beside the model's stream and a missing wait shows
+export CUDA_DEVICE_MAX_CONNECTIONS=${MAX_CONNECTIONS:-8}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformer_engine as te, megatron.core as mc; print('torch', torch.__version__, '| TE', te.__version__, '| megatron-core', mc.__version__)"
 python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu_suite.xml" tests/gpu tests/test_kernels_gpu.py "$@" \

@@ -88,7 +88,7 @@ def report(job, run):
                "trained_iterations": len(timings), "consumed_samples": job.sched.num_steps,
                "first_loss": run.first_loss, "last_loss": run.last_loss, "skipped_iterations": run.skipped,
                "val_loss": run.validation[-1]["loss"] if run.validation else None,
-               **({k: v for k, v in opt.dmuon_stats().items() if k.startswith("ns_")} if hasattr(opt, "dmuon_stats")
+               **({k: v for k, v in opt.dmuon_stats().items() if k.startswith(("ns_", "overlap_"))} if hasattr(opt, "dmuon_stats")
                   else {}),
                **({"ns_paths": {"every matrix": opt.megatron_ns_path}} if hasattr(opt, "megatron_ns_path") else {}),
                "median_step_ms": median("step_ms"), "median_optimizer_ms": median("optimizer_ms"),
