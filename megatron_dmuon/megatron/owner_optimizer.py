@@ -15,7 +15,7 @@ from . import checkpoint_torch
 from ..kernels.autotune import measured_method
 from ..planning.dp_shards import shard_range
 from ..planning.ns_choice import plan_ns_choices
-from ..runtime.overlap_step import ns_stream, launch_early
+from ..runtime.overlap_step import launch_early, momentum_stream
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .optimizer_checkpoint import OwnerCheckpoints
 from .overlap_step import install_overlap_step, need_order
@@ -195,7 +195,7 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
             return
         inner = self.optimizer
         device = members[0][1].device
-        side = ns_stream(inner, device) if device.type == "cuda" else None
+        side = momentum_stream(inner, device) if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if reduce_handle is not None:
                 reduce_handle.wait()  # on CUDA: the side stream waits for the reduce, not the host

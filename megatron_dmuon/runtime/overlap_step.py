@@ -195,7 +195,18 @@ def model_priority_stream(enabled: bool = True):
 
 
 def ns_stream(opt, device) -> "torch.cuda.Stream":
-    streams = opt.__dict__.setdefault("_overlap_ns_streams", {})
+    return _side_stream(opt, device, "_overlap_ns_streams")
+
+
+def momentum_stream(opt, device) -> "torch.cuda.Stream":
+    """'backward': the stream of the early groups' momentum passes, apart from the NS stream. The
+    step and the next ``zero_grad_buffer`` wait for those passes (``momentum_done``); on the NS
+    stream each would sit behind the NS of every group launched before it."""
+    return _side_stream(opt, device, "_overlap_momentum_streams")
+
+
+def _side_stream(opt, device, name) -> "torch.cuda.Stream":
+    streams = opt.__dict__.setdefault(name, {})
     if device not in streams:
         streams[device] = torch.cuda.Stream(device=device, priority=0)  # the lowest: see model_priority_stream
     return streams[device]

@@ -217,8 +217,7 @@ def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_step
         micro = _micro_batches(run, step, data_dp)
         hook = None
         if nan_at is not None and step == nan_at[0] and torch.distributed.get_rank() == nan_at[1]:
-            target = next(p for c in run.chunks for n, p in c.module.named_parameters() if n.endswith("linear_fc2.weight"))
-            hook = target.register_hook(lambda g: torch.full_like(g, float("nan")))
+            hook = _nan_grad_hook(run)
         if step == count_bytes_at:  # the bytes the buffers really moved in one step
             from megatron_dmuon.testing.comm_counter import count_bucket_bytes
 
@@ -244,6 +243,19 @@ def _train(run, steps, data_dp=None, count_bytes_at=None, nan_at=None, skip_step
             local_ns.append(mine)
     return {"losses": losses, "grad_norms": grad_norms, "updated": updated, "counted_bytes": counted,
             "local_ns_counts": local_ns}
+
+
+def _nan_grad_hook(run):
+    """A hook that makes one matrix's gradient NaN (the first linear_fc2). Under fused wgrad accumulation
+    (TE writes the wgrad straight into main_grad, no .grad hook runs) the layer's output gradient is made
+    NaN instead, which its wgrad and everything below inherit."""
+    name, target = next((n, p) for c in run.chunks for n, p in c.module.named_parameters()
+                        if n.endswith("linear_fc2.weight"))
+    if not run.chunks[0].module.config.gradient_accumulation_fusion:
+        return target.register_hook(lambda g: torch.full_like(g, float("nan")))
+    module = next(m for c in run.chunks for n, m in c.module.named_modules() if n + ".weight" == name)
+    return module.register_full_backward_pre_hook(
+        lambda m, grad_output: tuple(None if g is None else torch.full_like(g, float("nan")) for g in grad_output))
 
 
 def _finish_overlap(run):
