@@ -226,3 +226,162 @@ def test_use_dmuon_install_and_refusals_on_a_real_config_container(tmp_path):
     proc = subprocess.run([sys.executable, str(script), bench], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0 and "SWITCH OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+CHECKPOINT_SWITCH_SCRIPT = """import os, sys, warnings
+warnings.filterwarnings("ignore")
+from megatron_dmuon.testing import bridge_imports
+bridge_imports.install()  # a CPU machine without Transformer Engine and diffusers
+from megatron_dmuon.testing import cpu_shim
+cpu_shim.install()
+
+
+def main():
+    import types
+    import torch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    root, bench_dir = sys.argv[2], sys.argv[3]
+    sys.path.insert(0, bench_dir)
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    import megatron.training.models.dist_utils as dist_utils
+    from megatron.bridge.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.bridge.training.optim import setup_optimizer
+    from megatron.bridge.training.state import GlobalState
+    import bridge as bench  # bench/bridge.py: the ConfigContainer a Bridge user writes
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, wire_sync_funcs
+
+    parallel_state.initialize_model_parallel(1, 1)
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    init_num_microbatches_calculator(0, None, 4, 2, 1)  # (Bridge's set-up makes it; its load updates it)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    shape = GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                     vocab_size=128, seq_length=32, bf16=True)
+    torch.manual_seed(1)
+    batches = [torch.randint(0, 128, (4, 33)) for _ in range(6)]
+
+
+    def config(optimizer, **ckpt):
+        args = types.SimpleNamespace(model="small", optimizer=optimizer, iters=10, seed=1, lr=1e-2, log_interval=1,
+                                     save=None, save_interval=None, load=None, ckpt_step=None,
+                                     dmuon_option=["ns_method=standard"])
+        cfg = bench.build_config(args)
+        cfg.optimizer.muon_fp32_matmul_prec = "high"  # fp32 NS on both sides: they then agree to rounding
+        cfg.optimizer.bf16, cfg.optimizer.params_dtype = True, torch.bfloat16
+        for k, v in ckpt.items():
+            setattr(cfg.checkpoint, k, v)
+        cfg.checkpoint.save_rng = cfg.checkpoint.load_rng = False
+        cfg.scheduler.lr_warmup_steps, cfg.scheduler.lr_decay_steps, cfg.scheduler.wd_incr_steps = 4, 40, 40  # (validate())
+        return cfg
+
+
+    def build(cfg):
+        cfg.optimizer.finalize()
+        torch.manual_seed(0); model_parallel_cuda_manual_seed(0)
+        chunks = dist_utils._ddp_wrap([build_gpt(shape)], False, cfg.ddp, False, pg_collection=pgs)
+        wire_sync_funcs(chunks, cfg.ddp)
+        opt, sched = setup_optimizer(cfg.optimizer, cfg.scheduler, chunks, pg_collection=pgs)
+        state = GlobalState()
+        state.cfg = cfg
+        return chunks, opt, sched, state
+
+
+    def train(chunks, opt, sched, steps):
+        losses = []
+        for step in steps:
+            loss, _, _, ok = train_step(chunks, opt, [batches[step][:2], batches[step][2:]], 32, 2)
+            assert ok
+            sched.step(increment=4)
+            losses.append(loss)
+        return losses
+
+
+    def momenta(opt, chunks):
+        # {param name: Muon momentum (fp32, flat)} of either optimizer (whole matrices: DP = 1)
+        names = {p: n for n, p in chunks[0].module.named_parameters()}
+        out = {}
+        for part in getattr(opt, "chained_optimizers", [opt]):
+            inner = part.optimizer
+            pairs = []
+            for models, mains in (("float16_groups", "fp32_from_float16_groups"),
+                                  ("model_float16_groups", "shard_fp32_from_float16_groups")):
+                if hasattr(part, models):
+                    pairs += [(m, s) for mg, sg in zip(getattr(part, models), getattr(part, mains)) for m, s in zip(mg, sg)]
+            for model, main in pairs:
+                buf = inner.state.get(main, {}).get("momentum_buffer")
+                if buf is not None:
+                    out[names[model]] = buf.detach().float().reshape(-1).clone()
+        return out
+
+
+    # Bridge's LayerWise Muon (distributed_muon_with_cosine_annealing, no distributed optimizer, as its Kimi-K2 recipe)
+    lw_cfg = config("muon", save=root, save_interval=3)
+    assert lw_cfg.optimizer.optimizer == "dist_muon"
+    chunks, opt, sched, state = build(lw_cfg)
+    assert "LayerWise" in str([type(p).__name__ for p in opt.chained_optimizers]) or "LayerWise" in type(opt).__name__, type(opt)
+    never = train(chunks, opt, sched, range(3))
+    state.train_state.step = 3
+    save_checkpoint(state, chunks, opt, sched, 0, checkpointing_context={})
+    at_save = momenta(opt, chunks)
+    assert at_save, "no Muon momenta in Bridge's LayerWise optimizer"
+    never += train(chunks, opt, sched, range(3, 6))
+
+    # DMuon loads it in Bridge's own load and trains on
+    dm_cfg = config("dmuon", load=root)
+    chunks, opt, sched, state = build(dm_cfg)
+    assert type(opt).__name__ == "DMuonChainedOptimizer", type(opt)
+    iteration, _ = load_checkpoint(state, chunks, opt, sched, checkpointing_context={})
+    assert iteration == 3, iteration
+    loaded = momenta(opt, chunks)
+    assert set(loaded) == set(at_save), (sorted(loaded), sorted(at_save))
+    assert all(torch.equal(loaded[n], at_save[n]) for n in at_save), "momenta differ after the load"
+    switched = train(chunks, opt, sched, range(3, 6))
+    print("losses never switched", never[3:], "switched", switched)
+    assert switched[0] == never[3]  # the loaded model, bit-equal
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(switched, never[3:]))
+
+    # and back: the DMuon run saves at 6, Bridge's LayerWise Muon loads it and trains on
+    dm_cfg.checkpoint.save = root + "_dmuon"
+    state.train_state.step = 6
+    save_checkpoint(state, chunks, opt, sched, 0, checkpointing_context={})
+    dmuon_at_save = momenta(opt, chunks)
+    dmuon_next = train(chunks, opt, sched, range(3, 5))  # (the batches of steps 3-4 again: data is not the point)
+    back_cfg = config("muon", load=root + "_dmuon")
+    from megatron_dmuon.megatron.bridge import restore_ddp
+    restore_ddp()  # a second run in this process (install()'s pretrain does this for a non-DMuon config)
+    chunks, opt, sched, state = build(back_cfg)
+    iteration, _ = load_checkpoint(state, chunks, opt, sched, checkpointing_context={})
+    assert iteration == 6, iteration
+    back = momenta(opt, chunks)
+    assert set(back) == set(dmuon_at_save) and all(torch.equal(back[n], dmuon_at_save[n]) for n in back)
+    back_next = train(chunks, opt, sched, range(3, 5))
+    print("losses DMuon on", dmuon_next, "LayerWise from DMuon's checkpoint", back_next)
+    assert back_next[0] == dmuon_next[0]
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(back_next, dmuon_next))
+    print("BRIDGE SWITCH OK", len(at_save), "momenta")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.skipif(not _bridge_importable(), reason=NO_BRIDGE)
+def test_optimizer_switch_through_bridges_own_checkpointing(tmp_path):
+    """Bridge's LayerWise Muon (its distributed_muon_with_cosine_annealing, no distributed optimizer, as its
+    Kimi-K2 recipe) trains 3 steps and saves with Bridge's save_checkpoint; a DMuon run loads it with
+    Bridge's load_checkpoint (routed by DMuonOptimizerConfig.finalize) and trains on: its Muon momenta are
+    the saved ones bit for bit, its first loss is the never-switched run's, the next agree within 1e-4
+    (fp32 NS on both sides, bf16 model). And back: DMuon's checkpoint into Bridge's LayerWise Muon, the
+    same checks. Without the route the first load fails (a KeyError on Megatron's master names)."""
+    from megatron_dmuon.testing.multiproc import free_port
+
+    script = tmp_path / "bridge_checkpoint_switch.py"
+    script.write_text(CHECKPOINT_SWITCH_SCRIPT)
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    proc = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path / "ckpt"), bench],
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0 and "BRIDGE SWITCH OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]

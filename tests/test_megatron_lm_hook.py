@@ -590,7 +590,7 @@ def test_real_megatron_lm_training_step_with_the_hook_on_cpu():
                               kwargs={"argv": argv + ["--optimizer", optimizer]}, sys_path=[HERE, checkout])
         assert out[0] == out[1]
         runs[optimizer] = out[0]
-    assert runs["dmuon"]["ddp"] == ["MegatronLMDMuonDDP"] and runs["dmuon"]["optimizers"] == ["DMuonDistributedOptimizer"]
+    assert runs["dmuon"]["ddp"] == ["BoundDMuonDDP"] and runs["dmuon"]["optimizers"] == ["DMuonDistributedOptimizer"]
     assert runs["adam"]["ddp"] == ["DistributedDataParallel"] and "DMuon" not in str(runs["adam"]["optimizers"])
     for r in runs.values():
         assert r["losses"][-1] < r["losses"][0], r

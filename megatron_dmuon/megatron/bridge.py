@@ -14,6 +14,8 @@ from .flags import dmuon_config_from_fields
 from .bridge_names import bridge_names
 
 DMUON = "dmuon"
+_DDP = ("megatron.training.models.dist_utils", "DistributedDataParallel")
+_ORIGINALS: dict = {}  # what install() and route_ddp replaced, by (module, name)
 
 
 def _sections() -> dict:
@@ -56,6 +58,7 @@ class DMuonOptimizerConfig(OptimizerConfig):
     def finalize(self) -> None:
         super().finalize()
         route_ddp(self.dmuon_config())
+        route_checkpoint_loads()
 
     def provide(self, model_chunks, config_overrides=None, use_gloo_process_groups=False, pg_collection=None):
         """DMuon's chained optimizer for Bridge's DDP-wrapped ``model_chunks`` (Bridge's
@@ -89,7 +92,37 @@ def route_ddp(cfg: DMuonConfig) -> None:
 
     from .megatron_lm import dmuon_ddp_class
 
+    _ORIGINALS.setdefault(_DDP, dist_utils.DistributedDataParallel)
     dist_utils.DistributedDataParallel = dmuon_ddp_class(cfg)
+
+
+def restore_ddp() -> None:
+    """Megatron's own DDP in Bridge's wrap again (a later run of another optimizer in the same process)."""
+    import megatron.training.models.dist_utils as dist_utils
+
+    if _DDP in _ORIGINALS:
+        dist_utils.DistributedDataParallel = _ORIGINALS[_DDP]
+
+
+def route_checkpoint_loads() -> None:
+    """The optimizer switch in Bridge's own load, as in Megatron-LM's (docs/checkpoints.md): a
+    checkpoint of Bridge's LayerWise Muon resumes under DMuon, and a DMuon one under Bridge's Muon.
+    Bridge's ``_load_checkpoint_from_path`` is given the optimizer; its ``_load_base_checkpoint``
+    reads the common state first, with the run's ConfigContainer as ``cfg``. Idempotent."""
+    import megatron.bridge.training.checkpointing as checkpointing
+
+    from .megatron_lm import route_checkpoint_loads as route
+
+    route(checkpointing, "_load_checkpoint_from_path", 3, checkpointing, _load_settings)
+
+
+def _load_settings(ckpt_cfg, kwargs):
+    """The run's optimizer name and no_load_optim, from a Bridge base read's arguments."""
+    from types import SimpleNamespace
+
+    cfg = kwargs.get("cfg")
+    return SimpleNamespace(optimizer=getattr(getattr(cfg, "optimizer", None), "optimizer", None),
+                           no_load_optim=not getattr(ckpt_cfg, "load_optim", True))
 
 
 def as_dmuon_config(optimizer_config, **options) -> DMuonOptimizerConfig:
@@ -133,7 +166,6 @@ def dmuon_with_cosine_annealing(*args, dmuon_options: Optional[dict] = None, **k
     return as_dmuon_config(optimizer, **(dmuon_options or {})), scheduler
 
 
-_ORIGINALS: dict = {}
 
 
 def install(**options) -> None:
@@ -141,8 +173,11 @@ def install(**options) -> None:
     switch a ConfigContainer whose optimizer says 'dmuon' with ``use_dmuon(config, **options)``
     first. Call it before the script imports them (``python -m megatron_dmuon.bridge`` does).
     Without it, Bridge would hand the string 'dmuon' to its Muon branch ('muon' in the name), so
-    the launcher, or DMuonOptimizerConfig, is the way in. Idempotent."""
+    the launcher, or DMuonOptimizerConfig, is the way in. Also routes Bridge's checkpoint load for
+    the optimizer switch (``route_checkpoint_loads``), whatever the optimizer. Idempotent."""
     import importlib
+
+    route_checkpoint_loads()
 
     for module_name, name in (("megatron.bridge.training.pretrain", "pretrain"),
                               ("megatron.bridge.training.finetune", "finetune")):
@@ -157,6 +192,8 @@ def install(**options) -> None:
         def entry(config, *args, _original=original, **kwargs):
             if getattr(config.optimizer, "optimizer", None) == DMUON:
                 use_dmuon(config, **options)
+            elif not isinstance(config.optimizer, DMuonOptimizerConfig):
+                restore_ddp()  # a DMuon run before it in this process routed the wrap
             return _original(config, *args, **kwargs)
 
         entry.__name__ = entry.__qualname__ = name

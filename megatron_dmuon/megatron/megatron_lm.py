@@ -113,7 +113,7 @@ def install() -> None:
     parses its arguments (patches/pretrain_gpt.patch does). Idempotent."""
     import megatron.training.arguments as arguments
 
-    if _ORIGINALS:
+    if "add_megatron_arguments" in _ORIGINALS:
         return
     _ORIGINALS["add_megatron_arguments"] = arguments.add_megatron_arguments
     _ORIGINALS["validate_args"] = arguments.validate_args
@@ -182,19 +182,30 @@ def _route_checkpoint_loads() -> None:
     import megatron.training.checkpointing as checkpointing
     import megatron.training.training as training
 
-    if "_load_base_checkpoint" in _ORIGINALS:
+    route_checkpoint_loads(training, "load_checkpoint", 1, checkpointing, lambda args, kwargs: args)
+
+
+def route_checkpoint_loads(outer_owner, outer_name: str, optimizer_at: int, base_owner, settings_of: Callable) -> None:
+    """The optimizer switch inside a training loop's own checkpoint load. ``outer_owner.<outer_name>``
+    is the load that is given the optimizer (positional argument ``optimizer_at``);
+    ``base_owner._load_base_checkpoint`` the read it makes, first of the common state (``rank0=True``),
+    then of the sharded state. ``settings_of(args, kwargs)`` of a read: an object with the run's
+    ``optimizer`` name and ``no_load_optim``. Megatron-LM's ``load_checkpoint`` and Megatron-Bridge's
+    ``_load_checkpoint_from_path`` (megatron/bridge.py) are routed so. Idempotent."""
+    key = (base_owner.__name__, "_load_base_checkpoint")
+    if key in _ORIGINALS:
         return
-    base = _ORIGINALS["_load_base_checkpoint"] = checkpointing._load_base_checkpoint
-    outer = _ORIGINALS["load_checkpoint"] = training.load_checkpoint
+    base = _ORIGINALS[key] = base_owner._load_base_checkpoint
+    outer = _ORIGINALS[(outer_owner.__name__, outer_name)] = getattr(outer_owner, outer_name)
     loading: dict = {}  # the optimizer of the load in progress, and the switch prepared for it
 
-    def load_checkpoint(ddp_model, optimizer, *rest, **kwargs):
+    def load(*args, **kwargs):
         loading.clear()
-        loading["optimizer"] = optimizer
+        loading["optimizer"] = args[optimizer_at] if len(args) > optimizer_at else kwargs.get("optimizer")
         try:
             with contextlib.ExitStack() as stack:
                 loading["stack"] = stack
-                return outer(ddp_model, optimizer, *rest, **kwargs)
+                return outer(*args, **kwargs)
         finally:
             loading.clear()
             checkpoint_switch.take_noted_load()
@@ -211,13 +222,14 @@ def _route_checkpoint_loads() -> None:
             state_dict, name, _, kind = out
             if isinstance(state_dict, dict) and getattr(kind, "name", None) == "GLOBAL":  # torch_dist
                 checkpoint_switch.note_megatron_lm_load(name, state_dict)
-                _prepare_megatron_optimizer_for_dmuon(args, state_dict, loading)
+                _prepare_megatron_optimizer_for_dmuon(settings_of(args, kwargs), state_dict, loading)
         if prepared is not None:
             out[0]["optimizer"] = checkpoint_switch.megatron_state_from_dmuon(prepared, out[0]["optimizer"])
         return out
 
-    checkpointing._load_base_checkpoint = _load_base_checkpoint
-    training.load_checkpoint = load_checkpoint
+    load.__name__ = load.__qualname__ = outer_name
+    base_owner._load_base_checkpoint = _load_base_checkpoint
+    setattr(outer_owner, outer_name, load)
 
 
 def _prepare_megatron_optimizer_for_dmuon(args, common: dict, loading: dict) -> None:
