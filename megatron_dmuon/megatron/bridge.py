@@ -111,7 +111,7 @@ def route_checkpoint_loads() -> None:
     reads the common state first, with the run's ConfigContainer as ``cfg``. Idempotent."""
     import megatron.bridge.training.checkpointing as checkpointing
 
-    from .megatron_lm import route_checkpoint_loads as route
+    from .checkpoint_switch import route_checkpoint_loads as route
 
     route(checkpointing, "_load_checkpoint_from_path", 3, checkpointing, _load_settings)
 

@@ -6,7 +6,6 @@ optimizers (the AdamW baseline) load through Megatron's code.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 from dataclasses import replace
 from typing import List, Optional
@@ -17,6 +16,7 @@ from .checkpoint import (
     CheckpointMismatchError, _chunks, _content_metadata, agree_or_raise, check_record, gather_record,
     model_sharded_metadata, model_state, unwrap,
 )
+from .checkpoint_switch import megatron_torch_adam_load
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -155,50 +155,6 @@ def _fresh_data(state) -> None:
             visit(value)
 
 
-@contextlib.contextmanager
-def _megatron_torch_adam_load(parts):
-    """Work around megatron-core 0.19's DistributedOptimizer without Apex/TE (torch's AdamW) for
-    one load (a no-op elsewhere; DMuon's own optimizer never takes this path). Three bugs:
-    ``state_dict()``, which the load calls first, reads every param's ``step`` before any step has
-    created the state (so: the state is created as the optimizer's own ``init_state_fn`` does, plus
-    step 0; the load overwrites all of it); ``load_state_dict`` copies each state tensor from the
-    checkpoint's per-param tensors, which hold no ``step`` (it travels in the param groups), a
-    KeyError (so: a missing entry is skipped, as its code already skips non-tensor entries); and it
-    gives every param one shared ``step`` tensor, which torch's AdamW then increments once per param
-    per step (so: every param gets its own copy)."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
-        yield
-        return
-    # only the DistributedOptimizer parts (torch AdamW): a chained LayerWise Muon part creates its
-    # momenta itself on an empty state, which a step entry would stop
-    parts = [p for p in parts if isinstance(p, distrib_optimizer.DistributedOptimizer)]
-    inners = [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
-    for part in parts:
-        if getattr(part, "init_state_fn", None) is not None and getattr(part, "optimizer", None) is not None:
-            part.init_state_fn(part.optimizer, getattr(part, "config", None))
-    for inner in inners:
-        for group in inner.param_groups:
-            for p in group["params"]:
-                inner.state[p].setdefault("step", torch.tensor(0.0))
-    cls = distrib_optimizer.DistributedOptimizer
-    original = cls._set_main_param_and_optimizer_states
-
-    def tolerant(self, model_param, tensors):
-        return original(self, model_param, collections.defaultdict(lambda: None, tensors))
-
-    cls._set_main_param_and_optimizer_states = tolerant
-    try:
-        yield
-    finally:
-        cls._set_main_param_and_optimizer_states = original
-    for inner in inners:
-        for state in inner.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
 def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = True) -> dict:
     """Load a ``save_checkpoint`` directory into built model chunks and optimizer; returns the
     loaded common entries (iteration, ``extra``). The optimizer record is checked on every rank
@@ -230,7 +186,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
         if switch:  # DMuon's per-parameter tensors are what Megatron's fully_reshardable format asks for
             metadata = dict(metadata, distrib_optim_sharding_type="fully_reshardable")
     try:
-        with contextlib.nullcontext() if dmuon or not load_optimizer else _megatron_torch_adam_load(parts):
+        with contextlib.nullcontext() if dmuon or not load_optimizer else megatron_torch_adam_load(parts):
             return _load(path, model_chunks, optimizer, load_optimizer, metadata, switch)
     finally:
         parts[0]._load_source = None  # (a failed read must not leave Megatron's names for the next load)

@@ -33,12 +33,15 @@ checkpoint at the model's global shape.
 
 In Megatron-LM's own loop neither optimizer is given the checkpoint's path: the hook notes the
 common state Megatron-LM reads first (``note_megatron_lm_load``) and each direction takes it from
-there (``prepare_noted_load`` for DMuon; the hook's load wrapper for Megatron's optimizer).
+there (``prepare_noted_load`` for DMuon; for Megatron's optimizer the load wrapper of
+``route_checkpoint_loads``, which Megatron-LM's and Megatron-Bridge's loads go through).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -356,3 +359,111 @@ def megatron_state_from_dmuon(prepared: dict, loaded_optimizer) -> dict:
         elif isinstance(part["optimizer"].get("state"), dict):  # a Float16Optimizer: one common step
             part["optimizer"]["state"]["common_step"] = torch.tensor(float(step))
     return state
+
+
+# ------------------------------------------------ the switch inside a training loop's own load
+def route_checkpoint_loads(outer_owner, outer_name: str, optimizer_at: int, base_owner, settings_of: Callable) -> None:
+    """The optimizer switch inside a training loop's own checkpoint load. ``outer_owner.<outer_name>``
+    is the load that is given the optimizer (positional argument ``optimizer_at``);
+    ``base_owner._load_base_checkpoint`` the read it makes, first of the common state (``rank0=True``),
+    then of the sharded state. ``settings_of(args, kwargs)`` of a read: an object with the run's
+    ``optimizer`` name and ``no_load_optim``. Megatron-LM's ``load_checkpoint`` and Megatron-Bridge's
+    ``_load_checkpoint_from_path`` (megatron/bridge.py) are routed so. Idempotent per module."""
+    if getattr(base_owner._load_base_checkpoint, "dmuon_routed", False):
+        return
+    base, outer = base_owner._load_base_checkpoint, getattr(outer_owner, outer_name)
+    loading: dict = {}  # the optimizer of the load in progress, and the switch prepared for it
+
+    def load(*args, **kwargs):
+        loading.clear()
+        loading["optimizer"] = args[optimizer_at] if len(args) > optimizer_at else kwargs.get("optimizer")
+        try:
+            with contextlib.ExitStack() as stack:
+                loading["stack"] = stack
+                return outer(*args, **kwargs)
+        finally:
+            loading.clear()
+            take_noted_load()
+
+    def _load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, *rest, **kwargs):
+        prepared = None
+        if not rank0 and loading.get("switch") and isinstance(sharded_state_dict, dict) \
+                and "optimizer" in sharded_state_dict:
+            noted = take_noted_load()
+            if noted is not None:  # Megatron's optimizer, a DMuon checkpoint: DMuon's keys are asked for
+                prepared = megatron_request_for_dmuon(*noted, sharded_state_dict["optimizer"])
+        out = base(load_dir, args, rank0, sharded_state_dict, *rest, **kwargs)
+        if rank0 and "optimizer" in loading and torch.distributed.is_initialized():
+            state_dict, name, _, kind = out
+            if isinstance(state_dict, dict) and getattr(kind, "name", None) == "GLOBAL":  # torch_dist
+                note_megatron_lm_load(name, state_dict)
+                _prepare_megatron_optimizer_for_dmuon(settings_of(args, kwargs), state_dict, loading)
+        if prepared is not None:
+            out[0]["optimizer"] = megatron_state_from_dmuon(prepared, out[0]["optimizer"])
+        return out
+
+    load.__name__ = load.__qualname__ = outer_name
+    _load_base_checkpoint.dmuon_routed = True
+    base_owner._load_base_checkpoint = _load_base_checkpoint
+    setattr(outer_owner, outer_name, load)
+
+
+def _prepare_megatron_optimizer_for_dmuon(args, common: dict, loading: dict) -> None:
+    """A DMuon checkpoint noted for Megatron's own optimizer (``--optimizer muon``/``adam``): its
+    tensors are per parameter, what Megatron's ``fully_reshardable`` format asks for, so the
+    content metadata Megatron-LM reads next says so; megatron-core 0.19's torch-AdamW load
+    workaround (checkpoint_io) holds for the rest of the load."""
+    if getattr(args, "optimizer", None) == "dmuon" or getattr(args, "no_load_optim", False):
+        return
+    if dmuon_record_of(common.get("optimizer")) is None:
+        return
+    content = common.get("content_metadata")
+    if isinstance(content, dict):
+        content["distrib_optim_sharding_type"] = "fully_reshardable"
+    optimizer = loading["optimizer"]
+    loading["switch"] = True
+    loading["stack"].enter_context(megatron_torch_adam_load(getattr(optimizer, "chained_optimizers", [optimizer])))
+
+
+@contextlib.contextmanager
+def megatron_torch_adam_load(parts):
+    """Work around megatron-core 0.19's DistributedOptimizer without Apex/TE (torch's AdamW) for
+    one load (a no-op elsewhere; DMuon's own optimizer never takes this path). Three bugs:
+    ``state_dict()``, which the load calls first, reads every param's ``step`` before any step has
+    created the state (so: the state is created as the optimizer's own ``init_state_fn`` does, plus
+    step 0; the load overwrites all of it); ``load_state_dict`` copies each state tensor from the
+    checkpoint's per-param tensors, which hold no ``step`` (it travels in the param groups), a
+    KeyError (so: a missing entry is skipped, as its code already skips non-tensor entries); and it
+    gives every param one shared ``step`` tensor, which torch's AdamW then increments once per param
+    per step (so: every param gets its own copy)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        yield
+        return
+    # only the DistributedOptimizer parts (torch AdamW): a chained LayerWise Muon part creates its
+    # momenta itself on an empty state, which a step entry would stop
+    parts = [p for p in parts if isinstance(p, distrib_optimizer.DistributedOptimizer)]
+    inners = [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
+    for part in parts:
+        if getattr(part, "init_state_fn", None) is not None and getattr(part, "optimizer", None) is not None:
+            part.init_state_fn(part.optimizer, getattr(part, "config", None))
+    for inner in inners:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def tolerant(self, model_param, tensors):
+        return original(self, model_param, collections.defaultdict(lambda: None, tensors))
+
+    cls._set_main_param_and_optimizer_states = tolerant
+    try:
+        yield
+    finally:
+        cls._set_main_param_and_optimizer_states = original
+    for inner in inners:
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()

@@ -38,12 +38,9 @@ Nothing is copied from Megatron-LM; importing this module imports nothing from i
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from typing import Callable, Optional
-
-import torch
 
 from . import checkpoint_switch
 from .config import config_of
@@ -182,73 +179,7 @@ def _route_checkpoint_loads() -> None:
     import megatron.training.checkpointing as checkpointing
     import megatron.training.training as training
 
-    route_checkpoint_loads(training, "load_checkpoint", 1, checkpointing, lambda args, kwargs: args)
-
-
-def route_checkpoint_loads(outer_owner, outer_name: str, optimizer_at: int, base_owner, settings_of: Callable) -> None:
-    """The optimizer switch inside a training loop's own checkpoint load. ``outer_owner.<outer_name>``
-    is the load that is given the optimizer (positional argument ``optimizer_at``);
-    ``base_owner._load_base_checkpoint`` the read it makes, first of the common state (``rank0=True``),
-    then of the sharded state. ``settings_of(args, kwargs)`` of a read: an object with the run's
-    ``optimizer`` name and ``no_load_optim``. Megatron-LM's ``load_checkpoint`` and Megatron-Bridge's
-    ``_load_checkpoint_from_path`` (megatron/bridge.py) are routed so. Idempotent."""
-    key = (base_owner.__name__, "_load_base_checkpoint")
-    if key in _ORIGINALS:
-        return
-    base = _ORIGINALS[key] = base_owner._load_base_checkpoint
-    outer = _ORIGINALS[(outer_owner.__name__, outer_name)] = getattr(outer_owner, outer_name)
-    loading: dict = {}  # the optimizer of the load in progress, and the switch prepared for it
-
-    def load(*args, **kwargs):
-        loading.clear()
-        loading["optimizer"] = args[optimizer_at] if len(args) > optimizer_at else kwargs.get("optimizer")
-        try:
-            with contextlib.ExitStack() as stack:
-                loading["stack"] = stack
-                return outer(*args, **kwargs)
-        finally:
-            loading.clear()
-            checkpoint_switch.take_noted_load()
-
-    def _load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, *rest, **kwargs):
-        prepared = None
-        if not rank0 and loading.get("switch") and isinstance(sharded_state_dict, dict) \
-                and "optimizer" in sharded_state_dict:
-            noted = checkpoint_switch.take_noted_load()
-            if noted is not None:  # Megatron's optimizer, a DMuon checkpoint: DMuon's keys are asked for
-                prepared = checkpoint_switch.megatron_request_for_dmuon(*noted, sharded_state_dict["optimizer"])
-        out = base(load_dir, args, rank0, sharded_state_dict, *rest, **kwargs)
-        if rank0 and "optimizer" in loading and torch.distributed.is_initialized():
-            state_dict, name, _, kind = out
-            if isinstance(state_dict, dict) and getattr(kind, "name", None) == "GLOBAL":  # torch_dist
-                checkpoint_switch.note_megatron_lm_load(name, state_dict)
-                _prepare_megatron_optimizer_for_dmuon(settings_of(args, kwargs), state_dict, loading)
-        if prepared is not None:
-            out[0]["optimizer"] = checkpoint_switch.megatron_state_from_dmuon(prepared, out[0]["optimizer"])
-        return out
-
-    load.__name__ = load.__qualname__ = outer_name
-    base_owner._load_base_checkpoint = _load_base_checkpoint
-    setattr(outer_owner, outer_name, load)
-
-
-def _prepare_megatron_optimizer_for_dmuon(args, common: dict, loading: dict) -> None:
-    """A DMuon checkpoint noted for Megatron's own optimizer (``--optimizer muon``/``adam``): its
-    tensors are per parameter, what Megatron's ``fully_reshardable`` format asks for, so the
-    content metadata Megatron-LM reads next says so; megatron-core 0.19's torch-AdamW load
-    workaround (checkpoint_io) holds for the rest of the load."""
-    if getattr(args, "optimizer", None) == "dmuon" or getattr(args, "no_load_optim", False):
-        return
-    if checkpoint_switch.dmuon_record_of(common.get("optimizer")) is None:
-        return
-    content = common.get("content_metadata")
-    if isinstance(content, dict):
-        content["distrib_optim_sharding_type"] = "fully_reshardable"
-    from .checkpoint_io import _megatron_torch_adam_load
-
-    optimizer = loading["optimizer"]
-    loading["switch"] = True
-    loading["stack"].enter_context(_megatron_torch_adam_load(getattr(optimizer, "chained_optimizers", [optimizer])))
+    checkpoint_switch.route_checkpoint_loads(training, "load_checkpoint", 1, checkpointing, lambda args, kwargs: args)
 
 
 def _fail(message: str) -> None:
