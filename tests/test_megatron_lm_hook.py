@@ -607,7 +607,7 @@ def test_optimizer_switch_in_megatron_lms_own_loop_on_cpu(first, then, tmp_path)
     switched: the first loss after the load is bit-equal (the same model), the next within the two
     NS implementations' rounding (fp32 NS on both). On main Megatron's own --optimizer muon cannot
     resume on a machine without Apex/TE (its DistributedOptimizer part's state_dict asserts before
-    a step); the switch into it works (checkpoint_io's workaround holds for that load)."""
+    a step); the switch into it works (checkpoint_switch.megatron_torch_adam_load holds for that load)."""
     pytest.importorskip("emerging_optimizers")
     checkout = _built_checkout()
     argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "

@@ -412,7 +412,7 @@ def _prepare_megatron_optimizer_for_dmuon(args, common: dict, loading: dict) -> 
     """A DMuon checkpoint noted for Megatron's own optimizer (``--optimizer muon``/``adam``): its
     tensors are per parameter, what Megatron's ``fully_reshardable`` format asks for, so the
     content metadata Megatron-LM reads next says so; megatron-core 0.19's torch-AdamW load
-    workaround (checkpoint_io) holds for the rest of the load."""
+    workaround (megatron_torch_adam_load) holds for the rest of the load."""
     if getattr(args, "optimizer", None) == "dmuon" or getattr(args, "no_load_optim", False):
         return
     if dmuon_record_of(common.get("optimizer")) is None:
