@@ -119,5 +119,5 @@ for group in "$@"; do
   for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && { echo "== stopped at the deadline: pid $pid"; kill -- -"$pid"; }; done
   wait
   for part in ${group//+/ }; do cat "$R/part_$part.out"; done
-  tar -czf "$OUT/te_${group//+/_}.tgz" -C "$R" . 2>/dev/null
+  tar -czf "$OUT/te_${group//+/_}.tgz" --exclude=./bridge/ckpt -C "$R" . 2>/dev/null  # (not Bridge's checkpoints: GBs)
 done
