@@ -362,6 +362,9 @@ def megatron_state_from_dmuon(prepared: dict, loaded_optimizer) -> dict:
 
 
 # ------------------------------------------------ the switch inside a training loop's own load
+_ROUTED: set = set()  # the base reads route_checkpoint_loads put in place (a module routed twice keeps one)
+
+
 def route_checkpoint_loads(outer_owner, outer_name: str, optimizer_at: int, base_owner, settings_of: Callable) -> None:
     """The optimizer switch inside a training loop's own checkpoint load. ``outer_owner.<outer_name>``
     is the load that is given the optimizer (positional argument ``optimizer_at``);
@@ -369,7 +372,7 @@ def route_checkpoint_loads(outer_owner, outer_name: str, optimizer_at: int, base
     then of the sharded state. ``settings_of(args, kwargs)`` of a read: an object with the run's
     ``optimizer`` name and ``no_load_optim``. Megatron-LM's ``load_checkpoint`` and Megatron-Bridge's
     ``_load_checkpoint_from_path`` (megatron/bridge.py) are routed so. Idempotent per module."""
-    if getattr(base_owner._load_base_checkpoint, "dmuon_routed", False):
+    if base_owner._load_base_checkpoint in _ROUTED:
         return
     base, outer = base_owner._load_base_checkpoint, getattr(outer_owner, outer_name)
     loading: dict = {}  # the optimizer of the load in progress, and the switch prepared for it
@@ -403,7 +406,7 @@ def route_checkpoint_loads(outer_owner, outer_name: str, optimizer_at: int, base
         return out
 
     load.__name__ = load.__qualname__ = outer_name
-    _load_base_checkpoint.dmuon_routed = True
+    _ROUTED.add(_load_base_checkpoint)
     base_owner._load_base_checkpoint = _load_base_checkpoint
     setattr(outer_owner, outer_name, load)
 
