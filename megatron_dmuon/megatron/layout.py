@@ -15,6 +15,7 @@ from ..planning.owner_layout import OwnerLayout, megatron_bucket_size, plan_owne
 from ..planning.params import owner_ns_cost, param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
 from ..planning.plans import split_rule_for
+from ..planning.rank_cost import RankCostModel
 from ..planning.caches import PlanCache, plan_key
 from ..planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 from ..planning.tp_cost import choose_tp_method
@@ -138,6 +139,13 @@ def _costed(records, cost_fn, model):
     return out
 
 
+def rank_profile_counts(counts, cells: int) -> dict:
+    """Per piece shape, the most matrices the rank profile times on one rank: twice an even share
+    over the ``cells`` owners (greedy plans emulated on the H200 gave one rank up to 1.7x the even share;
+    past the last point the model extrapolates), at most all of them."""
+    return {shape: min(n, 2 * -(-n // max(1, cells))) for shape, n in counts.items()}
+
+
 def owner_cost_fn(muon):
     """NS FLOPs of one piece as the owner step runs it under ``muon`` (schedule, steps, method)."""
     return functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
@@ -177,11 +185,7 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
 
     records = _records(named, buffers, sizes, cfg, model_config)
     cost_model_fn = opts.cost_model_fn
-    if cost_model_fn is None and opts.profile:
-        from ..runtime.ns_timing import profiled_cost_model
-
-        cost_model_fn = functools.partial(profiled_cost_model, settings=cfg.muon,
-                                          budget_s=profile_budget(opts.plan_budget_s or STARTUP_BUDGET_S))
+    rank_profile = cost_model_fn is None and opts.profile  # --dmuon-balance milp: the rank cost model
     cost_fn = opts.cost_fn or owner_cost_fn(cfg.muon)
     milp_options = opts.milp_options
     stage = groups["stage"]
@@ -189,12 +193,21 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
     if stage.rank() == 0:
         model = None
         started = time.perf_counter()
-        if cost_model_fn is not None:  # profile the shapes the owner step will orthogonalize
-            counts = Counter()
-            for r in (r for recs in records.values() for r in recs):
-                for shape, n in map(_matrices_of, r.pieces):
-                    counts[shape] += n
+        counts = Counter()  # the shapes the owner step will orthogonalize
+        for r in (r for recs in records.values() for r in recs):
+            for shape, n in map(_matrices_of, r.pieces):
+                counts[shape] += n
+        if rank_profile:  # measure (or read the cache) on this GPU; analytic off CUDA
+            from ..runtime.rank_profile import profiled_rank_model
+
+            cells = min(dp * tp for dp, tp in map(sizes, keys)) if keys else 1
+            model = profiled_rank_model(rank_profile_counts(counts, cells), settings=cfg.muon,
+                                        budget_s=profile_budget(opts.plan_budget_s or STARTUP_BUDGET_S))
+        elif cost_model_fn is not None:
             model = cost_model_fn(sorted(counts), min(max(counts.values(), default=1), 8))
+        rank_model = model if isinstance(model, RankCostModel) else None
+        if rank_model is not None:  # the greedy warm start plans on NS FLOPs, as --dmuon-balance cost
+            model = None
         if opts.plan_budget_s is not None and opts.balance == "milp":
             limit = milp_time_limit(opts.plan_budget_s, time.perf_counter() - started,
                                     (milp_options or {}).get("time_limit_s"))
@@ -207,7 +220,8 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
             cache_key = plan_key({"items": {str(k): [dataclasses.astuple(it) for it in items[k]] for k in keys},
                                   "sizes": {str(k): sizes(k) for k in keys}, "bucket_size": bucket_size,
                                   "max_bucket_padding": opts.max_bucket_padding, "balance": opts.balance,
-                                  "milp_options": milp_options, "elementwise": elementwise})
+                                  "milp_options": milp_options, "elementwise": elementwise,
+                                  "rank_model": rank_model.to_json() if rank_model is not None else None})
             cached = cache.get(cache_key)
             problem = _cached_plan_problem(cached, keys, items, sizes) if cached is not None else None
             if problem:  # a damaged or foreign entry: planned again (and replaced below)
@@ -223,7 +237,7 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
                 cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
                 layouts[key] = plan_owner_layout(items[key], dp_size, bucket_size, opts.max_bucket_padding, cost,
                                                  tp_size, opts.balance, milp_options=milp_options,
-                                                 elementwise=elementwise)
+                                                 elementwise=elementwise, rank_model=rank_model)
             # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
             payload = [({k: layouts[k].to_json() for k in keys}, _cost_of(items))]
             if cache is not None:

@@ -105,6 +105,12 @@ PRESETS: Dict[str, ModelSpec] = {
     "qwen2.5-7b": ModelSpec(28, 3584, 18944, 28, 4, 152064, qkv_bias=True, name="qwen2.5-7b"),
     # the 4-layer Qwen2.5-7B-shaped GPT of the H200 runs (bench/e2e.py --preset qwen7b-4l)
     "qwen7b-4l": ModelSpec(4, 3584, 18944, 28, 4, 32000, name="qwen7b-4l"),
+    # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B): 128 experts of 768, top-8, head_dim 128, untied
+    "qwen3-30b-a3b": ModelSpec(48, 2048, 6144, 32, 4, 151936, kv_channels=128, num_experts=128, moe_ffn_hidden=768,
+                               name="qwen3-30b-a3b"),
+    # its shapes in 8 layers (what one H200 can emulate rank by rank: bench/rank_balance.py)
+    "qwen3-moe-8l": ModelSpec(8, 2048, 6144, 32, 4, 151936, kv_channels=128, num_experts=128, moe_ffn_hidden=768,
+                              name="qwen3-moe-8l"),
     "tiny": ModelSpec(2, 128, 352, 4, 2, 1024, name="tiny"),
     "tiny-moe": ModelSpec(2, 128, 352, 4, 2, 1024, num_experts=4, moe_ffn_hidden=96, name="tiny-moe"),
 }

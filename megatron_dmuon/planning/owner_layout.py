@@ -44,6 +44,7 @@ class ParamItem:
     shape_key: str = ""  # matrices with equal keys can be batched in one NS call
     own_bucket: bool = False  # e.g. Megatron's shared embedding: bucket of its own
     launch_cost: float = 0.0  # fixed cost of one batched NS call of this shape on a rank ('milp' uses it)
+    pieces: Tuple[Tuple[int, ...], ...] = ()  # the NS pieces the owner step cuts it into (empty: the whole matrix)
 
 
 @dataclasses.dataclass
@@ -405,6 +406,7 @@ def plan_owner_layout(
     milp_options: Optional[dict] = None,
     info: Optional[dict] = None,
     elementwise: Optional[Tuple[float, float]] = None,
+    rank_model=None,
 ) -> OwnerLayout:
     """Compute the owner plan and owner-aligned layout of one buffer.
 
@@ -417,7 +419,9 @@ def plan_owner_layout(
     less (``_oversized_fillers``). `elementwise = (adamw, muon)`: element-wise optimizer work per
     parameter element of each, in `cost`'s units (None: NS cost only;
     ``planning.cost_model.elementwise_costs``); the greedy's loads in `rank_cost` then include
-    every rank's element-wise work as its layout holds it (``_bucket_loads``).
+    every rank's element-wise work as its layout holds it (``_bucket_loads``). `rank_model` (a
+    ``planning.rank_cost.RankCostModel``): 'milp' minimises the slowest rank's predicted owner step
+    under it (planning/rank_milp.py); `rank_cost` is then in its ms.
     """
     if elementwise is not None and (len(elementwise) != 2 or min(elementwise) < 0):
         raise ValueError(f"elementwise must be (adamw, muon) costs per element, both >= 0; got {elementwise}")
@@ -436,7 +440,7 @@ def plan_owner_layout(
     rank_cost = rank_cost if rank_cost is not None else [0.0] * (world_size * tp_size)
     if len(rank_cost) != world_size * tp_size:
         raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
-    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise)
+    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise, rank_model)
     carried = list(rank_cost)
     layout = _plan(items, rank_cost, info, *args)
     # A huge element-wise param (a 152k-row embedding) fits only between two owners' matrix
@@ -469,14 +473,16 @@ def _oversized_fillers(items, layout, pad_limit=0.5):
 
 
 def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options,
-          elementwise):
-    buckets: List[BucketLayout] = []
-    param_ranges: Dict[str, Tuple[int, int, int]] = {}
+          elementwise, rank_model=None):
     owners: Dict[str, int] = {}
     tp_owners: Dict[str, int] = {}
-    start = 0
     buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
     placed: Dict[int, tuple] = {}  # bucket -> (placement, shard) already made while planning
+    if balance == "milp" and rank_model is not None:
+        from .rank_milp import rank_milp_layout
+
+        return rank_milp_layout(items, buckets_members, rank_cost, info, world_size, bucket_size, max_bucket_padding,
+                                tp_size, milp_options, rank_model, elementwise)
     if balance == "milp":
         owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,
                                          milp_options, info, elementwise)
@@ -502,9 +508,18 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
             for it in items:
                 if it.is_matrix:
                     rank_cost[owners[it.name] * tp_size + tp_owners[it.name]] += it.cost
+    return assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_size, rank_cost, placed)
+
+
+def assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_size, rank_cost, placed=None):
+    """The owner-aligned layout of ``owners`` (each bucket placed by ``_place_bucket`` unless
+    ``placed`` holds its placement already), validated."""
+    buckets: List[BucketLayout] = []
+    param_ranges: Dict[str, Tuple[int, int, int]] = {}
+    start = 0
     for b, members in enumerate(buckets_members):
         bucket_owners = {items[i].name: owners[items[i].name] for i in members if items[i].is_matrix}
-        pos, shard = placed.get(b) or _place_bucket(items, members, bucket_owners, world_size, start)
+        pos, shard = (placed or {}).get(b) or _place_bucket(items, members, bucket_owners, world_size, start)
         for name, (s, e) in pos.items():
             param_ranges[name] = (s, e, b)
         end = start + shard * world_size

@@ -59,7 +59,8 @@ class MatrixRecord:
     def param_item(self) -> ParamItem:
         """The owner planner's view of this record."""
         return ParamItem(name=self.name, numel=self.numel, is_matrix=self.use_muon, cost=self.cost,
-                         shape_key=self.shape_key, own_bucket=self.own_bucket, launch_cost=self.launch_cost)
+                         shape_key=self.shape_key, own_bucket=self.own_bucket, launch_cost=self.launch_cost,
+                         pieces=tuple(tuple(p) for p in self.pieces) if self.use_muon else ())
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

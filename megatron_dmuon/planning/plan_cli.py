@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--backend", default="auto", choices=BACKENDS)
     cost.add_argument("--time-limit", type=float, default=10.0, help="MILP seconds (default 10)")
     cost.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=PLANNERS)
+    rank = p.add_argument_group("the whole owner step per GPU (planning/rank_cost.py: NS pieces + AdamW shards)")
+    rank.add_argument("--rank-model", metavar="analytic|FILE", default=None,
+                      help="also plan greedy / numel-LPT / Megatron's LPT / the MILP as a job runs them and predict "
+                           "each GPU's whole owner step: 'analytic' (the cluster config's rates) or a rank cost model "
+                           "JSON (RankCostModel.to_json, a start-up profile cache entry, or bench/rank_balance.py "
+                           "calibrate's JSON)")
+    rank.add_argument("--muon-no-split-qkv", dest="split_qkv", action="store_false",
+                      help="as the job flag: orthogonalize QKV whole (default: q, k, v apart)")
+    rank.add_argument("--dmuon-split-glu", action="store_true", help="as the job flag: gate and up apart")
+    rank.add_argument("--dmuon-split-heads", action="store_true", help="as the job flag: every head apart")
+    rank.add_argument("--dmuon-coefficients", default="you", help="the job's NS schedule (the greedy's FLOP costs; "
+                                                                   "default Megatron's 'you', e.g. adaptive)")
     mem = p.add_argument_group("optimizer state (bytes per rank, next to Megatron AdamW DistributedOptimizer's)")
     mem.add_argument("--fp32-params", action="store_true",
                      help="fp32 model params (their own masters); default: a --bf16 model with fp32 masters")
@@ -117,6 +129,44 @@ def load_profile(path: str, steps: int = 5) -> CostTable:
     if len(entries) == 1:  # a profile cache file holding one device's profile
         return CostTable.from_json(next(iter(entries.values())))
     raise ValueError(f"{path}: not a CostTable, a one-entry profile cache or a kernel benchmark JSON")
+
+
+def load_rank_model(spec: str, config: dict, device: str, steps: int = 5, ns_method: str = "auto"):
+    """--rank-model: 'analytic' or a JSON file (a RankCostModel, a start-up profile cache with one
+    rank profile entry, or bench/rank_balance.py calibrate's result)."""
+    from .cost_model import device_spec
+    from .rank_cost import RankCostModel
+
+    spec_device = device_spec(device, config)
+    if spec == "analytic":
+        return RankCostModel.analytic(spec_device, steps, ns_method, config)
+    data = json.loads(Path(spec).read_text())
+    if "stacks" in data:
+        return RankCostModel.from_json(data, config)
+    if "jobs" in data:
+        return RankCostModel.from_calibration(data, spec_device)
+    ranks = [e for e in data.get("entries", {}).values() if isinstance(e, dict) and "jobs" in e]
+    if len(ranks) == 1:
+        return RankCostModel.from_calibration(ranks[0], spec_device)
+    raise ValueError("not a rank cost model, a calibration result or a profile cache with one rank profile")
+
+
+def _rank_lines(report: dict) -> list:
+    plans = report["plans"]
+    names = list(plans)
+    lines = [f"\nwhole owner step per GPU, ms (rank cost model: {report['rank_model'].get('source')}; pieces "
+             f"{report['split']}; AdamW fragments of each GPU's shards)",
+             "| GPU | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for r in range(len(plans[names[0]]["rank_ms"])):
+        lines.append(f"| {r} | " + " | ".join(f"{plans[n]['rank_ms'][r]:.2f}" for n in names) + " |")
+    for label, key in (("slowest GPU", "makespan_ms"), ("mean", "mean_ms"), ("planning s", "plan_seconds")):
+        lines.append(f"| **{label}** | " + " | ".join(f"{plans[n][key]:.2f}" for n in names) + " |")
+    for kind, info in plans.get("milp", {}).get("solver", {}).items():
+        lines.append(f"MILP ({kind}): {info.get('backend')}, {info.get('status')}, start {info.get('chosen')}, "
+                     f"{info.get('polish_moves', 0)} local moves, {info.get('seconds', 0):.2f} s; warm starts "
+                     + ", ".join(f"{n} {v:.2f}" for n, v in info.get("candidates", {}).items())
+                     + (f" ({info['note']})" if info.get("note") else ""))
+    return lines
 
 
 def _model_and_parallel(args):
@@ -294,6 +344,29 @@ def main(argv=None) -> int:
                     config=config, stage=args.stage, eta=DEFAULT_ETA if args.overlap_eta is None else args.overlap_eta,
                     seq_length=args.seq_length, micro_batch=args.micro_batch_size, micro_batches=args.micro_batches,
                     tflops=args.model_tflops)
+        if args.rank_model:
+            import functools
+
+            from .cost_model import elementwise_costs
+            from .owner_layout import megatron_bucket_size
+            from .params import owner_ns_cost
+            from .plans import compare_rank_plans
+
+            try:
+                rank_model = load_rank_model(args.rank_model, config, cluster.device.name, args.ns_steps,
+                                             args.ns_method)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                parser.error(f"--rank-model {args.rank_model}: {type(e).__name__}: {e}")
+            split = dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
+                         per_head=args.dmuon_split_heads)
+            report["owner_step"] = compare_rank_plans(
+                model, par, rank_model, split=split, stage=args.stage, milp_options=milp_options,
+                bucket_size=megatron_bucket_size(par.dp_size, extra["overlap_grad_reduce"], extra["bucket_size"],
+                                                 pp_rank=args.stage),
+                elementwise=elementwise_costs(cluster.device, config=config),
+                cost_fn=functools.partial(owner_ns_cost, coefficients=args.dmuon_coefficients, steps=args.ns_steps,
+                                          ns_method=args.ns_method))
+            report["owner_step"]["split"] = split
     report["warnings"] = sorted({str(w.message) for w in caught})
     report["cost_model"] = {"device": cluster.device.name, "profile": args.profile, "ns_method": args.ns_method,
                             "steps": args.ns_steps, "tflops_for_unprofiled_shapes": cost_model.tflops}
@@ -301,6 +374,8 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=1, default=str))
     else:
         print(_table(report))
+        if "owner_step" in report:
+            print("\n".join(_rank_lines(report["owner_step"])))
         for w in report["warnings"]:
             print(f"warning: {w}", file=sys.stderr)
     return 0

@@ -58,7 +58,8 @@ def buffer_items(params: Sequence[ParamSpec], cost_model: Optional[CostModel] = 
             else:
                 cost = sum(cost_model.shape_cost(s).per_matrix_ms for s in shapes)
                 launch = sum(cost_model.shape_cost(s).launch_ms for s in set(shapes))
-        items.append(ParamItem(p.name, p.numel, p.is_matrix, cost, shape_group(p.full_shape), launch_cost=launch))
+        items.append(ParamItem(p.name, p.numel, p.is_matrix, cost, shape_group(p.full_shape), launch_cost=launch,
+                               pieces=tuple(tuple(s) for s in shapes) if p.is_matrix else ()))
     return items
 
 
@@ -100,11 +101,14 @@ def _sizes(kind: str, par: ParallelSpec):
 def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, planner: str, *, stage: int = 0,
                bucket_size: Optional[int] = None, max_bucket_padding: float = 0.02,
                milp_options: Optional[dict] = None, split: Optional[dict] = None,
-               elementwise: Optional[tuple] = None, cost_fn: Callable[[Sequence[int]], float] = ns_cost) -> dict:
+               elementwise: Optional[tuple] = None, cost_fn: Callable[[Sequence[int]], float] = ns_cost,
+               rank_model=None) -> dict:
     """{'layouts': {kind: OwnerLayout}, 'params': {kind: [ParamSpec]}, 'info': {...}, 'seconds'}.
 
     ``split`` (the optimizer's split flags) costs matrices by their pieces; ``elementwise``
-    (AdamW, Muon) is ``plan_owner_layout``'s, in the planner's units (NS FLOPs; ms for 'milp')."""
+    (AdamW, Muon) is ``plan_owner_layout``'s, in the planner's units (NS FLOPs; ms for 'milp').
+    ``rank_model`` (planning/rank_cost.py): 'milp' minimises the slowest rank's predicted owner
+    step under it (planning/rank_milp.py), the other planners are unchanged."""
     if planner not in PLANNERS:
         raise ValueError(f"planner {planner!r} unknown; valid: {', '.join(PLANNERS)}")
     params = {k: v for k, v in stage_params(model, par, stage).items() if v}
@@ -112,11 +116,12 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
     t0 = time.perf_counter()
     for kind, plist in params.items():
         dp, tp = _sizes(kind, par)
-        items = buffer_items(plist, cost_model if planner == "milp" else None,
+        items = buffer_items(plist, cost_model if planner == "milp" and rank_model is None else None,
                              split_pieces(model, split) if split else None, cost_fn)
         kinfo: dict = {}
         layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
-                                          milp_options=milp_options, info=kinfo, elementwise=elementwise)
+                                          milp_options=milp_options, info=kinfo, elementwise=elementwise,
+                                          rank_model=rank_model if planner == "milp" else None)
         if kinfo:
             info[kind] = kinfo
     return {"layouts": layouts, "params": params, "info": info, "seconds": time.perf_counter() - t0}
@@ -232,4 +237,51 @@ def compare_plans(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, *,
                                       "per_matrix_ms": cost_model.shape_cost(s).per_matrix_ms,
                                       "source": cost_model.source(s)}
                      for s in sorted({tuple(p.full_shape) for v in params.values() for p in v if p.is_matrix})}
+    return out
+
+
+def predict_rank_ms(plan: dict, par: ParallelSpec, rank_model, model: Optional[ModelSpec] = None,
+                    split: Optional[dict] = None) -> List[float]:
+    """Per GPU of the stage, the predicted owner step (ms) of a ``plan_stage`` plan under the rank
+    cost model (planning/rank_cost.py): the pieces each GPU orthogonalizes (``split`` with
+    ``model``: the optimizer's split flags) and the AdamW fragments inside its shards, read off
+    the layouts; dense and expert buffers add up."""
+    from .rank_milp import layout_work
+
+    works = {}
+    for kind, layout in plan["layouts"].items():
+        items = buffer_items(plan["params"][kind], None, split_pieces(model, split) if split and model else None)
+        works[kind] = layout_work(items, layout)
+    gpus = par.dp_size * par.tp
+    return [sum(rank_model.rank_ms(works[k][gpu_cells(par, r)[k]]) for k in works) for r in range(gpus)]
+
+
+RANK_PLANNERS = ("greedy", "numel_lpt", "megatron_lpt", "milp")
+
+
+def compare_rank_plans(model: ModelSpec, par: ParallelSpec, rank_model, *, split: Optional[dict] = None,
+                       stage: int = 0, bucket_size: Optional[int] = None, elementwise: Optional[tuple] = None,
+                       cost_fn: Callable[[Sequence[int]], float] = ns_cost, milp_options: Optional[dict] = None,
+                       planners: Sequence[str] = RANK_PLANNERS, plans_out: Optional[dict] = None) -> dict:
+    """The four planners a job can run, each predicted per GPU by the rank cost model (the whole
+    owner step: the pieces under ``split``, the AdamW fragments of its shards): ``greedy``
+    (``--dmuon-balance cost``: ``cost_fn`` FLOPs and ``elementwise``), Megatron's two LPT rules, and
+    ``milp`` on ``rank_model`` (``--dmuon-balance milp``). {'plans': {planner: {'rank_ms',
+    'makespan_ms', 'mean_ms', 'plan_seconds', 'solver'}}}."""
+    out = {"plans": {}, "rank_model": dict(rank_model.meta)}
+    for planner in planners:
+        kw = dict(stage=stage, bucket_size=bucket_size, split=split, cost_fn=cost_fn)
+        if planner in ("greedy", "milp"):
+            kw["elementwise"] = elementwise
+        if planner == "milp":
+            kw.update(rank_model=rank_model, milp_options=milp_options)
+        plan = plan_stage(model, par, None, planner, **kw)
+        if plans_out is not None:
+            plans_out[planner] = plan
+        rank_ms = predict_rank_ms(plan, par, rank_model, model, split)
+        row = {"rank_ms": rank_ms, "makespan_ms": max(rank_ms), "mean_ms": sum(rank_ms) / len(rank_ms),
+               "plan_seconds": plan["seconds"]}
+        if plan["info"]:
+            row["solver"] = plan["info"]
+        out["plans"][planner] = row
     return out

@@ -14,7 +14,7 @@ from ..planning.cost_model import CostModel, device_spec_for, load_config
 from ..planning.startup_profile import measure_profile
 from .owner_step import MuonSettings, default_orthogonalizer
 
-__all__ = ["profile_meta", "cuda_ns_timer", "profiled_cost_model", "device_name"]
+__all__ = ["profile_meta", "cuda_ns_timer", "profiled_cost_model", "device_name", "time_owner_step"]
 
 
 def device_name(device) -> str:
@@ -74,3 +74,55 @@ def profiled_cost_model(
     table = measure_profile(shapes, max_batch, cuda_ns_timer(settings, device), profile_meta(settings, device),
                             repeats=repeats, cache=cache, budget_s=budget_s)
     return CostModel(spec, table, settings.ns_steps, settings.ns_method)
+
+
+def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], settings: MuonSettings, *,
+                    iters: int = 5, warmup: int = 2, device="cuda", seed: int = 0):
+    """(median ms, every timed ms) of one rank's owner step, as the job runs it: one
+    ``OwnerMuonAdamW`` holding ``matrices`` (``(name, full shape, split rule or None)``, owned
+    whole, TP = 1) and AdamW params of the sizes in ``fragments`` (its shards' element-wise
+    pieces), timed with CUDA events around ``step()`` (``warmup`` untimed steps first: autotune,
+    graph capture). Off CUDA it runs and times on the host (a smoke run; no timing claims).
+    The start-up rank profile and bench/rank_balance.py's per-rank emulation time this."""
+    import statistics
+    import time
+
+    from .owner_step import MatrixInfo, OwnerMuonAdamW
+
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def param(shape):
+        p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
+        p.grad = torch.randn(shape, device=device, generator=gen) * 1e-3
+        return p
+
+    muon = [param(tuple(shape)) for _, shape, _ in matrices]
+    adamw = [param((int(n),)) for n in fragments]
+    groups = ([{"params": muon, "use_muon": True}] if muon else []) + ([{"params": adamw, "use_muon": False}]
+                                                                       if adamw else [])
+    if not groups:
+        return 0.0, []
+    opt = OwnerMuonAdamW(groups, lr=1e-4, weight_decay=0.1, muon=settings)
+    for p, (name, shape, rule) in zip(muon, matrices):
+        opt.register_matrix(p, MatrixInfo(name, tuple(shape), rule))
+    times = []
+    for it in range(warmup + iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            begin.record()
+            opt.step()
+            end.record()
+            torch.cuda.synchronize(device)
+            ms = begin.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            opt.step()
+            ms = (time.perf_counter() - t0) * 1e3
+        if it >= warmup:
+            times.append(ms)
+    del opt, muon, adamw
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return statistics.median(times), times

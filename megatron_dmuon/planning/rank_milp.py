@@ -1,0 +1,322 @@
+"""Owner assignment that minimises the slowest rank's predicted owner step under the rank cost
+model (planning/rank_cost.py): ``--dmuon-balance milp``.
+
+Every plan here is scored the same way, exactly: its owner-aligned layout is built (placement
+included, so each rank's AdamW fragments are the ones it will step), each cell's ``RankWork`` is
+read off that layout, and ``RankCostModel.rank_ms`` predicts it. The warm starts are the greedy
+planners (ours, ``cost``, with the model's per-matrix and element-wise costs; Megatron-LM's
+layer-sharded LPT; numel LPT). The MILP solves a linear view of the same model:
+
+* items are the buffer's Muon matrices, in classes of interchangeable ones (bucket, NS pieces,
+  numel); y[k, c] counts class k on cell c;
+* a cell's NS: per piece shape s, ``launch_s x z[s, c] + per_s x (matrices of s on c)``, the affine
+  fit of the measured stack curve (z[s, c] = 1 when c holds any matrix of shape s);
+* its AdamW: every matrix element a DP row owns in bucket b displaces phi_b AdamW elements (phi_b:
+  the AdamW share of the bucket's free shard space), at the model's AdamW ms per element less the
+  part hidden beside the NS;
+* each DP row's owned numel per bucket fits its shard (as large as the warm start needed, or the
+  bucket padding allowed); minimise the slowest cell, M.
+
+The MILP's plan is then scored exactly like the warm starts, and the best of all is returned: the
+result is never predicted slower than any warm start (ties keep the warm start). A solver that is
+missing, fails or runs out of time falls back to that best warm start with a warning that says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .dp_shards import shard_overlap
+from .milp import BACKENDS, LAUNCH_TIE, MilpFallbackWarning, _Model, _NoSolution, _SOLVERS, _spread
+from .owner_layout import PARAM_ALIGN, _align, _min_shard, _plan, assemble_layout
+from .rank_cost import RankCostModel, RankWork, piece_counts
+
+__all__ = ["CANDIDATES", "item_pieces", "layout_work", "layout_loads", "rank_milp_layout"]
+
+# the warm starts, in the order that breaks ties: the greedy as --dmuon-balance cost plans (the
+# caller's costs and element-wise rates), the greedy on the model's ms, Megatron-LM's
+# layer-sharded LPT, numel LPT
+CANDIDATES = ("cost", "cost_ms", "megatron_lpt", "numel_lpt")
+
+
+def item_pieces(item) -> Tuple[Tuple[int, ...], ...]:
+    """The NS pieces of a matrix item: its recorded pieces, else the whole matrix (shape_key)."""
+    if item.pieces:
+        return tuple(tuple(p) for p in item.pieces)
+    return (tuple(int(v) for v in item.shape_key.split("x")),)
+
+
+def layout_work(items, layout) -> List[RankWork]:
+    """Per DP x TP cell of one buffer's layout: the NS pieces it orthogonalizes and the AdamW
+    fragments inside its DP row's shards (every TP rank of the row steps its own shard of them)."""
+    T = layout.tp_size
+    work = [RankWork() for _ in range(layout.world_size * T)]
+    for it in items:
+        if it.is_matrix:
+            work[layout.owners[it.name] * T + layout.tp_owners.get(it.name, 0)].add_matrix(item_pieces(it))
+    fragments: List[List[int]] = [[] for _ in range(layout.world_size)]
+    for it in items:
+        if it.is_matrix:
+            continue
+        s, e, b = layout.param_ranges[it.name]
+        bucket = layout.buckets[b]
+        first = max(0, (s - bucket.start) // bucket.shard_size)
+        last = min(layout.world_size - 1, (e - 1 - bucket.start) // bucket.shard_size)
+        for r in range(first, last + 1):
+            lo, hi = shard_overlap(s, e, r, bucket.shard_size, bucket.start)
+            if hi > lo:
+                fragments[r].append(hi - lo)
+    for r, sizes in enumerate(fragments):
+        for t in range(T):
+            work[r * T + t].add_fragments(sizes)
+    return work
+
+
+def layout_loads(items, layout, model: RankCostModel, base: Sequence[float]) -> List[float]:
+    """Each cell's predicted owner step (ms): ``base`` (earlier buffers) + the model's rank_ms."""
+    return [b + model.rank_ms(w) for b, w in zip(base, layout_work(items, layout))]
+
+
+def _score(loads: Sequence[float]) -> Tuple[float, float]:
+    return (max(loads), sum(loads)) if loads else (0.0, 0.0)
+
+
+def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optional[dict], world_size: int,
+                     bucket_size, max_bucket_padding: float, tp_size: int, milp_options: Optional[dict],
+                     model: RankCostModel, elementwise=None):
+    """The owner layout of one buffer minimising the slowest cell under ``model`` (module
+    docstring); ``rank_cost`` (per cell, ms of earlier buffers) becomes the chosen plan's loads."""
+    options = dict(milp_options or {})
+    backend = options.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"MILP backend {backend!r} unknown; valid: {', '.join(BACKENDS)}")
+    time_limit = float(options.get("time_limit_s", 10.0))
+    max_variables = int(options.get("max_variables", 50_000))
+    t0 = time.perf_counter()
+    base = list(rank_cost)
+    adamw_ms, muon_ms = model.elementwise_ms()
+    ms_items = [dataclasses.replace(it, cost=_matrix_ms(model, it)) if it.is_matrix else it for it in items]
+    layouts, loads = {}, {}
+    for name in CANDIDATES:
+        greedy_items, balance, rates = {"cost": (items, "cost", elementwise),
+                                        "cost_ms": (ms_items, "cost", (adamw_ms, muon_ms))}.get(name, (items, name, None))
+        layouts[name] = _plan(greedy_items, list(base), None, world_size, bucket_size, max_bucket_padding, tp_size,
+                              balance, None, rates)
+        loads[name] = layout_loads(items, layouts[name], model, base)
+    start = min(CANDIDATES, key=lambda n: _score(loads[n]))
+    status, used, note = "greedy", "greedy", ""
+    mats = [(i, b) for b, members in enumerate(buckets_members) for i in members if items[i].is_matrix]
+    if mats:
+        try:
+            owners, tp_owners, status, used = _solve(items, buckets_members, mats, base, world_size, tp_size,
+                                                     max_bucket_padding, model, layouts[start], backend,
+                                                     t0 + time_limit, max_variables)
+            layouts["milp"] = assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_size, base)
+            loads["milp"] = layout_loads(items, layouts["milp"], model, base)
+        except (ImportError, _NoSolution, _TooLarge) as exc:
+            note = f"MILP unavailable ({exc}); kept the best greedy plan ({start})"
+            warnings.warn(f"DMuon owner MILP: {note}", MilpFallbackWarning)
+    chosen = min(layouts, key=lambda n: (_score(loads[n]), n == "milp"))
+    layout, final, moves = _polish(items, buckets_members, layouts[chosen], loads[chosen], model, base,
+                                   t0 + time_limit + float(options.get("polish_s", 0.25 * time_limit)))
+    rank_cost[:] = final
+    layout.rank_cost = list(final)
+    if info is not None:
+        info.update(backend=used, status=status, makespan=max(final) if final else 0.0,
+                    chosen=chosen, candidates={n: max(v) if v else 0.0 for n, v in loads.items()}, polish_moves=moves,
+                    seconds=time.perf_counter() - t0, note=note, model=str(model.meta.get("source")))
+    return layout
+
+
+def _polish(items, buckets_members, layout, loads, model, base, deadline):
+    """Local search on the exact prediction: move one matrix off the slowest cell, or swap it with
+    one of another cell, while that lowers (slowest cell, total) and pads nothing more; until no
+    move helps or ``deadline``. Returns (layout, loads, moves made)."""
+    D, T = layout.world_size, layout.tp_size
+    owners, tp_owners = dict(layout.owners), dict(layout.tp_owners)
+    matrices = [it.name for it in items if it.is_matrix]
+    bucket_of = {n: layout.param_ranges[n][2] for n in matrices}
+    best, moves = _score(loads), 0
+
+    def trial(new_owners, new_tp):
+        candidate = assemble_layout(items, buckets_members, new_owners, new_tp, D, T, base)
+        if candidate.numel > layout.numel:  # padding grew
+            return None
+        return candidate, layout_loads(items, candidate, model, base)
+
+    while time.perf_counter() < deadline:
+        slowest = max(range(len(loads)), key=loads.__getitem__)
+        mine = [n for n in matrices if owners[n] * T + tp_owners.get(n, 0) == slowest]
+        found = None
+        for kind in ("move", "swap"):
+            for name in mine:
+                for c in range(D * T):
+                    if c == slowest or time.perf_counter() >= deadline:
+                        continue
+                    others = [None] if kind == "move" else \
+                        [n for n in matrices if owners[n] * T + tp_owners.get(n, 0) == c and bucket_of[n] == bucket_of[name]]
+                    for other in others:
+                        new_owners, new_tp = dict(owners), dict(tp_owners)
+                        new_owners[name], new_tp[name] = divmod(c, T)
+                        if other is not None:
+                            new_owners[other], new_tp[other] = divmod(slowest, T)
+                        result = trial(new_owners, new_tp)
+                        if result is not None and _score(result[1]) < best:
+                            best, found = _score(result[1]), (new_owners, new_tp, *result)
+            if found:
+                break
+        if not found:
+            break
+        owners, tp_owners, layout, loads = found
+        moves += 1
+    return layout, list(loads), moves
+
+
+def _matrix_ms(model: RankCostModel, item) -> float:
+    """A matrix's per-matrix ms under the model: the sum over its pieces (the greedy's cost)."""
+    return sum(n * model.per_matrix_ms(s) for s, n in piece_counts(item_pieces(item)).items())
+
+
+class _TooLarge(RuntimeError):
+    pass
+
+
+def _bucket_terms(items, buckets_members, world_size, tp_size, start_layout, max_bucket_padding):
+    """Per bucket: (phi, shard_min, shard_max); shard_max is what the bucket padding allows, or
+    what the warm start needed."""
+    used = defaultdict(int)
+    for i, it in enumerate(items):
+        if it.is_matrix:
+            used[start_layout.param_ranges[it.name][2], start_layout.owners[it.name]] += _align(it.numel)
+    out = []
+    for b, members in enumerate(buckets_members):
+        lo = _min_shard(items, members, world_size)
+        total = sum(items[i].numel for i in members)
+        matrices = sum(items[i].numel for i in members if items[i].is_matrix)
+        free = world_size * lo - matrices
+        phi = min(1.0, (total - matrices) / free) if free > 0 else 1.0
+        need = max(used[b, d] for d in range(world_size))
+        out.append((phi, lo, max(int(lo * (1.0 + max_bucket_padding)), need - PARAM_ALIGN, lo)))
+    return out
+
+
+def _solve(items, buckets_members, mats, base, D, T, max_bucket_padding, model, start_layout, backend, deadline,
+           max_variables):
+    cells = D * T
+    terms = _bucket_terms(items, buckets_members, D, T, start_layout, max_bucket_padding)
+    pieces = {i: piece_counts(item_pieces(items[i])) for i, _ in mats}
+    shapes = sorted({s for c in pieces.values() for s in c})
+    fits = {s: model.shape_cost(s) for s in shapes}
+    launch = {s: max(0.0, fits[s].launch_ms - model.shared_ms) for s in shapes}
+    per = {s: fits[s].per_matrix_ms for s in shapes}
+    adamw = model.elementwise_ms()[0]
+    by_key: Dict[tuple, List[int]] = defaultdict(list)
+    for j, (i, b) in enumerate(mats):
+        by_key[(b, tuple(sorted(pieces[i].items())), _align(items[i].numel))].append(j)
+    keys = sorted(by_key)
+    classes = [by_key[k] for k in keys]
+    if len(classes) * cells + len(shapes) * cells + 1 > max_variables:
+        raise _TooLarge(f"{len(classes) * cells + len(shapes) * cells + 1} variables > max_variables {max_variables}")
+    mdl = _Model()
+    m_var = mdl.var(0.0, math.inf, False, 1.0)
+    y = {(k, c): mdl.var(0, len(classes[k]), True) for k in range(len(classes)) for c in range(cells)}
+    z = {(s, c): mdl.var(0, 1, True, LAUNCH_TIE / max(1, len(shapes) * cells)) for s in shapes for c in range(cells)}
+    for k, members in enumerate(classes):
+        mdl.row({y[k, c]: 1.0 for c in range(cells)}, len(members), len(members))
+    for s in shapes:
+        top = sum(dict(keys[k][1]).get(s, 0) * len(classes[k]) for k in range(len(classes)))
+        for c in range(cells):
+            coeffs = {y[k, c]: float(dict(keys[k][1]).get(s, 0)) for k in range(len(classes)) if dict(keys[k][1]).get(s)}
+            coeffs[z[s, c]] = -float(top)
+            mdl.row(coeffs, -math.inf, 0.0)
+    for b, (_, _, shard_max) in enumerate(terms):
+        for d in range(D):
+            coeffs = {y[k, d * T + t]: float(keys[k][2]) for k in range(len(classes)) if keys[k][0] == b for t in range(T)}
+            if coeffs:
+                mdl.row(coeffs, -math.inf, shard_max + PARAM_ALIGN)
+    const = sum(adamw * phi * lo for phi, lo, _ in terms)
+
+    def load(c):  # (coefficients, constant) of cell c's linear load
+        d = c // T
+        coeffs: Dict[int, float] = defaultdict(float)
+        for k, (b, shape_counts, numel) in enumerate(keys):
+            ns = sum(n * per[s] for s, n in shape_counts)
+            coeffs[y[k, c]] += ns
+            displaced = adamw * terms[b][0] * items[mats[classes[k][0]][0]].numel
+            for t in range(T):
+                coeffs[y[k, d * T + t]] -= displaced
+        for s in shapes:
+            coeffs[z[s, c]] += launch[s]
+        return coeffs, base[c] + const
+
+    rows = [load(c) for c in range(cells)]
+    for coeffs, constant in rows:
+        with_m = dict(coeffs)
+        with_m[m_var] = -1.0
+        mdl.row(with_m, -math.inf, -constant)
+    if T == 1 and len(set(base)) == 1:  # interchangeable cells: loads in descending order
+        for c in range(cells - 1):
+            diff = defaultdict(float, rows[c][0])
+            for v, a in rows[c + 1][0].items():
+                diff[v] -= a
+            mdl.row(dict(diff), 0.0, math.inf)
+    start = _start(start_layout, items, mats, classes, keys, shapes, y, z, m_var, rows, T)
+    if T == 1 and len(set(base)) == 1:
+        start = _descending(start, rows, y, z, len(classes), shapes, cells)
+    names = ["cbc", "highs"] if backend == "auto" else [backend]
+    errors = []
+    for name in names:
+        left = deadline - time.perf_counter()
+        if left <= 0.05:
+            errors.append("no time left")
+            break
+        try:
+            values, status = _SOLVERS[name](mdl, start, left, 1e-4)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        except _NoSolution as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        counts = [[int(round(values[y[k, c]])) for c in range(cells)] for k in range(len(classes))]
+        assigned = _spread(classes, counts, len(mats))
+        owners, tp_owners = {}, {}
+        for (i, _), c in zip(mats, assigned):
+            owners[items[i].name], tp_owners[items[i].name] = divmod(c, T)
+        return owners, tp_owners, status, name
+    raise _NoSolution("; ".join(errors), infeasible=False)
+
+
+def _descending(values, rows, y, z, num_classes, shapes, cells):
+    """The warm start with its cells renumbered by descending load (the symmetry rows' order):
+    interchangeable cells, so the same plan."""
+    load = [constant + sum(a * values[v] for v, a in coeffs.items()) for coeffs, constant in rows]
+    order = sorted(range(cells), key=lambda c: -load[c])
+    out = dict(values)
+    for new, old in enumerate(order):
+        for k in range(num_classes):
+            out[y[k, new]] = values[y[k, old]]
+        for s in shapes:
+            out[z[s, new]] = values[z[s, old]]
+    return out
+
+
+def _start(layout, items, mats, classes, keys, shapes, y, z, m_var, rows, T):
+    """Variable values of ``layout``'s plan (the warm start)."""
+    values: Dict[int, float] = defaultdict(float)
+    class_of = {j: k for k, members in enumerate(classes) for j in members}
+    for j, (i, _) in enumerate(mats):
+        c = layout.owners[items[i].name] * T + layout.tp_owners.get(items[i].name, 0)
+        values[y[class_of[j], c]] += 1
+        for s in piece_counts(item_pieces(items[i])):
+            values[z[s, c]] = 1.0
+    for key in y.values():
+        values.setdefault(key, 0.0)
+    for key in z.values():
+        values.setdefault(key, 0.0)
+    values[m_var] = max(constant + sum(a * values[v] for v, a in coeffs.items()) for coeffs, constant in rows)
+    return dict(values)

@@ -1,0 +1,130 @@
+"""The start-up rank profile: the measurements the rank cost model (planning/rank_cost.py) is fitted
+on, taken by timing the owner step itself (``ns_timing.time_owner_step``) on synthetic ranks, within
+the start-up budget, cached on disk.
+
+``--dmuon-balance milp`` runs it on rank 0 of each pipeline stage (megatron/layout.py). The points,
+cheapest and most informative first (each new (shape, count) costs a kernel autotune, ~2 s on the
+H200):
+
+1. every piece shape the plan holds, one matrix (``ns|MxN|1``);
+2. AdamW alone, one fragment of 10 M and of 100 M elements, and 100 M in 100 fragments (``adamw|...``);
+3. the two most common shapes together, one matrix each (``pair|...``: the part a step pays once);
+4. the largest shape beside 100 M AdamW elements (``mix|...``: how much AdamW hides beside the NS);
+5. every shape at the most matrices one rank can own of it (``ns|MxN|K``), then at half that.
+
+A job whose budget runs out keeps what it measured; shapes without points are predicted at the
+measured shapes' rate. The same points, named the same way, come from ``bench/rank_balance.py
+calibrate``, whose denser grid checks the model (docs/load_balancing.md).
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..planning.caches import ProfileCache, default_profile_cache_path
+from ..planning.cost_model import device_spec_for, load_config, shape_key
+from ..planning.rank_cost import RankCostModel
+from .muon_settings import MuonSettings
+from .ns_timing import device_name, profile_meta, time_owner_step
+
+__all__ = ["profile_jobs", "measure_rank_jobs", "profiled_rank_model", "rank_profile_meta"]
+
+Key = Tuple[int, int]
+ADAMW_POINTS = ((10_000_000, 1), (100_000_000, 1), (100_000_000, 100))
+MIX_ADAMW = 100_000_000
+
+
+def _matrices(shape: Key, k: int) -> List[tuple]:
+    return [(f"profile.{shape[0]}x{shape[1]}.{i}", shape, None) for i in range(k)]
+
+
+def _fragments(elements: int, count: int) -> List[int]:
+    small = 4096
+    return [elements - (count - 1) * small] + [small] * (count - 1)
+
+
+def profile_jobs(shape_counts: Mapping[Sequence[int], int]) -> Dict[str, Tuple[List[tuple], List[int]]]:
+    """The start-up points, in measuring order: {name: (matrices, AdamW fragment sizes)}."""
+    counts = {shape_key(s): max(1, int(k)) for s, k in shape_counts.items()}
+    by_size = sorted(counts, key=lambda s: -s[0] * s[0] * s[1])
+    jobs: Dict[str, Tuple[List[tuple], List[int]]] = {}
+    for s in sorted(counts):
+        jobs[f"ns|{s[0]}x{s[1]}|1"] = (_matrices(s, 1), [])
+    for elements, count in ADAMW_POINTS:
+        jobs[f"adamw|{elements // 10**6}M|{count}"] = ([], _fragments(elements, count))
+    common = sorted(counts, key=lambda s: (-counts[s], s))[:2]
+    if len(common) == 2:
+        a, b = common
+        jobs[f"pair|{a[0]}x{a[1]}|1|{b[0]}x{b[1]}|1"] = (_matrices(a, 1) + _matrices(b, 1), [])
+    if by_size:
+        s = by_size[0]
+        jobs[f"mix|{s[0]}x{s[1]}|1|{MIX_ADAMW // 10**6}M"] = (_matrices(s, 1), [MIX_ADAMW])
+    for s in by_size:
+        if counts[s] > 1:
+            jobs[f"ns|{s[0]}x{s[1]}|{counts[s]}"] = (_matrices(s, counts[s]), [])
+    for s in by_size:
+        half = counts[s] // 2
+        if half > 1:
+            jobs[f"ns|{s[0]}x{s[1]}|{half}"] = (_matrices(s, half), [])
+    return jobs
+
+
+def measure_rank_jobs(jobs, time_fn: Callable[[List[tuple], List[int]], float], *, known: Optional[dict] = None,
+                      budget_s: Optional[float] = None, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """{name: {"ms", "adamw_elements", "fragments"}} of ``jobs``: ``known`` ones as they are, the rest
+    measured with ``time_fn(matrices, fragments) -> ms`` in order until ``budget_s`` is spent (the
+    rest left out, with a warning)."""
+    out = {name: dict(entry) for name, entry in (known or {}).items() if name in jobs}
+    start = clock()
+    todo = [name for name in jobs if name not in out]
+    for n, name in enumerate(todo):
+        if budget_s is not None and clock() - start > budget_s:
+            warnings.warn(f"rank profile stopped after its {budget_s:g} s budget; {len(todo) - n} points left out "
+                          "(their shapes are predicted at the measured shapes' rate)", RuntimeWarning)
+            break
+        matrices, fragments = jobs[name]
+        out[name] = {"ms": float(time_fn(matrices, fragments)), "adamw_elements": sum(fragments),
+                     "fragments": len(fragments)}
+    return out
+
+
+def rank_profile_meta(settings: MuonSettings, device) -> dict:
+    meta = profile_meta(settings, device)
+    meta.update(kind="rank_profile", ns_launch=settings.ns_launch, momentum_dtype=str(settings.momentum_dtype))
+    return meta
+
+
+def profiled_rank_model(
+    shape_counts: Mapping[Sequence[int], int],
+    settings: Optional[MuonSettings] = None,
+    device=None,
+    *,
+    cache_path=None,
+    budget_s: float = 20.0,
+    config_path=None,
+    time_fn: Optional[Callable[[List[tuple], List[int]], float]] = None,
+) -> RankCostModel:
+    """The rank cost model of this GPU for a plan holding at most ``shape_counts[s]`` matrices of
+    each piece shape on one rank: measured (or read from the cache) on CUDA, analytic elsewhere."""
+    settings = settings or MuonSettings()
+    config = load_config(config_path)
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = device_spec_for(device_name(device), config, warn=device.type == "cuda")
+    if device.type != "cuda" and time_fn is None:
+        return RankCostModel.analytic(spec, settings.ns_steps, settings.ns_method, config)
+    if time_fn is None:
+        def time_fn(matrices, fragments):
+            return time_owner_step(matrices, fragments, settings, device=device)[0]
+    meta = rank_profile_meta(settings, device)
+    key = "|".join(f"{k}={meta[k]}" for k in sorted(meta))
+    cache = ProfileCache(cache_path or default_profile_cache_path())
+    known = cache.get(key) or {}
+    jobs = profile_jobs(shape_counts)
+    measured = measure_rank_jobs(jobs, time_fn, known=known.get("jobs") if isinstance(known, dict) else None,
+                                 budget_s=budget_s)
+    if set(measured) - set((known or {}).get("jobs", {})):
+        cache.put(key, {"meta": meta, "jobs": {**(known or {}).get("jobs", {}), **measured}})
+    return RankCostModel.from_calibration({"jobs": measured, "device": meta["device"]}, device=spec)
