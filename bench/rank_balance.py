@@ -80,7 +80,7 @@ def make_plans(model, par, bucket_size, cfg, planners, rank_profile=None, milp_o
     out = {}
     for name in planners:
         kw = dict(bucket_size=bucket_size, cost_fn=cost_fn, split=split)
-        if name == "greedy":
+        if name in ("greedy", "milp"):  # the milp's greedy warm start is exactly the greedy plan
             kw["elementwise"] = elementwise_costs(device_spec("H200"))
         if name == "milp":
             if rank_profile is None:
@@ -212,9 +212,11 @@ def calibrate(args, cfg, log):
 
 
 def load_rank_model(path):
-    from megatron_dmuon.planning.rank_cost import RankCostModel
+    """A rank cost model JSON, a start-up profile cache, or a calibrate run's JSON."""
+    from megatron_dmuon.planning.cost_model import load_config
+    from megatron_dmuon.planning.plan_cli import load_rank_model as load
 
-    return RankCostModel.from_json(json.loads(Path(path).read_text()))
+    return load(path, load_config(), "H200")
 
 
 def table(result):
