@@ -115,3 +115,46 @@ def layout_item_costs(rank, world_size, split):
     config = model.config
     return {**seen, "heads": config.num_attention_heads, "groups": config.num_query_groups,
             "kv_channels": config.kv_channels, "hidden": config.hidden_size, "ffn": config.ffn_hidden_size}
+
+
+def rank_milp_layouts(rank, world_size):
+    """--dmuon-balance milp as the flag sets it (the start-up rank profile; analytic on CPU) on a
+    real megatron-core GPT: every rank's plan, and on rank 0 the rank model's prediction of that
+    plan and of the greedy's on the same items."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron.config import with_overrides
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
+    from megatron_dmuon.planning.owner_layout import plan_owner_layout
+    from megatron_dmuon.planning.rank_milp import layout_loads
+    from megatron_dmuon.testing.workers import init_parallel
+
+    init_parallel()
+    model = build_gpt(GPTShape(num_layers=3))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    groups = layout_mod.layout_groups(model.config, ddp_config)
+    seen = {}
+    plan = layout_mod.plan_owner_layout
+
+    def capture(items, *args, **kwargs):
+        seen.update(items=items, args=args, kwargs=kwargs)
+        return plan(items, *args, **kwargs)
+
+    layout_mod.plan_owner_layout = capture
+    cfg = with_overrides(None, dict(balance="milp", profile=True, plan_budget_s=20.0))
+    dmuon_plan, _ = layout_mod.build_plan(model, ddp_config, groups, bucket_size=None, cfg=cfg,
+                                          model_config=model.config)
+    layouts = {k: v.to_json() for k, v in dmuon_plan.layouts.items()}
+    out = {"layouts": layouts}
+    if rank == 0:
+        items, kwargs = seen["items"], seen["kwargs"]
+        rank_model = kwargs["rank_model"]
+        layout = next(iter(dmuon_plan.layouts.values()))
+        zero = [0.0] * world_size
+        greedy = plan_owner_layout(items, world_size, None, balance="cost", elementwise=kwargs["elementwise"])
+        out.update(source=rank_model.meta.get("source"), rank_cost=layout.rank_cost,
+                   predicted=layout_loads(items, layout, rank_model, zero),
+                   greedy=layout_loads(items, greedy, rank_model, zero),
+                   pieces=[list(it.pieces) for it in items if it.is_matrix])
+    return out

@@ -464,6 +464,21 @@ def test_milp_plans_are_identical_across_ranks_gloo(tmp_path):
     assert "owner 7 of" in results[0]["warned"][0] and "is not a rank of 2" in results[0]["warned"][0]
 
 
+def test_balance_milp_plans_on_the_rank_cost_model_gloo():
+    """--dmuon-balance milp (the flag's layout options) plans on the start-up rank cost model
+    (analytic here, on CPU), on rank 0, and every rank holds that plan; its predicted loads are the
+    model's prediction of its own layout, no slower than the greedy's on the same items."""
+    from megatron_dmuon.testing.multiproc import run_distributed
+
+    results = run_distributed("lb_workers:rank_milp_layouts", 2, sys_path=[HERE], timeout=300)
+    assert results[0]["layouts"] == results[1]["layouts"]
+    r0 = results[0]
+    assert r0["source"] == "analytic"
+    assert r0["rank_cost"] == pytest.approx(r0["predicted"])
+    assert max(r0["predicted"]) <= max(r0["greedy"]) + 1e-9
+    assert any(len(p) == 3 for p in r0["pieces"])  # QKV planned as q, k, v
+
+
 def test_startup_budget_splits_between_profile_and_milp_and_the_plan_key_ignores_the_limit():
     from megatron_dmuon.planning.caches import plan_key
     from megatron_dmuon.planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
