@@ -12,11 +12,19 @@ GPUs with the same work (the same matrices, AdamW elements within 1 M and the sa
 count) are timed once. Rounds interleave every (plan, GPU): each round is one run of every plan.
 No communication is timed: it is the same for every rank of a layout.
 
-``calibrate`` times synthetic ranks: k matrices of one shape (every shape the layouts hold), AdamW
-alone, and mixtures: the data the rank cost model (planning/rank_cost.py) is fitted on.
+``calibrate`` times synthetic ranks: k matrices of one shape (every shape the layouts hold, at a
+grid of counts), two shapes together, AdamW alone, and Muon beside AdamW: a dense version of the
+start-up rank profile's points (runtime/rank_profile.py), which the rank cost model
+(planning/rank_cost.py) is fitted on. ``startup`` does what rank 0 of a ``--dmuon-balance milp``
+job does per layout (rank profile within the budget, then the MILP) and keeps the models it
+planned on; ``emulate --rank-profile STARTUP.json`` plans ``milp`` on them. ``report`` (CPU) sets
+each model's predicted slowest GPU against the emulated one.
 
-    python bench/rank_balance.py emulate --layouts qwen2.5-7b/dp8/one qwen7b-4l/dp2/buckets --out STEM
-    python bench/rank_balance.py calibrate --layouts ... --out STEM
+    python bench/rank_balance.py calibrate --layouts ... --out cal
+    python bench/rank_balance.py startup --layouts ... --out start
+    python bench/rank_balance.py emulate --layouts qwen2.5-7b/dp8/one qwen7b-4l/dp2/buckets \
+        --plans greedy numel_lpt megatron_lpt milp --rank-profile start.json --out emu
+    python bench/rank_balance.py report --emulation emu.json --models startup=start.json calibration=cal.json
 
 Layouts: PRESET/dpN[/epE]/(buckets|one): ``buckets`` = Megatron's buckets with
 ``--overlap-grad-reduce`` (max(40 M, 1 M x DP) elements), ``one`` = one bucket per buffer.
@@ -44,10 +52,11 @@ sys.path.insert(0, str(ROOT))
 from megatron_dmuon.megatron.config import DMuonConfig  # noqa: E402
 from megatron_dmuon.megatron.flags import add_dmuon_args  # noqa: E402
 from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs  # noqa: E402
-from megatron_dmuon.planning.models import PRESETS, ParallelSpec  # noqa: E402
+from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params  # noqa: E402
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size  # noqa: E402
 from megatron_dmuon.planning.params import owner_ns_cost  # noqa: E402
 from megatron_dmuon.planning.plans import gpu_cells, plan_stage, split_rule_for, transformer_shape  # noqa: E402
+from megatron_dmuon.planning.rank_cost import RankWork  # noqa: E402
 from megatron_dmuon.planning.simulate import adamw_fragments_in_shard  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import time_owner_step  # noqa: E402
 
@@ -149,8 +158,8 @@ def emulate(args, cfg, log):
     result = {"layouts": {}}
     for spec in args.layouts:
         model, par, size = parse_layout(spec)
-        plans = make_plans(model, par, size, cfg, args.plans, args.rank_profile and load_rank_model(args.rank_profile),
-                           {"time_limit_s": args.milp_time_limit})
+        rank_model = load_rank_model(args.rank_profile, spec) if args.rank_profile else None
+        plans = make_plans(model, par, size, cfg, args.plans, rank_model, {"time_limit_s": args.milp_time_limit})
         sigs, jobs, per_plan = {}, {}, {}
         for name, plan in plans.items():
             ranks = []
@@ -196,6 +205,11 @@ def calibration_jobs(args, cfg):
         jobs[f"adamw|{millions}M|1"] = ([], [int(millions * 1e6)])
         if millions * 1e6 > 2 * 99 * 4096:  # the same elements in 100 fragments (a shard's norms and biases)
             jobs[f"adamw|{millions}M|100"] = ([], [int(millions * 1e6) - 99 * 4096] + [4096] * 99)
+    common = sorted(most, key=lambda s: (-most[s], s))[:3]
+    for a, b in zip(common, common[1:]):  # two shapes in one step: the part a step pays once
+        for ka, kb in ((1, 1), (min(2, most[a]), min(4, most[b]))):
+            jobs[f"pair|{a[0]}x{a[1]}|{ka}|{b[0]}x{b[1]}|{kb}"] = (
+                [(f"cal.a{i}", a, None) for i in range(ka)] + [(f"cal.b{i}", b, None) for i in range(kb)], [])
     big = max(most, key=lambda s: s[0] * s[1] * s[1]) if most else None
     for shape in ([big] if big else []) + [s for s in most if s != big][:1]:
         for millions in args.adamw_sizes[1::2]:
@@ -211,16 +225,100 @@ def calibrate(args, cfg, log):
     return {"jobs": {k: describe(*jobs[k]) | {"ms_rounds": times[k], "ms": statistics.median(times[k])} for k in jobs}}
 
 
-def load_rank_model(path):
-    """A rank cost model JSON, a start-up profile cache, or a calibrate run's JSON."""
+def load_rank_model(path, spec=None):
+    """A rank cost model JSON, a start-up profile cache, a calibrate run's JSON, or a startup run's
+    JSON (its model for layout ``spec``)."""
     from megatron_dmuon.planning.cost_model import load_config
     from megatron_dmuon.planning.plan_cli import load_rank_model as load
+    from megatron_dmuon.planning.rank_cost import RankCostModel
 
+    data = json.loads(Path(path).read_text())
+    if "models" in data:
+        if spec not in data["models"]:
+            raise ValueError(f"{path} holds start-up models of {', '.join(data['models'])}, not of {spec}")
+        return RankCostModel.from_json(data["models"][spec])
     return load(path, load_config(), "H200")
+
+
+def startup(args, cfg, log):
+    """What rank 0 of a ``--dmuon-balance milp`` job does at start-up, per layout: the rank profile
+    (runtime/rank_profile.py, through the cache in --cache-dir) within the budget's share, then the
+    MILP with what is left; seconds of each, and the model it planned on."""
+    from megatron_dmuon.megatron.layout import rank_profile_counts
+    from megatron_dmuon.planning.startup_profile import milp_time_limit, profile_budget
+    from megatron_dmuon.runtime.rank_profile import profiled_rank_model
+
+    out = {"layouts": {}, "models": {}}
+    cache = str(Path(args.cache_dir) / "ns_profile.json")
+    for spec in args.layouts:
+        model, par, size = parse_layout(spec)
+        counts = Counter()
+        for plist in stage_params(model, par).values():
+            config = transformer_shape(model)
+            for p in plist:
+                if p.is_matrix:
+                    rule = split_rule_for(p.name, p.full_shape, config, cfg.split_flags())
+                    counts.update(pieces_of([(p.name, tuple(p.full_shape), rule)]))
+        cells = min(par.dp_size * par.tp, par.expert_dp_size * par.expert_tp) if model.num_experts else par.dp_size
+        t0 = time.perf_counter()
+        rank_model = profiled_rank_model(rank_profile_counts(counts, cells), cfg.muon, cache_path=cache,
+                                         budget_s=profile_budget(args.startup_budget))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        limit = milp_time_limit(args.startup_budget, t1 - t0, args.milp_time_limit)
+        plan = make_plans(model, par, size, cfg, ["milp"], rank_model, {"time_limit_s": limit})["milp"]
+        t2 = time.perf_counter()
+        out["layouts"][spec] = {"profile_s": t1 - t0, "plan_s": t2 - t1, "milp_time_limit_s": limit,
+                                "info": plan["info"], "points": len(rank_model.stacks)}
+        out["models"][spec] = rank_model.to_json()
+        log({"layout": spec, "profile_s": round(t1 - t0, 2), "plan_s": round(t2 - t1, 2)})
+    return out
+
+
+def report(args, log):
+    """Predicted (by each rank model given) against emulated slowest GPU, per layout and plan."""
+    emulated = [json.loads(Path(p).read_text()) for p in args.emulation]
+    models = {name: path for name, path in (m.split("=", 1) for m in args.models)}
+    rows = []
+    for result in emulated:
+        for spec, lay in result["layouts"].items():
+            model, par, size = parse_layout(spec)
+            for plan_name, row in lay["plans"].items():
+                entry = {"layout": spec, "plan": plan_name, "emulated_ms": row["slowest_ms"],
+                         "rounds": row["slowest_rounds"]}
+                for name, path in models.items():
+                    rm = load_rank_model(path, spec)
+                    predicted = []
+                    for x in row["ranks"]:
+                        job = lay["jobs"][str(x["job"])]
+                        work = RankWork(Counter({tuple(int(v) for v in k.split("x")): n
+                                                 for k, n in job["pieces"].items()}), job["adamw_elements"],
+                                        job["fragments"])
+                        predicted.append(rm.rank_ms(work))
+                    entry[name] = max(predicted)
+                    entry[name + "_error"] = max(predicted) / row["slowest_ms"] - 1
+                rows.append(entry)
+    return {"rows": rows, "models": models}
 
 
 def table(result):
     lines = []
+    if "rows" in result:
+        names = list(result["models"])
+        lines += ["| layout | plan | emulated slowest GPU ms | " + " | ".join(f"predicted ({n}) | error" for n in names)
+                  + " |", "|---|---|---:|" + "---:|---:|" * len(names)]
+        for r in result["rows"]:
+            lines.append(f"| {r['layout']} | {r['plan']} | {r['emulated_ms']:.2f} | " + " | ".join(
+                f"{r[n]:.2f} | {100 * r[n + '_error']:+.1f}%" for n in names) + " |")
+        return "\n".join(lines)
+    if "models" in result:
+        lines += ["| layout | profile s | MILP s | MILP | start |", "|---|---:|---:|---|---|"]
+        for spec, x in result["layouts"].items():
+            for kind, info in x["info"].items():
+                lines.append(f"| {spec} ({kind}) | {x['profile_s']:.1f} | {x['plan_s']:.1f} | {info.get('status')} "
+                             f"| {info.get('chosen')} |")
+        return "\n".join(lines)
     for spec, lay in result.get("layouts", {}).items():
         lines += [f"## {spec} (bucket size {lay['bucket_size']})", "",
                   "| plan | slowest GPU ms (median of rounds) | rounds | spread ms | distinct ranks | plan s |",
@@ -236,7 +334,12 @@ def table(result):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["emulate", "calibrate"])
+    parser.add_argument("mode", choices=["emulate", "calibrate", "startup", "report"])
+    parser.add_argument("--cache-dir", default="/tmp/dmuon_rank_profile", help="startup: the profile cache's folder")
+    parser.add_argument("--startup-budget", type=float, default=30.0, help="startup: --dmuon-plan-budget")
+    parser.add_argument("--emulation", nargs="+", default=[], help="report: emulate runs' JSON")
+    parser.add_argument("--models", nargs="+", default=[], help="report: NAME=PATH rank models (calibrate, startup "
+                                                                 "or model JSON)")
     parser.add_argument("--layouts", nargs="+", default=["qwen7b-4l/dp2/buckets"])
     parser.add_argument("--plans", nargs="+", default=["greedy", "numel_lpt", "megatron_lpt"], choices=PLANS)
     parser.add_argument("--rank-profile", help="a rank cost model JSON (planning/rank_cost.py) for the milp plan")
@@ -265,7 +368,9 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     head = {"device": name, "flags": flags, "mode": args.mode, "rounds": args.rounds, "iters": args.iters,
             "warmup": args.warmup, "torch": torch.__version__}
-    result = head | (emulate(args, cfg, log) if args.mode == "emulate" else calibrate(args, cfg, log))
+    run = {"emulate": lambda: emulate(args, cfg, log), "calibrate": lambda: calibrate(args, cfg, log),
+           "startup": lambda: startup(args, cfg, log), "report": lambda: report(args, log)}[args.mode]
+    result = head | run()
     text = table(result)
     print(text)
     if args.out:

@@ -14,6 +14,8 @@
 #   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
 #   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
+#   rb_cal, rb_startup, rb_emu  [balance-2] bench/rank_balance.py: calibration grid, the start-up rank profile + MILP per
+#           layout, every GPU's owner step emulated under greedy / numel LPT / Megatron's LPT / MILP (TE not needed)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/te_results; mkdir -p "$R"; started=$(date +%s)
@@ -103,6 +105,18 @@ PY
         --timing-optimizers ${BTIMING:-muon dmuon adam} \
         --band-models ${BMODELS:-small small_moe} --band-iters ${BITERS:-40} --jobs ${BJOBS:-6} > "$R/bridge.log" 2>&1; echo "== bridge rc=$?"
       cat "$R/bridge/bridge.md"; grep -h "failed\|Error" "$R/bridge.log" | head -20 ;;
+    rb_cal|rb_startup|rb_emu)  # [balance-2] bench/rank_balance.py: RB_LAYOUTS (default: every layout of the issue but TP),
+      # RB_PLANS (emulate), RB_ROUNDS; the autotune cache is $DMUON_AUTOTUNE_CACHE (carry .rb_autotune.json to reuse one:
+      # RB_AUTOTUNE=.rb_autotune.json); rb_emu plans milp on rb_startup's models ($R/rb_startup.json, or RB_START=FILE)
+      L=${RB_LAYOUTS:-qwen7b-4l/dp2/buckets qwen7b-4l/dp4/buckets qwen2.5-7b/dp8/buckets qwen2.5-7b/dp8/one qwen2.5-7b/dp16/buckets qwen2.5-7b/dp16/one qwen2.5-7b/dp64/buckets qwen2.5-7b/dp64/one qwen3-moe-8l/dp8/ep4/one}
+      [ -n "${RB_AUTOTUNE:-}" ] && [ -f "$RB_AUTOTUNE" ] && cp "$RB_AUTOTUNE" "$DMUON_AUTOTUNE_CACHE"
+      case $part in
+        rb_cal) python3 bench/rank_balance.py calibrate --layouts $L --rounds ${RB_ROUNDS:-2} --out "$R/rb_cal" > "$R/rb_cal.log" 2>&1 ;;
+        rb_startup) python3 bench/rank_balance.py startup --layouts $L --cache-dir "$R/rb_cache" --out "$R/rb_startup" > "$R/rb_startup.log" 2>&1 ;;
+        rb_emu) python3 bench/rank_balance.py emulate --layouts $L --plans ${RB_PLANS:-greedy numel_lpt megatron_lpt milp} \
+                  --rank-profile "${RB_START:-$R/rb_startup.json}" --rounds ${RB_ROUNDS:-3} --out "$R/rb_emu${RB_TAG:-}" > "$R/rb_emu${RB_TAG:-}.log" 2>&1 ;;
+      esac
+      echo "== $part rc=$?"; tail -25 "$R/$part${RB_TAG:-}.md" 2>/dev/null; cp "$DMUON_AUTOTUNE_CACHE" "$R/rb_autotune.json" 2>/dev/null ;;
     *) echo "unknown part $part" ;;
   esac
   echo "== part $part: $(( $(date +%s) - t0 )) s"
