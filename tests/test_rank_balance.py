@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from collections import Counter
 
 import pytest
@@ -18,10 +17,10 @@ import pytest
 from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs, shape_key
 from megatron_dmuon.planning.dp_shards import shard_overlap
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
-from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
+from megatron_dmuon.planning.owner_layout import plan_owner_layout
 from megatron_dmuon.planning.params import owner_ns_cost
-from megatron_dmuon.planning.plans import buffer_items, compare_rank_plans, plan_stage, predict_rank_ms, split_pieces
-from megatron_dmuon.planning.rank_cost import RankCostModel, RankWork, analytic_rank_model, piece_counts
+from megatron_dmuon.planning.plans import buffer_items, plan_stage, predict_rank_ms, split_pieces
+from megatron_dmuon.planning.rank_cost import RankCostModel, RankWork, piece_counts
 from megatron_dmuon.planning.rank_milp import CANDIDATES, layout_loads, layout_work
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -262,7 +261,7 @@ def test_rank_balance_bench_runs_on_cpu(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
     cal = json.loads((tmp_path / "calibrate.json").read_text())
     fitted = RankCostModel.from_calibration(cal, device_spec("H200"))
-    assert fitted.stacks and fitted.adamw_fit[1] > 0
+    assert fitted.stacks and len(fitted.adamw_points) == 4 and fitted.meta["shared_points"] >= 1  # (CPU: no rates)
     emu = json.loads((tmp_path / "emulate.json").read_text())
     lay = emu["layouts"]["tiny/dp2/one"]["plans"]["greedy"]
     assert len(lay["ranks"]) == 2 and lay["slowest_ms"] == max(r["ms"] for r in lay["ranks"])

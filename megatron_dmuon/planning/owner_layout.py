@@ -511,9 +511,11 @@ def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, t
     return assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_size, rank_cost, placed)
 
 
-def assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_size, rank_cost, placed=None):
+def assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_size, rank_cost, placed=None,
+                    validate=True):
     """The owner-aligned layout of ``owners`` (each bucket placed by ``_place_bucket`` unless
-    ``placed`` holds its placement already), validated."""
+    ``placed`` holds its placement already), validated unless ``validate`` is False (a trial the
+    caller will not keep)."""
     buckets: List[BucketLayout] = []
     param_ranges: Dict[str, Tuple[int, int, int]] = {}
     start = 0
@@ -526,7 +528,8 @@ def assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_si
         buckets.append(BucketLayout(start=start, end=end, numel_unpadded=sum(items[i].numel for i in members), shard_size=shard))
         start = end
     layout = OwnerLayout(world_size, param_ranges, owners, buckets, list(rank_cost), tp_size, tp_owners)
-    layout.validate(items)
+    if validate:
+        layout.validate(items)
     return layout
 
 

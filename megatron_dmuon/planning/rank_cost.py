@@ -28,13 +28,12 @@ runtime/rank_profile.py (start-up) or bench/rank_balance.py (calibration).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .cost_model import CostModel, DeviceSpec, ShapeCost, device_spec, fit_affine, load_config, shape_key
 
-__all__ = ["RankWork", "RankCostModel", "piece_counts", "FORMAT"]
+__all__ = ["RankWork", "RankCostModel", "piece_counts", "analytic_rank_model", "FORMAT"]
 
 FORMAT = 1
 Key = Tuple[int, int]
@@ -187,9 +186,8 @@ class RankCostModel:
     def shape_cost(self, shape: Sequence[int]) -> ShapeCost:
         """An affine (launch + k x per-matrix) view of one shape's stack, for planners that take
         per-matrix costs (the greedy; ``CostModel``'s interface)."""
-        pts = self.stacks.get(shape_key(shape))
-        if not pts:
-            return ShapeCost(0.0, self._unmeasured_stack_ms(shape_key(shape), 1) - self.shared_ms)
+        key = shape_key(shape)
+        pts = self.stacks.get(key) or [(k, self._unmeasured_stack_ms(key, k)) for k in (1, 2)]  # affine there
         return fit_affine(pts, 0.0)
 
     def per_matrix_ms(self, shape) -> float:
@@ -284,9 +282,3 @@ def _key(text: str) -> Key:
 
 def analytic_rank_model(device_name: str = "H200", steps: int = 5, ns_method: str = "auto") -> RankCostModel:
     return RankCostModel.analytic(device_spec(device_name), steps, ns_method)
-
-
-def _check_finite(x: float) -> float:
-    if not math.isfinite(x):
-        raise ValueError(f"non-finite cost {x}")
-    return x

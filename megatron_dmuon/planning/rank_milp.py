@@ -134,31 +134,41 @@ def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optio
 
 def _polish(items, buckets_members, layout, loads, model, base, deadline):
     """Local search on the exact prediction: move one matrix off the slowest cell, or swap it with
-    one of another cell, while that lowers (slowest cell, total) and pads nothing more; until no
-    move helps or ``deadline``. Returns (layout, loads, moves made)."""
+    one of another kind on another cell, while that lowers (slowest cell, total) and pads nothing
+    more; until no move helps or ``deadline``. Matrices of one kind (bucket, pieces, numel) are
+    interchangeable, so one of each kind per cell is tried. Returns (layout, loads, moves made)."""
     D, T = layout.world_size, layout.tp_size
     owners, tp_owners = dict(layout.owners), dict(layout.tp_owners)
-    matrices = [it.name for it in items if it.is_matrix]
-    bucket_of = {n: layout.param_ranges[n][2] for n in matrices}
+    matrices = [it for it in items if it.is_matrix]
+    bucket_of = {it.name: layout.param_ranges[it.name][2] for it in matrices}
+    kind_of = {it.name: (bucket_of[it.name], item_pieces(it), it.numel) for it in matrices}
     best, moves = _score(loads), 0
 
     def trial(new_owners, new_tp):
-        candidate = assemble_layout(items, buckets_members, new_owners, new_tp, D, T, base)
+        candidate = assemble_layout(items, buckets_members, new_owners, new_tp, D, T, base, validate=False)
         if candidate.numel > layout.numel:  # padding grew
             return None
         return candidate, layout_loads(items, candidate, model, base)
 
+    def one_per_kind(cell):
+        seen = {}
+        for it in matrices:
+            if owners[it.name] * T + tp_owners.get(it.name, 0) == cell:
+                seen.setdefault(kind_of[it.name], it.name)
+        return list(seen.values())
+
     while time.perf_counter() < deadline:
         slowest = max(range(len(loads)), key=loads.__getitem__)
-        mine = [n for n in matrices if owners[n] * T + tp_owners.get(n, 0) == slowest]
+        mine = one_per_kind(slowest)
+        theirs = {c: one_per_kind(c) for c in range(D * T) if c != slowest}
         found = None
         for kind in ("move", "swap"):
             for name in mine:
-                for c in range(D * T):
-                    if c == slowest or time.perf_counter() >= deadline:
-                        continue
-                    others = [None] if kind == "move" else \
-                        [n for n in matrices if owners[n] * T + tp_owners.get(n, 0) == c and bucket_of[n] == bucket_of[name]]
+                for c in theirs:
+                    if time.perf_counter() >= deadline:
+                        break
+                    others = [None] if kind == "move" else [
+                        n for n in theirs[c] if bucket_of[n] == bucket_of[name] and kind_of[n] != kind_of[name]]
                     for other in others:
                         new_owners, new_tp = dict(owners), dict(tp_owners)
                         new_owners[name], new_tp[name] = divmod(c, T)
@@ -173,6 +183,8 @@ def _polish(items, buckets_members, layout, loads, model, base, deadline):
             break
         owners, tp_owners, layout, loads = found
         moves += 1
+    if moves:
+        layout.validate(items)
     return layout, list(loads), moves
 
 
@@ -186,8 +198,10 @@ class _TooLarge(RuntimeError):
 
 
 def _bucket_terms(items, buckets_members, world_size, tp_size, start_layout, max_bucket_padding):
-    """Per bucket: (phi, shard_min, shard_max); shard_max is what the bucket padding allows, or
-    what the warm start needed."""
+    """Per bucket: (phi, shard, shard_max): phi the AdamW share of the free space of the warm
+    start's shards (a bucket of matrices and norms, whose shards grew to fit the largest owned
+    block, is mostly padding: owning more there displaces little AdamW), shard the warm start's
+    shard size, shard_max what the bucket padding allows, or what the warm start needed."""
     used = defaultdict(int)
     for i, it in enumerate(items):
         if it.is_matrix:
@@ -195,12 +209,13 @@ def _bucket_terms(items, buckets_members, world_size, tp_size, start_layout, max
     out = []
     for b, members in enumerate(buckets_members):
         lo = _min_shard(items, members, world_size)
+        shard = start_layout.buckets[b].shard_size
         total = sum(items[i].numel for i in members)
         matrices = sum(items[i].numel for i in members if items[i].is_matrix)
-        free = world_size * lo - matrices
+        free = world_size * shard - matrices
         phi = min(1.0, (total - matrices) / free) if free > 0 else 1.0
         need = max(used[b, d] for d in range(world_size))
-        out.append((phi, lo, max(int(lo * (1.0 + max_bucket_padding)), need - PARAM_ALIGN, lo)))
+        out.append((phi, shard, max(int(lo * (1.0 + max_bucket_padding)), need - PARAM_ALIGN, lo)))
     return out
 
 
