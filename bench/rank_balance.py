@@ -145,6 +145,11 @@ def describe(mats, frags):
 def time_all(jobs, cfg, rounds, iters, warmup, device, log):
     """jobs: {key: (mats, frags)}; returns {key: [median ms per round]}; interleaved rounds."""
     times = {k: [] for k in jobs}
+    if rounds == 0:  # --dry-run: what would be timed
+        stacks = {(s, k) for mats, _ in jobs.values() for s, k in pieces_of(mats).items()}
+        elements = max((sum(s[0] * s[1] for _, s, _ in m) + sum(f) for m, f in jobs.values()), default=0)
+        log({"jobs": len(jobs), "distinct_stacks": len(stacks), "largest_rank_elements_M": round(elements / 1e6)})
+        return {k: [0.0] for k in jobs}
     for rnd in range(rounds):
         for key, (mats, frags) in jobs.items():
             t0 = time.perf_counter()
@@ -177,7 +182,7 @@ def emulate(args, cfg, log):
             for x in row["ranks"]:
                 x["ms_rounds"] = times[x["job"]]
                 x["ms"] = statistics.median(x["ms_rounds"])
-            slowest_rounds = [max(x["ms_rounds"][i] for x in row["ranks"]) for i in range(args.rounds)]
+            slowest_rounds = [max(x["ms_rounds"][i] for x in row["ranks"]) for i in range(max(1, args.rounds))]
             row["slowest_rounds"] = slowest_rounds
             row["slowest_ms"] = statistics.median(slowest_rounds)
             row["spread_ms"] = max(x["ms"] for x in row["ranks"]) - min(x["ms"] for x in row["ranks"])
@@ -267,7 +272,8 @@ def startup(args, cfg, log):
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         limit = milp_time_limit(args.startup_budget, t1 - t0, args.milp_time_limit)
-        plan = make_plans(model, par, size, cfg, ["milp"], rank_model, {"time_limit_s": limit})["milp"]
+        buffers = 2 if model.num_experts else 1  # build_plan shares the limit between the buffers
+        plan = make_plans(model, par, size, cfg, ["milp"], rank_model, {"time_limit_s": limit / buffers})["milp"]
         t2 = time.perf_counter()
         out["layouts"][spec] = {"profile_s": t1 - t0, "plan_s": t2 - t1, "milp_time_limit_s": limit,
                                 "info": plan["info"], "points": len(rank_model.stacks)}
@@ -346,7 +352,8 @@ def main(argv=None):
     parser.add_argument("--milp-time-limit", type=float, default=20.0)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over every (plan, GPU), interleaved")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every (plan, GPU), interleaved; 0: a dry "
+                                                               "run (plans and job counts, nothing timed)")
     parser.add_argument("--adamw-sizes", type=float, nargs="+", default=[1, 10, 50, 150, 400, 800],
                         help="calibrate: AdamW-only ranks of these many million elements")
     parser.add_argument("--flags", default="--dmuon-coefficients adaptive --dmuon-ns-launch graph",

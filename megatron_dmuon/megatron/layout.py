@@ -235,8 +235,12 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
             for key in keys:
                 dp_size, tp_size = sizes(key)
                 cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
+                options = milp_options
+                if rank_model is not None and milp_options and "time_limit_s" in milp_options:
+                    # the rank MILP uses all of its limit (local search included): buffers share it
+                    options = dict(milp_options, time_limit_s=milp_options["time_limit_s"] / len(keys))
                 layouts[key] = plan_owner_layout(items[key], dp_size, bucket_size, opts.max_bucket_padding, cost,
-                                                 tp_size, opts.balance, milp_options=milp_options,
+                                                 tp_size, opts.balance, milp_options=options,
                                                  elementwise=elementwise, rank_model=rank_model)
             # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
             payload = [({k: layouts[k].to_json() for k in keys}, _cost_of(items))]

@@ -442,6 +442,16 @@ def plan_owner_layout(
         raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
     args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise, rank_model)
     carried = list(rank_cost)
+    if rank_model is not None and balance == "milp":
+        # the rank MILP spends its whole time limit once: which params get buckets of their own is
+        # decided on the greedy's layouts first (the rule below), then the MILP plans that buffer
+        greedy = (world_size, bucket_size, max_bucket_padding, tp_size, "cost", None, elementwise)
+        big = _oversized_fillers(items, _plan(items, list(carried), None, *greedy))
+        if big:
+            alone = [dataclasses.replace(it, own_bucket=True) if it.name in big else it for it in items]
+            if _plan(alone, list(carried), None, *greedy).numel < _plan(items, list(carried), None, *greedy).numel:
+                items = alone
+        return _plan(items, rank_cost, info, *args)
     layout = _plan(items, rank_cost, info, *args)
     # A huge element-wise param (a 152k-row embedding) fits only between two owners' matrix
     # blocks, so the shard grows until the gap holds it (x2.8 the buffer for Qwen2.5-7B at DP=64).

@@ -94,7 +94,8 @@ def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optio
     backend = options.get("backend", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"MILP backend {backend!r} unknown; valid: {', '.join(BACKENDS)}")
-    time_limit = float(options.get("time_limit_s", 10.0))
+    time_limit = float(options.get("time_limit_s", 10.0))  # all of it: warm starts, MILP, local search
+    polish_share = float(options.get("polish_share", 0.25))  # of the time limit, kept for the local search
     max_variables = int(options.get("max_variables", 50_000))
     t0 = time.perf_counter()
     base = list(rank_cost)
@@ -114,7 +115,7 @@ def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optio
         try:
             owners, tp_owners, status, used = _solve(items, buckets_members, mats, base, world_size, tp_size,
                                                      max_bucket_padding, model, layouts[start], backend,
-                                                     t0 + time_limit, max_variables)
+                                                     t0 + (1.0 - polish_share) * time_limit, max_variables)
             layouts["milp"] = assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_size, base)
             loads["milp"] = layout_loads(items, layouts["milp"], model, base)
         except (ImportError, _NoSolution, _TooLarge) as exc:
@@ -122,7 +123,7 @@ def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optio
             warnings.warn(f"DMuon owner MILP: {note}", MilpFallbackWarning)
     chosen = min(layouts, key=lambda n: (_score(loads[n]), n == "milp"))
     layout, final, moves = _polish(items, buckets_members, layouts[chosen], loads[chosen], model, base,
-                                   t0 + time_limit + float(options.get("polish_s", 0.25 * time_limit)))
+                                   t0 + time_limit)
     rank_cost[:] = final
     layout.rank_cost = list(final)
     if info is not None:
