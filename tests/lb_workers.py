@@ -89,64 +89,34 @@ def milp_layouts(rank, world_size, cache_dir):
 def layout_item_costs(rank, world_size, split):
     """The planner items build_plan makes for a real megatron-core GPT (GQA,
     SwiGLU) under ``split``, and the element-wise credit it plans with."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
     from megatron_dmuon.megatron import layout as layout_mod
     from megatron_dmuon.megatron.config import with_overrides
-    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
     from megatron_dmuon.planning.params import ns_cost
-    from megatron_dmuon.testing.workers import init_parallel
 
-    init_parallel()
-    model = build_gpt(GPTShape(num_layers=1))
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
-    groups = layout_mod.layout_groups(model.config, ddp_config)
-    seen = {}
-    plan = layout_mod.plan_owner_layout
-
-    def capture(items, *args, **kwargs):
-        seen["items"] = {it.name: (it.cost, it.numel, it.is_matrix) for it in items}
-        seen["elementwise"] = list(kwargs["elementwise"])
-        return plan(items, *args, **kwargs)
-
-    layout_mod.plan_owner_layout = capture
+    model, ddp_config, groups, seen = _captured_planning(1)
     cfg = with_overrides(None, dict(split=split, cost_fn=ns_cost))
     layout_mod.build_plan(model, ddp_config, groups, bucket_size=None, cfg=cfg, model_config=model.config)
     config = model.config
-    return {**seen, "heads": config.num_attention_heads, "groups": config.num_query_groups,
-            "kv_channels": config.kv_channels, "hidden": config.hidden_size, "ffn": config.ffn_hidden_size}
+    return {"items": {it.name: (it.cost, it.numel, it.is_matrix) for it in seen["items"]},
+            "elementwise": list(seen["kwargs"]["elementwise"]), "heads": config.num_attention_heads,
+            "groups": config.num_query_groups, "kv_channels": config.kv_channels, "hidden": config.hidden_size,
+            "ffn": config.ffn_hidden_size}
 
 
 def rank_milp_layouts(rank, world_size):
     """--dmuon-balance milp as the flag sets it (the start-up rank profile; analytic on CPU) on a
     real megatron-core GPT: every rank's plan, and on rank 0 the rank model's prediction of that
     plan and of the greedy's on the same items."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
     from megatron_dmuon.megatron import layout as layout_mod
     from megatron_dmuon.megatron.config import with_overrides
-    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
     from megatron_dmuon.planning.owner_layout import plan_owner_layout
     from megatron_dmuon.planning.rank_milp import layout_loads
-    from megatron_dmuon.testing.workers import init_parallel
 
-    init_parallel()
-    model = build_gpt(GPTShape(num_layers=3))
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
-    groups = layout_mod.layout_groups(model.config, ddp_config)
-    seen = {}
-    plan = layout_mod.plan_owner_layout
-
-    def capture(items, *args, **kwargs):
-        seen.update(items=items, args=args, kwargs=kwargs)
-        return plan(items, *args, **kwargs)
-
-    layout_mod.plan_owner_layout = capture
+    model, ddp_config, groups, seen = _captured_planning(3)
     cfg = with_overrides(None, dict(balance="milp", profile=True, plan_budget_s=20.0))
     dmuon_plan, _ = layout_mod.build_plan(model, ddp_config, groups, bucket_size=None, cfg=cfg,
                                           model_config=model.config)
-    layouts = {k: v.to_json() for k, v in dmuon_plan.layouts.items()}
-    out = {"layouts": layouts}
+    out = {"layouts": {k: v.to_json() for k, v in dmuon_plan.layouts.items()}}
     if rank == 0:
         items, kwargs = seen["items"], seen["kwargs"]
         rank_model = kwargs["rank_model"]
@@ -158,3 +128,27 @@ def rank_milp_layouts(rank, world_size):
                    greedy=layout_loads(items, greedy, rank_model, zero),
                    pieces=[list(it.pieces) for it in items if it.is_matrix])
     return out
+
+
+def _captured_planning(num_layers):
+    """A real megatron-core GPT, its DDP config and layout groups, and a dict that receives the
+    items and keyword arguments of every ``plan_owner_layout`` call build_plan makes."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
+    from megatron_dmuon.testing.workers import init_parallel
+
+    init_parallel()
+    model = build_gpt(GPTShape(num_layers=num_layers))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    groups = layout_mod.layout_groups(model.config, ddp_config)
+    seen = {}
+    plan = layout_mod.plan_owner_layout
+
+    def capture(items, *args, **kwargs):
+        seen.update(items=items, kwargs=kwargs)
+        return plan(items, *args, **kwargs)
+
+    layout_mod.plan_owner_layout = capture
+    return model, ddp_config, groups, seen
