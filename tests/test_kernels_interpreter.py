@@ -19,6 +19,26 @@ CHILD_ENV = "DMUON_KERNELS_INTERPRETER_CHILD"
 IN_CHILD = os.environ.get(CHILD_ENV) == "1"
 child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
 
+
+def _skip_discarded_overflow_checks() -> None:
+    """The interpreter's builder runs with ``debug=False`` and ``sanitize_overflow=True``: every integer
+    add/sub/mul of a kernel's index arithmetic then also runs in int64, compared against the int32
+    range, and the result goes to ``device_assert``, which returns at once without ``debug``
+    (triton/language/semantic.py), as on the GPU without debug. The check was computed and thrown
+    away: over a third of this file's time. Switched off only where it is thrown away (``debug`` False)."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is not None and not options.debug and getattr(options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+if IN_CHILD:
+    _skip_discarded_overflow_checks()
+
 # Small tiles keep the interpreter fast and exercise partial tiles on tiny matrices.
 TILE_CONFIGS = [(16, 16, 16), (32, 16, 16), (16, 32, 32)]
 
