@@ -119,7 +119,7 @@ def rank_milp_layouts(rank, world_size):
     out = {"layouts": {k: v.to_json() for k, v in dmuon_plan.layouts.items()}}
     if rank == 0:
         items, kwargs = seen["items"], seen["kwargs"]
-        rank_model = kwargs["rank_model"]
+        rank_model = kwargs["model"]
         layout = next(iter(dmuon_plan.layouts.values()))
         zero = [0.0] * world_size
         greedy = plan_owner_layout(items, world_size, None, balance="cost", elementwise=kwargs["elementwise"])
@@ -132,7 +132,8 @@ def rank_milp_layouts(rank, world_size):
 
 def _captured_planning(num_layers):
     """A real megatron-core GPT, its DDP config and layout groups, and a dict that receives the
-    items and keyword arguments of every ``plan_owner_layout`` call build_plan makes."""
+    items and keyword arguments of the owner planner build_plan calls (``plan_owner_layout``, or
+    ``plan_rank_owner_layout`` for --dmuon-balance milp)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_dmuon.megatron import layout as layout_mod
@@ -144,11 +145,13 @@ def _captured_planning(num_layers):
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     groups = layout_mod.layout_groups(model.config, ddp_config)
     seen = {}
-    plan = layout_mod.plan_owner_layout
 
-    def capture(items, *args, **kwargs):
-        seen.update(items=items, kwargs=kwargs)
-        return plan(items, *args, **kwargs)
+    def capturing(plan):
+        def capture(items, *args, **kwargs):
+            seen.update(items=items, kwargs=kwargs)
+            return plan(items, *args, **kwargs)
+        return capture
 
-    layout_mod.plan_owner_layout = capture
+    layout_mod.plan_owner_layout = capturing(layout_mod.plan_owner_layout)
+    layout_mod.plan_rank_owner_layout = capturing(layout_mod.plan_rank_owner_layout)
     return model, ddp_config, groups, seen

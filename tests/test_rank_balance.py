@@ -17,11 +17,10 @@ import pytest
 from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs, shape_key
 from megatron_dmuon.planning.dp_shards import shard_overlap
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
-from megatron_dmuon.planning.owner_layout import plan_owner_layout
 from megatron_dmuon.planning.params import owner_ns_cost
 from megatron_dmuon.planning.plans import buffer_items, plan_stage, predict_rank_ms, split_pieces
 from megatron_dmuon.planning.rank_cost import RankCostModel, RankWork, piece_counts
-from megatron_dmuon.planning.rank_milp import CANDIDATES, layout_loads, layout_work
+from megatron_dmuon.planning.rank_milp import CANDIDATES, layout_loads, layout_work, plan_rank_owner_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
@@ -183,9 +182,8 @@ def test_milp_rank_costs_are_the_models_prediction_of_its_layout(model):
     items = buffer_items(params, None, split_pieces(PRESETS["qwen7b-4l"], SPLIT), COST_FN)
     base = [1.5, 0.0]  # an earlier buffer's load
     cost = list(base)
-    layout = plan_owner_layout(items, 2, 40_000_000, rank_cost=cost, balance="milp", rank_model=model,
-                               milp_options={"time_limit_s": 3.0},
-                               elementwise=elementwise_costs(device_spec("H200")))
+    layout = plan_rank_owner_layout(items, 2, 40_000_000, rank_cost=cost, milp_options={"time_limit_s": 3.0},
+                                    elementwise=elementwise_costs(device_spec("H200")), model=model)
     predicted = layout_loads(items, layout, model, base)
     assert cost == pytest.approx(predicted) and layout.rank_cost == pytest.approx(predicted)
 

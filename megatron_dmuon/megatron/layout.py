@@ -16,6 +16,7 @@ from ..planning.params import owner_ns_cost, param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
 from ..planning.plans import split_rule_for
 from ..planning.rank_cost import RankCostModel
+from ..planning.rank_milp import plan_rank_owner_layout
 from ..planning.caches import PlanCache, plan_key
 from ..planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 from ..planning.tp_cost import choose_tp_method
@@ -235,13 +236,18 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
             for key in keys:
                 dp_size, tp_size = sizes(key)
                 cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
-                options = milp_options
-                if rank_model is not None and milp_options and "time_limit_s" in milp_options:
+                if rank_model is not None and opts.balance == "milp":
                     # the rank MILP uses all of its limit (local search included): buffers share it
-                    options = dict(milp_options, time_limit_s=milp_options["time_limit_s"] / len(keys))
+                    options = dict(milp_options or {})
+                    if "time_limit_s" in options:
+                        options["time_limit_s"] /= len(keys)
+                    layouts[key] = plan_rank_owner_layout(items[key], dp_size, bucket_size, opts.max_bucket_padding,
+                                                          cost, tp_size, milp_options=options,
+                                                          elementwise=elementwise, model=rank_model)
+                    continue
                 layouts[key] = plan_owner_layout(items[key], dp_size, bucket_size, opts.max_bucket_padding, cost,
-                                                 tp_size, opts.balance, milp_options=options,
-                                                 elementwise=elementwise, rank_model=rank_model)
+                                                 tp_size, opts.balance, milp_options=milp_options,
+                                                 elementwise=elementwise)
             # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
             payload = [({k: layouts[k].to_json() for k in keys}, _cost_of(items))]
             if cache is not None:

@@ -406,7 +406,6 @@ def plan_owner_layout(
     milp_options: Optional[dict] = None,
     info: Optional[dict] = None,
     elementwise: Optional[Tuple[float, float]] = None,
-    rank_model=None,
 ) -> OwnerLayout:
     """Compute the owner plan and owner-aligned layout of one buffer.
 
@@ -419,39 +418,12 @@ def plan_owner_layout(
     less (``_oversized_fillers``). `elementwise = (adamw, muon)`: element-wise optimizer work per
     parameter element of each, in `cost`'s units (None: NS cost only;
     ``planning.cost_model.elementwise_costs``); the greedy's loads in `rank_cost` then include
-    every rank's element-wise work as its layout holds it (``_bucket_loads``). `rank_model` (a
-    ``planning.rank_cost.RankCostModel``): 'milp' minimises the slowest rank's predicted owner step
-    under it (planning/rank_milp.py); `rank_cost` is then in its ms.
+    every rank's element-wise work as its layout holds it (``_bucket_loads``). (The MILP on the
+    rank cost model is planning/rank_milp.py's ``plan_rank_owner_layout``.)
     """
-    if elementwise is not None and (len(elementwise) != 2 or min(elementwise) < 0):
-        raise ValueError(f"elementwise must be (adamw, muon) costs per element, both >= 0; got {elementwise}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    if balance not in BALANCE:
-        raise ValueError(f"balance {balance!r} unknown; valid: {', '.join(BALANCE)}")
-    names = [it.name for it in items]
-    if len(set(names)) != len(names):
-        raise ValueError("parameter names in a buffer must be unique")
-    for it in items:
-        if it.numel <= 0:
-            raise ValueError(f"parameter {it.name} has numel {it.numel}; expected > 0")
-    rank_cost = rank_cost if rank_cost is not None else [0.0] * (world_size * tp_size)
-    if len(rank_cost) != world_size * tp_size:
-        raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
-    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise, rank_model)
+    rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, balance, elementwise)
+    args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise)
     carried = list(rank_cost)
-    if rank_model is not None and balance == "milp":
-        # the rank MILP spends its whole time limit once: which params get buckets of their own is
-        # decided on the greedy's layouts first (the rule below), then the MILP plans that buffer
-        greedy = (world_size, bucket_size, max_bucket_padding, tp_size, "cost", None, elementwise)
-        big = _oversized_fillers(items, _plan(items, list(carried), None, *greedy))
-        if big:
-            alone = [dataclasses.replace(it, own_bucket=True) if it.name in big else it for it in items]
-            if _plan(alone, list(carried), None, *greedy).numel < _plan(items, list(carried), None, *greedy).numel:
-                items = alone
-        return _plan(items, rank_cost, info, *args)
     layout = _plan(items, rank_cost, info, *args)
     # A huge element-wise param (a 152k-row embedding) fits only between two owners' matrix
     # blocks, so the shard grows until the gap holds it (x2.8 the buffer for Qwen2.5-7B at DP=64).
@@ -470,6 +442,42 @@ def plan_owner_layout(
     return layout
 
 
+def check_plan_inputs(items, world_size, tp_size, rank_cost, balance, elementwise) -> List[float]:
+    """Refuse what no plan can be made of; returns ``rank_cost`` (zeros per cell when None)."""
+    if elementwise is not None and (len(elementwise) != 2 or min(elementwise) < 0):
+        raise ValueError(f"elementwise must be (adamw, muon) costs per element, both >= 0; got {elementwise}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if balance not in BALANCE:
+        raise ValueError(f"balance {balance!r} unknown; valid: {', '.join(BALANCE)}")
+    names = [it.name for it in items]
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names in a buffer must be unique")
+    for it in items:
+        if it.numel <= 0:
+            raise ValueError(f"parameter {it.name} has numel {it.numel}; expected > 0")
+    rank_cost = rank_cost if rank_cost is not None else [0.0] * (world_size * tp_size)
+    if len(rank_cost) != world_size * tp_size:
+        raise ValueError(f"rank_cost has {len(rank_cost)} entries, expected world_size x tp_size = {world_size * tp_size}")
+    return rank_cost
+
+
+def own_bucket_items(items, world_size, bucket_size, max_bucket_padding, tp_size, rank_cost, elementwise):
+    """``items`` with the element-wise params that pad a bucket by more than half (a 152k-row
+    embedding at large DP) in buckets of their own, where the greedy's layouts pad less that way
+    (the rule ``plan_owner_layout`` applies after planning, decided here before: for a planner
+    that spends its time limit once)."""
+    greedy = (world_size, bucket_size, max_bucket_padding, tp_size, "cost", None, elementwise)
+    together = _plan(items, list(rank_cost), None, *greedy)
+    big = _oversized_fillers(items, together)
+    if not big:
+        return items
+    alone = [dataclasses.replace(it, own_bucket=True) if it.name in big else it for it in items]
+    return alone if _plan(alone, list(rank_cost), None, *greedy).numel < together.numel else items
+
+
 def _oversized_fillers(items, layout, pad_limit=0.5):
     """Element-wise params over half a shard in buckets padded by more than ``pad_limit``."""
     out = set()
@@ -483,16 +491,11 @@ def _oversized_fillers(items, layout, pad_limit=0.5):
 
 
 def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options,
-          elementwise, rank_model=None):
+          elementwise):
     owners: Dict[str, int] = {}
     tp_owners: Dict[str, int] = {}
     buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
     placed: Dict[int, tuple] = {}  # bucket -> (placement, shard) already made while planning
-    if balance == "milp" and rank_model is not None:
-        from .rank_milp import rank_milp_layout
-
-        return rank_milp_layout(items, buckets_members, rank_cost, info, world_size, bucket_size, max_bucket_padding,
-                                tp_size, milp_options, rank_model, elementwise)
     if balance == "milp":
         owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,
                                          milp_options, info, elementwise)

@@ -119,9 +119,14 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
         items = buffer_items(plist, cost_model if planner == "milp" and rank_model is None else None,
                              split_pieces(model, split) if split else None, cost_fn)
         kinfo: dict = {}
-        layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
-                                          milp_options=milp_options, info=kinfo, elementwise=elementwise,
-                                          rank_model=rank_model if planner == "milp" else None)
+        if planner == "milp" and rank_model is not None:
+            from .rank_milp import plan_rank_owner_layout
+
+            layouts[kind] = plan_rank_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, milp_options,
+                                                   kinfo, elementwise, model=rank_model)
+        else:
+            layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
+                                              milp_options=milp_options, info=kinfo, elementwise=elementwise)
         if kinfo:
             info[kind] = kinfo
     return {"layouts": layouts, "params": params, "info": info, "seconds": time.perf_counter() - t0}

@@ -32,10 +32,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .dp_shards import shard_overlap
 from .milp import BACKENDS, LAUNCH_TIE, MilpFallbackWarning, _Model, _NoSolution, _SOLVERS, _spread
-from .owner_layout import PARAM_ALIGN, _align, _min_shard, _plan, assemble_layout
+from .owner_layout import (PARAM_ALIGN, _align, _min_shard, _plan, _split_buckets, assemble_layout, check_plan_inputs,
+                           own_bucket_items)
 from .rank_cost import RankCostModel, RankWork, piece_counts
 
-__all__ = ["CANDIDATES", "item_pieces", "layout_work", "layout_loads", "rank_milp_layout"]
+__all__ = ["CANDIDATES", "item_pieces", "layout_work", "layout_loads", "plan_rank_owner_layout", "rank_milp_layout"]
 
 # the warm starts, in the order that breaks ties: the greedy as --dmuon-balance cost plans (the
 # caller's costs and element-wise rates), the greedy on the model's ms, Megatron-LM's
@@ -83,6 +84,22 @@ def layout_loads(items, layout, model: RankCostModel, base: Sequence[float]) -> 
 
 def _score(loads: Sequence[float]) -> Tuple[float, float]:
     return (max(loads), sum(loads)) if loads else (0.0, 0.0)
+
+
+def plan_rank_owner_layout(items, world_size: int, bucket_size: Optional[int] = None, max_bucket_padding: float = 0.02,
+                           rank_cost: Optional[List[float]] = None, tp_size: int = 1,
+                           milp_options: Optional[dict] = None, info: Optional[dict] = None, elementwise=None, *,
+                           model: RankCostModel):
+    """``plan_owner_layout(balance='milp')`` on the rank cost model: the owner layout of one buffer
+    that minimises its slowest cell's predicted owner step (module docstring). `rank_cost` (per
+    cell, ms of earlier buffers) becomes the chosen plan's predicted loads; `elementwise` is the
+    greedy warm start's, as ``--dmuon-balance cost`` plans; `milp_options`: backend, time_limit_s
+    (everything included), max_variables, polish_share."""
+    rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, "milp", elementwise)
+    items = own_bucket_items(items, world_size, bucket_size, max_bucket_padding, tp_size, rank_cost, elementwise)
+    buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
+    return rank_milp_layout(items, buckets_members, rank_cost, info, world_size, bucket_size, max_bucket_padding,
+                            tp_size, milp_options, model, elementwise)
 
 
 def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optional[dict], world_size: int,
