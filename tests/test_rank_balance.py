@@ -198,6 +198,8 @@ def test_rank_profile_measures_in_order_within_its_budget_and_caches(tmp_path):
     assert jobs[3:6] == ["adamw|10M|1", "adamw|100M|1", "adamw|100M|100"]
     assert jobs[6].startswith("pair|") and jobs[7] == "mix|3584x18944|1|100M"
     assert "ns|3584x3584|6" in jobs and "ns|3584x3584|3" in jobs and "ns|3584x18944|2" in jobs
+    # no profiled step holds more than MAX_ELEMENTS matrix elements (the model is on the GPU already)
+    assert "ns|3584x37888|3" in profile_jobs({(37888, 3584): 8}) and "ns|3584x37888|8" not in profile_jobs({(37888, 3584): 8})
     calls = []
 
     def fake(matrices, fragments):  # the made-up device, timed

@@ -10,7 +10,8 @@ H200):
 2. AdamW alone, one fragment of 10 M and of 100 M elements, and 100 M in 100 fragments (``adamw|...``);
 3. the two most common shapes together, one matrix each (``pair|...``: the part a step pays once);
 4. the largest shape beside 100 M AdamW elements (``mix|...``: how much AdamW hides beside the NS);
-5. every shape at the most matrices one rank can own of it (``ns|MxN|K``), then at half that.
+5. every shape at the most matrices one rank can own of it (``ns|MxN|K``; at most ``MAX_ELEMENTS``
+   matrix elements in one step), then at half that.
 
 A job whose budget runs out keeps what it measured; shapes without points are predicted at the
 measured shapes' rate. The same points, named the same way, come from ``bench/rank_balance.py
@@ -35,6 +36,9 @@ __all__ = ["profile_jobs", "measure_rank_jobs", "profiled_rank_model", "rank_pro
 Key = Tuple[int, int]
 ADAMW_POINTS = ((10_000_000, 1), (100_000_000, 1), (100_000_000, 100))
 MIX_ADAMW = 100_000_000
+# the most matrix elements one profiled step holds (~9 GB of params, grads, momenta and stacks,
+# taken while the model already sits on the GPU); past its last point a curve is extrapolated
+MAX_ELEMENTS = 512 * 2**20
 
 
 def _matrices(shape: Key, k: int) -> List[tuple]:
@@ -48,7 +52,7 @@ def _fragments(elements: int, count: int) -> List[int]:
 
 def profile_jobs(shape_counts: Mapping[Sequence[int], int]) -> Dict[str, Tuple[List[tuple], List[int]]]:
     """The start-up points, in measuring order: {name: (matrices, AdamW fragment sizes)}."""
-    counts = {shape_key(s): max(1, int(k)) for s, k in shape_counts.items()}
+    counts = {shape_key(s): max(1, min(int(k), MAX_ELEMENTS // (s[0] * s[1]))) for s, k in shape_counts.items()}
     by_size = sorted(counts, key=lambda s: -s[0] * s[0] * s[1])
     jobs: Dict[str, Tuple[List[tuple], List[int]]] = {}
     for s in sorted(counts):
