@@ -35,7 +35,8 @@ class LayoutOptions:
     # published by the buffer's one collective (--dmuon-megabatch; docs/dion3.md)
     megabatch: bool = False
     max_bucket_padding: float = 0.02
-    # --dmuon-balance milp from the flags: profile the owner NS on this GPU, then the MILP, both
+    # --dmuon-balance milp from the flags: profile the owner step on this GPU (runtime/rank_profile.py),
+    # then the MILP on that rank cost model (planning/rank_milp.py), both
     # inside plan_budget_s on rank 0; the plan is cached in plan_cache
     profile: bool = False
     plan_budget_s: Optional[float] = None

@@ -78,11 +78,11 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     g.add_argument("--dmuon-tp-method", default="auto", choices=TP_METHODS,
                    help="TP-sharded matrices: gather to the TP owner, distributed Gram NS, or auto (cost model)")
     g.add_argument("--dmuon-balance", default="cost", choices=BALANCE,
-                   help="owner assignment: cost (greedy on predicted NS time), milp (NS profiled on this GPU, "
-                        "then an MILP; both cached), numel_lpt, megatron_lpt (max·min², Megatron main's layer-sharded "
+                   help="owner assignment: cost (greedy on predicted NS time), milp (the owner step profiled on this "
+                        "GPU, then an MILP on that rank cost model; both cached), numel_lpt, megatron_lpt (max·min², Megatron main's layer-sharded "
                         "Muon) or round_robin (baselines)")
     g.add_argument("--dmuon-plan-budget", type=float, default=STARTUP_BUDGET_S, metavar="SECONDS",
-                   help="--dmuon-balance milp: start-up seconds for NS profiling + the MILP on rank 0 "
+                   help="--dmuon-balance milp: start-up seconds for the rank profile + the MILP on rank 0 "
                         "(the best plan found by then is used; cached plans cost nothing)")
     g.add_argument("--dmuon-ranks-per-node", type=int, default=0,
                    help="> 0: two-level (intra-node, then inter-node) grad reduce / param publish with "
