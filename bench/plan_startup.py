@@ -45,7 +45,6 @@ def main():
     import torch
 
     from megatron_dmuon.megatron.config import DMuonConfig
-    from megatron_dmuon.megatron.layout import rank_profile_counts
     from megatron_dmuon.planning.caches import PlanCache, plan_key
     from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs
     from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
@@ -55,7 +54,7 @@ def main():
     from megatron_dmuon.planning.rank_milp import plan_rank_owner_layout
     from megatron_dmuon.planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
     from megatron_dmuon.runtime.owner_step import MuonSettings
-    from megatron_dmuon.runtime.rank_profile import profiled_rank_model
+    from megatron_dmuon.runtime.rank_profile import profile_counts, profiled_rank_model
 
     t_import = time.perf_counter()
     os.makedirs(args.cache_dir, exist_ok=True)
@@ -70,7 +69,7 @@ def main():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
-        model = profiled_rank_model(rank_profile_counts(counts, args.dp * args.tp), settings,
+        model = profiled_rank_model(profile_counts(counts, args.dp * args.tp), settings,
                                     cache_path=os.path.join(args.cache_dir, "ns_profile.json"),
                                     budget_s=profile_budget(budget))
         if torch.cuda.is_available():

@@ -56,7 +56,7 @@ from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params  
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size  # noqa: E402
 from megatron_dmuon.planning.params import owner_ns_cost  # noqa: E402
 from megatron_dmuon.planning.plans import gpu_cells, plan_stage, split_rule_for, transformer_shape  # noqa: E402
-from megatron_dmuon.planning.rank_cost import RankWork  # noqa: E402
+from megatron_dmuon.planning.rank_cost import RankWork, piece_counts  # noqa: E402
 from megatron_dmuon.planning.simulate import adamw_fragments_in_shard  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import time_owner_step  # noqa: E402
 
@@ -122,13 +122,7 @@ def gpu_work(plan, model, par, split):
 
 def pieces_of(mats):
     """Counter of the NS piece shapes (m, n), m <= n, a rank's matrices give."""
-    c = Counter()
-    for _, shape, rule in mats:
-        for s in ([shape] if rule is None else rule.piece_shapes(shape)):
-            k = 1 if len(s) == 2 else s[0]
-            m, n = s[-2:]
-            c[(min(m, n), max(m, n))] += k
-    return c
+    return piece_counts(s for _, shape, rule in mats for s in ([shape] if rule is None else rule.piece_shapes(shape)))
 
 
 def signature(mats, frags):
@@ -249,9 +243,8 @@ def startup(args, cfg, log):
     """What rank 0 of a ``--dmuon-balance milp`` job does at start-up, per layout: the rank profile
     (runtime/rank_profile.py, through the cache in --cache-dir) within the budget's share, then the
     MILP with what is left; seconds of each, and the model it planned on."""
-    from megatron_dmuon.megatron.layout import rank_profile_counts
     from megatron_dmuon.planning.startup_profile import milp_time_limit, profile_budget
-    from megatron_dmuon.runtime.rank_profile import profiled_rank_model
+    from megatron_dmuon.runtime.rank_profile import profile_counts, profiled_rank_model
 
     out = {"layouts": {}, "models": {}}
     cache = str(Path(args.cache_dir) / "ns_profile.json")
@@ -266,7 +259,7 @@ def startup(args, cfg, log):
                     counts.update(pieces_of([(p.name, tuple(p.full_shape), rule)]))
         cells = min(par.dp_size * par.tp, par.expert_dp_size * par.expert_tp) if model.num_experts else par.dp_size
         t0 = time.perf_counter()
-        rank_model = profiled_rank_model(rank_profile_counts(counts, cells), cfg.muon, cache_path=cache,
+        rank_model = profiled_rank_model(profile_counts(counts, cells), cfg.muon, cache_path=cache,
                                          budget_s=profile_budget(args.startup_budget))
         if torch.cuda.is_available():
             torch.cuda.synchronize()

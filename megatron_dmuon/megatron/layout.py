@@ -140,13 +140,6 @@ def _costed(records, cost_fn, model):
     return out
 
 
-def rank_profile_counts(counts, cells: int) -> dict:
-    """Per piece shape, the most matrices the rank profile times on one rank: twice an even share
-    over the ``cells`` owners (greedy plans emulated on the H200 gave one rank up to 1.7x the even share;
-    past the last point the model extrapolates), at most all of them."""
-    return {shape: min(n, 2 * -(-n // max(1, cells))) for shape, n in counts.items()}
-
-
 def owner_cost_fn(muon):
     """NS FLOPs of one piece as the owner step runs it under ``muon`` (schedule, steps, method)."""
     return functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
@@ -199,10 +192,10 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
             for shape, n in map(_matrices_of, r.pieces):
                 counts[shape] += n
         if rank_profile:  # measure (or read the cache) on this GPU; analytic off CUDA
-            from ..runtime.rank_profile import profiled_rank_model
+            from ..runtime.rank_profile import profile_counts, profiled_rank_model
 
             cells = min(dp * tp for dp, tp in map(sizes, keys)) if keys else 1
-            model = profiled_rank_model(rank_profile_counts(counts, cells), settings=cfg.muon,
+            model = profiled_rank_model(profile_counts(counts, cells), settings=cfg.muon,
                                         budget_s=profile_budget(opts.plan_budget_s or STARTUP_BUDGET_S))
         elif cost_model_fn is not None:
             model = cost_model_fn(sorted(counts), min(max(counts.values(), default=1), 8))

@@ -546,6 +546,25 @@ def assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_si
     return layout
 
 
+def fragments_by_rank(layout: OwnerLayout, params) -> List[List[int]]:
+    """Per DP rank, in param order, the sizes of the element-wise (AdamW) params' pieces inside
+    its shards of the buckets (a param straddling a shard boundary counts by its overlap). Each
+    param visits only the shards it touches."""
+    out: List[List[int]] = [[] for _ in range(layout.world_size)]
+    for p in params:
+        if p.is_matrix:
+            continue
+        s, e, b = layout.param_ranges[p.name]
+        bucket = layout.buckets[b]
+        first = max(0, (s - bucket.start) // bucket.shard_size)
+        last = min(layout.world_size - 1, (e - 1 - bucket.start) // bucket.shard_size)
+        for r in range(first, last + 1):
+            lo, hi = shard_overlap(s, e, r, bucket.shard_size, bucket.start)
+            if hi > lo:
+                out[r].append(hi - lo)
+    return out
+
+
 def state_bytes_per_rank(layout: OwnerLayout, param_bytes: int = 2, momentum_bytes: int = 4) -> List[Dict[str, int]]:
     """Optimizer state each DP rank of one buffer keeps under this plan, in bytes: ``masters``
     (an fp32 copy of every element of its shard when the model is narrower than fp32: a

@@ -24,16 +24,16 @@ missing, fails or runs out of time falls back to that best warm start with a war
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .dp_shards import shard_overlap
 from .milp import BACKENDS, LAUNCH_TIE, MilpFallbackWarning, _Model, _NoSolution, _SOLVERS, _spread
 from .owner_layout import (PARAM_ALIGN, _align, _min_shard, _plan, _split_buckets, assemble_layout, check_plan_inputs,
-                           own_bucket_items)
+                           fragments_by_rank, own_bucket_items)
 from .rank_cost import RankCostModel, RankWork, piece_counts
 
 __all__ = ["CANDIDATES", "item_pieces", "layout_work", "layout_loads", "plan_rank_owner_layout", "rank_milp_layout"]
@@ -58,23 +58,18 @@ def layout_work(items, layout) -> List[RankWork]:
     work = [RankWork() for _ in range(layout.world_size * T)]
     for it in items:
         if it.is_matrix:
-            work[layout.owners[it.name] * T + layout.tp_owners.get(it.name, 0)].add_matrix(item_pieces(it))
-    fragments: List[List[int]] = [[] for _ in range(layout.world_size)]
-    for it in items:
-        if it.is_matrix:
-            continue
-        s, e, b = layout.param_ranges[it.name]
-        bucket = layout.buckets[b]
-        first = max(0, (s - bucket.start) // bucket.shard_size)
-        last = min(layout.world_size - 1, (e - 1 - bucket.start) // bucket.shard_size)
-        for r in range(first, last + 1):
-            lo, hi = shard_overlap(s, e, r, bucket.shard_size, bucket.start)
-            if hi > lo:
-                fragments[r].append(hi - lo)
-    for r, sizes in enumerate(fragments):
+            work[layout.owners[it.name] * T + layout.tp_owners.get(it.name, 0)].pieces.update(_counts(item_pieces(it)))
+    for r, sizes in enumerate(fragments_by_rank(layout, items)):
         for t in range(T):
             work[r * T + t].add_fragments(sizes)
     return work
+
+
+@functools.lru_cache(maxsize=None)
+def _counts(pieces) -> Counter:
+    """``piece_counts`` of a matrix's pieces, once per distinct pieces (the local search scores
+    thousands of layouts of the same matrices)."""
+    return piece_counts(pieces)
 
 
 def layout_loads(items, layout, model: RankCostModel, base: Sequence[float]) -> List[float]:

@@ -23,9 +23,8 @@ import math
 from typing import Dict, List, Optional
 
 from .cost_model import ClusterSpec, CostModel, Link, load_config
-from .dp_shards import shard_overlap
 from .models import ModelSpec, ParallelSpec, stage_params
-from .owner_layout import megatron_bucket_size
+from .owner_layout import fragments_by_rank, megatron_bucket_size
 from .plans import gpu_cells, plan_stage, predict_stage
 from .tp_cost import choose_tp_method
 
@@ -66,17 +65,8 @@ def _tp_exchange_ms(link: Link, params, owners: Dict[str, int], dp_rank: int, tp
 
 def adamw_fragments_in_shard(layout, params, dp_rank: int) -> List[int]:
     """Sizes of the pieces of element-wise (AdamW) params inside DP rank ``dp_rank``'s shards of
-    the buckets (a param straddling a shard boundary counts by its overlap)."""
-    sizes = []
-    for p in params:
-        if p.is_matrix:
-            continue
-        s, e, b = layout.param_ranges[p.name]
-        bucket = layout.buckets[b]
-        lo, hi = shard_overlap(s, e, dp_rank, bucket.shard_size, bucket.start)
-        if hi > lo:
-            sizes.append(hi - lo)
-    return sizes
+    the buckets (``owner_layout.fragments_by_rank``)."""
+    return fragments_by_rank(layout, params)[dp_rank]
 
 
 def adamw_in_shard(layout, params, dp_rank: int) -> int:

@@ -10,7 +10,7 @@ H200):
 2. AdamW alone, one fragment of 10 M and of 100 M elements, and 100 M in 100 fragments (``adamw|...``);
 3. the two most common shapes together, one matrix each (``pair|...``: the part a step pays once);
 4. the largest shape beside 100 M AdamW elements (``mix|...``: how much AdamW hides beside the NS);
-5. every shape at the most matrices one rank can own of it (``ns|MxN|K``; at most ``MAX_ELEMENTS``
+5. every shape at the most matrices one rank can own of it (``profile_counts``: ``ns|MxN|K``; at most ``MAX_ELEMENTS``
    matrix elements in one step), then at half that.
 
 A job whose budget runs out keeps what it measured; shapes without points are predicted at the
@@ -31,7 +31,7 @@ from ..planning.rank_cost import RankCostModel
 from .muon_settings import MuonSettings
 from .ns_timing import device_name, profile_meta, time_owner_step
 
-__all__ = ["profile_jobs", "measure_rank_jobs", "profiled_rank_model", "rank_profile_meta"]
+__all__ = ["profile_counts", "profile_jobs", "measure_rank_jobs", "profiled_rank_model", "rank_profile_meta"]
 
 Key = Tuple[int, int]
 ADAMW_POINTS = ((10_000_000, 1), (100_000_000, 1), (100_000_000, 100))
@@ -48,6 +48,13 @@ def _matrices(shape: Key, k: int) -> List[tuple]:
 def _fragments(elements: int, count: int) -> List[int]:
     small = 4096
     return [elements - (count - 1) * small] + [small] * (count - 1)
+
+
+def profile_counts(counts, cells: int) -> dict:
+    """Per piece shape, the most matrices the rank profile times on one rank: twice an even share
+    over the ``cells`` owners (greedy plans emulated on the H200 gave one rank up to 1.7x the even share;
+    past the last point the model extrapolates), at most all of them."""
+    return {shape: min(n, 2 * -(-n // max(1, cells))) for shape, n in counts.items()}
 
 
 def profile_jobs(shape_counts: Mapping[Sequence[int], int]) -> Dict[str, Tuple[List[tuple], List[int]]]:
