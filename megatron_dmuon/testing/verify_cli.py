@@ -360,8 +360,4 @@ def _main_torchrun(args):
 
 
 if __name__ == "__main__":
-    import atexit
-    import gc
-
-    atexit.register(gc.freeze)  # the exit skips its last collection over every torch object (cpu_train.py)
     sys.exit(main())
