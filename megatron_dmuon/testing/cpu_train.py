@@ -10,17 +10,9 @@ from __future__ import annotations
 
 
 def main(argv=None) -> None:
-    import atexit
-    import gc
-
     from megatron_dmuon.megatron.train.job import main as train_main
     from megatron_dmuon.testing import cpu_shim
 
-    # At the process's exit, the interpreter's last collection walks every object torch and
-    # megatron-core created (~1.4 s of each rank's exit on the 2-core CI machine, paid by every CPU
-    # run). gc.freeze() in an exit handler takes them out of its reach; reference counting still
-    # frees them as the modules are cleared, and the other exit handlers run as before.
-    atexit.register(gc.freeze)
     cpu_shim.install()
     train_main(argv)
 
