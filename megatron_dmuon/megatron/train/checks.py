@@ -391,10 +391,13 @@ def _available_bytes():
 
 # ------------------------------------------------------------------------------ while it runs
 def job_error(message: str, code: int) -> None:
-    """A run-time error every rank reached together: rank 0 prints it once, every rank exits."""
+    """A run-time error every rank reached together: rank 0 prints it once, every rank exits.
+    The barrier keeps the other ranks from exiting first: torchrun stops every rank at the first
+    one that ends, which could kill rank 0 before its message was written."""
     if torch.distributed.get_rank() == 0:
         sys.stderr.write(f"{PROG}: error: {message}\n")
         sys.stderr.flush()
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     raise SystemExit(code)
 
