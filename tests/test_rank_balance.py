@@ -267,3 +267,34 @@ def test_rank_balance_bench_runs_on_cpu(tmp_path):
     assert len(lay["ranks"]) == 2 and lay["slowest_ms"] == max(r["ms"] for r in lay["ranks"])
     milp = emu["layouts"]["tiny/dp2/one"]["plans"]["milp"]
     assert milp["info"]["dense"]["chosen"] in milp["info"]["dense"]["candidates"]
+
+
+@pytest.mark.parametrize("spec", ["qwen7b-4l/dp4/buckets", "qwen2.5-7b/dp8/one", "tiny-moe/dp4/ep2/one"])
+def test_megatron_layerwise_gpus_own_every_matrix_once_and_shard_adamw_evenly(spec):
+    """bench/rank_balance.py's emulation of Megatron-LM's LayerWise Muon per GPU: every matrix on
+    exactly one GPU of each (expert) DP group, at the owners of Megatron's LPT rule; the element-wise
+    params of each buffer split over its DP group in equal shards (Megatron's DistributedOptimizer),
+    every element stepped exactly once per group."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rank_balance as rb
+
+    cfg = rb.job_settings([])
+    model, par, size = rb.parse_layout(spec)
+    work = rb.megatron_layerwise_work(model, par, size, cfg)
+    gpus = par.dp_size * par.tp
+    assert len(work) == gpus
+    lpt = rb.gpu_work(rb.make_plans(model, par, size, cfg, ["megatron_lpt"])["megatron_lpt"], model, par,
+                      cfg.split_flags())
+    assert [sorted(n for n, _, _ in m) for m, _ in work] == [sorted(n for n, _, _ in m) for m, _ in lpt]
+    params = stage_params(model, par)
+    # experts: each expert-DP group (GPUs with the same EP rank) holds each local expert matrix once
+    groups = par.ep if model.num_experts else 1
+    owned = Counter(n for m, _ in work for n, _, _ in m)
+    matrices = [p.name for kind in params for p in params[kind] if p.is_matrix]
+    dense = {p.name for p in params["dense"] if p.is_matrix}
+    assert set(owned) == set(matrices)
+    assert all(owned[n] == (1 if n in dense else groups) for n in matrices)
+    elementwise = {k: sum(p.numel for p in ps if not p.is_matrix) for k, ps in params.items()}
+    per_gpu = [sum(f) for _, f in work]
+    assert sum(per_gpu) == elementwise["dense"] + elementwise["expert"] * groups
+    assert max(per_gpu) - min(per_gpu) <= 2 * max(1, par.dp_size)  # equal shards (ceil)
