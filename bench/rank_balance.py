@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_dmuon.megatron.config import DMuonConfig  # noqa: E402
 from megatron_dmuon.megatron.flags import add_dmuon_args  # noqa: E402
-from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs  # noqa: E402
+from megatron_dmuon.planning.cost_model import cluster_spec, device_spec, elementwise_costs  # noqa: E402
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params  # noqa: E402
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size  # noqa: E402
 from megatron_dmuon.planning.params import owner_ns_cost  # noqa: E402
@@ -71,14 +71,14 @@ def job_settings(flags):
 
 
 def parse_layout(spec: str):
-    """'qwen2.5-7b/dp8/ep4/one' -> (model, ParallelSpec, bucket size or None)."""
+    """'qwen2.5-7b/dp8/ep4/one', 'qwen2.5-7b/tp2/dp4/buckets' -> (model, ParallelSpec, bucket size or None)."""
     parts = spec.split("/")
     if parts[0] not in PRESETS or parts[-1] not in ("buckets", "one"):
         raise ValueError(f"layout {spec!r}: PRESET/dpN[/epE]/(buckets|one), presets {', '.join(sorted(PRESETS))}")
     fields = {p[:2]: int(p[2:]) for p in parts[1:-1]}
-    if set(fields) - {"dp", "ep"}:
-        raise ValueError(f"layout {spec!r}: only dpN and epE (TP is not emulated here)")
-    par = ParallelSpec(dp=fields["dp"], ep=fields.get("ep", 1))
+    if set(fields) - {"tp", "dp", "ep"}:
+        raise ValueError(f"layout {spec!r}: PRESET[/tpT]/dpN[/epE]/(buckets|one)")
+    par = ParallelSpec(tp=fields.get("tp", 1), dp=fields["dp"], ep=fields.get("ep", 1))
     size = megatron_bucket_size(par.dp_size, parts[-1] == "buckets")
     return PRESETS[parts[0]], par, size
 
@@ -119,6 +119,38 @@ def gpu_work(plan, model, par, split):
                     mats.append((p.name, tuple(p.full_shape), split_rule_for(p.name, p.full_shape, config, split)))
             frags += adamw_fragments_in_shard(layout, params, dp)
         out.append((mats, frags))
+    return out
+
+
+def tp_cell_work(plan, par, cluster="h200"):
+    """Per GPU of a TP > 1 stage: (element counts of its shards of the matrices its DP row owns and
+    another TP rank orthogonalizes, the TP exchange's modelled ms). The GPU runs those shards'
+    momentum and apply (``time_owner_step(tp_shards=...)``); the exchange is two all-to-alls inside
+    the TP group (shards to each matrix's TP owner, directions back: runtime/tp_exchange.py), fp32,
+    at the cluster's intra-node link (planning/clusters.json), modelled, not timed: one GPU has no
+    peer. Every matrix is emulated as gathered to its TP owner (``--dmuon-tp-method gather``);
+    distributed Gram NS (``auto``'s pick for shapes sharded along their long dim) is not emulated."""
+    link = cluster_spec(cluster).intra
+    out = []
+    for r in range(par.dp_size * par.tp):
+        shards, sent, received = [], 0, 0
+        for kind, layout in plan["layouts"].items():
+            if layout.tp_size <= 1:
+                continue
+            dp, tp = divmod(gpu_cells(par, r)[kind], layout.tp_size)
+            for p in plan["params"][kind]:
+                if not p.is_matrix or layout.owners[p.name] != dp or p.partition_dim is None:
+                    continue
+                if layout.tp_owners.get(p.name, 0) == tp:  # gathers the others' shards, returns theirs
+                    received += (layout.tp_size - 1) * p.numel * 4
+                    sent += (layout.tp_size - 1) * p.numel * 4
+                else:
+                    shards.append(p.numel)
+                    sent += p.numel * 4
+                    received += p.numel * 4
+        # two all-to-alls: each a latency, the bytes (both ways counted) at the link's rate
+        exchange_ms = 2 * link.alpha_us * 1e-3 + max(sent, received) / (link.gbytes_per_s * 1e6) if sent else 0.0
+        out.append((shards, exchange_ms))
     return out
 
 
@@ -240,21 +272,25 @@ def describe(mats, frags):
 
 
 def time_all(jobs, cfg, rounds, iters, warmup, device, log):
-    """jobs: {key: (mats, frags)}; returns {key: [median ms per round]}; interleaved rounds."""
+    """jobs: {key: (mats, frags) or {mats, frags, shards (TP cell), megatron (model: Megatron's
+    LayerWise step)}}; returns {key: [median ms per round]}; interleaved rounds."""
     times = {k: [] for k in jobs}
+    jobs = {k: job if isinstance(job, dict) else {"mats": job[0], "frags": job[1]} for k, job in jobs.items()}
     if rounds == 0:  # --dry-run: what would be timed
-        stacks = {(s, k) for job in jobs.values() for s, k in pieces_of(job[0]).items()}
-        elements = max((sum(s[0] * s[1] for _, s, _ in job[0]) + sum(job[1]) for job in jobs.values()), default=0)
+        stacks = {(s, k) for job in jobs.values() for s, k in pieces_of(job["mats"]).items()}
+        elements = max((sum(s[0] * s[1] for _, s, _ in job["mats"]) + sum(job["frags"]) + sum(job.get("shards", ()))
+                        for job in jobs.values()), default=0)
         log({"jobs": len(jobs), "distinct_stacks": len(stacks), "largest_rank_elements_M": round(elements / 1e6)})
         return {k: [0.0] for k in jobs}
     for rnd in range(rounds):
         for key, job in jobs.items():
-            mats, frags = job[:2]
+            mats, frags = job["mats"], job["frags"]
             t0 = time.perf_counter()
-            if len(job) > 2:  # (mats, frags, model): a GPU of Megatron's LayerWise Muon
-                ms, _ = time_megatron_rank(mats, frags, job[2], iters=iters, warmup=warmup, device=device)
+            if job.get("megatron"):  # a GPU of Megatron's LayerWise Muon
+                ms, _ = time_megatron_rank(mats, frags, job["megatron"], iters=iters, warmup=warmup, device=device)
             else:
-                ms, _ = time_owner_step(mats, frags, cfg.muon, iters=iters, warmup=warmup, device=device)
+                ms, _ = time_owner_step(mats, frags, cfg.muon, iters=iters, warmup=warmup, device=device,
+                                        tp_shards=job.get("shards", ()))
             times[key].append(ms)
             log({"round": rnd, "job": str(key), "ms": round(ms, 3), "wall_s": round(time.perf_counter() - t0, 2)})
     return times
@@ -268,19 +304,25 @@ def emulate(args, cfg, log):
         dmuon_plans = [p for p in args.plans if p != MEGATRON]
         plans = make_plans(model, par, size, cfg, dmuon_plans, rank_model, {"time_limit_s": args.milp_time_limit})
         work = {name: gpu_work(plan, model, par, cfg.split_flags()) for name, plan in plans.items()}
-        if MEGATRON in args.plans:
+        if MEGATRON in args.plans and par.tp > 1:
+            log({"layout": spec, "skipped": MEGATRON, "why": "Megatron's LayerWise step is emulated at TP = 1 only"})
+        elif MEGATRON in args.plans:
             t0 = time.perf_counter()
             work[MEGATRON] = megatron_layerwise_work(model, par, size, cfg)
             plans[MEGATRON] = {"plan_s": time.perf_counter() - t0, "info": {}, "layouts": {}}
         sigs, jobs, per_plan = {}, {}, {}
         for name, plan in plans.items():
             ranks = []
+            cells = tp_cell_work(plan, par) if par.tp > 1 and name != MEGATRON else None
             for r, (mats, frags) in enumerate(work[name]):
-                sig = (name == MEGATRON,) + signature(mats, frags)
+                shards, exchange_ms = cells[r] if cells else ([], 0.0)
+                sig = (name == MEGATRON, tuple(sorted(shards))) + signature(mats, frags)
                 if sig not in sigs:
                     sigs[sig] = len(sigs)
-                    jobs[sigs[sig]] = (mats, frags, model) if name == MEGATRON else (mats, frags)
-                ranks.append(dict(describe(mats, frags), gpu=r, job=sigs[sig]))
+                    jobs[sigs[sig]] = {"mats": mats, "frags": frags, "shards": shards,
+                                       "megatron": model if name == MEGATRON else None}
+                ranks.append(dict(describe(mats, frags), gpu=r, job=sigs[sig], tp_shard_elements=sum(shards),
+                                  tp_exchange_ms=exchange_ms))
             per_plan[name] = {"ranks": ranks, "plan_s": plan["plan_s"], "info": plan["info"],
                               "predicted": [c for layout in plan["layouts"].values() for c in layout.rank_cost]}
         log({"layout": spec, "plans": list(plans), "gpus": par.dp_size * par.tp, "distinct_ranks": len(jobs)})
@@ -293,9 +335,12 @@ def emulate(args, cfg, log):
             row["slowest_rounds"] = slowest_rounds
             row["slowest_ms"] = statistics.median(slowest_rounds)
             row["spread_ms"] = max(x["ms"] for x in row["ranks"]) - min(x["ms"] for x in row["ranks"])
-        result["layouts"][spec] = {"plans": per_plan, "bucket_size": size, "dp": par.dp_size, "ep": par.ep,
-                                   "jobs": {k: describe(*v[:2]) | {"fragment_sizes": v[1], "megatron": len(v) > 2}
-                                            for k, v in jobs.items()}}
+            if par.tp > 1:  # compute measured per GPU, the TP exchange modelled (tp_cell_work)
+                row["slowest_with_exchange_ms"] = max(x["ms"] + x["tp_exchange_ms"] for x in row["ranks"])
+        result["layouts"][spec] = {"plans": per_plan, "bucket_size": size, "dp": par.dp_size, "ep": par.ep, "tp": par.tp,
+                                   "jobs": {k: describe(v["mats"], v["frags"]) | {
+                                       "fragment_sizes": v["frags"], "tp_shards": v["shards"],
+                                       "megatron": v["megatron"] is not None} for k, v in jobs.items()}}
     return result
 
 
@@ -436,11 +481,13 @@ def table(result):
         return "\n".join(lines)
     for spec, lay in result.get("layouts", {}).items():
         lines += [f"## {spec} (bucket size {lay['bucket_size']})", "",
-                  "| plan | slowest GPU ms (median of rounds) | rounds | spread ms | distinct ranks | plan s |",
-                  "|---|---:|---|---:|---:|---:|"]
+                  "| plan | slowest GPU ms (median of rounds) | rounds | spread ms | distinct ranks | plan s |"
+                  + (" slowest GPU + modelled TP exchange ms |" if lay.get("tp", 1) > 1 else ""),
+                  "|---|---:|---|---:|---:|---:|" + ("---:|" if lay.get("tp", 1) > 1 else "")]
         for name, row in lay["plans"].items():
             lines.append(f"| {name} | **{row['slowest_ms']:.2f}** | {', '.join(f'{x:.2f}' for x in row['slowest_rounds'])} "
-                         f"| {row['spread_ms']:.2f} | {len({x['job'] for x in row['ranks']})} | {row['plan_s']:.1f} |")
+                         f"| {row['spread_ms']:.2f} | {len({x['job'] for x in row['ranks']})} | {row['plan_s']:.1f} |"
+                         + (f" {row['slowest_with_exchange_ms']:.2f} |" if "slowest_with_exchange_ms" in row else ""))
         lines.append("")
     if "jobs" in result:
         lines += ["| calibration rank | ms |", "|---|---:|"] + [f"| {k} | {v['ms']:.3f} |" for k, v in result["jobs"].items()]

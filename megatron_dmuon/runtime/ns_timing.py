@@ -77,16 +77,22 @@ def profiled_cost_model(
 
 
 def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], settings: MuonSettings, *,
-                    iters: int = 5, warmup: int = 2, device="cuda", seed: int = 0):
+                    iters: int = 5, warmup: int = 2, device="cuda", seed: int = 0,
+                    tp_shards: Sequence[int] = ()):
     """(median ms, every timed ms) of one rank's owner step, as the job runs it: one
     ``OwnerMuonAdamW`` holding ``matrices`` (``(name, full shape, split rule or None)``, owned
     whole, TP = 1) and AdamW params of the sizes in ``fragments`` (its shards' element-wise
     pieces), timed with CUDA events around ``step()`` (``warmup`` untimed steps first: autotune,
     graph capture). Off CUDA it runs and times on the host (a smoke run; no timing claims).
-    The start-up rank profile and bench/rank_balance.py's per-rank emulation time this."""
+    ``tp_shards``: element counts of a TP cell's shards of the matrices its DP row owns and
+    another TP rank orthogonalizes; their momentum and apply run here too, inside the same
+    events (``muon_momentum_`` then ``muon_apply_`` per shard, fp32, the direction standing in
+    for the one the TP owner returns). The start-up rank profile and bench/rank_balance.py's
+    per-rank emulation time this."""
     import statistics
     import time
 
+    from ..algorithms.muon import muon_apply_, muon_momentum_
     from .owner_step import MatrixInfo, OwnerMuonAdamW
 
     device = torch.device(device)
@@ -99,30 +105,43 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
 
     muon = [param(tuple(shape)) for _, shape, _ in matrices]
     adamw = [param((int(n),)) for n in fragments]
+    shards = [(param((int(n),)), torch.zeros(int(n), device=device)) for n in tp_shards]
+    beta, nesterov = settings.momentum, settings.nesterov
+
+    @torch.no_grad()
+    def shard_passes():
+        for p, momentum in shards:
+            muon_apply_(p, muon_momentum_(momentum, p.grad, beta, nesterov), 1e-4, 0.1, 1.0)
+
     groups = ([{"params": muon, "use_muon": True}] if muon else []) + ([{"params": adamw, "use_muon": False}]
                                                                        if adamw else [])
-    if not groups:
+    if not groups and not shards:
         return 0.0, []
-    opt = OwnerMuonAdamW(groups, lr=1e-4, weight_decay=0.1, muon=settings)
+    opt = OwnerMuonAdamW(groups, lr=1e-4, weight_decay=0.1, muon=settings) if groups else None
     for p, (name, shape, rule) in zip(muon, matrices):
         opt.register_matrix(p, MatrixInfo(name, tuple(shape), rule))
+
+    def step():
+        if opt is not None:
+            opt.step()
+        shard_passes()
     times = []
     for it in range(warmup + iters):
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             begin.record()
-            opt.step()
+            step()
             end.record()
             torch.cuda.synchronize(device)
             ms = begin.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            opt.step()
+            step()
             ms = (time.perf_counter() - t0) * 1e3
         if it >= warmup:
             times.append(ms)
-    del opt, muon, adamw
+    del opt, muon, adamw, shards
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times), times
