@@ -1,23 +1,48 @@
-"""A JSON file of versioned entries, ``{"version": V, "entries": {key: entry}}``: the one on-disk
-store of the kernels' autotune cache (kernels/autotune.py) and the planner's NS profiles and owner
-plans (planning/caches.py).
+"""A JSON file of versioned entries, ``{"dmuon_cache": SIGNATURE, "entries": {key: entry}, "version": V}``:
+the one on-disk store of the kernels' autotune cache (kernels/autotune.py) and the planner's NS
+and rank profiles and owner plans (planning/caches.py).
 
-A file that is unreadable, or of another format version, is ignored with a warning (its entries
-are rebuilt on use). A write takes an exclusive lock on a side file, re-reads the file, merges and
-replaces it atomically: concurrent ranks neither corrupt it nor drop each other's keys, and a
-failed write leaves no temporary file behind. A path that cannot be written raises a ValueError
-naming the cache and where it is set.
+Every file is recognised by its signature before it is read or replaced: the ``dmuon_cache`` key,
+first in the file (keys are written sorted), names which cache it is; a file written before the
+signature existed is ``{"entries": {...}, "version": V}`` and nothing else. A file that is not
+ours (other JSON, other text, another of DMuon's caches, not a regular file) is refused with a
+``ForeignCacheFile`` (a ValueError) naming it and where it is set, and is never touched. An empty
+file holds nothing and is taken as an empty cache. A file of ours that no longer parses (cut
+short), or of another format version, is ignored with a warning (its entries are rebuilt on use).
+A write takes an exclusive lock on a side file, re-reads the file, merges and replaces it
+atomically, keeping the file's mode (a new file gets the umask's): concurrent ranks neither
+corrupt it nor drop each other's keys, and a failed write leaves no temporary file behind. A path
+that cannot be written raises a ValueError naming the cache and where it is set.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
+import stat
 import tempfile
 import warnings
 from pathlib import Path
 
-__all__ = ["JsonStore"]
+__all__ = ["JsonStore", "ForeignCacheFile"]
+
+SIGNATURE_KEY = "dmuon_cache"
+# the first bytes of a file of ours, whole or cut short: the signature, or (written before the
+# signature) the sorted layout's "entries" object
+_SIGNED = re.compile(r'\A\s*\{\s*"dmuon_cache"\s*:\s*"([^"\\]*)("|\Z)')
+_UNSIGNED = re.compile(r'\A\s*\{\s*"entries"\s*:\s*\{')
+
+
+FOREIGN_FIX = "a new file path (or delete the file if it is an old cache you no longer need)"
+
+
+class ForeignCacheFile(ValueError):
+    """The file a cache is pointed at is not that cache: DMuon refuses it and leaves it untouched."""
+
+    def __init__(self, why: str, store: "JsonStore"):
+        self.problem = f"is not a {store.label} file ({why}; DMuon replaces only files it wrote: left untouched)"
+        super().__init__(f"the {store.label} {store.path} {self.problem}: point {store.env} at {FOREIGN_FIX}")
 
 
 class JsonStore:
@@ -28,6 +53,7 @@ class JsonStore:
     version = 1
     label = "DMuon cache"
     env = ""
+    signature = ""  # the "dmuon_cache" value of this cache's files (default: "megatron_dmuon <label>")
 
     @staticmethod
     def default_path():
@@ -37,15 +63,52 @@ class JsonStore:
         self.path = Path(path if path is not None else self.default_path()).expanduser()
         self._entries: dict | None = None
 
+    @classmethod
+    def _signature(cls) -> str:
+        return cls.signature or f"megatron_dmuon {cls.label}"
+
+    def _foreign(self, why: str) -> "ForeignCacheFile":
+        return ForeignCacheFile(why, self)
+
     def _read_file(self) -> dict:
+        """The entries of the file (``{}`` where there is none yet, or it is empty, cut short or of
+        another version: with a warning where it held something); ``ForeignCacheFile`` where the file
+        is not this cache."""
         try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+            info = os.stat(self.path)
+        except OSError:  # no file there (or no way to it: writable_problem names the folder)
             return {}
-        except (OSError, ValueError) as exc:
+        if stat.S_ISDIR(info.st_mode):
+            return {}  # writable_problem names it (a directory is never replaced)
+        if not stat.S_ISREG(info.st_mode):
+            raise self._foreign("it is not a regular file")
+        try:
+            raw = self.path.read_bytes()
+        except OSError as exc:
+            raise self._foreign(f"it cannot be read: {exc.strerror or exc}") from None
+        if not raw.strip():
+            return {}  # an empty file (e.g. made by mktemp) holds nothing to lose
+        head = raw[:4096].decode("utf-8", errors="replace")
+        signed = _SIGNED.match(head)
+        if signed and not (signed.group(1) == self._signature()
+                           or (not signed.group(2) and self._signature().startswith(signed.group(1)))):
+            raise self._foreign(f"it is {signed.group(1)!r}")  # another cache (or cut inside another's name)
+        ours = bool(signed) or bool(_UNSIGNED.match(head))
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except ValueError as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+            if not ours:
+                raise self._foreign(f"it does not read as JSON: {exc}") from None
             warnings.warn(f"{self.label} {self.path} is unreadable ({exc}); starting from an empty cache", RuntimeWarning)
             return {}
-        if not isinstance(data, dict) or data.get("version") != self.version or not isinstance(data.get("entries"), dict):
+        if not isinstance(data, dict):
+            raise self._foreign(f"it holds a JSON {type(data).__name__.replace('dict', 'object')}")
+        if data.get(SIGNATURE_KEY, self._signature()) != self._signature():
+            raise self._foreign(f"it is {data[SIGNATURE_KEY]!r}")
+        if data.get(SIGNATURE_KEY) is None and set(data) != {"entries", "version"}:
+            raise self._foreign(f"a JSON object without the {SIGNATURE_KEY!r} signature; its keys: "
+                                + ", ".join(map(repr, sorted(data)[:5])) + (", ..." if len(data) > 5 else ""))
+        if data.get("version") != self.version or not isinstance(data.get("entries"), dict):
             warnings.warn(
                 f"{self.label} {self.path} has an unknown format or an older version "
                 f"(expected version {self.version}); ignoring its contents, they are rebuilt on use", RuntimeWarning
@@ -68,38 +131,65 @@ class JsonStore:
             self.save()
 
     def writable_problem(self) -> str | None:
-        """Why this file cannot be written (or None): a directory in its place, or a folder that
-        cannot be created."""
+        """Why this file cannot be written (or None): a directory in its place, a folder that cannot
+        be created, or a file that is not this cache (refused, never replaced)."""
+        return self._write_problem()[0]
+
+    def check_writable(self) -> None:
+        """A ValueError naming the file, the problem and the fix where ``writable_problem`` finds one
+        (what a job checks at start-up, before anything is built)."""
+        problem, fix = self._write_problem()
+        if problem:
+            raise ValueError(f"the {self.label} {self.path} {problem}: point {self.env} at {fix}")
+
+    def _write_problem(self) -> tuple:
         path = self.path
         if path.is_dir():
-            return "is a directory"
+            return "is a directory", "a writable file path"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a file of ours cut short is warned about where it is read
+                self._read_file()
+        except ForeignCacheFile as exc:
+            return exc.problem, FOREIGN_FIX
         base = path.parent
         while not base.exists() and base != base.parent:
             base = base.parent
         if not base.is_dir():
-            return f"cannot be created: {base} is not a directory"
+            return f"cannot be created: {base} is not a directory", "a writable file path"
         if not os.access(base, os.W_OK | os.X_OK):
-            return f"cannot be created: {base} is not writable"
-        return None
+            return f"cannot be created: {base} is not writable", "a writable file path"
+        return None, None
 
     def save(self) -> None:
-        problem = self.writable_problem()
-        if problem:
-            raise ValueError(f"{self.label} {self.path} {problem}: point {self.env} at a writable file path")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive_lock(self.path.with_name(self.path.name + ".lock")):
+        target = Path(os.path.realpath(self.path))  # a symlinked cache stays a link: its file is updated
+        self.check_writable()  # a file that is not ours is refused before anything is written
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(target.with_name(target.name + ".lock")):
             merged = self._read_file()  # under the lock: every other writer's keys are in it
             merged.update(self.entries)
             self._entries = merged
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.", suffix=".json.tmp", dir=self.path.parent)
             try:
+                mode = stat.S_IMODE(os.stat(target).st_mode)
+            except FileNotFoundError:
+                mode = 0o666 & ~_umask()
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=".json.tmp", dir=target.parent)
+            try:
+                os.fchmod(fd, mode)
                 with os.fdopen(fd, "w") as fh:
-                    json.dump({"version": self.version, "entries": merged}, fh, indent=1, sort_keys=True)
-                os.replace(tmp, self.path)
+                    json.dump({SIGNATURE_KEY: self._signature(), "version": self.version, "entries": merged}, fh,
+                              indent=1, sort_keys=True)
+                os.replace(tmp, target)
             except BaseException:
                 if os.path.exists(tmp):  # no half-written temp files left behind
                     os.unlink(tmp)
                 raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager

@@ -194,7 +194,7 @@ def test_cache_roundtrip_merge_and_corruption(tmp_path):
     data = json.loads(path.read_text())
     assert data["version"] == autotune.CACHE_VERSION and len(data["entries"]) == 2
     assert AutotuneCache(path).get("method|gpu|8x16|b1|float16|T5") == {"method": "gram"}
-    path.write_text("{not json")
+    path.write_text(path.read_text()[:60])  # a file of ours cut short (another file is refused: test_bad_input_tools)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert AutotuneCache(path).entries == {}

@@ -278,8 +278,8 @@ def test_corrupt_or_stale_profile_cache_is_rebuilt_with_a_warning(tmp_path, dama
     measure_profile(shapes, 3, _fake_timer([]), META, cache=ProfileCache(cache_path))
     data = json.loads(cache_path.read_text())
     key = next(iter(data["entries"]))
-    if damage == "garbage":
-        cache_path.write_text("{not json")
+    if damage == "garbage":  # cut short (a file that is not ours is refused: test_bad_input_tools)
+        cache_path.write_text(cache_path.read_text()[:50])
     elif damage == "old_version":
         data["version"] = 0
         cache_path.write_text(json.dumps(data))
@@ -319,7 +319,7 @@ def test_plan_cache_round_trip_and_corruption(tmp_path):
     path = tmp_path / "plans.json"
     PlanCache(path).put("k", {"a": 1})
     assert PlanCache(path).get("k") == {"a": 1}
-    path.write_text("]")
+    path.write_text(path.read_text()[:-3])  # cut short
     with pytest.warns(RuntimeWarning, match="owner plan cache"):
         assert PlanCache(path).get("k") is None
 

@@ -195,18 +195,17 @@ def check_muon_numbers(args) -> None:
 
 
 def check_cache_paths(args) -> None:
-    """The caches DMuon writes (autotune, owner plans, NS profile) must be writable files: a
-    directory or an uncreatable path there fails now, naming the cache and where it is set, instead
-    of at the first write in the middle of start-up."""
+    """The caches DMuon writes (autotune, owner plans, NS profile) must be writable files of their
+    own: a directory, an uncreatable path or a file that is not that cache (json_store: refused and
+    left untouched) fails now, naming the cache and where it is set, instead of at the first write
+    in the middle of start-up."""
     from ..kernels.autotune import AutotuneCache
     from ..planning.caches import PlanCache, ProfileCache, default_plan_cache_path, default_profile_cache_path
 
     caches = [AutotuneCache(getattr(args, "dmuon_autotune_cache", None)), PlanCache(default_plan_cache_path()),
               ProfileCache(default_profile_cache_path())]
     for cache in caches:
-        problem = cache.writable_problem()
-        if problem:
-            raise ValueError(f"the {cache.label} {cache.path} {problem}: point {cache.env} at a writable file path")
+        cache.check_writable()
 
 
 class _ArgsView:

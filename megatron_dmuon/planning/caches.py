@@ -1,7 +1,9 @@
 """The planner's on-disk caches: NS profiles (``ProfileCache``) and finished owner plans (``PlanCache``).
 
 Both are ``JsonStore`` files (megatron_dmuon/json_store.py: versioned entries, locked merging
-writes), the store the kernels' autotune cache uses too.
+writes, a signature that names the cache: a file that is not this cache is refused and left
+untouched), the store the kernels' autotune cache uses too. The start-up profiles of the NS
+(runtime/ns_timing) and of the whole owner step (runtime/rank_profile) share ``ProfileCache``'s file.
 
 Paths: the ``path`` argument, else ``$DMUON_PROFILE_CACHE`` / ``$DMUON_PLAN_CACHE``, else
 ``~/.cache/megatron_dmuon/ns_profile.json`` / ``owner_plans.json``.
@@ -43,6 +45,7 @@ class ProfileCache(JsonStore):
 
     version = PROFILE_VERSION
     label = "DMuon NS profile cache"
+    signature = "megatron_dmuon NS profile cache"  # (json_store: every file is recognised by it)
     env = f"${PROFILE_CACHE_ENV}"
     default_path = staticmethod(default_profile_cache_path)
 
@@ -52,6 +55,7 @@ class PlanCache(JsonStore):
 
     version = 1
     label = "DMuon owner plan cache"
+    signature = "megatron_dmuon owner plan cache"
     env = f"${PLAN_CACHE_ENV}"
     default_path = staticmethod(default_plan_cache_path)
 

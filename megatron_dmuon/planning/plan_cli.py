@@ -23,6 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from ..algorithms.coefficients import COEFFICIENT_SETS
 from .cost_model import CostModel, CostTable, cluster_spec, load_bench_kernels_profile, load_config
 from .milp import BACKENDS
 from .models import PRESETS, ModelSpec, ParallelSpec, parse_megatron_argv
@@ -31,8 +32,15 @@ from .plans import PLANNERS, compare_plans
 __all__ = ["main", "build_parser", "load_profile"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit 2): the flag, the value and the fix; ``-h`` lists the flags."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dmuon plan", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="dmuon plan", description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("model (a preset, a Megatron-LM argv, or the shape flags)")
     src.add_argument("--preset", choices=sorted(PRESETS))
     src.add_argument("--megatron-argv", help="a Megatron-LM pretrain_gpt.py command line (quoted)")
@@ -72,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="as the job flag: orthogonalize QKV whole (default: q, k, v apart)")
     rank.add_argument("--dmuon-split-glu", action="store_true", help="as the job flag: gate and up apart")
     rank.add_argument("--dmuon-split-heads", action="store_true", help="as the job flag: every head apart")
-    rank.add_argument("--dmuon-coefficients", default="you", help="the job's NS schedule (the greedy's FLOP costs; "
+    rank.add_argument("--dmuon-coefficients", default="you", choices=COEFFICIENT_SETS + ("adaptive",), help="the job's NS schedule (the greedy's FLOP costs; "
                                                                    "default Megatron's 'you', e.g. adaptive)")
     mem = p.add_argument_group("optimizer state (bytes per rank, next to Megatron AdamW DistributedOptimizer's)")
     mem.add_argument("--fp32-params", action="store_true",
@@ -101,39 +109,77 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def show_plan(path: str, as_json: bool = False) -> str:
-    """The plan a run recorded: one line per Muon matrix and a summary (or the plan's JSON)."""
+    """The plan a run recorded: one line per Muon matrix and a summary (or the plan's JSON).
+    Raises ValueError naming what the file is instead (``main`` makes it an argparse error)."""
     from .plan import DMuonPlan
 
+    what = "a plan JSON (DMuonPlan.to_json) or the main job's --timing-json of a --optimizer dmuon run"
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"dmuon plan: --show {path}: not a readable JSON file ({exc})")
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot be read ({getattr(exc, 'strerror', None) or exc}): give {what}") from None
+    if not text.strip():
+        raise ValueError(f"is empty: give {what}")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"is not JSON ({exc}): give {what}") from None
     if isinstance(data, dict) and "dmuon_plan" in data:  # the main job's --timing-json
         data = data["dmuon_plan"]
     if not isinstance(data, dict) or data.get("records") is None:
-        raise SystemExit(f"dmuon plan: --show {path}: holds no DMuon plan (a run with --optimizer dmuon writes one)")
+        raise ValueError(f"holds no DMuon plan (a JSON {type(data).__name__.replace('dict', 'object')} without "
+                         f"'records'): give {what}")
     try:
         plan = DMuonPlan.from_json(json.dumps(data))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SystemExit(f"dmuon plan: --show {path}: the plan is not valid ({type(exc).__name__}: {exc})")
-    return plan.to_json() if as_json else plan.describe()
+        return plan.to_json() if as_json else plan.describe()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise ValueError(f"holds a DMuon plan that does not read ({type(exc).__name__}: {exc}): give {what}, "
+                         "written by this version") from None
+
+
+class BadProfile(ValueError):
+    """A --profile file that reads but holds no usable measurement (the message says which)."""
 
 
 def load_profile(path: str, steps: int = 5) -> CostTable:
+    """--profile: a CostTable JSON, a one-entry profile cache, or the kernel benchmark's JSON. Raises
+    ValueError where it holds none of these, no points, or a point that is not a time."""
+    import math
+
     data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise BadProfile(f"not a CostTable, a one-entry profile cache or a kernel benchmark JSON (it holds a JSON "
+                         f"{type(data).__name__})")
     if "autotune" in data or "shapes" in data:
-        return load_bench_kernels_profile(path, steps)
-    if "points" in data:
-        return CostTable.from_json(data)
-    entries = data.get("entries", {})
-    if len(entries) == 1:  # a profile cache file holding one device's profile
-        return CostTable.from_json(next(iter(entries.values())))
-    raise ValueError(f"{path}: not a CostTable, a one-entry profile cache or a kernel benchmark JSON")
+        table = load_bench_kernels_profile(path, steps)
+    elif "points" in data:
+        table = CostTable.from_json(data)
+    else:
+        entries = data.get("entries", {})
+        if not isinstance(entries, dict) or len(entries) != 1:  # a profile cache file holding one device's profile
+            raise ValueError(f"{path}: not a CostTable, a one-entry profile cache or a kernel benchmark JSON")
+        table = CostTable.from_json(next(iter(entries.values())))
+    if not any(table.points.values()):
+        raise BadProfile("it holds no measured points: profile the shapes, or leave --profile out (analytic costs)")
+    for shape, pts in table.points.items():
+        for batch, ms in pts:
+            if batch < 1 or not (math.isfinite(ms) and ms >= 0):
+                raise BadProfile(f"shape {shape[0]}x{shape[1]} has the point (batch {batch}, {ms} ms): a batch "
+                                 "must be >= 1 and a time a finite number of ms >= 0")
+    return table
+
+
+RANK_MODEL_KINDS = ("'analytic', a rank cost model JSON (RankCostModel.to_json), bench/rank_balance.py calibrate's "
+                    "JSON or a start-up profile cache holding one rank profile")
 
 
 def load_rank_model(spec: str, config: dict, device: str, steps: int = 5, ns_method: str = "auto"):
     """--rank-model: 'analytic' or a JSON file (a RankCostModel, a start-up profile cache with one
-    rank profile entry, or bench/rank_balance.py calibrate's result)."""
+    rank profile entry, or bench/rank_balance.py calibrate's result). Raises ValueError saying what
+    the file holds instead, or which measured point is not a time (no points, a negative, NaN or
+    infinite ms)."""
+    import math
+
     from .cost_model import device_spec
     from .rank_cost import RankCostModel
 
@@ -141,14 +187,49 @@ def load_rank_model(spec: str, config: dict, device: str, steps: int = 5, ns_met
     if spec == "analytic":
         return RankCostModel.analytic(spec_device, steps, ns_method, config)
     data = json.loads(Path(spec).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"holds a JSON {type(data).__name__}; give {RANK_MODEL_KINDS}")
+    if "stacks" not in data and "jobs" not in data:
+        ranks = [e for e in (data.get("entries") or {}).values() if isinstance(e, dict) and "jobs" in e] \
+            if isinstance(data.get("entries"), dict) else []
+        if len(ranks) != 1:
+            raise ValueError(f"is not a rank cost model ({len(ranks)} rank profiles, no 'stacks' or 'jobs'); "
+                             f"give {RANK_MODEL_KINDS}")
+        data = ranks[0]
+
+    def time_ms(value, where):
+        try:
+            ms = float(value)
+        except (TypeError, ValueError):
+            ms = float("nan")
+        if not (math.isfinite(ms) and ms >= 0):
+            raise ValueError(f"{where} is {value!r}: a measured time must be a finite number of ms >= 0 "
+                             "(measure again with bench/rank_balance.py calibrate, or use --rank-model analytic)")
+
     if "stacks" in data:
+        if not isinstance(data["stacks"], dict) or not isinstance(data.get("adamw", []), list):
+            raise ValueError("'stacks' must map MxN to [[k, ms], ...] and 'adamw' be a list of [elements, fragments, ms]")
+        for shape, pts in data["stacks"].items():
+            for point in pts:
+                time_ms(point[1] if isinstance(point, (list, tuple)) and len(point) == 2 else None,
+                        f"the time of stack {shape} point {point!r}")
+        for point in data.get("adamw", []):
+            time_ms(point[2] if isinstance(point, (list, tuple)) and len(point) == 3 else None,
+                    f"the time of AdamW point {point!r}")
+        for key in ("shared_ms", "muon_ms_per_element"):
+            if key in data:
+                time_ms(data[key], f"'{key}'")
+        if not data["stacks"] and not data.get("adamw") and not data.get("muon_ms_per_element"):
+            raise ValueError("holds no measured points (empty 'stacks' and 'adamw') and no analytic rate: measure "
+                             "them (bench/rank_balance.py calibrate) or use --rank-model analytic")
         return RankCostModel.from_json(data, config)
-    if "jobs" in data:
-        return RankCostModel.from_calibration(data, spec_device)
-    ranks = [e for e in data.get("entries", {}).values() if isinstance(e, dict) and "jobs" in e]
-    if len(ranks) == 1:
-        return RankCostModel.from_calibration(ranks[0], spec_device)
-    raise ValueError("not a rank cost model, a calibration result or a profile cache with one rank profile")
+    jobs = data["jobs"]
+    if not isinstance(jobs, dict) or not jobs:
+        raise ValueError("holds no measured points ('jobs' is empty): measure them (bench/rank_balance.py calibrate) "
+                         "or use --rank-model analytic")
+    for name, job in jobs.items():
+        time_ms(job.get("ms") if isinstance(job, dict) else None, f"the 'ms' of job {name!r}")
+    return RankCostModel.from_calibration(data, spec_device)
 
 
 def _rank_lines(report: dict) -> list:
@@ -169,20 +250,56 @@ def _rank_lines(report: dict) -> list:
     return lines
 
 
-def _model_and_parallel(args):
+# --megatron-argv's flags behind the model and parallel fields (how errors name them)
+ARGV_FLAGS = {"num_layers": "--num-layers", "hidden": "--hidden-size", "ffn_hidden": "--ffn-hidden-size",
+              "heads": "--num-attention-heads", "query_groups": "--num-query-groups", "vocab": "--vocab-size",
+              "kv_channels": "--kv-channels", "moe_ffn_hidden": "--moe-ffn-hidden-size", "num_experts": "--num-experts",
+              "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+              "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size", "nodes": "--nnodes",
+              "gpus_per_node": "--nproc-per-node", "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by"}
+
+
+def _megatron_argv(p, text: str):
+    """parse_megatron_argv with its problems as argparse errors naming --megatron-argv, the flag
+    inside it and the fix."""
+    import shlex
+
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        p.error(f"--megatron-argv: the command line does not split as a shell would ({e}): close its quote, "
+                "and quote the whole command line once for the shell (e.g. --megatron-argv \"--num-layers 28 ...\")")
+    try:
+        model, par, extra = parse_megatron_argv(argv)
+    except ValueError as e:
+        fix = {"--vocab-size": "add --vocab-size N (the padded vocabulary is computed from it)"}
+        hint = next((v for k, v in fix.items() if k in str(e)), "add the missing flags to it")
+        p.error(f"--megatron-argv: {e}: {hint}")
+    for obj in (model, par):
+        for field, flag in ARGV_FLAGS.items():
+            value = getattr(obj, field, None)
+            low = 0 if field == "num_experts" else 1
+            if value is not None and not isinstance(value, bool) and value < low:
+                p.error(f"--megatron-argv: {flag} must be >= {low} (got {value})")
+    if extra["bucket_size"] is not None and extra["bucket_size"] < 1:
+        p.error(f"--megatron-argv: --ddp-bucket-size must be >= 1 (got {extra['bucket_size']})")
+    return model, par, extra
+
+
+def _model_and_parallel(args, p):
     extra = {"overlap_grad_reduce": args.overlap_grad_reduce, "bucket_size": args.bucket_size}
     if args.megatron_argv:
-        model, par, from_argv = parse_megatron_argv(args.megatron_argv)
+        model, par, from_argv = _megatron_argv(p, args.megatron_argv)
         extra = {"overlap_grad_reduce": args.overlap_grad_reduce or from_argv["overlap_grad_reduce"],
                  "bucket_size": args.bucket_size or from_argv["bucket_size"]}
     elif args.preset:
         model, par = PRESETS[args.preset], ParallelSpec()
-    elif args.num_layers and args.hidden and args.heads:
+    elif None not in (args.num_layers, args.hidden, args.heads):  # (0 and below: _check names the flag)
         model, par = ModelSpec(args.num_layers, args.hidden, args.ffn or 4 * args.hidden, args.heads,
                                args.query_groups, args.vocab or 32000, num_experts=args.experts or 0,
                                moe_ffn_hidden=args.moe_ffn), ParallelSpec()
     else:
-        raise SystemExit("dmuon plan: give --preset, --megatron-argv, or --num-layers/--hidden/--heads")
+        p.error("no model: give --preset, --megatron-argv, or --num-layers/--hidden/--heads (dmuon plan -h)")
     overrides = {k: getattr(args, k) for k in ("dp", "tp", "pp", "ep", "etp", "nodes") if getattr(args, k) is not None}
     if args.gpus_per_node is not None:
         overrides["gpus_per_node"] = args.gpus_per_node
@@ -254,7 +371,7 @@ def overlap_lines(o: dict) -> list:
 def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
     """Every number and the layout, before any planning; argparse errors naming the flag (exit 2)."""
     for name in ("dp", "tp", "pp", "ep", "etp", "nodes", "gpus_per_node", "num_layers", "hidden", "ffn", "heads",
-                 "query_groups", "vocab", "ns_steps", "bucket_size"):
+                 "query_groups", "vocab", "moe_ffn", "ns_steps", "bucket_size"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
@@ -301,6 +418,8 @@ def _cost_inputs(p, args):
         p.error(f"--cluster {args.cluster}: {e}")
     try:
         table = load_profile(args.profile, args.ns_steps) if args.profile else None
+    except BadProfile as e:
+        p.error(f"--profile {args.profile}: {e}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         p.error(f"--profile {args.profile}: not a CostTable, a one-entry profile cache or a kernel benchmark JSON "
                 f"({type(e).__name__}: {e})")
@@ -311,14 +430,26 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.show:
-        print(show_plan(args.show, args.json))
+        try:
+            print(show_plan(args.show, args.json))
+        except ValueError as e:
+            parser.error(f"--show {args.show}: {e}")
         return 0
-    model, par, extra = _model_and_parallel(args)
+    model, par, extra = _model_and_parallel(args, parser)
     _check(parser, args, model, par)
     if args.overlap_step == "on":  # Megatron's --overlap-param-gather needs --overlap-grad-reduce's buckets
         args.simulate = True
         extra["overlap_grad_reduce"] = True
     config, cluster, table = _cost_inputs(parser, args)
+    rank_model = None
+    if args.rank_model:  # read before any planning: a file that is no rank model fails at once
+        try:
+            rank_model = load_rank_model(args.rank_model, config, cluster.device.name, args.ns_steps, args.ns_method)
+        except OSError as e:
+            parser.error(f"--rank-model {args.rank_model}: cannot be read ({e.strerror or e}); give {RANK_MODEL_KINDS}")
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            parser.error(f"--rank-model {args.rank_model}: {why}")
     cost_model = CostModel(cluster.device, table, args.ns_steps, args.ns_method)
     milp_options = {"backend": args.backend, "time_limit_s": args.time_limit}
     plans = {}
@@ -352,11 +483,6 @@ def main(argv=None) -> int:
             from .params import owner_ns_cost
             from .plans import compare_rank_plans
 
-            try:
-                rank_model = load_rank_model(args.rank_model, config, cluster.device.name, args.ns_steps,
-                                             args.ns_method)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                parser.error(f"--rank-model {args.rank_model}: {type(e).__name__}: {e}")
             split = dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
                          per_head=args.dmuon_split_heads)
             report["owner_step"] = compare_rank_plans(
