@@ -59,10 +59,14 @@ from megatron_dmuon.planning.plans import gpu_cells, plan_stage, split_rule_for,
 from megatron_dmuon.planning.rank_cost import RankWork, piece_counts  # noqa: E402
 from megatron_dmuon.planning.simulate import adamw_fragments_in_shard  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import time_owner_step  # noqa: E402
+from megatron_ranks import adamw_work, megatron_layerwise_work, time_adamw_rank, time_megatron_rank  # noqa: E402
 
 PLANS = ("greedy", "numel_lpt", "megatron_lpt", "milp")
 # Megatron-LM's own LayerWise Muon, each rank emulated with Megatron's own optimizer classes
 MEGATRON = "megatron_layerwise"
+# Megatron's DistributedOptimizer AdamW per GPU (every param sharded evenly): what Muon is to cost
+ADAMW = "megatron_adamw"
+BASELINES = (MEGATRON, ADAMW)
 
 
 def job_settings(flags):
@@ -154,107 +158,6 @@ def tp_cell_work(plan, par, cluster="h200"):
     return out
 
 
-def megatron_layerwise_work(model, par, bucket_size, cfg):
-    """Per GPU of the stage, what Megatron-LM main's LayerWise Muon steps on it: (the matrices its
-    owner rule gives the GPU, its element-wise AdamW shard sizes). Owners: the ``megatron_lpt``
-    planner (Megatron-LM main's LPT on max(m, n)·min(m, n)², PR #6379, within its buckets). AdamW:
-    the params LayerWise does not manage sit in their own buffers, which Megatron's
-    DistributedOptimizer shards evenly over DP (expert ones over expert DP): each GPU steps
-    1/DP of their concatenation, in fragments where params meet (Megatron's 64-element
-    alignment and bucket padding are left out: < 0.1% of the elements here)."""
-    plan = make_plans(model, par, bucket_size, cfg, ["megatron_lpt"])["megatron_lpt"]
-    gpus = par.dp_size * par.tp
-    if par.tp != 1:
-        raise ValueError("Megatron's LayerWise step is emulated at TP = 1 only")
-    cells = {"dense": par.dp_size, "expert": par.expert_dp_size}
-    shards = {}
-    for kind, params in stage_params(model, par).items():
-        sizes = [p.numel for p in params if not p.is_matrix]
-        total, d = sum(sizes), cells[kind]
-        per = -(-total // d) if total else 0
-        shards[kind] = []
-        for c in range(d):
-            lo, hi, frags, at = c * per, min(total, (c + 1) * per), [], 0
-            for n in sizes:
-                a, b = max(lo, at), min(hi, at + n)
-                if b > a:
-                    frags.append(b - a)
-                at += n
-            shards[kind].append(frags)
-    out = []
-    for r, (mats, _) in enumerate(gpu_work(plan, model, par, cfg.split_flags())):
-        frags = [f for kind, per_cell in shards.items() if per_cell for f in per_cell[gpu_cells(par, r)[kind]]]
-        out.append((mats, frags))
-    return out
-
-
-def megatron_muon_kwargs(model):
-    """Megatron-LM main's `--optimizer muon` defaults for TensorParallelMuon (megatron-core's
-    optimizer/emerging_optimizers.py through Emerging-Optimizers): quintic, 5 steps, fp32 matmul
-    precision 'medium' (bf16 products), spectral scale, QKV split into Q, K, V."""
-    from types import SimpleNamespace
-
-    from megatron.core.optimizer.emerging_optimizers import _get_qkv_split_shapes
-
-    shape_cfg = SimpleNamespace(num_attention_heads=model.heads, num_query_groups=model.groups,
-                                kv_channels=model.head_dim)
-    return dict(lr=1e-4, momentum=0.9, nesterov=False, weight_decay=0.1, split_qkv=True,
-                is_qkv_fn=lambda p: getattr(p, "is_qkv", False), qkv_split_shapes=_get_qkv_split_shapes(shape_cfg),
-                fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5, scale_mode="spectral",
-                tp_mode="blockwise")
-
-
-def time_megatron_rank(mats, frags, model, *, iters=5, warmup=2, device="cuda", seed=0):
-    """(median ms, every timed ms) of one GPU's step under Megatron-LM's LayerWise Muon, as its
-    ChainedOptimizer runs it: Megatron's TensorParallelMuon (Emerging-Optimizers' NS, one matrix at
-    a time) on the fp32 masters of the matrices the GPU owns, then AdamW on its element-wise shard
-    (torch's fused AdamW, standing in for Transformer Engine's FusedAdam, which Megatron picks when
-    TE imports), CUDA events around both. Same scope as ``time_owner_step``: the inner steps only,
-    no master/model copies, no communication."""
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-
-    device = torch.device(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def param(shape, is_qkv=False):
-        p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
-        p.grad = torch.randn(shape, device=device, generator=gen) * 1e-3
-        p.is_qkv = is_qkv
-        return p
-
-    muon = [param(tuple(shape), "linear_qkv" in name) for name, shape, _ in mats]
-    adamw = [param((int(n),)) for n in frags]
-    steps = []
-    if muon:
-        steps.append(TensorParallelMuon(muon, **megatron_muon_kwargs(model)).step)
-    if adamw:
-        steps.append(torch.optim.AdamW(adamw, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda").step)
-    if not steps:
-        return 0.0, []
-    times = []
-    for it in range(warmup + iters):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            begin.record()
-            for step in steps:
-                step()
-            end.record()
-            torch.cuda.synchronize(device)
-            ms = begin.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            for step in steps:
-                step()
-            ms = (time.perf_counter() - t0) * 1e3
-        if it >= warmup:
-            times.append(ms)
-    del steps, muon, adamw
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return statistics.median(times), times
-
-
 def pieces_of(mats):
     """Counter of the NS piece shapes (m, n), m <= n, a rank's matrices give."""
     return piece_counts(s for _, shape, rule in mats for s in ([shape] if rule is None else rule.piece_shapes(shape)))
@@ -272,8 +175,8 @@ def describe(mats, frags):
 
 
 def time_all(jobs, cfg, rounds, iters, warmup, device, log):
-    """jobs: {key: (mats, frags) or {mats, frags, shards (TP cell), megatron (model: Megatron's
-    LayerWise step)}}; returns {key: [median ms per round]}; interleaved rounds."""
+    """jobs: {key: (mats, frags) or {mats, frags, shards (a TP cell's), runner (MEGATRON, ADAMW or
+    None: DMuon's owner step), model}}; returns {key: [median ms per round]}; interleaved rounds."""
     times = {k: [] for k in jobs}
     jobs = {k: job if isinstance(job, dict) else {"mats": job[0], "frags": job[1]} for k, job in jobs.items()}
     if rounds == 0:  # --dry-run: what would be timed
@@ -286,8 +189,10 @@ def time_all(jobs, cfg, rounds, iters, warmup, device, log):
         for key, job in jobs.items():
             mats, frags = job["mats"], job["frags"]
             t0 = time.perf_counter()
-            if job.get("megatron"):  # a GPU of Megatron's LayerWise Muon
-                ms, _ = time_megatron_rank(mats, frags, job["megatron"], iters=iters, warmup=warmup, device=device)
+            if job.get("runner") == MEGATRON:  # a GPU of Megatron's LayerWise Muon
+                ms, _ = time_megatron_rank(mats, frags, job["model"], iters=iters, warmup=warmup, device=device)
+            elif job.get("runner") == ADAMW:
+                ms, _ = time_adamw_rank(frags, iters=iters, warmup=warmup, device=device)
             else:
                 ms, _ = time_owner_step(mats, frags, cfg.muon, iters=iters, warmup=warmup, device=device,
                                         tp_shards=job.get("shards", ()))
@@ -301,26 +206,31 @@ def emulate(args, cfg, log):
     for spec in args.layouts:
         model, par, size = parse_layout(spec)
         rank_model = load_rank_model(args.rank_profile, spec) if args.rank_profile else None
-        dmuon_plans = [p for p in args.plans if p != MEGATRON]
+        dmuon_plans = [p for p in args.plans if p not in BASELINES]
         plans = make_plans(model, par, size, cfg, dmuon_plans, rank_model, {"time_limit_s": args.milp_time_limit})
         work = {name: gpu_work(plan, model, par, cfg.split_flags()) for name, plan in plans.items()}
-        if MEGATRON in args.plans and par.tp > 1:
-            log({"layout": spec, "skipped": MEGATRON, "why": "Megatron's LayerWise step is emulated at TP = 1 only"})
+        if ADAMW in args.plans and par.tp == 1:
+            work[ADAMW] = adamw_work(model, par)
+            plans[ADAMW] = {"plan_s": 0.0, "info": {}, "layouts": {}}
+        if set(BASELINES) & set(args.plans) and par.tp > 1:
+            log({"layout": spec, "skipped": BASELINES, "why": "Megatron's steps are emulated at TP = 1 only"})
         elif MEGATRON in args.plans:
             t0 = time.perf_counter()
-            work[MEGATRON] = megatron_layerwise_work(model, par, size, cfg)
+            lpt = plans["megatron_lpt"] if "megatron_lpt" in plans else make_plans(model, par, size, cfg, ["megatron_lpt"])["megatron_lpt"]
+            work[MEGATRON] = megatron_layerwise_work(model, par, [m for m, _ in gpu_work(lpt, model, par, cfg.split_flags())])
             plans[MEGATRON] = {"plan_s": time.perf_counter() - t0, "info": {}, "layouts": {}}
         sigs, jobs, per_plan = {}, {}, {}
         for name, plan in plans.items():
             ranks = []
-            cells = tp_cell_work(plan, par) if par.tp > 1 and name != MEGATRON else None
+            cells = tp_cell_work(plan, par) if par.tp > 1 and name not in BASELINES else None
             for r, (mats, frags) in enumerate(work[name]):
                 shards, exchange_ms = cells[r] if cells else ([], 0.0)
-                sig = (name == MEGATRON, tuple(sorted(shards))) + signature(mats, frags)
+                runner = name if name in BASELINES else None
+                sig = (runner, tuple(sorted(shards))) + signature(mats, frags)
                 if sig not in sigs:
                     sigs[sig] = len(sigs)
-                    jobs[sigs[sig]] = {"mats": mats, "frags": frags, "shards": shards,
-                                       "megatron": model if name == MEGATRON else None}
+                    jobs[sigs[sig]] = {"mats": mats, "frags": frags, "shards": shards, "runner": runner,
+                                       "model": model}
                 ranks.append(dict(describe(mats, frags), gpu=r, job=sigs[sig], tp_shard_elements=sum(shards),
                                   tp_exchange_ms=exchange_ms))
             per_plan[name] = {"ranks": ranks, "plan_s": plan["plan_s"], "info": plan["info"],
@@ -340,7 +250,7 @@ def emulate(args, cfg, log):
         result["layouts"][spec] = {"plans": per_plan, "bucket_size": size, "dp": par.dp_size, "ep": par.ep, "tp": par.tp,
                                    "jobs": {k: describe(v["mats"], v["frags"]) | {
                                        "fragment_sizes": v["frags"], "tp_shards": v["shards"],
-                                       "megatron": v["megatron"] is not None} for k, v in jobs.items()}}
+                                       "runner": v["runner"]} for k, v in jobs.items()}}
     return result
 
 
@@ -445,7 +355,7 @@ def report(args, log):
             for plan_name, row in lay["plans"].items():
                 entry = {"layout": spec, "plan": plan_name, "emulated_ms": row["slowest_ms"],
                          "rounds": row["slowest_rounds"]}
-                if plan_name == MEGATRON:  # the rank models predict DMuon's owner step, not Megatron's
+                if plan_name in BASELINES:  # the rank models predict DMuon's owner step, not Megatron's
                     continue
                 for name, path in models.items():
                     rm = load_rank_model(path, spec)
@@ -503,9 +413,10 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=[], help="report: NAME=PATH rank models (calibrate, startup "
                                                                  "or model JSON)")
     parser.add_argument("--layouts", nargs="+", default=["qwen7b-4l/dp2/buckets"])
-    parser.add_argument("--plans", nargs="+", default=["greedy", "numel_lpt", "megatron_lpt"], choices=PLANS + (MEGATRON,),
-                        help=f"DMuon's planners, and {MEGATRON}: Megatron-LM's own LayerWise Muon step per GPU "
-                             "(its owners, its optimizer classes; needs emerging_optimizers)")
+    parser.add_argument("--plans", nargs="+", default=["greedy", "numel_lpt", "megatron_lpt"], choices=PLANS + BASELINES,
+                        help=f"DMuon's planners; {MEGATRON}: Megatron-LM's own LayerWise Muon step per GPU "
+                             f"(its owners, its optimizer classes; needs emerging_optimizers); {ADAMW}: Megatron's "
+                             "DistributedOptimizer AdamW per GPU (bench/megatron_ranks.py)")
     parser.add_argument("--rank-profile", help="a rank cost model JSON (planning/rank_cost.py) for the milp plan")
     parser.add_argument("--milp-time-limit", type=float, default=20.0)
     parser.add_argument("--iters", type=int, default=5)

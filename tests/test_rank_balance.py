@@ -280,11 +280,11 @@ def test_megatron_layerwise_gpus_own_every_matrix_once_and_shard_adamw_evenly(sp
 
     cfg = rb.job_settings([])
     model, par, size = rb.parse_layout(spec)
-    work = rb.megatron_layerwise_work(model, par, size, cfg)
-    gpus = par.dp_size * par.tp
-    assert len(work) == gpus
     lpt = rb.gpu_work(rb.make_plans(model, par, size, cfg, ["megatron_lpt"])["megatron_lpt"], model, par,
                       cfg.split_flags())
+    work = rb.megatron_layerwise_work(model, par, [m for m, _ in lpt])
+    gpus = par.dp_size * par.tp
+    assert len(work) == gpus
     assert [sorted(n for n, _, _ in m) for m, _ in work] == [sorted(n for n, _, _ in m) for m, _ in lpt]
     params = stage_params(model, par)
     # experts: each expert-DP group (GPUs with the same EP rank) holds each local expert matrix once
