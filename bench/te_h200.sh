@@ -14,8 +14,10 @@
 #   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
 #   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
-#   rb_cal, rb_startup, rb_emu  [balance-2] bench/rank_balance.py: calibration grid, the start-up rank profile + MILP per
-#           layout, every GPU's owner step emulated under greedy / numel LPT / Megatron's LPT / MILP (TE not needed)
+#   rb_cal, rb_startup, rb_emu  [balance-2, scale-emulation] bench/rank_balance.py: calibration grid, the start-up rank
+#           profile + MILP per layout, every GPU's owner step emulated under greedy / numel LPT / Megatron's LPT / MILP,
+#           and every GPU of Megatron-LM's LayerWise Muon and of its AdamW (TE not needed; carry .whl with megatron-core
+#           and emerging_optimizers)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=/tmp/te_results; mkdir -p "$R"; started=$(date +%s)
@@ -108,15 +110,31 @@ PY
     rb_cal|rb_startup|rb_emu)  # [balance-2] bench/rank_balance.py: RB_LAYOUTS (default: every layout of the issue but TP),
       # RB_PLANS (emulate), RB_ROUNDS; the autotune cache is $DMUON_AUTOTUNE_CACHE (carry .rb_autotune.json to reuse one:
       # RB_AUTOTUNE=.rb_autotune.json); rb_emu plans milp on rb_startup's models ($R/rb_startup.json, or RB_START=FILE)
-      L=${RB_LAYOUTS:-qwen7b-4l/dp2/buckets qwen7b-4l/dp4/buckets qwen2.5-7b/dp8/buckets qwen2.5-7b/dp8/one qwen2.5-7b/dp16/buckets qwen2.5-7b/dp16/one qwen2.5-7b/dp64/buckets qwen2.5-7b/dp64/one qwen3-moe-8l/dp8/ep4/one}
+      L=${RB_LAYOUTS:-qwen7b-4l/dp2/buckets qwen7b-4l/dp4/buckets qwen2.5-7b/dp8/buckets qwen2.5-7b/dp8/one qwen2.5-7b/dp16/buckets qwen2.5-7b/dp16/one qwen2.5-7b/dp32/one qwen2.5-7b/dp64/buckets qwen2.5-7b/dp64/one qwen2.5-7b/dp128/one qwen2.5-7b/dp256/one qwen2.5-32b/dp64/one qwen3-moe-8l/dp8/ep4/one qwen2.5-7b/tp2/dp4/buckets}
       [ -n "${RB_AUTOTUNE:-}" ] && [ -f "$RB_AUTOTUNE" ] && cp "$RB_AUTOTUNE" "$DMUON_AUTOTUNE_CACHE"
       case $part in
         rb_cal) python3 bench/rank_balance.py calibrate --layouts $L --rounds ${RB_ROUNDS:-2} --out "$R/rb_cal" > "$R/rb_cal.log" 2>&1 ;;
         rb_startup) python3 bench/rank_balance.py startup --layouts $L --cache-dir "$R/rb_cache" --out "$R/rb_startup" > "$R/rb_startup.log" 2>&1 ;;
-        rb_emu) python3 bench/rank_balance.py emulate --layouts $L --plans ${RB_PLANS:-greedy numel_lpt megatron_lpt milp} \
+        rb_emu) python3 bench/rank_balance.py emulate --layouts $L --plans ${RB_PLANS:-greedy numel_lpt megatron_lpt milp megatron_layerwise megatron_adamw} \
                   --rank-profile "${RB_START:-$R/rb_startup.json}" --rounds ${RB_ROUNDS:-3} --out "$R/rb_emu${RB_TAG:-}" > "$R/rb_emu${RB_TAG:-}.log" 2>&1 ;;
       esac
       echo "== $part rc=$?"; tail -25 "$R/$part${RB_TAG:-}.md" 2>/dev/null; cp "$DMUON_AUTOTUNE_CACHE" "$R/rb_autotune.json" 2>/dev/null ;;
+    rb_layouts)  # [scale-emulation] per layout, in order: the start-up profile + MILP (startup), then every GPU emulated
+      # under RB_PLANS (default: DMuon's four planners and Megatron's LayerWise Muon and AdamW), each layout's files kept as
+      # it ends; no new layout starts after RB_STOP seconds of the part (default 420)
+      local stop=$(( $(date +%s) + ${RB_STOP:-420} )) spec name
+      [ -n "${RB_AUTOTUNE:-}" ] && [ -f "$RB_AUTOTUNE" ] && cp "$RB_AUTOTUNE" "$DMUON_AUTOTUNE_CACHE"
+      for spec in ${RB_LAYOUTS:-qwen2.5-7b/dp8/one qwen2.5-7b/dp64/one qwen7b-4l/dp2/buckets qwen3-moe-8l/dp8/ep4/one}; do
+        [ "$(date +%s)" -ge "$stop" ] && { echo "== rb_layouts: stopped before $spec"; break; }
+        name=${spec//\//_}
+        python3 bench/rank_balance.py startup --layouts "$spec" --cache-dir "$R/rb_cache" --out "$R/start_$name" > "$R/start_$name.log" 2>&1
+        echo "== startup $spec rc=$? $(grep -o '"profile_s": [0-9.]*, "plan_s": [0-9.]*' "$R/start_$name.log" | tail -1)"
+        python3 bench/rank_balance.py emulate --layouts "$spec" --plans ${RB_PLANS:-greedy numel_lpt megatron_lpt milp megatron_layerwise megatron_adamw} \
+          --rank-profile "$R/start_$name.json" --rounds ${RB_ROUNDS:-3} --iters ${RB_ITERS:-3} --warmup ${RB_WARMUP:-1} \
+          --out "$R/emu_$name" > "$R/emu_$name.log" 2>&1
+        echo "== emulate $spec rc=$?"; grep "^| [a-z_]* | \*\*" "$R/emu_$name.md" 2>/dev/null | cut -c1-120; grep -h "Error" "$R/emu_$name.log" | tail -2
+      done
+      cp "$DMUON_AUTOTUNE_CACHE" "$R/rb_autotune.json" 2>/dev/null ;;
     *) echo "unknown part $part" ;;
   esac
   echo "== part $part: $(( $(date +%s) - t0 )) s"
