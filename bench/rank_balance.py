@@ -372,7 +372,72 @@ def report(args, log):
     return {"rows": rows, "models": models}
 
 
+def scale(args, log):
+    """The optimizer step at each emulated layout: the slowest GPU's compute as emulated (DMuon's
+    default planner and its best, Megatron's LayerWise Muon, Megatron's AdamW), plus the
+    communication planning/simulate.py models on ``--cluster`` for the same buffers (the param
+    all-gather that publishes the step, bf16; the grad reduce-scatter, fp32, which runs in the
+    backward and is listed apart). Compute measured per GPU on one GPU, communication modelled."""
+    from megatron_dmuon.planning.simulate import collective_ms
+
+    cluster = cluster_spec(args.cluster)
+    cfg = job_settings(args.flags.split())
+    rows = []
+    for path in args.emulation:
+        for spec, lay in json.loads(Path(path).read_text())["layouts"].items():
+            model, par, size = parse_layout(spec)
+            if par.tp > 1:
+                continue
+            plans = lay["plans"]
+            buffers = {}  # per plan: {kind: (elements, DP group)} of the buffers it reduces and gathers
+            for name, plan in make_plans(model, par, size, cfg, ["greedy", "megatron_lpt"]).items():
+                buffers[name] = {k: (l.numel, l.world_size) for k, l in plan["layouts"].items()}
+            whole = {k: (sum(p.numel for p in ps), par.dp_size if k == "dense" else par.expert_dp_size)
+                     for k, ps in stage_params(model, par).items() if ps}
+
+            def comm(bufs, nbytes):
+                return sum(collective_ms(cluster, d, 1, n * nbytes, two_level=True) for n, d in bufs.values())
+
+            row = {"layout": spec, "gpus": par.world, "cluster": args.cluster}
+            dmuon = {k: v["slowest_ms"] for k, v in plans.items() if k not in BASELINES}
+            if dmuon:
+                best = min(dmuon, key=dmuon.get)
+                row |= {"dmuon_default_ms": dmuon.get("greedy"), "dmuon_best": best, "dmuon_best_ms": dmuon[best],
+                        "dmuon_publish_ms": comm(buffers["greedy"], 2), "dmuon_reduce_ms": comm(buffers["greedy"], 4)}
+            if MEGATRON in plans:
+                row |= {"megatron_ms": plans[MEGATRON]["slowest_ms"], "megatron_publish_ms": comm(buffers["megatron_lpt"], 2),
+                        "megatron_reduce_ms": comm(buffers["megatron_lpt"], 4)}
+            if ADAMW in plans:
+                row |= {"adamw_ms": plans[ADAMW]["slowest_ms"], "adamw_publish_ms": comm(whole, 2),
+                        "adamw_reduce_ms": comm(whole, 4)}
+            rows.append(row)
+    rows.sort(key=lambda r: (r["layout"].split("/")[0], r["gpus"], r["layout"]))
+    return {"scale_rows": rows, "cluster": args.cluster}
+
+
+def scale_table(result):
+    def cell(r, key):
+        if key + "_ms" not in r or r[key + "_ms"] is None:
+            return "— | —"
+        return f"{r[key + '_ms']:.1f} | {r[key + '_ms'] + r[key + '_publish_ms']:.1f}"
+
+    lines = [f"Compute measured per GPU on one GPU (the slowest GPU's inner optimizer step), communication "
+             f"modelled ({result['cluster']}, two-level collectives): step = compute + the param all-gather; the "
+             "grad reduce-scatter runs in the backward and is listed apart.", "",
+             "| layout | GPUs | DMuon compute ms (planner) | DMuon step ms | Megatron LayerWise compute ms | "
+             "Megatron LayerWise step ms | AdamW compute ms | AdamW step ms | reduce-scatter ms (DMuon / LayerWise / AdamW) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result["scale_rows"]:
+        dm = (f"{r['dmuon_best_ms']:.1f} ({r['dmuon_best']}; greedy {r['dmuon_default_ms']:.1f}) | "
+              f"{r['dmuon_best_ms'] + r['dmuon_publish_ms']:.1f}") if "dmuon_best_ms" in r else "— | —"
+        red = " / ".join(f"{r[k]:.1f}" if k in r else "—" for k in ("dmuon_reduce_ms", "megatron_reduce_ms", "adamw_reduce_ms"))
+        lines.append(f"| {r['layout']} | {r['gpus']} | {dm} | {cell(r, 'megatron')} | {cell(r, 'adamw')} | {red} |")
+    return "\n".join(lines)
+
+
 def table(result):
+    if "scale_rows" in result:
+        return scale_table(result)
     lines = []
     if "rows" in result:
         names = list(result["models"])
@@ -406,7 +471,9 @@ def table(result):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["emulate", "calibrate", "startup", "report"])
+    parser.add_argument("mode", choices=["emulate", "calibrate", "startup", "report", "scale"])
+    parser.add_argument("--cluster", default="h200", help="scale: planning/clusters.json's cluster for the modelled "
+                                                           "communication")
     parser.add_argument("--cache-dir", default="/tmp/dmuon_rank_profile", help="startup: the profile cache's folder")
     parser.add_argument("--startup-budget", type=float, default=30.0, help="startup: --dmuon-plan-budget")
     parser.add_argument("--emulation", nargs="+", default=[], help="report: emulate runs' JSON")
@@ -445,7 +512,8 @@ def main(argv=None):
     head = {"device": name, "flags": flags, "mode": args.mode, "rounds": args.rounds, "iters": args.iters,
             "warmup": args.warmup, "torch": torch.__version__}
     run = {"emulate": lambda: emulate(args, cfg, log), "calibrate": lambda: calibrate(args, cfg, log),
-           "startup": lambda: startup(args, cfg, log), "report": lambda: report(args, log)}[args.mode]
+           "startup": lambda: startup(args, cfg, log), "report": lambda: report(args, log),
+           "scale": lambda: scale(args, log)}[args.mode]
     result = head | run()
     text = table(result)
     print(text)
