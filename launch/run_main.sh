@@ -7,26 +7,22 @@
 # The arguments are checked once, in one process, before torchrun starts: a usage error prints one
 # message and exits 2 (under torchrun every rank would fail and torchrun add its own report).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/activate_env.sh"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck disable=SC1091
+source "$HERE/activate_env.sh"  # keeps the directory: relative --save, --data-path, --timing-json are the user's
 # Megatron's and torch's notices (UserWarning, DeprecationWarning, FutureWarning) are off; DMuon's own
 # warnings (RuntimeWarning: a corrupt cache, a kernel fallback, profiling cut short) stay visible
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning}"
-if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  NPROC="${NPROC:-$(python -c 'import torch; print(torch.cuda.device_count())')}"
-  EXTRA=(--bf16)
-  ENTRY=megatron_dmuon.megatron.train
-else
-  NPROC="${NPROC:-2}"
-  EXTRA=()
-  ENTRY=megatron_dmuon.testing.cpu_train
+# one Python process picks the entry (CUDA GPUs or CPU ranks) and checks the arguments: launch/precheck.py
+checked="$(python "$HERE/precheck.py" "$@")"  # a usage error: its message, exit 2 (set -e)
+choice="${checked##*$'\n'}"
+if [ "${choice#run: }" = "$choice" ]; then
+  printf '%s\n' "$checked"  # -h / --help: the help, printed once; no run
+  exit 0
 fi
-WORLD_SIZE="$NPROC" LOCAL_WORLD_SIZE="$NPROC" python -m "$ENTRY" "${EXTRA[@]}" "$@" --parse-only >/dev/null
+read -r NPROC ENTRY EXTRA <<< "${choice#run: }"
 # a run-time error of the job prints one block: torchrun's own report of the failed children is dropped
-# after it (launch/after_job_error.py); the exit code is torchrun's (1 for any failed child)
-exec 3>&1
-set +e
-torchrun --standalone --nproc-per-node "$NPROC" -m "$ENTRY" "${EXTRA[@]}" "$@" 2>&1 1>&3 3>&- \
-  | python -u "$(dirname "${BASH_SOURCE[0]}")/after_job_error.py"
-status=${PIPESTATUS[0]}
-exec 3>&-
-exit "$status"
+# after it; the runner ends when torchrun ends (not when every process holding its stderr does) and
+# exits with torchrun's status (1 for any failed child); launch/after_job_error.py
+# shellcheck disable=SC2086
+exec python -u "$HERE/after_job_error.py" torchrun --standalone --nproc-per-node "$NPROC" -m "$ENTRY" $EXTRA "$@"

@@ -3,6 +3,7 @@
 # Extra arguments go to pytest (e.g. ./launch/run_tests.sh tests/test_newton_schulz.py -x).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/activate_env.sh"
+cd "$ROOT"  # pytest finds tests/ and setup.cfg from the checkout
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::UserWarning}"
 set +e
 python -m pytest -q "$@"

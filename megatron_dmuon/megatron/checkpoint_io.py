@@ -37,6 +37,9 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, extra: O
 
     from megatron.core import dist_checkpointing
 
+    from .child_processes import install as children_die_with_this_rank
+
+    children_die_with_this_rank()  # the writer's Manager process must not outlive a SIGKILLed rank
     path = checkpoint_dir(root, iteration)
     if torch.distributed.get_rank() == 0:
         if os.path.isdir(path):  # an incomplete save of a killed attempt

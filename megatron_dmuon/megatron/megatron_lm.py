@@ -110,6 +110,9 @@ def install() -> None:
     parses its arguments (patches/pretrain_gpt.patch does). Idempotent."""
     import megatron.training.arguments as arguments
 
+    from .child_processes import install as children_die_with_this_rank
+
+    children_die_with_this_rank()  # Megatron's checkpoint writers (its Manager, --async-save) end with the rank
     if "add_megatron_arguments" in _ORIGINALS:
         return
     _ORIGINALS["add_megatron_arguments"] = arguments.add_megatron_arguments
