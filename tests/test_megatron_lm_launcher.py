@@ -96,9 +96,15 @@ def test_an_unmodified_script_gets_dmuon_through_the_launcher(tmp_path):
     # the same script without the launcher: Megatron's parser does not know dmuon
     plain = _run([sys.executable, script, "--optimizer", "dmuon"], cwd=str(tmp_path))
     assert plain.returncode == 2 and "invalid choice: 'dmuon'" in plain.stderr
-    # other optimizers pass through untouched
-    adam = _run([*LAUNCHER, script, "--optimizer", "adam"], cwd=str(tmp_path))
-    assert adam.returncode == 0 and adam.stdout.split("RESULT", 1)[1].split()[:3] == ["adam", "False", "object"]
+    # other optimizers pass through untouched; through a symlink the script runs in its own tree ([bad-input-4]:
+    # its neighbours' imports failed before, ModuleNotFoundError for gpt_builders in Megatron-LM)
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "elsewhere" / "pretrain_gpt.py"
+    link.symlink_to(script)
+    adam = _run([*LAUNCHER, str(link), "--optimizer", "adam"], cwd=str(tmp_path))
+    assert adam.returncode == 0, adam.stderr[-2000:]
+    assert adam.stdout.split("RESULT", 1)[1].split() == ["adam", "False", "object", "builtins", "script",
+                                                         "pretrain_stand_in.py"], adam.stdout
 
 
 def test_a_tree_missing_a_hook_point_or_a_bad_command_line_is_refused_by_name(tmp_path):
@@ -109,11 +115,48 @@ def test_a_tree_missing_a_hook_point_or_a_bad_command_line_is_refused_by_name(tm
     assert usage.returncode == 2 and "usage: python -m megatron_dmuon.megatron.run" in usage.stderr
     missing = _run([*LAUNCHER, str(tmp_path / "nope.py")], cwd=str(tmp_path))
     assert missing.returncode == 2 and "nope.py is not a Python script" in missing.stderr
-    # a script outside a tree runs on the megatron.training that imports (megatron-core's wheel ships one)
-    lonely = tmp_path / "lonely.py"
-    lonely.write_text("import megatron.training.arguments as a\nprint('ran', a.add_megatron_arguments.__module__)\n")
-    out = _run([*LAUNCHER, str(lonely)], cwd=str(tmp_path))
-    assert out.returncode == 0 and out.stdout.split() == ["ran", "megatron_dmuon.megatron.megatron_lm"], out.stderr[-2000:]
+    # [bad-input-4] a tree module that imports a package this environment lacks: the ImportError and the fix,
+    # not "this Megatron-LM's megatron.training has no ..." (the supported-trees message) as before
+    script = _stand_in_tree(str(tmp_path / "tree_needs"))
+    training = tmp_path / "tree_needs" / "megatron" / "training" / "checkpointing.py"
+    training.write_text("import dmuon_test_missing_dependency.sub\n" + training.read_text())
+    out = _run([*LAUNCHER, script, "--optimizer", "dmuon"], cwd=str(tmp_path))
+    assert out.returncode == 2 and "RESULT" not in out.stdout, out.stderr[-2000:]
+    assert "importing megatron.training.checkpointing from" in out.stderr, out.stderr[-2000:]
+    assert "No module named 'dmuon_test_missing_dependency'" in out.stderr, out.stderr[-2000:]
+    assert "pip install dmuon_test_missing_dependency" in out.stderr and "supported trees" not in out.stderr
+
+
+def test_a_script_outside_a_megatron_lm_tree_is_refused_before_it_runs(tmp_path, monkeypatch, capsys):
+    """[bad-input-4]: megatron-core's wheel ships a megatron.training, so any script ran (hello.py), and a
+    pretrain_gpt.py copied out of its checkout failed inside Megatron-LM (ModuleNotFoundError gpt_builders)."""
+    from megatron_dmuon.megatron import run
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    hello = tmp_path / "hello.py"
+    hello.write_text("open('ran', 'w').write('it ran')\n")
+    tree = os.path.dirname(_stand_in_tree(str(tmp_path / "Megatron-LM")))
+    (tmp_path / "Megatron-LM" / "pretrain_gpt.py").write_text("print('a checkout')\n")
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    (copied / "pretrain_gpt.py").write_text("import gpt_builders\n")
+    expect = {hello: f"{tmp_path} is not a Megatron-LM checkout (no megatron/training/ beside hello.py, and no "
+                     "checkout on PYTHONPATH)",
+              copied / "pretrain_gpt.py": f"{copied / 'pretrain_gpt.py'} is Megatron-LM's pretrain_gpt.py outside "
+                                          f"its checkout: its tree (megatron/training/, the builders it imports) is "
+                                          f"not beside it in {copied}. Run the checkout's own script"}
+    for script, message in expect.items():
+        with pytest.raises(SystemExit) as exit_info:
+            run.main([str(script), "--optimizer", "dmuon"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and "PYTHONPATH" in err, err
+        assert not (tmp_path / "ran").exists() and str(script.parent) not in sys.path
+    # the fixes: the checkout's own script, or the checkout on PYTHONPATH for a copy
+    assert run.script_tree(os.path.join(tree, "pretrain_stand_in.py")) == (os.path.join(os.path.realpath(tree),
+                                                                                           "pretrain_stand_in.py"),
+                                                                              os.path.realpath(tree))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "nothing"), tree]))
+    assert run.script_tree(str(copied / "pretrain_gpt.py"))[1] == tree
 
 
 def _real_trees():
