@@ -4,13 +4,36 @@
 # MEGATRON_LM (a Megatron-LM checkout, tag core_v0.19.0). Optional: DATA_PATH (+ TOKENIZER_MODEL,
 # TOKENIZER_TYPE) for real data instead of --mock-data; NO_TE=1 for a machine without Transformer
 # Engine (local layers, fusions off); with TE, Megatron-LM's --gradient-accumulation-fusion stays on where
-# Apex's fused_weight_gradient_mlp_cuda imports (GRAD_ACCUM_FUSION=1: always). Defines MEGATRON_ARGS (shared training flags, recipe, data,
+# Apex's fused_weight_gradient_mlp_cuda imports (GRAD_ACCUM_FUSION=1: always, 0: never). Defines MEGATRON_ARGS (shared training flags, recipe, data,
 # optimizer flags) and ENTRY (the script torchrun runs).
 DMUON_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# every variable this file (and its callers) read is checked before anything runs: one line naming it, exit 2
+launch_error() { echo "launch: $*" >&2; exit 2; }
+need_positive_int() {  # NAME VALUE WHAT
+  [[ "$2" =~ ^[0-9]+$ ]] && [ "$((10#$2))" -ge 1 ] \
+    || launch_error "$1=$2 must be a positive integer ($3)"
+}
+need_choice() {  # NAME VALUE CHOICES...
+  local name="$1" value="$2"; shift 2
+  local c; for c in "$@"; do [ "$value" = "$c" ] && return 0; done
+  launch_error "$name=$value must be one of: $*"
+}
+need_choice NO_TE "${NO_TE:-0}" 0 1
+need_choice DMUON_PATCH "${DMUON_PATCH:-0}" 0 1
+need_choice GRAD_ACCUM_FUSION "${GRAD_ACCUM_FUSION:-auto}" auto 0 1
+[ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ] \
+  || need_positive_int CUDA_DEVICE_MAX_CONNECTIONS "$CUDA_DEVICE_MAX_CONNECTIONS" "hardware queues per GPU; 1 is Megatron-LM's"
+[ -z "${TORCH_NCCL_ASYNC_ERROR_HANDLING:-}" ] || need_choice TORCH_NCCL_ASYNC_ERROR_HANDLING \
+  "$TORCH_NCCL_ASYNC_ERROR_HANDLING" 0 1 2 3
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (git clone NVIDIA/Megatron-LM; git checkout core_v0.19.0)}"
 : "${RECIPE:?set RECIPE to one of: $(cd "$DMUON_REPO/launch/recipes" && ls ./*.sh | sed 's#^\./##; s/\.sh$//' | tr '\n' ' ')}"
 recipe_file="$DMUON_REPO/launch/recipes/$RECIPE.sh"
-[ -f "$recipe_file" ] || { echo "unknown RECIPE '$RECIPE' (no $recipe_file)" >&2; exit 1; }
+{ [[ "$RECIPE" =~ ^[A-Za-z0-9_.-]+$ ]] && [[ "$RECIPE" != *..* ]] && [ -f "$recipe_file" ]; } \
+  || { echo "unknown RECIPE '$RECIPE' (no $recipe_file)" >&2; exit 1; }
+if [ -n "${DATA_PATH:-}" ]; then
+  { [ -f "$DATA_PATH.bin" ] && [ -f "$DATA_PATH.idx" ]; } \
+    || launch_error "DATA_PATH=$DATA_PATH: no $DATA_PATH.bin and .idx (give a Megatron indexed dataset's path prefix)"
+fi
 # shellcheck disable=SC1090
 source "$recipe_file"
 
@@ -21,6 +44,8 @@ if [ "${DMUON_PATCH:-0}" = 1 ]; then
   ENTRY=("$MEGATRON_LM/pretrain_gpt.py")
 else
   [ -f "$MEGATRON_LM/pretrain_gpt.py" ] || { echo "MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py" >&2; exit 1; }
+  [ -d "$MEGATRON_LM/megatron/training" ] \
+    || { echo "MEGATRON_LM=$MEGATRON_LM has no megatron/training/: give a Megatron-LM checkout" >&2; exit 1; }
   ENTRY=(-m megatron_dmuon.megatron.run "$MEGATRON_LM/pretrain_gpt.py")
 fi
 export PYTHONPATH="$DMUON_REPO:$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
@@ -48,6 +73,8 @@ elif [ "${GRAD_ACCUM_FUSION:-auto}" = auto ] && ! python3 -c "import torch, fuse
   # Megatron-LM's default --gradient-accumulation-fusion needs Apex's extension for its non-TE output layer
   echo "launch: Apex's fused_weight_gradient_mlp_cuda does not import here: --no-gradient-accumulation-fusion" \
        "(build it with launch/build_apex_wgrad.sh, or set GRAD_ACCUM_FUSION=1 to keep Megatron-LM's default)" >&2
+  LOCAL_ARGS=(--no-gradient-accumulation-fusion)
+elif [ "${GRAD_ACCUM_FUSION:-auto}" = 0 ]; then
   LOCAL_ARGS=(--no-gradient-accumulation-fusion)
 fi
 # shared by the recipes (which may override any of it): bf16, no dropout, AdamW hyperparameters, and

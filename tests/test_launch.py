@@ -189,12 +189,55 @@ def _check_dmuon_accepts(megatron_argv, world_size):
     assert (args.muon_momentum, args.muon_nesterov, args.muon_extra_scale_factor) == (0.95, True, 0.2)
 
 
-def test_render_refuses_bad_values(capsys):
-    with pytest.raises(SystemExit):
-        render.main(["--nodes", "0", "--gpus-per-node", "8", "--recipe", "gpt_small", "--megatron-lm", "/x"])
-    assert "--nodes (0)" in capsys.readouterr().err
+@pytest.mark.parametrize("flags,message", [
+    (["--nodes", "0"], "--nodes must be a positive integer (got 0)"),
+    (["--cpus-per-task", "-4"], "--cpus-per-task must be a positive integer (got -4)"),
+    (["--time", "four hours"], "--time 'four hours' is not a Slurm time: MINUTES, MINUTES:SECONDS"),
+    (["--time", "4:75:00"], "--time '4:75:00' is not a Slurm time"),
+    (["--job-name", "my job"], "--job-name 'my job' cannot go on an #SBATCH line"),
+    (["--partition", "gpu\necho INJECTED"], "--partition 'gpu\\necho INJECTED' cannot go on an #SBATCH line"),
+    (["--account", "a;b"], "--account 'a;b' cannot go on an #SBATCH line"),
+    (["--output", "log $HOME.out"], "--output 'log $HOME.out' cannot go on an #SBATCH line"),
+    (["--megatron-lm", "MISSING"], "--megatron-lm MISSING does not exist: give a Megatron-LM checkout"),
+    (["--megatron-lm", "EMPTY"], "--megatron-lm EMPTY has no pretrain_gpt.py and no megatron/training"),
+    (["-o", "TEMPLATE"], "-o TEMPLATE is one of launch/'s own files"),
+    (["-o", "FOREIGN"], "-o FOREIGN exists and was not written by render.py"),
+    (["-o", "IN_TREE"], "-o IN_TREE is inside the Megatron-LM checkout"),
+], ids=["nodes_0", "cpus_negative", "time_words", "time_minutes_75", "job_name_space", "partition_newline",
+        "account_semicolon", "output_space", "megatron_lm_missing", "megatron_lm_empty", "out_template", "out_foreign",
+        "out_in_tree"])
+def test_render_refuses_bad_values_by_flag_and_writes_nothing(tmp_path, capsys, flags, message):
+    """[bad-input-4]: a job name with a space, --time "four hours", negative CPUs, a partition holding a
+    newline (its next line went into the script body) and a missing checkout were rendered before."""
+    tree = make_tree(tmp_path / "Megatron-LM")
+    (tmp_path / "empty").mkdir()
+    foreign = tmp_path / "notes.sbatch"
+    foreign.write_text("#!/bin/bash\n# my own job\n")
+    names = {"MISSING": str(tmp_path / "nope"), "EMPTY": str(tmp_path / "empty"), "TEMPLATE": render.TEMPLATE,
+             "FOREIGN": str(foreign), "IN_TREE": os.path.join(tree, "job.sbatch")}
+    flags = [names.get(f, f) for f in flags]
+    base = {"--nodes": "2", "--gpus-per-node": "8", "--recipe": "gpt_small", "--megatron-lm": tree}
+    for flag, value in zip(flags[::2], flags[1::2]):
+        base[flag] = value
+    before = {p: open(p, "rb").read() for p in (render.TEMPLATE, str(foreign), os.path.join(tree, "pretrain_gpt.py"))}
+    with pytest.raises(SystemExit) as exit_info:
+        render.main([a for kv in base.items() for a in kv])
+    err = capsys.readouterr().err
+    for name, path in names.items():
+        message = message.replace(name, path)
+    assert exit_info.value.code == 2 and message in err, err
+    assert {p: open(p, "rb").read() for p in before} == before and not os.path.exists(os.path.join(tree, "job.sbatch"))
     with pytest.raises(ValueError, match="unknown"):
-        render.render(1, 8, "llama", "/x")
+        render.render(1, 8, "llama", tree)
+
+
+def test_render_replaces_only_what_it_rendered(tmp_path):
+    tree = make_tree(tmp_path / "Megatron-LM")
+    out = tmp_path / "job.sbatch"
+    argv = ["--nodes", "1", "--gpus-per-node", "8", "--recipe", "gpt_small", "--megatron-lm", tree, "-o", str(out)]
+    for time in ("90", "1-12", "2-00:30:00", "UNLIMITED"):
+        assert render.main([*argv, "--time", time, "--job-name", "dmuon.run-1", "--partition", "gpu,gpu2"]) == 0
+        assert f"#SBATCH --time={time}" in out.read_text().splitlines() and render.MARK in out.read_text()
 
 
 def test_one_node_torchrun_launcher(tmp_path):
@@ -219,6 +262,65 @@ def test_one_node_torchrun_launcher(tmp_path):
     assert proc.returncode == 0, proc.stderr
     (_, argv), = _argv_lines(proc.stdout).items()
     assert argv[4] == os.path.join(tree, "pretrain_gpt.py") and "megatron_dmuon.megatron.install()" in read(tree)
+
+
+@pytest.mark.parametrize("env_vars,no_gpus,message", [
+    ({}, "no_nvidia_smi", "launch: nvidia-smi not found, so the GPUs cannot be counted: set GPUS_PER_NODE"),
+    ({}, "lists_none", "launch: nvidia-smi -L lists no GPU here: run on a GPU node, or set GPUS_PER_NODE"),
+    ({"GPUS_PER_NODE": "0"}, None, "launch: GPUS_PER_NODE=0 must be a positive integer"),
+    ({"GPUS_PER_NODE": "-2"}, None, "launch: GPUS_PER_NODE=-2 must be a positive integer"),
+    ({"GPUS_PER_NODE": "two"}, None, "launch: GPUS_PER_NODE=two must be a positive integer"),
+    ({"GPUS_PER_NODE": "4"}, None, "launch: GPUS_PER_NODE=4 is more than the 2 GPUs nvidia-smi lists here"),
+    ({"GPUS_PER_NODE": "1"}, "no_nvidia_smi", None),  # no nvidia-smi is fine where GPUS_PER_NODE says
+    ({"NO_TE": "yes"}, None, "launch: NO_TE=yes must be one of: 0 1"),
+    ({"DMUON_PATCH": "true"}, None, "launch: DMUON_PATCH=true must be one of: 0 1"),
+    ({"GRAD_ACCUM_FUSION": "on"}, None, "launch: GRAD_ACCUM_FUSION=on must be one of: auto 0 1"),
+    ({"CUDA_DEVICE_MAX_CONNECTIONS": "0"}, None, "launch: CUDA_DEVICE_MAX_CONNECTIONS=0 must be a positive integer"),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "9"}, None, "must be one of: 0 1 2 3"),
+    ({"DATA_PATH": "/nonexistent/corpus"}, None, "launch: DATA_PATH=/nonexistent/corpus: no /nonexistent/corpus.bin"),
+], ids=["no_nvidia_smi", "no_gpu_listed", "gpus_0", "gpus_negative", "gpus_word", "gpus_more_than_listed",
+        "gpus_without_nvidia_smi", "no_te", "dmuon_patch", "grad_accum_fusion", "cuda_connections", "nccl_async",
+        "data_path"])
+def test_one_node_launcher_checks_its_environment_first(tmp_path, env_vars, no_gpus, message):
+    """[bad-input-4]: without nvidia-smi, or with GPUS_PER_NODE=0, torchrun started with no ranks (or
+    "command not found" on the way); the other variables were taken as they came."""
+    import shutil
+
+    tree = make_tree(tmp_path / "Megatron-LM")
+    path = _stub_path(tmp_path)
+    if no_gpus:
+        os.remove(tmp_path / "bin" / "nvidia-smi")
+        if no_gpus == "lists_none":
+            (tmp_path / "bin" / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'No devices were found'\n")
+            (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
+        else:  # only the stubs and the tools the script uses: no nvidia-smi, wherever the machine has one
+            tools = tmp_path / "tools"
+            tools.mkdir()
+            for tool in ("bash", "dirname", "grep", "ls", "sed", "tr", "cat", "env", "python3"):
+                if shutil.which(tool):
+                    (tools / tool).symlink_to(shutil.which(tool))
+            path = f"{tmp_path / 'bin'}:{tools}"
+    env = dict(os.environ, PATH=path, MEGATRON_LM=tree, NO_TE="1")
+    env.update(env_vars)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([shutil.which("bash"), os.path.join(ROOT, "launch", "torchrun_megatron_lm.sh"), "gpt_small"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    if message is None:
+        assert proc.returncode == 0 and "--nproc-per-node=1" in proc.stdout, proc.stderr
+        return
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert " ARGV " not in proc.stdout and "megatron_dmuon.megatron.install()" not in read(tree)  # nothing ran
+
+
+def test_slurm_job_checks_master_port(tmp_path):
+    tree = make_tree(tmp_path / "Megatron-LM")
+    script = tmp_path / "job.sbatch"
+    script.write_text(render.render(2, 8, "gpt_small", tree))
+    env = dict(os.environ, PATH=_stub_path(tmp_path), SLURM_JOB_ID="1", SLURM_JOB_NODELIST="node-[a-b]", NO_TE="1",
+               MASTER_PORT="70000")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "launch: MASTER_PORT=70000 must be a TCP port, 1..65535" in proc.stderr, proc.stderr
+    assert " ARGV " not in proc.stdout
 
 
 def test_launcher_needs_a_checkout_and_a_known_recipe(tmp_path):
