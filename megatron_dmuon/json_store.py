@@ -41,7 +41,8 @@ class ForeignCacheFile(ValueError):
     """The file a cache is pointed at is not that cache: DMuon refuses it and leaves it untouched."""
 
     def __init__(self, why: str, store: "JsonStore"):
-        self.problem = f"is not a {store.label} file ({why}; DMuon replaces only files it wrote: left untouched)"
+        article = "an" if store.label[:1].lower() in "aeiou" else "a"
+        self.problem = f"is not {article} {store.label} file ({why}; DMuon replaces only files it wrote: left untouched)"
         super().__init__(f"the {store.label} {store.path} {self.problem}: point {store.env} at {FOREIGN_FIX}")
 
 

@@ -50,7 +50,8 @@ def test_a_cache_pointed_at_a_file_that_is_not_ours_is_refused_and_left_untouche
         with pytest.raises(ValueError) as refused:  # at start-up, parse time (the main job and the hook)
             check_cache_paths(args)
         message = str(refused.value)
-        assert message.startswith(f"the {cls.label} {path} is not a {cls.label} file") and label in cls.label, message
+        assert message.startswith(f"the {cls.label} {path} is not a") and f" {cls.label} file (" in message, message
+        assert label in cls.label
         assert "left untouched" in message and f"point ${env}" in message, message
         assert "a new file path" in message, message
         with pytest.raises(ForeignCacheFile, match="left untouched"):  # a direct write (or read) says the same
@@ -88,6 +89,25 @@ def test_a_cache_of_ours_keeps_its_mode_and_link_and_a_cut_one_is_replaced_with_
     link.symlink_to(path)
     PlanCache(link).put("d", {"x": 6})
     assert link.is_symlink() and set(PlanCache(path).entries) == {"c", "d"}
+
+
+def test_dmuon_autotune_checks_its_cache_and_numbers_before_any_work(tmp_path, capsys):
+    """Before: --steps 0 and an unknown --coefficients were taken; a --cache file that is not the
+    autotune cache was found (and replaced) only after the first shape was tuned on the GPU."""
+    from megatron_dmuon import cli
+
+    foreign = tmp_path / "notes.json"
+    foreign.write_text("[1]")
+    for argv, message in ((["--cache", str(foreign)], f"the autotune cache {foreign} is not an autotune cache file "
+                                                      "(it holds a JSON list; DMuon replaces only files it wrote: left "
+                                                      "untouched): point --cache at a new file path"),
+                          (["--steps", "0"], "--steps must be >= 1, got 0"),
+                          (["--coefficients", "zz"], "--coefficients 'zz' unknown; valid: keller"),
+                          (["--batches", "x"], "--batches must be positive integers, got 'x'")):
+        assert cli.main(["autotune", "--shapes", "64x64", "--dry-run", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert foreign.read_text() == "[1]"
 
 
 # ------------------------------------------------------------------------------- dmuon plan

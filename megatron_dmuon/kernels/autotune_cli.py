@@ -104,11 +104,28 @@ def main(argv=None) -> int:
                                       args.split_qkv, args.split_fc1, not args.no_swiglu))
         if not named:
             raise ValueError("no shapes: pass --shapes ROWSxCOLS,... or --hidden/--ffn/--heads")
-        batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+        try:
+            batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+        except ValueError:
+            batches = [0]
         if not batches or batches[0] < 1:
             raise ValueError(f"--batches must be positive integers, got {args.batches!r}")
         if args.layers < 1:
             raise ValueError(f"--layers must be >= 1, got {args.layers}")
+        for flag, value in (("--steps", args.steps), ("--head-dim", args.head_dim)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        from ..algorithms.coefficients import COEFFICIENT_SETS
+        from .autotune import get_cache
+
+        if args.coefficients not in COEFFICIENT_SETS:
+            raise ValueError(f"--coefficients {args.coefficients!r} unknown; valid: {', '.join(COEFFICIENT_SETS)}")
+        cache = get_cache(args.cache)
+        try:
+            cache.check_writable()  # a directory or a file that is not this cache: refused, left untouched
+        except ValueError as exc:
+            raise ValueError(str(exc).replace(f"point {cache.env}", "point --cache" if args.cache else
+                                              f"point {cache.env}")) from None
     except ValueError as exc:
         print(f"dmuon autotune: {exc}", file=sys.stderr)
         return 2
