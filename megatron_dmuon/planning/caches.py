@@ -41,7 +41,7 @@ def default_plan_cache_path() -> str:
 
 
 class ProfileCache(JsonStore):
-    """``{"version": PROFILE_VERSION, "entries": {profile_key: CostTable JSON}}``."""
+    """``{"dmuon_cache": signature, "entries": {key: CostTable JSON or rank profile}, "version": PROFILE_VERSION}``."""
 
     version = PROFILE_VERSION
     label = "DMuon NS profile cache"
@@ -51,7 +51,7 @@ class ProfileCache(JsonStore):
 
 
 class PlanCache(JsonStore):
-    """``{"version": 1, "entries": {plan_key: plan JSON}}``."""
+    """``{"dmuon_cache": signature, "entries": {plan_key: plan JSON}, "version": 1}``."""
 
     version = 1
     label = "DMuon owner plan cache"
