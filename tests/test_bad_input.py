@@ -311,7 +311,7 @@ def _odd_dataset(prefix, kind):
     (["--split", "1,10000000"], "the train split has "),
     (["--save", "LOCKDIR"], "its lock file .dmuon_save.lock is a directory: remove it"),
     (["--save", "ITERFILE"], "iter_0000004 is a file where a checkpoint directory would be written"),
-    (["--hidden-size", "8192", "--num-layers", "4"], "needs at least 9.4 GiB per rank for its params, grads and "
+    (["--hidden-size", "8192", "--num-layers", "4"], "needs at least 33.0 GiB per rank for its params, grads and "
                                                      "optimizer state, more than the 4.0 GiB this rank has"),
     (["--dmuon-overlap-step", "on"], "exist only with --overlap-param-gather: add --overlap-param-gather"),
     (["--dmuon-overlap-step", "on", "--overlap-param-gather", "--dmuon-mode", "gather_then_compute"],

@@ -49,7 +49,9 @@ def parse_args(argv=None):
       help="plain momentum (Megatron's default; this job's default is Nesterov)")
     a("--num-layers", type=int, default=2)
     a("--hidden-size", type=int, default=128)
-    a("--ffn-hidden-size", type=int, default=352)
+    a("--ffn-hidden-size", type=int, default=None,
+      help="MLP width (default: 352 for the default --hidden-size 128; for another --hidden-size Megatron-LM's "
+           "rule for a SwiGLU MLP, int(4 x hidden x 2/3 / 64) x 64)")
     a("--num-attention-heads", type=int, default=4)
     a("--num-query-groups", type=int, default=2)
     a("--seq-length", type=int, default=128)
@@ -87,8 +89,9 @@ def parse_args(argv=None):
     a("--overlap-grad-reduce", action="store_true")
     a("--overlap-param-gather", action="store_true")
     a("--data-path", default=None, help="Megatron indexed dataset prefix (.bin/.idx)")
-    a("--split", default="95,5", help="train,valid[,test] weights as Megatron-LM's: the last share of the data "
-      "(the stdlib files last in name order, or the dataset's last documents) is held out for validation")
+    a("--split", default="95,5", help="train,valid[,test] weights as Megatron-LM's, in that order over the data (the "
+      "stdlib files in name order, or the dataset's documents): 95,5 validates on the last 5%%; a test share, the "
+      "last, is never read")
     a("--eval-interval", type=int, default=None,
       help="validation loss every N iterations (and after the last); default: after the last only")
     a("--eval-iters", type=int, default=4, help="validation batches (each --global-batch-size windows) per evaluation; 0: none")
@@ -108,7 +111,7 @@ def parse_args(argv=None):
     a("--parse-only", action="store_true", help="check the arguments (and the data, paths, memory bound) and exit")
     _add_checkpoint_args(p)
     args = p.parse_args(argv)
-    validate_args(p, args, DEFAULT_LR)
+    validate_args(p, args, DEFAULT_LR, p.given(argv))  # (given: a flag the run would ignore is refused by name)
     # what Megatron-LM reads from --use-distributed-optimizer: DMuon's owners need it, the
     # all-reduce baseline must not have it
     args.use_distributed_optimizer = not (args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute")
@@ -121,7 +124,8 @@ def _add_checkpoint_args(p):
     a("--save-interval", type=int, default=None, help="save every N iterations (and after the last one)")
     a("--load", default=None, help="resume from the latest checkpoint in this directory (none there: start fresh)")
     a("--no-load-optim", action="store_true",
-      help="--load the model only (Megatron-LM's flag): optimizer state and lr schedule start fresh")
+      help="--load the model only (Megatron-LM's flag): optimizer state and lr schedule start fresh; the iteration "
+           "and the consumed samples continue")
     a("--override-opt_param-scheduler", dest="override_opt_param_scheduler", action="store_true",
       help="resume under this run's lr/wd schedule flags when the checkpoint's differ (Megatron-LM's flag)")
     a("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler", action="store_true",

@@ -55,17 +55,20 @@ def hold_save_lock(args, rank) -> None:
                   f"{os.path.join(args.save, SaveLock.NAME)}): wait for it, or save elsewhere", 2)
 
 
-def load_if_requested(args, ddp, opt, sched, rank) -> int:
-    """Resume from --load's latest checkpoint; the iteration to continue after (0: fresh start)."""
+def load_if_requested(args, ddp, opt, sched, rank) -> tuple[int, int]:
+    """Resume from --load's latest checkpoint: (the iteration to continue after, the samples consumed
+    by then); (0, 0): a fresh start. As Megatron-LM's load_checkpoint: --no-load-optim loads the model
+    and keeps the iteration and consumed samples (the data continues), while the optimizer state and
+    the lr schedule start fresh (Megatron loads the schedule with the optimizer state)."""
     from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, latest_iteration, load_checkpoint
 
     if not args.load:
-        return 0
+        return 0, 0
     iteration = latest_iteration(args.load)
     if iteration is None:
         if rank == 0:
             print(f"> no checkpoint in {args.load}: starting from scratch", flush=True)
-        return 0
+        return 0, 0
     from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError
 
     try:  # (the optimizer record is checked on every rank before anything is read: all ranks stop here together)
@@ -73,10 +76,14 @@ def load_if_requested(args, ddp, opt, sched, rank) -> int:
                                  load_optimizer=not args.no_load_optim)
     except CheckpointMismatchError as e:
         job_error(f"--load {args.load}: {e}", 2)
-    if not args.no_load_optim:  # (--no-load-optim: the schedule starts fresh, as in Megatron-LM)
+    if not args.no_load_optim:
         sched.load_state_dict(common["opt_param_scheduler"])
+    iteration = int(common["iteration"])
+    consumed = consumed_samples_of(common, iteration, args.global_batch_size)
     if rank == 0:
-        print(f"> loaded checkpoint {checkpoint_dir(args.load, iteration)} at iteration {iteration}", flush=True)
+        print(f"> loaded checkpoint {checkpoint_dir(args.load, iteration)} at iteration {iteration}, "
+              f"{consumed} consumed samples" + (" (model only: --no-load-optim; optimizer state and lr schedule "
+                                                  "start fresh)" if args.no_load_optim else ""), flush=True)
     if hasattr(ddp, "dmuon_plan"):
         from megatron_dmuon.megatron.replicas import check_replicas
 
@@ -85,19 +92,36 @@ def load_if_requested(args, ddp, opt, sched, rank) -> int:
             print(f"> {report}", flush=True)
         if not report.ok:
             raise RuntimeError(f"after loading {args.load}: {report}")
-    return int(common["iteration"])
+    return iteration, consumed
+
+
+def consumed_samples_of(common: dict, iteration: int, global_batch_size: int) -> int:
+    """The train samples a checkpoint's run had consumed (Megatron-LM keeps them in the checkpoint's args).
+    A checkpoint written before the job recorded them: its scheduler's sample count (the same unless
+    steps were skipped), else iteration x --global-batch-size (Megatron-LM's fallback)."""
+    consumed = common.get("consumed_samples")
+    if isinstance(consumed, int) and consumed >= 0:
+        return consumed
+    sched = common.get("opt_param_scheduler")
+    if isinstance(sched, dict) and isinstance(sched.get("num_steps"), int):
+        return sched["num_steps"]
+    return iteration * global_batch_size
 
 
 # what torch's writers say when the disk is full (its zip writer: "unexpected pos"; the OS: ENOSPC)
 DISK_FULL_SIGNS = ("No space left on device", "unexpected pos", "file write failed")
 
 
-def save(args, iteration, ddp, opt, sched, rank) -> None:
+def save(args, iteration, ddp, opt, sched, rank, consumed: int = None) -> None:
+    """Checkpoint ``iteration`` into --save, with the train samples consumed by then (as Megatron-LM's
+    checkpoint args hold them: a resume, even with --no-load-optim, continues the data there)."""
     from megatron_dmuon.megatron.checkpoint_io import latest_iteration, save_checkpoint
 
+    extra = {"opt_param_scheduler": sched.state_dict(), "model_config": model_config_of(args)}
+    if consumed is not None:
+        extra["consumed_samples"] = int(consumed)
     try:
-        path = save_checkpoint(args.save, iteration, [ddp], opt, extra={"opt_param_scheduler": sched.state_dict(),
-                                                                          "model_config": model_config_of(args)})
+        path = save_checkpoint(args.save, iteration, [ddp], opt, extra=extra)
     except BaseException as e:  # torch DCP's CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

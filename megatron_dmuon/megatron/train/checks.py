@@ -16,9 +16,20 @@ import sys
 
 import torch
 
-from .data import check_indexed_dataset, parse_split, token_source, train_split_problem
+from .data import check_indexed_dataset, parse_split, stdlib_files, token_source, train_split_problem
 
 PROG = "dmuon-train"  # the trainer's name in its messages, whichever entry started it
+
+
+def _prints_errors() -> bool:
+    """Whether this process prints the start-up errors every rank meets: rank 0 (or no RANK: one
+    process); also a process whose RANK is no rank of WORLD_SIZE (then no rank 0 may exist to say why)."""
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    except ValueError:
+        return True
+    return rank == 0 or (world is not None and not 0 <= rank < world)
 
 
 class JobArgumentParser(argparse.ArgumentParser):
@@ -28,17 +39,46 @@ class JobArgumentParser(argparse.ArgumentParser):
         super().__init__(prog=PROG, **kwargs)
 
     def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
+        if _prints_errors():
             self.print_usage(sys.stderr)
             sys.stderr.write(f"{self.prog}: error: {message}\n")
             sys.stderr.flush()
         raise SystemExit(2)
 
+    def given(self, argv=None) -> dict:
+        """The flags given on the command line (abbreviated, ``--flag=value`` or not): ``{dest: the
+        option string typed}``. argparse fills in a default only where the namespace lacks the dest,
+        so a second parse into a namespace pre-filled with a marker leaves the marker on every flag
+        that was not given."""
+        argv = sys.argv[1:] if argv is None else list(argv)
+        unset = object()
+        dests = {a.dest for a in self._actions if a.dest is not argparse.SUPPRESS}
+        namespace = argparse.Namespace(**{dest: unset for dest in dests})
+        self.parse_known_args(argv, namespace)
+        given = {}
+        for dest in sorted(d for d in dests if getattr(namespace, d) is not unset):
+            options = [o for a in self._actions if a.dest == dest for o in a.option_strings]
+            typed = [a.split("=", 1)[0] for a in map(str, argv) if a.startswith("--")]
+            # the option string the user typed (an abbreviation names the option it stands for)
+            hit = next((o for t in typed for o in options if o == t), None) or \
+                next((o for t in typed for o in options if o.startswith(t)), options[0] if options else dest)
+            given[dest] = hit
+        return given
 
-def validate_args(p, args, default_lr: dict) -> None:
-    """Every argument checked before anything is built; errors name the flag (argparse exit 2)."""
+
+def validate_args(p, args, default_lr: dict, given: dict = None) -> None:
+    """Every argument checked before anything is built; errors name the flag (argparse exit 2).
+    ``given``: the flags on the command line (``JobArgumentParser.given``; None: none assumed given)."""
     from megatron_dmuon.megatron.flags import check_training_numbers
 
+    given = given or {}
+    _check_environment(p)
+    _check_path_flags_name_something(p, args)
+    _refuse_unused_flags(p, args, given)
+    _check_outputs_against_inputs(p, args)  # (before any other check could read or write a file)
+    ffn_derived = args.ffn_hidden_size is None
+    if ffn_derived:
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size)
     if args.lr is None:
         args.lr = default_lr[args.optimizer]
     if args.min_lr is None:
@@ -47,7 +87,7 @@ def validate_args(p, args, default_lr: dict) -> None:
                 "seq_length", "vocab_size", "micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                 "tensor_model_parallel_size", "pipeline_model_parallel_size")
     for name in positive:
-        if getattr(args, name) < 1:
+        if getattr(args, name) < 1 and not (ffn_derived and name == "ffn_hidden_size"):  # (derived: below)
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     for name in ("lr_warmup_iters", "eval_iters", "exit_after_skipped_iterations"):
         if getattr(args, name) < 0:
@@ -62,6 +102,13 @@ def validate_args(p, args, default_lr: dict) -> None:
     if args.lr_warmup_iters >= args.train_iters:
         p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters ({args.train_iters})")
     _check_layout(p, args)
+    if args.ffn_hidden_size < 1:  # (derived from a small --hidden-size)
+        p.error(f"--hidden-size {args.hidden_size} gives Megatron-LM's default --ffn-hidden-size int(4 x "
+                f"{args.hidden_size} x 2/3 / 64) x 64 = {args.ffn_hidden_size} (SwiGLU): give --ffn-hidden-size")
+    if args.ffn_hidden_size % args.tensor_model_parallel_size:  # (a derived one; _check_layout named a given one)
+        p.error(f"--ffn-hidden-size {args.ffn_hidden_size} (Megatron-LM's default for --hidden-size "
+                f"{args.hidden_size}) must be divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
+                "give --ffn-hidden-size")
     _check_transformer_engine(p, args)
     if args.optimizer == "dmuon":  # every --muon-*/--dmuon-* flag and DMuon's combination checks
         from megatron_dmuon.megatron.flags import validate_dmuon_args
@@ -70,7 +117,88 @@ def validate_args(p, args, default_lr: dict) -> None:
             validate_dmuon_args(args)
         except ValueError as e:
             p.error(str(e))
+    _check_run_flags(p, args, given)
+    for flag, path in (("--timing-json", args.timing_json), ("--profile-out", args.profile_out)):
+        problem = file_problem(path)
+        if problem:
+            p.error(f"{flag} {path}: {problem}")
     _check_checkpointing(p, args)
+    _check_data(p, args)
+    _check_memory(p, args)
+
+
+# the default model's FFN width (2.75 x its --hidden-size 128); other hidden sizes get Megatron-LM's rule
+DEFAULT_HIDDEN_SIZE, DEFAULT_FFN_HIDDEN_SIZE = 128, 352
+
+
+def default_ffn_hidden_size(hidden_size: int) -> int:
+    """--ffn-hidden-size when none is given: the default model's 352 at its --hidden-size 128, else
+    Megatron-LM's rule for this job's SwiGLU MLP (arguments.py: int(4 x hidden x 2/3 / 64) x 64, which
+    keeps the parameters of a 4 x hidden GELU MLP, in multiples of 64)."""
+    if hidden_size == DEFAULT_HIDDEN_SIZE:
+        return DEFAULT_FFN_HIDDEN_SIZE
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def _env_int(p, name: str, low: int, high=None, default=None):
+    """An integer environment variable the job reads, in [low, high) (None: unset), else a usage error."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value >= high):
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
+        p.error(f"the environment variable {name}={text!r} must be an integer {bound} (torchrun sets it; unset it "
+                "to run one process)")
+    return value
+
+
+def _check_environment(p) -> None:
+    """What the job reads from the environment (torchrun's variables): integers in range."""
+    world = _env_int(p, "WORLD_SIZE", 1)  # (None: unset, one process)
+    _env_int(p, "RANK", 0, world)
+    local_world = _env_int(p, "LOCAL_WORLD_SIZE", 1, world + 1 if world else None)
+    _env_int(p, "LOCAL_RANK", 0, local_world or world)
+    _env_int(p, "TORCHELASTIC_RESTART_COUNT", 0)
+    if os.environ.get("MASTER_ADDR") is not None:
+        _env_int(p, "MASTER_PORT", 1, 65536)
+        if not os.environ["MASTER_ADDR"].strip():
+            p.error("the environment variable MASTER_ADDR is empty: set it to the address of rank 0, or unset it")
+
+
+# the main job's path flags (an empty value would silently mean "none": the default data, no save)
+PATH_FLAGS = ("data_path", "save", "load", "timing_json", "profile_out", "dmuon_autotune_cache")
+
+
+def _check_path_flags_name_something(p, args) -> None:
+    for name in PATH_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and not value.strip():
+            flag = f"--{name.replace('_', '-')}"
+            p.error(f"{flag} {value!r} names no path: " + (
+                "give the prefix of a Megatron indexed dataset (PREFIX.bin and PREFIX.idx), or leave --data-path out "
+                "for the default data" if name == "data_path" else f"give a path, or leave {flag} out"))
+
+
+def _refuse_unused_flags(p, args, given: dict) -> None:
+    """A flag the run would ignore is refused by name (a value given and never read is a mistake the
+    user should hear of): every --muon-*/--dmuon-* flag under --optimizer adam."""
+    if args.optimizer == "adam":
+        for dest, typed in given.items():
+            if typed.startswith(("--muon-", "--dmuon-")):
+                p.error(f"{typed} has no effect under --optimizer adam; drop it or use --optimizer dmuon")
+
+
+LOAD_FLAGS = {"no_load_optim": "--no-load-optim", "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler",
+              "override_opt_param_scheduler": "--override-opt_param-scheduler"}
+
+
+def _check_run_flags(p, args, given: dict) -> None:
+    """The profiling, fault-injection, validation and checkpoint flags: in range, and refused where
+    they would have no effect."""
     if args.profile_optimizer_at is not None and not 1 <= args.profile_optimizer_at <= args.train_iters:
         p.error(f"--profile-optimizer-at must be in [1, --train-iters] (got {args.profile_optimizer_at})")
     if args.profile_out and args.profile_optimizer_at is None:
@@ -81,14 +209,34 @@ def validate_args(p, args, default_lr: dict) -> None:
                 "ITER + N - 1 <= --train-iters (the whole iterations to profile)")
     if args.fail_at_iteration is not None and not 1 <= args.fail_at_iteration <= args.train_iters:
         p.error(f"--fail-at-iteration must be in [1, --train-iters] (got {args.fail_at_iteration})")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if "fail_rank" in given and args.fail_at_iteration is None:
+        p.error("--fail-rank has no effect without --fail-at-iteration ITER (the iteration at which to kill it)")
+    if not -1 <= args.fail_rank < world:
+        p.error(f"--fail-rank must be a global rank in [0, {world}) or -1 for the last (got {args.fail_rank})")
     if args.eval_interval is not None and args.eval_interval < 1:
         p.error(f"--eval-interval must be >= 1 (got {args.eval_interval}); --eval-iters 0 turns validation off")
-    for flag, path in (("--timing-json", args.timing_json), ("--profile-out", args.profile_out)):
-        problem = file_problem(path)
-        if problem:
-            p.error(f"{flag} {path}: {problem}")
-    _check_data(p, args)
-    _check_memory(p, args)
+    if args.eval_interval is not None and args.eval_iters == 0:
+        p.error("--eval-interval has no effect with --eval-iters 0 (no validation): drop one of the two")
+    if "fp8_recipe" in given and not args.fp8_format:
+        p.error(f"--fp8-recipe {args.fp8_recipe} has no effect without --fp8-format: add --fp8-format hybrid|e4m3, "
+                "or drop it")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        p.error("--decoupled-min-lr has no effect without --decoupled-lr (Megatron reads it only as the decoupled "
+                "lr's minimum): add --decoupled-lr, or drop it")
+    if args.overlap_param_gather and args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute":
+        p.error("--overlap-param-gather has no effect under --dmuon-mode gather_then_compute (an all-reduce "
+                "baseline without the distributed optimizer's param all-gather): drop it")
+    if not args.load:
+        for dest, flag in LOAD_FLAGS.items():
+            if getattr(args, dest):
+                p.error(f"{flag} has no effect without --load DIR")
+    if args.no_load_optim:
+        for dest, flag in list(LOAD_FLAGS.items())[1:]:
+            if getattr(args, dest):
+                p.error(f"{flag} has no effect with --no-load-optim: as in "
+                        "Megatron-LM, the lr schedule is loaded with the optimizer state, so --no-load-optim starts it "
+                        "fresh (the iteration and consumed samples continue); drop one of the two")
 
 
 def _check_layout(p, args) -> None:
@@ -235,7 +383,30 @@ def _check_resume(p, args, iteration: int) -> None:
         if source is not None and not source["muon_groups"]:  # (Megatron's Muon: DMuon continues it at load)
             p.error(f"--load {args.load}: {path} was written by --optimizer adam, with no Muon momenta to keep: load "
                     "the model only (--no-load-optim) to start DMuon's state fresh, or train on with --optimizer adam")
+    if args.optimizer == "adam" and not args.no_load_optim and isinstance(common, dict):
+        saver = muon_saver_of(common.get("optimizer"))
+        if saver:  # every matrix steps by AdamW here: its Muon momenta are no AdamW moments
+            p.error(f"--load {args.load}: {path} was written by {saver}, whose Muon momenta --optimizer adam cannot "
+                    "continue (it has no AdamW moments for those matrices): load the model only (--no-load-optim) to "
+                    "start AdamW's state fresh, or train on with --optimizer dmuon")
     _check_schedule_matches(p, args, common.get("opt_param_scheduler") if isinstance(common, dict) else None)
+
+
+def muon_saver_of(common_optimizer):
+    """Which Muon optimizer wrote a checkpoint's common ``optimizer`` record, in the flags' words (None:
+    no Muon matrix in it, e.g. Megatron's Adam)."""
+    from megatron_dmuon.megatron.checkpoint_switch import dmuon_record_of, megatron_source
+
+    record = dmuon_record_of(common_optimizer)
+    if record is not None:
+        params = record.get("params")
+        kinds = [v[1] for v in params.values() if isinstance(v, (list, tuple)) and len(v) > 1] \
+            if isinstance(params, dict) else ["muon"]
+        return "--optimizer dmuon" if "muon" in kinds else None
+    source = megatron_source(common_optimizer)
+    if source is not None and source["muon_groups"]:
+        return "Megatron's Muon (--optimizer muon, or --dmuon-mode megatron_layerwise)"
+    return None
 
 
 def _check_checkpointing(p, args) -> None:
@@ -296,20 +467,57 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
+def _write_problem(folder: str, make_dir: bool):
+    """Try what a run will do in ``folder``: create a directory holding a file (``make_dir``) or a
+    file, write a byte, and remove it again. The OS's reason it cannot, or None. (os.access says
+    yes to root on read-only or virtual file systems, /sys or /proc: the run then failed at its
+    first write, on every rank.)"""
+    import tempfile
+
+    made = None
+    try:
+        if make_dir:
+            made = tempfile.mkdtemp(prefix=".dmuon_write_check_", dir=folder)
+            name = os.path.join(made, "probe")
+            fd = os.open(name, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
+        else:
+            fd, name = tempfile.mkstemp(prefix=".dmuon_write_check_", dir=folder)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        if made:
+            try:
+                for leftover in os.listdir(made):
+                    os.remove(os.path.join(made, leftover))
+                os.rmdir(made)
+            except OSError:
+                pass
+    return None
+
+
 def dir_problem(path: str):
-    """Why ``path`` cannot be (made) a writable directory, or None."""
+    """Why ``path`` cannot be (made) a writable directory, or None (tried: a file written and removed)."""
     if os.path.exists(path):
         if not os.path.isdir(path):
             return "exists and is not a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+        why = _write_problem(path, make_dir=False)
+        return f"is not writable ({why})" if why else None
     base = _nearest_existing(path)
     if not os.path.isdir(base):
         return f"cannot be created: {base} is not a directory"
-    return None if os.access(base, os.W_OK | os.X_OK) else f"cannot be created: {base} is not writable"
+    why = _write_problem(base, make_dir=True)
+    return f"cannot be created: {base} does not take a new directory ({why})" if why else None
 
 
 def file_problem(path):
-    """Why a file cannot be written at ``path`` (its folder must exist), or None."""
+    """Why a file cannot be written at ``path`` (its folder must exist), or None (tried)."""
+    import stat
+
     if not path:
         return None
     if os.path.isdir(path):
@@ -317,9 +525,115 @@ def file_problem(path):
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         return f"its folder {folder} does not exist"
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        return "is not writable"
-    return None if os.access(folder, os.W_OK | os.X_OK) else f"its folder {folder} is not writable"
+    if os.path.exists(path):
+        mode = os.stat(path).st_mode
+        if stat.S_ISBLK(mode):
+            return "is a block device (a disk): writing it would destroy what it holds"
+        if not stat.S_ISREG(mode):  # a character device (/dev/null) or a FIFO: written as it is
+            return None if os.access(path, os.W_OK) else "is not writable"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))  # (opened, not changed)
+        except OSError as e:
+            return f"is not writable ({e.strerror or e})"
+        return None
+    why = _write_problem(folder, make_dir=False)
+    return f"its folder {folder} does not take a new file ({why})" if why else None
+
+
+# what a --save / --load directory holds of the job's: the tracker, the lock file, iter_NNNNNNN/**
+_ITER_DIR = re.compile(r"iter_\d{7}")
+_LOCK_NAME = ".dmuon_save.lock"
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def _same_file(a: str, b: str) -> bool:
+    if _real(a) == _real(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # (hard links)
+    except OSError:
+        return False
+
+
+def _checkpoint_entry(root: str, path: str):
+    """The entry of checkpoint directory ``root`` that ``path`` is or lies in (the tracker, the lock
+    file or an iter_NNNNNNN directory), or None."""
+    from megatron_dmuon.megatron.checkpoint_io import TRACKER
+
+    rel = os.path.relpath(_real(path), _real(root))
+    first = rel.split(os.sep)[0]
+    if rel == "." or first == "..":
+        return None
+    return first if first in (TRACKER, _LOCK_NAME) or _ITER_DIR.fullmatch(first) else None
+
+
+def _output_files(args) -> list:
+    """(name, path) of every file the run writes outside --save: --timing-json, --profile-out and, under
+    --optimizer dmuon, DMuon's caches."""
+    out = [(flag, path) for flag, path in (("--timing-json", args.timing_json), ("--profile-out", args.profile_out))
+           if path]
+    if args.optimizer == "dmuon":
+        from megatron_dmuon.kernels.autotune import AutotuneCache
+        from megatron_dmuon.planning.caches import (PlanCache, ProfileCache, default_plan_cache_path,
+                                                    default_profile_cache_path)
+
+        for cache in (AutotuneCache(args.dmuon_autotune_cache), PlanCache(default_plan_cache_path()),
+                      ProfileCache(default_profile_cache_path())):
+            out.append((f"the {cache.label} {cache.env}", str(cache.path)))
+    return out
+
+
+def _check_outputs_against_inputs(p, args) -> None:
+    """Nothing the run writes may be something it reads, or a file it did not write: every output
+    (--timing-json, --profile-out, DMuon's caches, the checkpoints --save writes) against every input
+    (--data-path's .bin and .idx, the default data's files, the checkpoints --load reads) and against
+    each other; an existing --timing-json / --profile-out must be one this job wrote."""
+    outputs = _output_files(args)
+    for i, (flag, path) in enumerate(outputs):
+        for other, other_path in outputs[i + 1:]:
+            if _same_file(path, other_path):
+                p.error(f"{flag} and {other} name the same file {path}: each would overwrite the other; give "
+                        "them different paths")
+    inputs = [("--data-path", args.data_path + ext) for ext in (".bin", ".idx")] if args.data_path else []
+    for flag, path in outputs:
+        for source, data in inputs:
+            if _same_file(path, data):
+                p.error(f"{flag} {path} is the dataset {data} that --data-path {args.data_path} reads: writing it "
+                        f"would destroy the data; name another file for {flag}")
+        for source, root in (("--load", args.load), ("--save", args.save)):
+            entry = root and _checkpoint_entry(root, path)
+            if entry:
+                p.error(f"{flag} {path} lies in {os.path.join(root, entry)}, where {source} "
+                        f"{'reads' if source == '--load' else 'writes'} checkpoints: name a file outside the "
+                        "tracker and the iter_NNNNNNN directories")
+    if not args.data_path:
+        for flag, path in outputs:
+            real = _real(path)
+            if real.endswith(".py") and os.path.exists(real) and real in {_real(f) for f in stdlib_files()}:
+                p.error(f"{flag} {path} is a file of the default data (the Python standard library's source): "
+                        "name another file")
+    if args.save:
+        for source, data in inputs:
+            if _checkpoint_entry(args.save, data):
+                p.error(f"--save {args.save} would write over {data}, which --data-path reads: save elsewhere")
+        if args.load and _real(args.load) != _real(args.save):
+            if _checkpoint_entry(args.load, args.save):
+                p.error(f"--save {args.save} lies inside {args.load}'s checkpoints, which --load reads: save "
+                        f"elsewhere, or --save {args.load} to continue there")
+            if _checkpoint_entry(args.save, args.load):
+                p.error(f"--load {args.load} lies where --save {args.save} writes its checkpoints: pass --load "
+                        f"{args.save}, or save elsewhere")
+    from .loop import is_profile_trace
+    from .summary import is_timing_json
+
+    for flag, path, ours, what in (("--timing-json", args.timing_json, is_timing_json, "a timing JSON"),
+                                   ("--profile-out", args.profile_out, is_profile_trace, "a profile trace")):
+        if path and os.path.isfile(path) and os.path.getsize(path) and not ours(path):
+            p.error(f"{flag} {path} exists and is not {what} this job wrote: it would be overwritten; name a new "
+                    "file, or remove it first")
 
 
 def _check_data(p, args) -> None:
@@ -327,7 +641,7 @@ def _check_data(p, args) -> None:
         parse_split(args.split)
     except ValueError as e:
         p.error(str(e))
-    if not args.data_path:
+    if args.data_path is None:
         if args.vocab_size < 256:
             p.error("--vocab-size must be >= 256 for the byte-level default data")
         problem = train_split_problem(args)

@@ -5,10 +5,18 @@ directory (its packages and tests included, site-/dist-packages not: ~31 MB on P
 every machine; or a Megatron indexed dataset (``--data-path PREFIX``). (The top-level modules alone
 are 4.7 MB: 800 iterations of 16k tokens went through them 2.8 times, and the validation loss then
 measured memorization more than optimization; docs/quality.md.) ``--split`` cuts it as Megatron-LM's flag does, by
-weight: ``95,5`` keeps the last 5% apart for validation (for the stdlib bytes: the files last in
-name order; for an indexed dataset: its last documents, at least one). Training draws random
-windows from the train part only; validation reads fixed, evenly spaced windows of the held-out
-part, the same ones at every evaluation, so validation losses compare across runs and optimizers.
+weight, in order: ``95,5`` keeps the last 5% apart for validation (for the stdlib bytes: the files
+last in name order; for an indexed dataset: its last documents, at least one); ``90,5,5`` trains on
+the first 90%, validates on the next 5% and never reads the last 5% (the test share). Training draws
+random windows from the train part only; validation reads fixed, evenly spaced windows of the
+validation part, the same ones at every evaluation, so validation losses compare across runs and
+optimizers.
+
+The train windows form one sequence, as Megatron's sampler's: sample k's window is a function of
+(--seed, k) alone, and iteration i's global batch is the samples [consumed, consumed + --global-batch-size)
+where ``consumed`` counts the samples of the iterations before it; each DP rank takes its slice of
+each global batch (Megatron's MegatronPretrainingSampler order). So one rank and two see the same
+global batches, and a resume at another DP size or another global batch continues the same sequence.
 """
 from __future__ import annotations
 
@@ -22,9 +30,10 @@ import numpy as np
 import torch
 
 
-def parse_split(text: str) -> tuple[float, float]:
-    """``'95,5'`` or ``'969,30,1'`` (Megatron's train,valid[,test] weights) -> (train, valid) shares.
-    The test share is held out and never read. ValueError names the flag."""
+def parse_split(text: str) -> tuple[float, float, float]:
+    """``'95,5'`` or ``'969,30,1'`` (Megatron's train,valid[,test] weights) -> (train, valid, test)
+    shares, in that order over the data. The test share is held out and never read. ValueError
+    names the flag."""
     try:
         weights = [float(w) for w in text.split(",")]
     except ValueError:
@@ -35,7 +44,26 @@ def parse_split(text: str) -> tuple[float, float]:
     if weights[0] <= 0:
         raise ValueError(f"--split {text!r}: the train weight must be > 0")
     total = sum(weights)
-    return weights[0] / total, weights[1] / total
+    return weights[0] / total, weights[1] / total, (weights[2] if len(weights) == 3 else 0.0) / total
+
+
+def split_bounds(size: int, text: str, whole_units: bool = False) -> tuple[range, range]:
+    """(train, valid) index ranges of ``size`` tokens (or documents, ``whole_units``) under --split: the
+    train share first, then the validation share, then the test share, which is never read. With
+    2 weights the validation share ends at the data's end (the last 5% of ``95,5``). Documents: a
+    non-zero share gets at least one, and validation leaves the train share at least one."""
+    train_share, valid_share, test_share = parse_split(text)
+    count = (lambda share: round(size * share)) if whole_units else (lambda share: int(size * share))
+    end = size if not test_share else count(train_share + valid_share)
+    n_valid = count(valid_share)
+    if whole_units and valid_share:
+        n_valid = min(max(1, n_valid), end - 1)
+    n_valid = max(n_valid, 0)
+    n_train = count(train_share) if valid_share or test_share else end
+    if whole_units:
+        n_train = max(1, n_train)
+    n_train = max(0, min(n_train, end - n_valid))
+    return range(0, n_train), range(end - n_valid, end)
 
 
 def stdlib_files() -> list:
@@ -52,14 +80,23 @@ def _stdlib_files() -> tuple:
 
 
 def train_split_problem(args):
-    """Why the default data's train split is too short for one window (None: long enough), from the
-    files' sizes alone: the start-up checks run it without reading the corpus."""
-    train_share, valid_share = parse_split(args.split)
+    """Why the default data's split cannot serve the run (None: it can), from the files' sizes alone
+    (the start-up checks run it without reading the corpus): the train share must be longer than one
+    window, and the validation share must hold one where validation runs (--eval-iters > 0)."""
     total = sum(os.path.getsize(f) for f in stdlib_files())
-    n_train = int(total * train_share) if valid_share else total
+    train, valid = split_bounds(total, args.split)
+    return split_problem(args, len(train), len(valid))
+
+
+def split_problem(args, n_train: int, n_valid: int):
+    """Why train / validation shares of these token counts cannot serve the run, naming the flags."""
     if n_train < args.seq_length + 2:
         return (f"the train split has {n_train} tokens; need more than --seq-length {args.seq_length} (lower "
                 "--seq-length, or give more data / a larger train weight in --split)")
+    if args.eval_iters and n_valid < args.seq_length + 1:
+        return (f"--split {args.split} leaves {n_valid} validation tokens, fewer than one window (--seq-length "
+                f"{args.seq_length} + 1), and validation runs (--eval-iters {args.eval_iters}): give the validation "
+                "share (the second weight) more data, or pass --eval-iters 0 to train without validation")
     return None
 
 
@@ -70,10 +107,16 @@ def stdlib_bytes() -> torch.Tensor:
 
 
 def check_indexed_dataset(prefix: str) -> None:
-    """The .bin/.idx pair exists, the index reads, and the .bin holds every token the index lists."""
+    """The .bin/.idx pair exists, the index reads, and the .bin holds exactly the tokens the index lists."""
+    if not prefix.strip():
+        raise ValueError(f"--data-path {prefix!r} names no dataset: give the prefix of a Megatron indexed dataset "
+                         "(PREFIX.bin and PREFIX.idx), or leave --data-path out for the default data")
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
-            raise ValueError(f"--data-path {prefix}: {prefix + ext} does not exist")
+            hint = ""
+            if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix[:-4] + ".bin"):
+                hint = f": --data-path takes the prefix without the extension, --data-path {prefix[:-4]}"
+            raise ValueError(f"--data-path {prefix}: {prefix + ext} does not exist{hint}")
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     class Checked(IndexedDataset):
@@ -95,26 +138,29 @@ def check_indexed_dataset(prefix: str) -> None:
     have = os.path.getsize(prefix + ".bin")
     if have < need:
         raise ValueError(f"--data-path {prefix}: {prefix}.bin is truncated ({have} bytes; {prefix}.idx needs {need})")
+    if have > need:  # an index of another (shorter) .bin, or a .bin appended to: the tokens past it never train
+        raise ValueError(f"--data-path {prefix}: {prefix}.idx and {prefix}.bin disagree: the index lists "
+                         f"{len(index.sequence_lengths)} documents in {need} bytes, the .bin holds {have}; rebuild the "
+                         "pair with Megatron-LM's preprocess tool (tools/preprocess_data.py)")
 
 
 def _split_tokens(args) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train tokens, validation tokens) of the corpus the flags name."""
-    train_share, valid_share = parse_split(args.split)
+    """(train tokens, validation tokens) of the corpus the flags name (split_bounds: the test share is
+    never read)."""
     if args.data_path:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         ds = IndexedDataset(args.data_path)
-        docs = [torch.from_numpy(ds[i].astype("int64")) for i in range(len(ds))]
-        n_valid = 0 if valid_share == 0 else min(len(docs) - 1, max(1, round(len(docs) * valid_share)))
-        n_train = max(1, round(len(docs) * train_share)) if valid_share else len(docs)
-        n_train = min(n_train, len(docs) - n_valid)
-        train = torch.cat(docs[:n_train])
-        valid = torch.cat(docs[len(docs) - n_valid:]) if n_valid else train[:0]
-        top = max(int(train.max()), int(valid.max()) if valid.numel() else -1)  # (int64 windows)
-        if top >= args.vocab_size:
+        train_docs, valid_docs = split_bounds(len(ds), args.split, whole_units=True)
+        read = lambda docs: torch.cat([torch.from_numpy(ds[i].astype("int64")) for i in docs]) \
+            if len(docs) else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+        train, valid = read(train_docs), read(valid_docs)
+        read_parts = [t for t in (train, valid) if t.numel()]
+        top = max((int(t.max()) for t in read_parts), default=-1)
+        low = min((int(t.min()) for t in read_parts), default=0)
+        if top >= args.vocab_size:  # (int64 windows)
             raise ValueError(f"--vocab-size {args.vocab_size} is smaller than the dataset's max token id {top}; "
                              "raise --vocab-size")
-        low = min(int(train.min()), int(valid.min()) if valid.numel() else 0)
         if low < 0:
             raise ValueError(f"--data-path {args.data_path}: the dataset holds a negative token id ({low}); token "
                              "ids must be in [0, --vocab-size): preprocess the data again")
@@ -122,30 +168,54 @@ def _split_tokens(args) -> tuple[torch.Tensor, torch.Tensor]:
     if args.vocab_size < 256:
         raise ValueError("--vocab-size must be >= 256 for the byte-level default data")
     tokens = stdlib_bytes()
-    n_valid = int(tokens.numel() * valid_share)
-    n_train = int(tokens.numel() * train_share) if valid_share else tokens.numel()
-    return tokens[:n_train], tokens[tokens.numel() - n_valid:]
+    train, valid = split_bounds(tokens.numel(), args.split)
+    return tokens[train.start:train.stop], tokens[valid.start:valid.stop]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 arrays: a fixed, well-mixed hash of each element."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def sample_starts(seed: int, first: int, count: int, span: int) -> np.ndarray:
+    """Start offsets in [0, span) of train samples first .. first + count - 1: sample k's start is a
+    hash of (seed, k) alone (the modulo's bias is below span / 2^64)."""
+    with np.errstate(over="ignore"):
+        key = _mix64(np.array([(seed + 0x9E3779B97F4A7C15) & _MASK64], dtype=np.uint64))[0]
+        index = np.arange(first, first + count, dtype=np.uint64)
+        return (_mix64(index * np.uint64(0x9E3779B97F4A7C15) + key) % np.uint64(span)).astype(np.int64)
 
 
 class TokenSource:
-    """Random (seq+1)-token train windows, deterministic per (iteration, rank, micro-batch), and
+    """Train windows as one sequence of samples (sample k: a function of (--seed, k)), cut into global
+    batches by consumed samples and into DP slices and micro-batches as Megatron's sampler does; and
     fixed validation windows."""
 
     def __init__(self, args):
         self.seq = args.seq_length
         self.tokens, self.valid_tokens = _split_tokens(args)
-        if self.tokens.numel() < self.seq + 2:
-            raise ValueError(f"the train split has {self.tokens.numel()} tokens; need more than --seq-length "
-                             f"{self.seq} (lower --seq-length, or give more data / a larger train weight in --split)")
+        problem = split_problem(args, self.tokens.numel(), self.valid_tokens.numel())
+        if problem:
+            raise ValueError(problem)
         self.seed = args.seed
 
-    def batch(self, it, rank, micro, mbs):
-        g = torch.Generator().manual_seed(self.seed * 7919 + it * 104729 + rank * 1299709 + micro)
-        starts = torch.randint(0, self.tokens.numel() - self.seq - 1, (mbs,), generator=g)
+    def windows(self, first: int, count: int) -> torch.Tensor:
+        """Train samples first .. first + count - 1, each seq + 1 tokens."""
+        starts = sample_starts(self.seed, first, count, self.tokens.numel() - self.seq - 1)
         return torch.stack([self.tokens[s:s + self.seq + 1] for s in starts.tolist()]).long()
 
-    def has_validation(self) -> bool:
-        return self.valid_tokens.numel() >= self.seq + 1
+    def micro_batches(self, consumed: int, global_batch: int, dp_size: int, dp_rank: int, mbs: int) -> list:
+        """This DP rank's micro-batches of the global batch that starts at sample ``consumed``: in each
+        step of micro-batch x DP samples, rank r takes the r-th micro-batch (MegatronPretrainingSampler)."""
+        step = mbs * dp_size
+        return [self.windows(consumed + m * step + dp_rank * mbs, mbs) for m in range(global_batch // step)]
 
     def validation_batches(self, count: int, batch_size: int) -> list:
         """``count`` batches of ``batch_size`` windows spread evenly over the held-out tokens (the
@@ -162,7 +232,7 @@ _SOURCES = {}
 
 def token_source(args) -> TokenSource:
     """The run's data (read once per process: the checks and the job share it)."""
-    key = (args.data_path, args.split, args.seq_length, args.vocab_size, args.seed)
+    key = (args.data_path, args.split, args.seq_length, args.vocab_size, args.seed, args.eval_iters)
     if key not in _SOURCES:
         _SOURCES[key] = TokenSource(args)
     return _SOURCES[key]

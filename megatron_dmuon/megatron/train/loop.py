@@ -66,6 +66,17 @@ class Profile:
             self.prof.export_chrome_trace(self.trace_path)
 
 
+def is_profile_trace(path: str) -> bool:
+    """Whether ``path`` begins as torch.profiler's Chrome trace does (Profile writes --profile-out so):
+    a JSON object with "schemaVersion" first and "traceEvents" (after the device properties)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    return head.lstrip().startswith(b'{') and b'"schemaVersion"' in head[:200] and b'"traceEvents"' in head
+
+
 def maybe_fail(args, iteration, rank, world) -> None:
     """--fail-at-iteration: the chosen rank dies as a crashed node would (first attempt only)."""
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -117,12 +128,7 @@ def validation_runner(args, data, dp_size, dp_rank, rank, loss_of):
     """``evaluate(iteration) -> loss`` over the held-out split (printed as Megatron-LM prints it),
     or None when validation is off. Every evaluation reads the same --eval-iters x
     --global-batch-size windows, this DP rank its share of each, in micro-batches."""
-    if args.eval_iters == 0:
-        return None
-    if not data.has_validation():
-        if rank == 0:
-            print(f"> no validation: the held-out split of --split {args.split} is shorter than one window "
-                  f"(--seq-length {args.seq_length} + 1 tokens)", flush=True)
+    if args.eval_iters == 0:  # (with --eval-iters > 0 the start-up checks made sure a validation window fits)
         return None
     per_rank = args.global_batch_size // dp_size
     micro = [m for batch in data.validation_batches(args.eval_iters, args.global_batch_size)
@@ -144,6 +150,7 @@ class History:
     """What the loop leaves for the summary: one record per trained iteration, the validation losses."""
 
     start: int  # the iteration resumed after (0: a fresh start)
+    consumed: int = 0  # train samples consumed so far (each iteration: --global-batch-size, as Megatron counts)
     timings: list = dataclasses.field(default_factory=list)
     validation: list = dataclasses.field(default_factory=list)
     first_loss: float = None
@@ -164,7 +171,7 @@ def train(job) -> History:
     log = IntervalLog(args, job.world, gpt_training_flops(job.shape, args.global_batch_size))
     evaluate = validation_runner(args, data, job.dp_size, job.dp_rank, rank, lambda micro: eval_loss(
         [ddp], micro, args.seq_length, args.micro_batch_size))
-    run = History(start=load_if_requested(args, ddp, opt, sched, rank))
+    run = History(*load_if_requested(args, ddp, opt, sched, rank))
     if run.start >= args.train_iters and rank == 0:
         print(f"> the checkpoint is at iteration {run.start} and --train-iters is {args.train_iters}: nothing to train "
               "(raise --train-iters to continue, with --override-opt_param-scheduler for the longer schedule or "
@@ -179,8 +186,12 @@ def train(job) -> History:
         if profile_here and args.profile_iterations:  # whole iterations: the overlapped NS beside the forward
             whole = Profile(args.profile_out, f"iterations {it}..{it + args.profile_iterations - 1}")
         t0 = time.perf_counter()
-        micro = [data.batch(it, job.dp_rank, m, args.micro_batch_size) for m in range(job.grad_accum)]
+        # this rank's slice of the global batch of samples [consumed, consumed + global batch): the same
+        # samples at any DP size (data.py)
+        micro = data.micro_batches(run.consumed, args.global_batch_size, job.dp_size, job.dp_rank,
+                                   args.micro_batch_size)
         loss, grad_norm, _, ok = train_step([ddp], timed, micro, args.seq_length, args.micro_batch_size)
+        run.consumed += args.global_batch_size  # (a skipped step consumed its batch too, as in Megatron-LM)
         sync()
         step_ms = (time.perf_counter() - t0) * 1e3
         if whole is not None and it == args.profile_optimizer_at + args.profile_iterations - 1:
@@ -198,13 +209,13 @@ def train(job) -> History:
             if not params_finite(opt):
                 job_error(f"the parameters are not finite after iteration {it}: not saved (the last checkpoint in "
                           f"{args.save} is still the latest); lower --lr or keep --clip-grad on", 1)
-            save(args, it, ddp, opt, sched, rank)
+            save(args, it, ddp, opt, sched, rank, run.consumed)
         run.timings.append({"iteration": it, "step_ms": step_ms, "optimizer_ms": timed.last_ms, "loss": loss})
         log.add(step_ms, timed.last_ms, loss, ok)
         run.first_loss = loss if run.first_loss is None else run.first_loss
         run.last_loss = loss
         if it % args.log_interval == 0 or it == 1 or it == args.train_iters:
-            line = log.line(it, opt.param_groups[0]["lr"], grad_norm, sched.num_steps)
+            line = log.line(it, opt.param_groups[0]["lr"], grad_norm, run.consumed)
             if rank == 0:
                 print(line, flush=True)
         if evaluate and (it == args.train_iters or (args.eval_interval and it % args.eval_interval == 0)):

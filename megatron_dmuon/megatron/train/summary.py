@@ -7,6 +7,20 @@ import json
 import torch
 
 
+# how every --timing-json this job writes begins (json.dump(indent=1) of {"summary": {"optimizer": ...}, ...}):
+# an existing file is replaced only if it begins so (checks._check_outputs_against_inputs)
+TIMING_JSON_HEAD = '{\n "summary": {\n  "optimizer": '
+
+
+def is_timing_json(path: str) -> bool:
+    """Whether ``path`` begins as a --timing-json of this job does (its head only: any size is cheap)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(TIMING_JSON_HEAD)) == TIMING_JSON_HEAD.encode()
+    except OSError:
+        return False
+
+
 def layers_label(args) -> str:
     """The layers and precision a run uses, in words (progress line, summary)."""
     text = "TE" if args.transformer_impl == "transformer_engine" else "local"
@@ -85,7 +99,7 @@ def report(job, run):
                "adam_impl": inner_optimizer_name(opt) if args.optimizer == "adam" else None,
                "dp": job.dp_size, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
                "iteration": max(start, args.train_iters) if timings or start else 0,
-               "trained_iterations": len(timings), "consumed_samples": job.sched.num_steps,
+               "trained_iterations": len(timings), "consumed_samples": run.consumed,
                "first_loss": run.first_loss, "last_loss": run.last_loss, "skipped_iterations": run.skipped,
                "val_loss": run.validation[-1]["loss"] if run.validation else None,
                **({k: v for k, v in opt.dmuon_stats().items() if k.startswith(("ns_", "overlap_"))} if hasattr(opt, "dmuon_stats")
