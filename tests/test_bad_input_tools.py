@@ -111,7 +111,7 @@ def test_dmuon_autotune_checks_its_cache_and_numbers_before_any_work(tmp_path, c
 
 
 # ------------------------------------------------------------------------------- dmuon plan
-def _plan(capsys, argv):
+def _plan_cli(capsys, argv):
     from megatron_dmuon import cli
 
     with pytest.raises(SystemExit) as exit_info:
@@ -133,9 +133,23 @@ def test_dmuon_plan_show_of_a_file_without_a_plan_exits_2_with_one_line(tmp_path
     path = tmp_path / "plan.json"
     if content is not None:
         path.write_text(content)
-    code, err = _plan(capsys, ["--show", str(path)])
+    code, err = _plan_cli(capsys, ["--show", str(path)])
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"dmuon plan: error: --show {path}: {message}") and "--timing-json" in err, err
+
+
+def test_dmuon_plan_show_prints_a_good_plan_and_refuses_it_cut_short(tmp_path, capsys):
+    from megatron_dmuon import cli
+    from test_plan import _plan
+
+    plan = _plan()
+    path = tmp_path / "timing.json"
+    path.write_text(json.dumps({"dmuon_plan": json.loads(plan.to_json())}))
+    assert cli.main(["plan", "--show", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == plan.describe().strip()
+    path.write_text(path.read_text()[:-40])
+    code, err = _plan_cli(capsys, ["--show", str(path)])
+    assert code == 2 and f"--show {path}: is not JSON (" in err and err.count("\n") == 1, err
 
 
 ARGV = "--num-layers 2 --hidden-size 64 --num-attention-heads 4"
@@ -170,5 +184,5 @@ def test_dmuon_plan_refuses_bad_model_files_and_argv_by_flag(tmp_path, capsys, a
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     argv = [str(tmp_path / f"{a}.json") if a in files else a for a in argv]
     message = message.replace("LIST", str(tmp_path / "LIST.json"))
-    code, err = _plan(capsys, argv)
+    code, err = _plan_cli(capsys, argv)
     assert code == 2 and err.count("\n") == 1 and message in err, err
