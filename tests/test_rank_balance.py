@@ -298,3 +298,59 @@ def test_megatron_layerwise_gpus_own_every_matrix_once_and_shard_adamw_evenly(sp
     per_gpu = [sum(f) for _, f in work]
     assert sum(per_gpu) == elementwise["dense"] + elementwise["expert"] * groups
     assert max(per_gpu) - min(per_gpu) <= 2 * max(1, par.dp_size)  # equal shards (ceil)
+
+
+def test_tp_cells_hold_their_shards_of_the_rows_matrices_and_model_the_exchange():
+    """A TP2 x DP4 layout: each GPU's owned matrices (full, NS on them) and its shards of the matrices
+    its DP row owns but the other TP rank orthogonalizes; the row's matrices are covered exactly once
+    (owned whole on one TP rank, a shard on the other), and the modelled exchange grows with the
+    bytes a GPU sends or receives."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rank_balance as rb
+
+    cfg = rb.job_settings([])
+    model, par, size = rb.parse_layout("qwen2.5-7b/tp2/dp4/buckets")
+    assert (par.tp, par.dp_size) == (2, 4)
+    plan = rb.make_plans(model, par, size, cfg, ["greedy"])["greedy"]
+    work = rb.gpu_work(plan, model, par, cfg.split_flags())
+    cells = rb.tp_cell_work(plan, par)
+    layout, params = plan["layouts"]["dense"], {p.name: p for p in plan["params"]["dense"]}
+    for row in range(par.dp_size):
+        gpus = [row * 2, row * 2 + 1]  # TP fastest in Megatron's rank order
+        row_mats = sorted(n for n, p in params.items() if p.is_matrix and layout.owners[n] == row)
+        owned = sorted(n for g in gpus for n, _, _ in work[g][0])
+        assert owned == row_mats
+        for g, other in (gpus, gpus[::-1]):
+            expect = sorted(params[n].numel for n, _, _ in work[other][0])
+            assert sorted(cells[g][0]) == expect
+            assert cells[g][1] > 0
+    # the exchange model: more bytes, more time
+    heavy = max(range(8), key=lambda g: sum(cells[g][0]) + sum(params[n].numel for n, _, _ in work[g][0]))
+    light = min(range(8), key=lambda g: sum(cells[g][0]) + sum(params[n].numel for n, _, _ in work[g][0]))
+    assert cells[heavy][1] >= cells[light][1]
+
+
+def test_scale_table_adds_the_modelled_collectives_to_the_emulated_compute(tmp_path):
+    """bench/rank_balance.py scale on an emulation JSON: DMuon, Megatron's LayerWise Muon and AdamW per
+    layout, each step = its slowest GPU's emulated compute + the modelled param all-gather of its
+    buffers (more GPUs over more nodes: a slower collective per byte)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rank_balance as rb
+
+    layouts = {}
+    for spec, ms in (("qwen2.5-7b/dp8/one", 20.0), ("qwen2.5-7b/dp64/one", 5.0)):
+        plans = {name: {"slowest_ms": ms * f} for name, f in (("greedy", 1.0), ("milp", 0.9),
+                                                                (rb.MEGATRON, 1.5), (rb.ADAMW, 0.5))}
+        layouts[spec] = {"plans": plans}
+    path = tmp_path / "emu.json"
+    path.write_text(json.dumps({"layouts": layouts}))
+    args = rb.argparse.Namespace(emulation=[str(path)], cluster="h200", flags="")
+    rows = rb.scale(args, print)["scale_rows"]
+    assert [r["gpus"] for r in rows] == [8, 64]
+    for r, ms in zip(rows, (20.0, 5.0)):
+        assert r["dmuon_best"] == "milp" and r["dmuon_best_ms"] == 0.9 * ms and r["dmuon_default_ms"] == ms
+        assert r["megatron_ms"] == 1.5 * ms and r["adamw_ms"] == 0.5 * ms
+        assert r["dmuon_publish_ms"] > 0 and r["megatron_publish_ms"] > 0 and r["adamw_publish_ms"] > 0
+        assert r["adamw_reduce_ms"] == pytest.approx(2 * r["adamw_publish_ms"], rel=0.05)  # fp32 vs bf16
+    assert rows[1]["adamw_publish_ms"] > rows[0]["adamw_publish_ms"]  # 8 nodes: the inter-node link
+    assert "| qwen2.5-7b/dp64/one | 64 |" in rb.table({"scale_rows": rows, "cluster": "h200"})
