@@ -4,6 +4,7 @@
 # Why the order matters: torch must be installed before anything that depends on it, otherwise an
 # unpinned `torch` requirement pulls a multi-GB CUDA build. megatron-core 0.19.x declares
 # Python >= 3.12 but works on 3.11, so it is installed with --ignore-requires-python.
+# A venv that was set up before is checked on every start (launch/check_env.py) and repaired.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DMUON_VENV:-$ROOT/.venv}"
@@ -17,24 +18,47 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-want="$(cat "$ROOT/setup.cfg" "$ROOT/launch/setup_env.sh" | sha1sum | cut -c1-16)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+want="$(cat "$ROOT/setup.cfg" "$ROOT/launch/setup_env.sh" "$ROOT/launch/check_env.py" | sha1sum | cut -c1-16)"
+stale=0
+[ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] || stale=1
+# Reused only if whole: every package installed and each of its files there, megatron_dmuon from this
+# checkout (launch/check_env.py: one Python start, no torch import). What it names is reinstalled; what
+# is wrong is said when a venv that was set up before is damaged (not on a first install).
+if [ "$stale" -eq 0 ]; then
+  repairs="$(python "$ROOT/launch/check_env.py")" && whole=1 || whole=0
+else
+  repairs="$(python "$ROOT/launch/check_env.py" 2>/dev/null)" && whole=1 || whole=0
+fi
+if [ "$stale" -eq 1 ] || [ "$whole" -eq 0 ]; then
+  [ "$stale" -eq 0 ] && echo "launch/setup_env.sh: $VENV is damaged (above): reinstalling what is missing or damaged" >&2
+  rm -f "$STAMP"
   pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
-  python -c "import torch" 2>/dev/null || pip_q "$TORCH_SPEC"
-  pip_q numpy "packaging>=24.2" triton mip psutil scipy pytest pytest-timeout matplotlib
-  python -c "import megatron.core" 2>/dev/null || pip_q --no-deps --ignore-requires-python "$MCORE_SPEC"
-  # Megatron's own Muon (--dmuon-mode megatron_layerwise; tests/test_optimizer_switch.py). It declares
-  # Python >= 3.12; on 3.11 it lacks only typing.override (3.12's no-op marker), which megatron-core
+  # torch first (its line comes first), then what is missing or damaged; megatron-core and Megatron's own
+  # Muon (--dmuon-mode megatron_layerwise; tests/test_optimizer_switch.py), emerging-optimizers, without
+  # their dependencies and with --ignore-requires-python (both declare Python >= 3.12)
+  while read -r -a args; do
+    [ "${#args[@]}" -eq 0 ] || pip_q "${args[@]}"
+  done <<< "$repairs"
+  if [ "$stale" -eq 1 ]; then
+    pip_q numpy "packaging>=24.2" triton mip psutil scipy pytest pytest-timeout matplotlib
+  fi
+  # On 3.11 emerging-optimizers lacks only typing.override (3.12's no-op marker), which megatron-core
   # imports through it at `import megatron.core`: this venv gets typing_extensions' at start-up (a .pth)
-  python -m pip show -q emerging-optimizers >/dev/null 2>&1 || pip_q --no-deps --ignore-requires-python \
-    "${DMUON_EMERGING:-emerging-optimizers==0.3.0}" absl-py
   python - <<'PY'
 import os, site, sys
 if sys.version_info < (3, 12):
-    with open(os.path.join(site.getsitepackages()[0], "dmuon_typing_override.pth"), "w") as f:
-        f.write("import typing, typing_extensions; typing.override = getattr(typing, 'override', typing_extensions.override)\n")
+    line = "import typing, typing_extensions; typing.override = getattr(typing, 'override', typing_extensions.override)\n"
+    path = os.path.join(site.getsitepackages()[0], "dmuon_typing_override.pth")
+    if not os.path.exists(path) or open(path).read() != line:
+        with open(path, "w") as f:
+            f.write(line)
 PY
-  pip_q --no-deps -e "$ROOT"
+  [ "$stale" -eq 1 ] && pip_q --no-deps -e "$ROOT"
+  if ! left="$(python "$ROOT/launch/check_env.py")"; then
+    echo "launch/setup_env.sh: $VENV is still not whole after installing (above: $(echo "$left" | tr '\n' ' ')); " \
+      "remove it (rm -rf $VENV) and run again" >&2
+    exit 1
+  fi
   echo "$want" > "$STAMP"
 fi
 export VENV

@@ -2,9 +2,11 @@
 down, torchrun restarts it, the job resumes from the latest checkpoint (iteration 5) and ends
 with exactly the parameters and optimizer state of a run that was never interrupted."""
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import torch
@@ -14,32 +16,48 @@ ARGS = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--h
         "--save-interval", "5"]
 
 
-def _kill_leftovers(marker):
-    """Megatron's checkpoint writer starts a multiprocessing manager per rank; a SIGKILLed rank
-    leaves it behind. End exactly those processes (found by this test's environment marker)."""
+def _processes(marker):
+    """pid -> command line of every process whose environment holds this test's marker (torchrun, its
+    ranks in their own sessions, and whatever they started)."""
+    out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 if f"DMUON_FT_MARK={marker}".encode() in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+                    with open(f"/proc/{pid}/cmdline", "rb") as c:
+                        out[int(pid)] = c.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
             pass
+    return out
 
 
 def _torchrun(tmp_path, name, *extra):
+    """The documented path: torchrun --max-restarts 1 ... | tee. [bad-input-4]: megatron-core's checkpoint
+    writer (a multiprocessing Manager per saving rank) outlived the SIGKILLed rank and kept the pipe
+    open: the restart trained to its summary, then tee, and the pipeline, never ended. Now the pipeline
+    returns 0 and no process of the job is left (megatron_dmuon/megatron/child_processes.py)."""
     marker = uuid.uuid4().hex
     log = tmp_path / f"{name}.log"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DMUON_FT_MARK=marker)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", "-m", "megatron_dmuon.testing.cpu_train", *ARGS,
            "--save", str(tmp_path / name), *extra]
-    try:  # output to a file: a left-over writer process would keep a pipe open
-        with open(log, "w") as out:
-            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=300).returncode
+    pipeline = f"set -o pipefail; {shlex.join(cmd)} 2>&1 | tee {shlex.quote(str(log))} >/dev/null"
+    try:
+        code = subprocess.run(["bash", "-c", pipeline], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=env, timeout=300).returncode
+        deadline = time.monotonic() + 5  # (a child ends a moment after its parent)
+        while (left := _processes(marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
-        _kill_leftovers(marker)
+        for pid in _processes(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
     text = log.read_text()
     assert code == 0, text[-4000:]
+    assert not left, f"processes of the job left behind: {left}"
     return text
 
 
