@@ -171,8 +171,13 @@ ARGV = "--num-layers 2 --hidden-size 64 --num-attention-heads 4"
     (["--preset", "tiny", "--dp", "2", "--dmuon-coefficients", "bogus"], "--dmuon-coefficients: invalid choice"),
     (["--num-layers", "0", "--hidden", "64", "--heads", "4"], "--num-layers must be >= 1 (got 0)"),
     ([], "no model: give --preset, --megatron-argv, or --num-layers/--hidden/--heads"),
+    (["--preset", "tiny", "--dp", "2", "--experts", "3"], "the shape flags --experts would be ignored with --preset"),
+    (["--preset", "tiny", "--dp", "2", "--ep", "2"], "--ep 2: expert parallelism needs a MoE model"),
+    (["--preset", "tiny-moe", "--dp", "2", "--ep", "3"], "--ep 3 must divide the model's 4 experts"),
+    (["--preset", "tiny", "--megatron-argv", "x"], "--preset and --megatron-argv both describe the model"),
 ], ids=["argv_no_vocab", "argv_quote", "argv_tp0", "rank_list", "rank_no_points", "rank_empty_model", "rank_negative",
-        "profile_negative", "coefficients", "num_layers_0", "no_model"])
+        "profile_negative", "coefficients", "num_layers_0", "no_model", "shape_with_preset", "ep_on_dense",
+        "ep_not_dividing_experts", "preset_and_argv"])
 def test_dmuon_plan_refuses_bad_model_files_and_argv_by_flag(tmp_path, capsys, argv, message):
     """Before: tracebacks (--rank-model list / negative time, --megatron-argv without --vocab-size or
     with an open quote, TP 0 inside it), or a plan on nonsense (no points, an unknown schedule)."""

@@ -288,6 +288,8 @@ def _megatron_argv(p, text: str):
 
 def _model_and_parallel(args, p):
     extra = {"overlap_grad_reduce": args.overlap_grad_reduce, "bucket_size": args.bucket_size}
+    if args.preset and args.megatron_argv:
+        p.error("--preset and --megatron-argv both describe the model: give one")
     if args.megatron_argv:
         model, par, from_argv = _megatron_argv(p, args.megatron_argv)
         extra = {"overlap_grad_reduce": args.overlap_grad_reduce or from_argv["overlap_grad_reduce"],
@@ -377,6 +379,13 @@ def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
     if args.experts is not None and args.experts < 0:
         p.error(f"--experts must be >= 0 (got {args.experts})")
+    source = "--preset" if args.preset else "--megatron-argv" if args.megatron_argv else None
+    if source:  # the shape flags describe a model of their own: with a preset or an argv they were ignored
+        shape = [f"--{n.replace('_', '-')}" for n in ("num_layers", "hidden", "ffn", "heads", "query_groups", "vocab",
+                                                     "experts", "moe_ffn") if getattr(args, n) is not None]
+        if shape:
+            p.error(f"the shape flags {', '.join(shape)} would be ignored with {source} (they describe a model of "
+                    f"their own): give either {source} or --num-layers/--hidden/--heads ...")
     if not (0 < args.time_limit < float("inf")):
         p.error(f"--time-limit must be a finite number of seconds > 0 (got {args.time_limit})")
     try:
@@ -392,6 +401,17 @@ def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
             p.error(f"--tp {par.tp} must divide the model's {what} ({size})")
     if model.num_layers % par.pp:
         p.error(f"--pp {par.pp} must divide the model's {model.num_layers} layers")
+    expert_flags = [f"--{n} {v}" for n, v in (("ep", par.ep), ("etp", par.etp)) if (v or 1) > 1]
+    if not model.num_experts and expert_flags:
+        p.error(f"{' and '.join(expert_flags)}: expert parallelism needs a MoE model (--experts N, a MoE preset or "
+                "--num-experts in --megatron-argv)")
+    if model.num_experts:
+        if model.num_experts % par.ep:
+            p.error(f"--ep {par.ep} must divide the model's {model.num_experts} experts")
+        try:
+            par.expert_dp_size
+        except ValueError as e:
+            p.error(f"--ep x --etp must divide --dp x --tp: {e}")
     if args.overlap_eta is not None and not 0.0 <= args.overlap_eta <= 1.0:
         p.error(f"--overlap-eta must be in [0, 1] (got {args.overlap_eta})")
     for name in ("seq_length", "micro_batch_size", "micro_batches"):
