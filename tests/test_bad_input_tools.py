@@ -160,6 +160,8 @@ ARGV = "--num-layers 2 --hidden-size 64 --num-attention-heads 4"
                                 "tokenizer to find it): add --vocab-size N"),
     (["--megatron-argv", ARGV + " --vocab-size 128 --data-path 'x"], "--megatron-argv: the command line does not "
                                                                       "split as a shell would (No closing quotation)"),
+    (["--megatron-argv", ARGV.replace("2", "two") + " --vocab-size 128"],
+     "--megatron-argv: argument --num-layers: invalid int value: 'two'"),
     (["--megatron-argv", ARGV + " --vocab-size 128 --tensor-model-parallel-size 0"],
      "--megatron-argv: --tensor-model-parallel-size must be >= 1 (got 0)"),
     (["--preset", "tiny", "--dp", "2", "--rank-model", "LIST"], "--rank-model LIST: holds a JSON list; give 'analytic'"),
@@ -175,7 +177,7 @@ ARGV = "--num-layers 2 --hidden-size 64 --num-attention-heads 4"
     (["--preset", "tiny", "--dp", "2", "--ep", "2"], "--ep 2: expert parallelism needs a MoE model"),
     (["--preset", "tiny-moe", "--dp", "2", "--ep", "3"], "--ep 3 must divide the model's 4 experts"),
     (["--preset", "tiny", "--megatron-argv", "x"], "--preset and --megatron-argv both describe the model"),
-], ids=["argv_no_vocab", "argv_quote", "argv_tp0", "rank_list", "rank_no_points", "rank_empty_model", "rank_negative",
+], ids=["argv_no_vocab", "argv_quote", "argv_int", "argv_tp0", "rank_list", "rank_no_points", "rank_empty_model", "rank_negative",
         "profile_negative", "coefficients", "num_layers_0", "no_model", "shape_with_preset", "ep_on_dense",
         "ep_not_dividing_experts", "preset_and_argv"])
 def test_dmuon_plan_refuses_bad_model_files_and_argv_by_flag(tmp_path, capsys, argv, message):
