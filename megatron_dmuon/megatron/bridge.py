@@ -177,6 +177,9 @@ def install(**options) -> None:
     the optimizer switch (``route_checkpoint_loads``), whatever the optimizer. Idempotent."""
     import importlib
 
+    from .child_processes import install as children_die_with_this_rank
+
+    children_die_with_this_rank()  # Megatron's checkpoint writers (its Manager, async saves) end with the rank
     route_checkpoint_loads()
 
     for module_name, name in (("megatron.bridge.training.pretrain", "pretrain"),
