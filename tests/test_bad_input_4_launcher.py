@@ -4,8 +4,8 @@ pipe open), Ctrl-C printed a traceback of the stderr filter, `run_main.sh -h` pr
 after 22 s, relative paths landed in the checkout (the scripts changed directory), and a damaged venv
 was reused unnoticed and never repaired.
 
-The two real runs of the main job (under launch/run_main.sh, from another directory, with relative
-paths) are in one test; the filter, the children's guard and the venv check are tested on small
+One real run of the main job (under launch/run_main.sh, from another directory, with relative paths);
+the filter, the children's guard and the venv check are tested on small
 stand-ins (no torch)."""
 from __future__ import annotations
 
@@ -98,13 +98,13 @@ def _run_main(cwd, marker, *argv, limit_s=240):
     return proc.returncode, out.read_text(), err.read_text(), after_kill
 
 
-# ---------------------------------------------------------------- 4A-1, 4A-5: the hang; relative paths
+# ---------------------------------------------------------------- 4A-1, 4A-4: the hang; relative paths
 def test_a_rank_killed_after_a_save_ends_run_main_and_leaves_nothing_behind(tmp_path):
     """A rank SIGKILLed at iteration 3, after the save of iteration 2: run_main.sh ended only when
     killed (the dead rank's checkpoint-writer Manager and multiprocessing's resource tracker kept its
     stderr pipe open). Now: exit 1 within 30 s, no process of the job left. Run from another directory
-    with relative --data-path, --save, then --load and --timing-json: all in that directory (they went
-    to, or were looked for in, the checkout). The second run resumes the first's checkpoint there."""
+    with a relative --data-path (read) and --save (written): both in that directory (the scripts changed
+    to the checkout: the data was reported missing, the checkpoint written there)."""
     (tmp_path / "data").mkdir()
     _dataset(str(tmp_path / "data" / "tok"))
     marker = uuid.uuid4().hex
@@ -117,19 +117,8 @@ def test_a_rank_killed_after_a_save_ends_run_main_and_leaves_nothing_behind(tmp_
     assert code == 1 and after_kill is not None and after_kill < 30, (code, after_kill, err[-3000:])
     assert not left, f"processes of the job left behind: {left}"
     assert "after_job_error" not in err, err[-3000:]
+    assert "> saved checkpoint ckpt/iter_0000002" in out and "iteration        2/" in out, out[-2000:]
     assert (tmp_path / "ckpt" / "iter_0000002").is_dir() and not os.path.exists(os.path.join(ROOT, "ckpt"))
-
-    marker = uuid.uuid4().hex
-    try:
-        code, out, err, _ = _run_main(tmp_path, marker, "--train-iters", 4, "--save-interval", 2, "--data-path",
-                                      "data/tok", "--save", "ckpt", "--load", "ckpt", "--timing-json", "t.json")
-        left = left_behind(marker)
-    finally:
-        kill_marked(marker)
-    assert code == 0, out[-2000:] + err[-3000:]
-    assert "iter_0000002 at iteration 2" in out and (tmp_path / "ckpt" / "iter_0000004").is_dir(), out[-3000:]
-    assert (tmp_path / "t.json").is_file() and not os.path.exists(os.path.join(ROOT, "t.json"))
-    assert not left, f"processes of the job left behind: {left}"
 
 
 # --------------------------------------------------------------------------- 4A-1: the children's guard
@@ -228,7 +217,7 @@ def test_ctrl_c_and_a_closed_stderr_are_quiet(tmp_path):
     assert proc.wait(timeout=60) == 4
 
 
-# ----------------------------------------------------------------------------- 4A-3: -h, once and fast
+# ---------------------------------------------------------------------- 4A-3, 4A-6: -h, once and fast; NPROC
 def test_run_main_help_prints_once_and_starts_no_ranks(tmp_path):
     """`run_main.sh -h`: the pre-check's help went to /dev/null, then torchrun started two ranks that
     each printed it (22 s). Now the help once, from the pre-check, and no torchrun. NPROC is checked."""
@@ -241,7 +230,7 @@ def test_run_main_help_prints_once_and_starts_no_ranks(tmp_path):
         in proc.stderr and "torch.distributed" not in proc.stderr, proc.stderr[-2000:]
 
 
-# ------------------------------------------------------------------------------ 4A-4: a damaged venv
+# ------------------------------------------------------------------------------ 4A-5: a damaged venv
 def _fake_dist(site, name, version, files):
     info = site / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
