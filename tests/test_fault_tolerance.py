@@ -75,6 +75,7 @@ def test_killed_rank_restarts_from_the_checkpoint_and_ends_equal(tmp_path):
     assert "fault injection: SIGKILL rank 1 at iteration 7" in log
     assert "loaded checkpoint" in log and "iter_0000005 at iteration 5" in log
     assert "all DP replicas hold identical parameters" in log  # published after the load
+    assert log.count("> summary ") == 1, log[-3000:]  # the restart's, then the pipeline ended (_torchrun)
     reference, resumed = _final_state(tmp_path, "uninterrupted"), _final_state(tmp_path, "killed")
     assert set(reference) == set(resumed) and any(k.startswith("optimizer.state.momentum_buffer") for k in reference)
     different = [k for k in reference if not torch.equal(reference[k], resumed[k])]
