@@ -15,6 +15,7 @@ The install specs follow setup_env.sh's environment (DMUON_TORCH, DMUON_MCORE, D
 """
 from __future__ import annotations
 
+import csv
 import importlib.metadata as md
 import importlib.util
 import os
@@ -52,8 +53,8 @@ def missing_files(dist) -> list:
         return ["RECORD"]
     base = str(dist.locate_file(""))
     out = []
-    for line in record.splitlines():
-        path = line.rsplit(",", 2)[0] if line.count(",") >= 2 else line
+    for row in csv.reader(record.splitlines()):
+        path = row[0] if row else ""
         if path and "__pycache__" not in path and not path.endswith(".pyc") \
                 and not os.path.exists(os.path.join(base, path)):
             out.append(path)
