@@ -262,6 +262,13 @@ def test_every_dmuon_flag_is_refused_under_adam(capsys):
     (["--decoupled-min-lr", "1e-5"], {}, "--decoupled-min-lr has no effect without --decoupled-lr"),
     (["--dmuon-mode", "gather_then_compute", "--overlap-param-gather"], {},
      "--overlap-param-gather has no effect under --dmuon-mode gather_then_compute"),
+    (["--dmuon-plan-budget", "30"], {}, "--dmuon-plan-budget has no effect without --dmuon-balance milp"),
+    (["--dmuon-normuon-beta2", "0.9"], {}, "--dmuon-normuon-beta2 has no effect under --dmuon-update muon"),
+    (["--dmuon-update", "normuon", "--dmuon-fraction-lr", "inverse_sqrt"], {},
+     "--dmuon-fraction-lr has no effect under --dmuon-update normuon"),
+    (["--dmuon-ns-check-interval", "0", "--dmuon-ns-check-bound", "2"], {},
+     "--dmuon-ns-check-bound has no effect with --dmuon-ns-check-interval 0"),
+    (["--eval-iters", "100000000"], {}, "--eval-iters 100000000 x --global-batch-size 16 validation windows"),
     ([], {"WORLD_SIZE": "two"}, "the environment variable WORLD_SIZE='two' must be an integer >= 1"),
     ([], {"WORLD_SIZE": "2", "RANK": "2"}, "the environment variable RANK='2' must be an integer [0, 2)"),
     ([], {"WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "the environment variable LOCAL_RANK='-1' must be an integer [0, 2)"),
@@ -270,6 +277,8 @@ def test_every_dmuon_flag_is_refused_under_adam(capsys):
         "scheduler_flag_without_load", "save_in_proc", "save_is_proc", "timing_json_in_proc", "save_empty",
         "timing_json_empty", "fail_rank_alone", "fail_rank_out_of_range", "eval_interval_without_validation",
         "fp8_recipe_without_fp8", "decoupled_min_lr_alone", "overlap_param_gather_in_all_reduce_baseline",
+        "plan_budget_without_milp", "normuon_beta2_under_muon", "fraction_lr_without_dion3", "check_bound_check_off",
+        "eval_iters_beyond_memory",
         "world_size_not_a_number", "rank_out_of_range", "local_rank_negative", "master_port_out_of_range"])
 def test_flags_and_environment_the_run_would_ignore_or_misread_are_refused(tmp_path, capsys, monkeypatch, argv, env,
                                                                          message):

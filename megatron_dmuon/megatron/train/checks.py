@@ -190,6 +190,18 @@ def _refuse_unused_flags(p, args, given: dict) -> None:
         for dest, typed in given.items():
             if typed.startswith(("--muon-", "--dmuon-")):
                 p.error(f"{typed} has no effect under --optimizer adam; drop it or use --optimizer dmuon")
+        return
+    for dest, unused, why in (
+            ("dmuon_plan_budget", args.dmuon_balance != "milp",
+             "without --dmuon-balance milp (it bounds that balance's start-up profiling and MILP)"),
+            ("dmuon_normuon_beta2", args.dmuon_update not in ("normuon", "dion3"),
+             f"under --dmuon-update {args.dmuon_update} (the second-moment decay of --dmuon-update normuon|dion3)"),
+            ("dmuon_fraction_lr", args.dmuon_update != "dion3",
+             f"under --dmuon-update {args.dmuon_update} (Dion3's lr factor: --dmuon-update dion3)"),
+            ("dmuon_ns_check_bound", args.dmuon_ns_check_interval == 0, "with --dmuon-ns-check-interval 0 (the "
+                                                                       "check is off)")):
+        if dest in given and unused:
+            p.error(f"{given[dest]} has no effect {why}: drop it")
 
 
 LOAD_FLAGS = {"no_load_optim": "--no-load-optim", "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler",
@@ -682,6 +694,11 @@ def _check_memory(p, args) -> None:
                 f"for its params, grads and optimizer state, more than the {available / 2**30:.1f} GiB this rank has: "
                 "make it smaller, or split it (--tensor-model-parallel-size, --pipeline-model-parallel-size, more "
                 "ranks)")
+    windows = args.eval_iters * args.global_batch_size * (args.seq_length + 1) * 8  # int64, built once
+    if available and windows > available:
+        p.error(f"--eval-iters {args.eval_iters} x --global-batch-size {args.global_batch_size} validation windows of "
+                f"--seq-length {args.seq_length} + 1 tokens need {windows / 2**30:.1f} GiB, more than the "
+                f"{available / 2**30:.1f} GiB this rank has: lower --eval-iters")
     scores = args.micro_batch_size * (args.num_attention_heads // args.tensor_model_parallel_size) \
         * args.seq_length ** 2 * 4
     if available and scores > available:
