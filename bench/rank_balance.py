@@ -275,7 +275,7 @@ def calibration_jobs(args, cfg):
             jobs[f"adamw|{millions}M|100"] = ([], [int(millions * 1e6) - 99 * 4096] + [4096] * 99)
     common = sorted(most, key=lambda s: (-most[s], s))[:3]
     for a, b in zip(common, common[1:]):  # two shapes in one step: the part a step pays once
-        for ka, kb in ((1, 1), (min(2, most[a]), min(4, most[b]))):
+        for ka, kb in ((1, 1), (min(2, most[a]), min(4, most[b])), (max(1, most[a] // 2), max(1, most[b] // 2))):
             jobs[f"pair|{a[0]}x{a[1]}|{ka}|{b[0]}x{b[1]}|{kb}"] = (
                 [(f"cal.a{i}", a, None) for i in range(ka)] + [(f"cal.b{i}", b, None) for i in range(kb)], [])
     big = max(most, key=lambda s: s[0] * s[1] * s[1]) if most else None
@@ -399,11 +399,11 @@ def scale(args, log):
                 return sum(collective_ms(cluster, d, 1, n * nbytes, two_level=True) for n, d in bufs.values())
 
             row = {"layout": spec, "gpus": par.world, "cluster": args.cluster}
-            dmuon = {k: v["slowest_ms"] for k, v in plans.items() if k not in BASELINES}
-            if dmuon:
-                best = min(dmuon, key=dmuon.get)
-                row |= {"dmuon_default_ms": dmuon.get("greedy"), "dmuon_best": best, "dmuon_best_ms": dmuon[best],
-                        "dmuon_publish_ms": comm(buffers["greedy"], 2), "dmuon_reduce_ms": comm(buffers["greedy"], 4)}
+            if "greedy" in plans:  # the default planner (--dmuon-balance cost), and the MILP beside it
+                row |= {"dmuon_ms": plans["greedy"]["slowest_ms"], "dmuon_publish_ms": comm(buffers["greedy"], 2),
+                        "dmuon_reduce_ms": comm(buffers["greedy"], 4)}
+            if "milp" in plans:
+                row["dmuon_milp_ms"] = plans["milp"]["slowest_ms"]
             if MEGATRON in plans:
                 row |= {"megatron_ms": plans[MEGATRON]["slowest_ms"], "megatron_publish_ms": comm(buffers["megatron_lpt"], 2),
                         "megatron_reduce_ms": comm(buffers["megatron_lpt"], 4)}
@@ -421,15 +421,17 @@ def scale_table(result):
             return "— | —"
         return f"{r[key + '_ms']:.1f} | {r[key + '_ms'] + r[key + '_publish_ms']:.1f}"
 
-    lines = [f"Compute measured per GPU on one GPU (the slowest GPU's inner optimizer step), communication "
-             f"modelled ({result['cluster']}, two-level collectives): step = compute + the param all-gather; the "
-             "grad reduce-scatter runs in the backward and is listed apart.", "",
-             "| layout | GPUs | DMuon compute ms (planner) | DMuon step ms | Megatron LayerWise compute ms | "
-             "Megatron LayerWise step ms | AdamW compute ms | AdamW step ms | reduce-scatter ms (DMuon / LayerWise / AdamW) |",
+    lines = [f"Compute measured per GPU on one GPU (the slowest GPU's inner optimizer step, median of rounds), "
+             f"communication modelled ({result['cluster']} links, two-level collectives, planning/simulate.py): step = "
+             "compute + the param all-gather of the plan's buffers (owner-aligned buffers pad each shard to the "
+             "matrices it holds); the grad reduce-scatter runs in the backward and is listed apart.", "",
+             "| layout | GPUs | DMuon compute ms (greedy, the default / MILP) | DMuon step ms | Megatron LayerWise "
+             "compute ms | Megatron LayerWise step ms | AdamW compute ms | AdamW step ms | reduce-scatter ms (DMuon / "
+             "LayerWise / AdamW) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["scale_rows"]:
-        dm = (f"{r['dmuon_best_ms']:.1f} ({r['dmuon_best']}; greedy {r['dmuon_default_ms']:.1f}) | "
-              f"{r['dmuon_best_ms'] + r['dmuon_publish_ms']:.1f}") if "dmuon_best_ms" in r else "— | —"
+        milp = f" / {r['dmuon_milp_ms']:.1f}" if "dmuon_milp_ms" in r else ""
+        dm = f"{r['dmuon_ms']:.1f}{milp} | {r['dmuon_ms'] + r['dmuon_publish_ms']:.1f}" if "dmuon_ms" in r else "— | —"
         red = " / ".join(f"{r[k]:.1f}" if k in r else "—" for k in ("dmuon_reduce_ms", "megatron_reduce_ms", "adamw_reduce_ms"))
         lines.append(f"| {r['layout']} | {r['gpus']} | {dm} | {cell(r, 'megatron')} | {cell(r, 'adamw')} | {red} |")
     return "\n".join(lines)

@@ -202,6 +202,15 @@ class RankCostModel:
     def source(self, shape) -> str:
         return "profile" if shape_key(shape) in self.stacks else "analytic"
 
+    def unmeasured(self, shapes: Iterable[Sequence[int]], adamw: bool) -> List[str]:
+        """What a measured model lacks for a plan of these piece shapes (and AdamW fragments, if
+        ``adamw``): shapes without a point, AdamW without one. An analytic model lacks nothing
+        (it measures nothing by design)."""
+        if self.meta.get("source") == "analytic":
+            return []
+        gaps = sorted({f"{m}x{n}" for m, n in map(shape_key, shapes) if (m, n) not in self.stacks})
+        return gaps + (["AdamW"] if adamw and not self.adamw_points else [])
+
     def elementwise_ms(self) -> Tuple[float, float]:
         """(AdamW, Muon) ms per element as the greedy weighs them (``plan_owner_layout``'s
         ``elementwise``): AdamW's fitted rate less the part hidden beside the NS; Muon's passes
