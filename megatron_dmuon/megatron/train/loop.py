@@ -66,17 +66,6 @@ class Profile:
             self.prof.export_chrome_trace(self.trace_path)
 
 
-def is_profile_trace(path: str) -> bool:
-    """Whether ``path`` begins as torch.profiler's Chrome trace does (Profile writes --profile-out so):
-    a JSON object with "schemaVersion" first and "traceEvents" (after the device properties)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-    except OSError:
-        return False
-    return head.lstrip().startswith(b'{') and b'"schemaVersion"' in head[:200] and b'"traceEvents"' in head
-
-
 def maybe_fail(args, iteration, rank, world) -> None:
     """--fail-at-iteration: the chosen rank dies as a crashed node would (first attempt only)."""
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"

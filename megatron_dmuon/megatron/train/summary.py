@@ -8,7 +8,7 @@ import torch
 
 
 # how every --timing-json this job writes begins (json.dump(indent=1) of {"summary": {"optimizer": ...}, ...}):
-# an existing file is replaced only if it begins so (checks._check_outputs_against_inputs)
+# an existing file is replaced only if it begins so (output_paths.check_outputs_against_inputs)
 TIMING_JSON_HEAD = '{\n "summary": {\n  "optimizer": '
 
 
