@@ -23,42 +23,13 @@ import pytest
 
 from test_bad_input_runs import SMALL
 
+from megatron_dmuon.testing.processes import kill_marked, left_behind
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_MAIN = os.path.join(ROOT, "launch", "run_main.sh")
 FILTER = os.path.join(ROOT, "launch", "after_job_error.py")
 CHECK_ENV = os.path.join(ROOT, "launch", "check_env.py")
 SETUP_ENV = os.path.join(ROOT, "launch", "setup_env.sh")
-
-
-def marked_processes(marker: str) -> dict:
-    """pid -> command line of every process whose environment holds ``DMUON_TEST_MARK=marker``
-    (a job's processes inherit it, whichever session torchrun puts its ranks in)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"DMUON_TEST_MARK={marker}".encode() in f.read().split(b"\0"):
-                    with open(f"/proc/{pid}/cmdline", "rb") as c:
-                        out[int(pid)] = c.read().replace(b"\0", b" ").decode(errors="replace")[:200]
-        except OSError:
-            pass
-    return out
-
-
-def left_behind(marker: str, wait_s: float = 5.0) -> dict:
-    """The marked processes still there after up to ``wait_s`` (a process ends a moment after its parent)."""
-    deadline = time.monotonic() + wait_s
-    while (left := marked_processes(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
-
-
-def kill_marked(marker: str) -> None:
-    for pid in marked_processes(marker):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _dataset(prefix):

@@ -3,32 +3,17 @@ down, torchrun restarts it, the job resumes from the latest checkpoint (iteratio
 with exactly the parameters and optimizer state of a run that was never interrupted."""
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import torch
 
+from megatron_dmuon.testing.processes import kill_marked, left_behind
+
 ARGS = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--hidden-size", "64",
         "--ffn-hidden-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr-warmup-iters", "2",
         "--save-interval", "5"]
-
-
-def _processes(marker):
-    """pid -> command line of every process whose environment holds this test's marker (torchrun, its
-    ranks in their own sessions, and whatever they started)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"DMUON_FT_MARK={marker}".encode() in f.read().split(b"\0"):
-                    with open(f"/proc/{pid}/cmdline", "rb") as c:
-                        out[int(pid)] = c.read().replace(b"\0", b" ").decode(errors="replace")[:200]
-        except OSError:
-            pass
-    return out
 
 
 def _torchrun(tmp_path, name, *extra):
@@ -38,7 +23,7 @@ def _torchrun(tmp_path, name, *extra):
     returns 0 and no process of the job is left (megatron_dmuon/megatron/child_processes.py)."""
     marker = uuid.uuid4().hex
     log = tmp_path / f"{name}.log"
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DMUON_FT_MARK=marker)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", DMUON_TEST_MARK=marker)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", "-m", "megatron_dmuon.testing.cpu_train", *ARGS,
            "--save", str(tmp_path / name), *extra]
@@ -46,15 +31,9 @@ def _torchrun(tmp_path, name, *extra):
     try:
         code = subprocess.run(["bash", "-c", pipeline], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env=env, timeout=300).returncode
-        deadline = time.monotonic() + 5  # (a child ends a moment after its parent)
-        while (left := _processes(marker)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        left = left_behind(marker)
     finally:
-        for pid in _processes(marker):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_marked(marker)
     text = log.read_text()
     assert code == 0, text[-4000:]
     assert not left, f"processes of the job left behind: {left}"
