@@ -7,12 +7,12 @@ timed is the inner optimizer steps, as ``runtime.ns_timing.time_owner_step`` tim
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from megatron_dmuon.planning.models import stage_params
 from megatron_dmuon.planning.plans import gpu_cells
+from megatron_dmuon.runtime.ns_timing import time_steps
 
 
 def even_shards(sizes, cells):
@@ -103,25 +103,9 @@ def time_megatron_rank(mats, frags, model, *, iters=5, warmup=2, device="cuda", 
         steps.append(torch.optim.AdamW(adamw, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda").step)
     if not steps:
         return 0.0, []
-    times = []
-    for it in range(warmup + iters):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            begin.record()
-            for step in steps:
-                step()
-            end.record()
-            torch.cuda.synchronize(device)
-            ms = begin.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            for step in steps:
-                step()
-            ms = (time.perf_counter() - t0) * 1e3
-        if it >= warmup:
-            times.append(ms)
-    del steps, muon, adamw
+    times = time_steps(lambda: [step() for step in steps], iters=iters, warmup=warmup, device=device)
+    for held in (steps, muon, adamw):  # free the step's tensors before emptying the cache
+        held.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times), times

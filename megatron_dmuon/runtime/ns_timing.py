@@ -5,6 +5,8 @@ Run on the one rank that plans (megatron/layout.py plans on rank 0 of the stage 
 """
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -76,6 +78,29 @@ def profiled_cost_model(
     return CostModel(spec, table, settings.ns_steps, settings.ns_method)
 
 
+def time_steps(step, *, iters: int, warmup: int, device) -> list:
+    """ms of each of ``iters`` calls of ``step()`` after ``warmup`` untimed ones: CUDA events around
+    each call on CUDA (synchronised before and after), the host clock elsewhere."""
+    device = torch.device(device)
+    times = []
+    for it in range(warmup + iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            begin.record()
+            step()
+            end.record()
+            torch.cuda.synchronize(device)
+            ms = begin.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            step()
+            ms = (time.perf_counter() - t0) * 1e3
+        if it >= warmup:
+            times.append(ms)
+    return times
+
+
 def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], settings: MuonSettings, *,
                     iters: int = 5, warmup: int = 2, device="cuda", seed: int = 0,
                     tp_shards: Sequence[int] = ()):
@@ -89,9 +114,6 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
     events (``muon_momentum_`` then ``muon_apply_`` per shard, fp32, the direction standing in
     for the one the TP owner returns). The start-up rank profile and bench/rank_balance.py's
     per-rank emulation time this."""
-    import statistics
-    import time
-
     from ..algorithms.muon import muon_apply_, muon_momentum_
     from .owner_step import MatrixInfo, OwnerMuonAdamW
 
@@ -125,23 +147,10 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
         if opt is not None:
             opt.step()
         shard_passes()
-    times = []
-    for it in range(warmup + iters):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            begin.record()
-            step()
-            end.record()
-            torch.cuda.synchronize(device)
-            ms = begin.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            step()
-            ms = (time.perf_counter() - t0) * 1e3
-        if it >= warmup:
-            times.append(ms)
-    del opt, muon, adamw, shards
+    times = time_steps(step, iters=iters, warmup=warmup, device=device)
+    opt = None  # free the step's tensors before emptying the cache
+    for held in (muon, adamw, shards):
+        held.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(times), times
