@@ -92,7 +92,7 @@ def measure(args):
 
 # --- simulate: the published point, and the measured H200 steps the predictions are checked against
 PAPER = {"model": "qwen2.5-7b", "gpus": 256, "device": "A800", "optimizer_step_ms": 22.0,
-         "source": "DMuon paper (MISSION.md): Qwen2.5-7B optimizer step 22 ms at 256 A800s"}
+         "source": "DMuon paper: Qwen2.5-7B optimizer step 22 ms at 256 A800s"}
 
 # Every optimizer step measured on the lent H200s (median ms; the 4-layer Qwen2.5-7B-shaped GPT,
 # 32k vocab; ns-method auto, Keller 5 steps, no split rules, greedy NS-FLOP plans).
@@ -102,12 +102,12 @@ MEASURED = [
     ("1 H200", 1, 1, False, "adam", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['1']"),
     ("2 H200, DP=2", 2, 1, False, "dmuon", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['2']"),
     ("2 H200, DP=2", 2, 1, False, "adam", None, "docs/results/scaling/scaling_h200x2_2026-11-30.json ['2']"),
-    ("2 H200, DP=2 (bench/e2e.py)", 2, 1, False, "dmuon", 45.3, "FACTS.md, no overlap flags"),
-    ("2 H200, DP=2 (bench/e2e.py)", 2, 1, False, "adam", 21.9, "FACTS.md, no overlap flags"),
-    ("2 H200, DP=2, overlap", 2, 1, True, "dmuon", 39.8, "FACTS.md, --overlap-grad-reduce --overlap-param-gather"),
-    ("2 H200, DP=2, overlap", 2, 1, True, "adam", 19.2, "FACTS.md, same flags"),
-    ("1 H200, overlap", 1, 1, True, "dmuon", 75.4, "FACTS.md, global batch 4"),
-    ("1 H200, overlap", 1, 1, True, "adam", 34.5, "FACTS.md, global batch 4"),
+    ("2 H200, DP=2 (bench/e2e.py)", 2, 1, False, "dmuon", 45.3, "bench/e2e.py on 2 H200s, 2026-11-30 (log not kept), no overlap flags"),
+    ("2 H200, DP=2 (bench/e2e.py)", 2, 1, False, "adam", 21.9, "bench/e2e.py on 2 H200s, 2026-11-30 (log not kept), no overlap flags"),
+    ("2 H200, DP=2, overlap", 2, 1, True, "dmuon", 39.8, "bench/e2e.py on 2 H200s, 2026-11-30 (log not kept), --overlap-grad-reduce --overlap-param-gather"),
+    ("2 H200, DP=2, overlap", 2, 1, True, "adam", 19.2, "bench/e2e.py on 2 H200s, 2026-11-30 (log not kept), same flags"),
+    ("1 H200, overlap", 1, 1, True, "dmuon", 75.4, "bench/e2e.py on 1 H200, 2026-11-30 (log not kept), global batch 4"),
+    ("1 H200, overlap", 1, 1, True, "adam", 34.5, "bench/e2e.py on 1 H200, 2026-11-30 (log not kept), global batch 4"),
     ("2 H200, TP=2, overlap", 1, 2, True, "dmuon", 67.5, "docs/tp_ep_pp.md"),
     ("2 H200, TP=2, overlap", 1, 2, True, "adam", 19.2, "docs/tp_ep_pp.md"),
 ]

@@ -22,7 +22,7 @@ def random_grads(gen, n, p, k):
 
 
 def reference_run(method, W, x0, grads, lr, mu, clip=(0.1, 0.4)):
-    """Agent-by-agent loops written straight from MISSION.md §2 / FACTS.md (msgn by SVD)."""
+    """Agent-by-agent loops written straight from the DeMuon paper's algorithm (msgn by SVD)."""
     n = W.shape[0]
     x = [x0[i].clone() for i in range(n)]
     m = [torch.zeros_like(x0[0]) for _ in range(n)]

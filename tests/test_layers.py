@@ -305,3 +305,23 @@ def test_planning_imports_only_algorithms_and_its_libraries():
             bad.append(i)
     assert not bad, _report(bad, "planning/ imports more than algorithms/, the standard library, "
                                  f"{', '.join(PLANNING_THIRD_PARTY)}")
+
+
+def test_nothing_in_the_repository_cites_files_a_clone_does_not_have():
+    """Code, docs and results cite public sources (a paper, a repository and path, a file in
+    docs/results); the development notes beside a checkout (its MISSION/FACTS pages, the shared folder) are
+    not in a user's clone, so no file names them."""
+    root = PACKAGE_DIR.parent
+    pattern = ("MISSION" + ".md", "FACTS" + ".md", "../" + "shared")
+    found = []
+    for path in root.rglob("*"):
+        rel = path.relative_to(root)
+        if rel.parts[0] in (".git", ".venv", ".whl", ".te", ".apex", ".mlm") or "__pycache__" in rel.parts \
+                or not path.is_file() or path.stat().st_size > 5_000_000:
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [f"{rel}: {p}" for p in pattern if p in text]
+    assert not found, "\n".join(found)

@@ -12,7 +12,7 @@ max(rows, cols)/m``, T steps, r restarts.
 * standard NS, symmetric outputs:  ``T(3α+1) m³``     (X Xᵀ and A² at half cost, SYRK-style)
 * Gram NS, full GEMMs:             ``[8T − 6(r+1)] m³ + 4(r+1)·α m³``
 * Gram NS, symmetric outputs:      ``[4T − 3(r+1)] m³ + 3(r+1)·α m³``;
-  with one restart this is FACTS.md's ``(4T + 6α − 6) m³``.
+  with one restart this is the ``(4T + 6α − 6) m³`` of Dao-AILab/gram-newton-schulz's count.
 
 Gram term by term (per segment of L steps between restarts): ``R²`` every step, ``Q Z'`` on all
 but the segment's first step, the two ``R`` update products on all but its last step; plus

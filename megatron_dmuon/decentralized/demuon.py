@@ -57,7 +57,7 @@ MSGN_SCALES = ("none", "keller")
 
 @dataclasses.dataclass
 class DecentralizedConfig:
-    """Hyper-parameters of one decentralized method (names follow MISSION.md §2).
+    """Hyper-parameters of one decentralized method (names follow the DeMuon paper's notation).
 
     ``lr`` may be a float or, in the simulator, a tensor ``[A]`` giving each local agent its own
     step size (used to run several step sizes side by side on disjoint graph copies).

@@ -1,5 +1,5 @@
 # Source on a GPU machine (the device tool's H200): megatron-core and the other wheels in .whl,
-# Transformer Engine from .te (made here by ../shared/tools/te_h200/prepare.sh .te), and Apex's
+# Transformer Engine from .te (an sm_90 build of TE 2.20.2 with its install.sh: docs/megatron_lm.md §10), and Apex's
 # fused_weight_gradient_mlp_cuda from .apex (an NVIDIA/apex checkout, or its four csrc files) when
 # present. Sets PYTHONPATH (repository first) and the environment every GPU command here uses.
 #   source tests/gpu/setup_h200.sh            # idempotent: ~20 s on a machine that has run it
