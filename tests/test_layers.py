@@ -12,12 +12,16 @@ too, relative ones resolved to module names.
 (e) the layers import only downward: algorithms < kernels < planning < runtime < megatron
     (and none of them imports the console script cli.py);
 (f) planning/ is pure data: it imports only algorithms/ of the package, and outside it only the
-    standard library, torch, numpy, scipy and mip (python-mip).
+    standard library, torch, numpy, scipy and mip (python-mip);
+(g) no module imports or calls another module's private ``_names`` (KNOWN_PRIVATE_REACHES lists
+    those still reached, each with why);
+(h) the ``--dmuon-overlap-step`` mode names are compared only in planning/overlap_mode.py.
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -325,3 +329,177 @@ def test_nothing_in_the_repository_cites_files_a_clone_does_not_have():
             continue
         found += [f"{rel}: {p}" for p in pattern if p in text]
     assert not found, "\n".join(found)
+
+
+# --- private names stay in their module ----------------------------------------------------------
+# A module's ``_name`` is its own business: no other module of the package imports it (``from X
+# import _name``) or calls it (``obj._name(...)``, where ``_name`` is defined in the package but not
+# in the calling module; ``self``, ``cls`` and ``super()`` are the class's own). Names the package
+# does not define (megatron-core's ``_get_param_groups_and_buffers``, torch's ``_foreach_mul_``) are
+# outside this rule: the project must use those APIs as they are.
+# (module, private name) -> why it is still reached from outside; an entry no longer in the code
+# fails test_known_private_reaches_are_still_in_the_code.
+KNOWN_PRIVATE_REACHES: dict[tuple[str, str], str] = {
+    # megatron-core's DistributedOptimizer method (DMuon's owner optimizer overrides it): Megatron's API
+    (f"{PACKAGE}.megatron.checkpoint", "_copy_main_params_to_model_params"):
+        "megatron-core's DistributedOptimizer API, called on a part after a load",
+    # helpers shared across the checkpoint modules: they become public when those modules move into
+    # one subpackage ([shape-2] item 5)
+    (f"{PACKAGE}.megatron.checkpoint_io", "_chunks"): "checkpoint modules' shared helper (item 5)",
+    (f"{PACKAGE}.megatron.checkpoint_io", "_content_metadata"): "checkpoint modules' shared helper (item 5)",
+    (f"{PACKAGE}.megatron.checkpoint_torch", "_chunks"): "checkpoint modules' shared helper (item 5)",
+    (f"{PACKAGE}.megatron.checkpoint_switch", "_chunks"): "checkpoint modules' shared helper (item 5)",
+    (f"{PACKAGE}.megatron.checkpoint_switch", "_global_shape"): "checkpoint modules' shared helper (item 5)",
+    # the rank MILP reuses the owner layout's and the MILP's internals: public with the rank-0
+    # planning's own function ([shape-2] item 1)
+    **{(f"{PACKAGE}.planning.rank_milp", n): "planning internals shared with the rank MILP (item 1)"
+       for n in ("_Model", "_NoSolution", "_SOLVERS", "_spread", "_align", "_min_shard", "_plan", "_split_buckets")},
+    (f"{PACKAGE}.planning.plan_cli", "_argv_parser"): "planning/models.py's Megatron argv parser (item 1)",
+    (f"{PACKAGE}.algorithms.gram_newton_schulz", "_as_stack"): "newton_schulz's stacking helper, shared",
+    # testing/: the self-test workers share one harness's helpers (not production code)
+    **{(f"{PACKAGE}.testing.{m}", n): "the test workers' shared harness"
+       for m, names in {"checkpoint_workers": ("_build", "_finish_overlap", "_report", "_train", "_content_metadata"),
+                        "mixed_precision": ("_build", "_finish_overlap", "_report"),
+                        "overlap_workers": ("_concat", "_load", "_save", "_build", "_finish_overlap", "_report", "_train"),
+                        "qk_clip_workers": ("_build", "_finish_overlap", "_report", "_train"),
+                        "switch_workers": ("_same", "_snapshot", "_muon_settings", "_shape", "_split_kwargs", "_build",
+                                           "_finish_overlap", "_train"),
+                        "workers": ("_tp_of",)}.items() for n in names},
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def defined_private_names(source: str) -> set[str]:
+    """Every ``_name`` a module defines: functions, methods, classes, assigned names and attributes."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {n for n in names if _is_private(n)}
+
+
+def private_reaches(module: str, is_package: bool, source: str, package_private: set[str]) -> list[tuple[str, int]]:
+    """(private name, line) of every import of another package module's ``_name``, and of every call
+    ``obj._name(...)`` of a package-defined ``_name`` this module does not define itself."""
+    own = defined_private_names(source)
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            target = ".".join(here[: len(here) - (node.level - 1)] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            if within(target or "", PACKAGE):
+                found += [(a.name, node.lineno) for a in node.names if _is_private(a.name)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_private(node.func.attr):
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if node.func.attr in package_private and node.func.attr not in own:
+                found.append((node.func.attr, node.lineno))
+    return found
+
+
+@functools.lru_cache(maxsize=1)  # (read-only: two tests walk the same files)
+def all_private_reaches() -> dict[tuple[str, str], list[int]]:
+    modules = package_modules()
+    sources = {name: path.read_text() for name, path in modules.items()}
+    package_private = set().union(*(defined_private_names(s) for s in sources.values()))
+    found: dict[tuple[str, str], list[int]] = {}
+    for name, source in sources.items():
+        for private, line in private_reaches(name, modules[name].name == "__init__.py", source, package_private):
+            found.setdefault((name, private), []).append(line)
+    return found
+
+
+def test_private_reach_finder_sees_imports_and_calls():
+    source = (
+        "from .other import _helper, public\n"
+        "from torch import _foreach_mul_\n"
+        "def _mine(): pass\n"
+        "class A:\n"
+        "    def f(self, opt):\n"
+        "        self._own()\n"
+        "        super()._base()\n"
+        "        _mine()\n"
+        "        opt._fill(1)\n"
+        "        opt._mine()\n"
+        "        opt._not_ours()\n"
+    )
+    found = private_reaches(f"{PACKAGE}.sub.mod", False, source, {"_helper", "_fill", "_mine", "_own", "_base"})
+    assert found == [("_helper", 1), ("_fill", 9)]
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    bad = {k: v for k, v in all_private_reaches().items() if k not in KNOWN_PRIVATE_REACHES}
+    assert not bad, "a module imports or calls another module's private name (make it public, or a method " \
+                    "of the object that owns it):\n" + "\n".join(f"  {m}: {n} (lines {v})" for (m, n), v in sorted(bad.items()))
+
+
+def test_known_private_reaches_are_still_in_the_code():
+    stale = sorted(set(KNOWN_PRIVATE_REACHES) - set(all_private_reaches()))
+    assert not stale, f"KNOWN_PRIVATE_REACHES entries no longer in the code, remove them: {stale}"
+
+
+# --- the overlap mode's names are compared in one module ------------------------------------------
+OVERLAP_MODE_MODULE = f"{PACKAGE}.planning.overlap_mode"
+OVERLAP_MODE_NAMES = ("off", "on", "sync", "backward")
+OVERLAP_ONLY_NAMES = ("sync", "backward")  # no other setting of the package is spelled so
+
+
+def overlap_mode_comparisons(source: str) -> list[int]:
+    """Lines comparing an overlap mode by its name: a comparison of something named ``*overlap*``
+    with a mode literal (or a tuple, list or set of them), any comparison with 'sync' or
+    'backward', or a membership test in ``OVERLAP_STEP_MODES``."""
+
+    def literal_modes(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in OVERLAP_MODE_NAMES
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(map(literal_modes, node.elts))
+
+    def names_only_a_mode(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in OVERLAP_ONLY_NAMES
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(names_only_a_mode, node.elts))
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        if any("OVERLAP_STEP_MODES" in ast.unparse(o) or names_only_a_mode(o) for o in operands):
+            lines.append(node.lineno)
+        elif any(literal_modes(o) for o in operands) and any("overlap" in ast.unparse(o).lower()
+                                                              for o in operands if not literal_modes(o)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_overlap_mode_comparison_finder():
+    source = (
+        "a = args.overlap_step == 'on'\n"
+        "b = overlap in ('on', 'backward')\n"
+        "c = mode == 'off'\n"  # another mode (the simulation's): not this flag
+        "d = name not in OVERLAP_STEP_MODES\n"
+        "e = OverlapMode(args.dmuon_overlap_step).overlaps\n"
+        "f = mode.name == 'backward'\n"
+    )
+    assert overlap_mode_comparisons(source) == [1, 2, 4, 6]
+
+
+def test_overlap_mode_names_are_compared_in_one_module():
+    """--dmuon-overlap-step's meaning lives in planning/overlap_mode.py; everything else asks it."""
+    modules = package_modules()
+    found = {name: overlap_mode_comparisons(path.read_text()) for name, path in modules.items()}
+    bad = {name: lines for name, lines in found.items() if lines and name != OVERLAP_MODE_MODULE}
+    assert not bad, "overlap mode names compared outside planning/overlap_mode.py (use OverlapMode):\n" + \
+        "\n".join(f"  {name}: lines {lines}" for name, lines in sorted(bad.items()))
+    assert found[OVERLAP_MODE_MODULE], "the finder no longer sees OverlapMode's own comparisons"

@@ -2,6 +2,8 @@
 before any buffer or optimizer state exists."""
 from __future__ import annotations
 
+from ..planning.overlap_mode import OverlapMode
+
 
 def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
     """Parallel layouts DMuon runs exactly; everything else fails here, before any state exists.
@@ -111,15 +113,15 @@ def _one_hardware_queue() -> bool:
 def check_overlap_step(ddp_config, cfg, model_config=None, config=None) -> None:
     """Start-up checks of --dmuon-overlap-step (megatron/overlap_step.py), before any state exists
     (``config``: the OptimizerConfig, where known)."""
-    overlap = cfg.muon.overlap_step
-    if overlap == "off":
+    overlap = OverlapMode(cfg.muon.overlap_step)
+    if not overlap.cuts_per_need_group:
         return
-    flag = f"--dmuon-overlap-step {overlap}"
-    if overlap == "backward":
+    flag = f"--dmuon-overlap-step {overlap.name}"
+    if overlap.starts_in_backward:
         _check_backward_start(flag, ddp_config, cfg, config)
     if cfg.mode != "dmuon":
         raise ValueError(f"{flag} applies to --dmuon-mode dmuon (got {cfg.mode}): drop the flag")
-    if overlap in ("on", "backward") and not getattr(ddp_config, "overlap_param_gather", False):
+    if overlap.overlaps and not getattr(ddp_config, "overlap_param_gather", False):
         raise ValueError(
             f"{flag} finishes each bucket group's Newton-Schulz in the next forward's param-gather hooks, which "
             "exist only with --overlap-param-gather: add --overlap-param-gather (and --overlap-grad-reduce)")
@@ -133,13 +135,13 @@ def check_overlap_step(ddp_config, cfg, model_config=None, config=None) -> None:
     if getattr(model_config, "qk_clip", False):
         raise ValueError(f"{flag} cannot run with --qk-clip: the clip rescales weights right after the step, "
                          "before the overlapped step has applied them; drop one of the two flags")
-    if overlap in ("on", "backward") and _one_hardware_queue():
+    if overlap.overlaps and _one_hardware_queue():
         raise ValueError(
             f"{flag} needs CUDA_DEVICE_MAX_CONNECTIONS > 1 (or unset): with one hardware queue the GPU runs the "
             "side stream's Newton-Schulz in launch order, so the next forward waits for all of it and nothing is "
             "hidden (measured slower than off). Without tensor or context parallelism Megatron needs no single "
             "queue: unset CUDA_DEVICE_MAX_CONNECTIONS (or set 8), or use --dmuon-overlap-step off")
-    if overlap in ("on", "backward") and getattr(ddp_config, "log_params_norm", False):  # Megatron-LM's args
+    if overlap.overlaps and getattr(ddp_config, "log_params_norm", False):  # Megatron-LM's args
         raise ValueError(f"{flag} with --log-params-norm would log the norm of the params before the step's Muon "
                          "update (it is applied in the next forward): drop one of the two flags")
 

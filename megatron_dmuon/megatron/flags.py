@@ -19,7 +19,7 @@ from ..kernels.autotune import CACHE_ENV
 from ..planning.owner_layout import BALANCE
 from ..planning.startup_profile import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
-from ..runtime.overlap_step import OVERLAP_STEP_MODES
+from ..planning.overlap_mode import OVERLAP_STEP_MODES
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES
 from ..runtime.row_update_step import UPDATE_RULES
 from .checks import check_dmuon_config

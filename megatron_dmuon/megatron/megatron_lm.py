@@ -43,6 +43,7 @@ import sys
 from typing import Callable, Optional
 
 from . import checkpoint_switch
+from ..planning.overlap_mode import OverlapMode
 from .config import config_of
 from .flags import add_dmuon_args
 
@@ -161,7 +162,7 @@ def _route(args) -> None:
         dist_utils.DistributedDataParallel = ddp_class
     if "train" not in _ORIGINALS:
         _ORIGINALS["train"] = training.train
-    overlapped = args.dmuon_overlap_step in ("on", "backward")  # (runtime/overlap_step.OVERLAPPED)
+    overlapped = OverlapMode(args.dmuon_overlap_step).overlaps
     training.train = _prioritized(_ORIGINALS["train"]) if overlapped else _ORIGINALS["train"]
 
 

@@ -24,7 +24,6 @@ from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
 from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig  # noqa: F401 (MODES: public API)
 from .optimizer_checkpoint import OwnerCheckpoints
-from ..runtime.overlap_step import cancel_early
 from .overlap_step import finish_parts
 from .owner_optimizer import DMuonDistributedOptimizer, build_owner_parts
 from .publish import publish_layouts
@@ -206,7 +205,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
             self.skipped_iterations += 1
             for part in self.chained_optimizers:  # --dmuon-overlap-step backward: undo what the backward started
                 if isinstance(part, DMuonDistributedOptimizer):
-                    cancel_early(part.optimizer)
+                    part.optimizer.overlapped.cancel_early()
         report_ns_check(self)
         return out
 
@@ -216,10 +215,8 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
         (OwnerMuonAdamW.step); a part Megatron clips (scaling the grads in place) redoes them always."""
         folded = {id(part) for part, _ in self._folded_clip}
         for part in self.chained_optimizers:
-            if (isinstance(part, DMuonDistributedOptimizer) and part.config.clip_grad > 0.0
-                    and id(part) not in folded and part.optimizer.pending.early):
-                part.optimizer.stats["overlap_redos"] += len(part.optimizer.pending.early)
-                cancel_early(part.optimizer)
+            if isinstance(part, DMuonDistributedOptimizer) and part.config.clip_grad > 0.0 and id(part) not in folded:
+                part.optimizer.overlapped.cancel_early_for_clipping()
 
     def finish_overlapped_step(self) -> None:
         """--dmuon-overlap-step: finish every group still in flight (masters applied and copied into

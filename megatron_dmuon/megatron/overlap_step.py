@@ -17,7 +17,6 @@ from typing import Dict
 
 import torch
 
-from ..runtime.overlap_step import finish, finish_all
 from .bucket_groups import extend_bucket_groups
 
 
@@ -50,7 +49,7 @@ class _OverlapStepBucketGroup:
 
     def start_param_sync(self, force_sync: bool = False):
         for inner, need in self.owner_step.waits:
-            finish(inner, need)
+            inner.overlapped.finish(need)
         return super().start_param_sync(force_sync=force_sync)
 
     def start_grad_sync(self, force_all_reduce=False):
@@ -68,7 +67,7 @@ def install_overlap_step(model_chunks, parts, infos: dict) -> None:
     finishes them; the part copies the masters of a finished group into the model's params."""
     for chunk in model_chunks:
         extend_bucket_groups(chunk, _OverlapStepBucketGroup, lambda group: _OverlapStepState())
-    if any(part.optimizer.muon.overlap_step == "backward" for part in parts) and any(
+    if any(part.optimizer.overlapped.mode.starts_in_backward for part in parts) and any(
             getattr(bucket, "params_with_extra_main_grads", None) for chunk in model_chunks
             for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups for bucket in group.buckets):
         raise ValueError("--dmuon-overlap-step backward reads each group's reduced grads in the grad buffer; params "
@@ -85,11 +84,11 @@ def install_overlap_step(model_chunks, parts, infos: dict) -> None:
             state = chunk.param_to_bucket_group[model_param].owner_step
             if (inner, info.need) not in state.waits:
                 state.waits.append((inner, info.need))
-            if inner.muon.overlap_step == "backward" and (part, info.need) not in state.starts:
+            if inner.overlapped.mode.starts_in_backward and (part, info.need) not in state.starts:
                 state.starts.append((part, info.need))
 
 
 def finish_parts(parts) -> None:
     """Every part's groups in flight, finished (before anything reads the masters or params)."""
     for part in parts:
-        finish_all(part.optimizer)
+        part.optimizer.overlapped.finish_all()

@@ -15,7 +15,7 @@ from . import checkpoint_torch
 from ..kernels.autotune import measured_method
 from ..planning.dp_shards import shard_range
 from ..planning.ns_choice import plan_ns_choices
-from ..runtime.overlap_step import launch_early, momentum_stream
+from ..planning.overlap_mode import OverlapMode
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .optimizer_checkpoint import OwnerCheckpoints
 from .overlap_step import install_overlap_step, need_order
@@ -49,7 +49,7 @@ def _matrix_infos(model_chunks, muon) -> dict:
     device = next(p for _, p, _, _ in params).device if params else torch.device("cpu")
     choices = plan_ns_choices([r for *_, r in params], precision=muon.ns_dtype, on_cuda=device.type == "cuda",
                               measured=measured_method(device) if device.type == "cuda" else None)
-    need = need_order(model_chunks) if muon.overlap_step != "off" else {}
+    need = need_order(model_chunks) if OverlapMode(muon.overlap_step).cuts_per_need_group else {}
     return {param: MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}", ns,
                                           need.get(param, 0))
             for (idx, param, name, record), ns in zip(params, choices) if record.use_muon}
@@ -121,7 +121,7 @@ def build_owner_parts(config, model_chunks, cfg) -> list:
         for chunk in model_chunks:  # an FP8 publish quantizes from these fp32 masters
             register_masters(chunk, lambda o=opt: _master_pairs(o))
         parts.append(opt)
-    if cfg.muon.overlap_step != "off":
+    if OverlapMode(cfg.muon.overlap_step).cuts_per_need_group:
         install_overlap_step(model_chunks, parts, infos)
     return parts
 
@@ -195,14 +195,14 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
             return
         inner = self.optimizer
         device = members[0][1].device
-        side = momentum_stream(inner, device) if device.type == "cuda" else None
+        side = inner.overlapped.momentum_stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if reduce_handle is not None:
                 reduce_handle.wait()  # on CUDA: the side stream waits for the reduce, not the host
             for model, main, shard, _ in members:
                 # Megatron's .float() (a view of fp32 grads): in the master's dtype, as its step gets it
                 main.grad = model.main_grad.view(-1)[shard.start:shard.end].to(main.dtype)
-            launch_early(inner, [(main, group, inner.matrix_info[main]) for _, main, _, group in members])
+            inner.overlapped.launch_early([(main, group, inner.matrix_info[main]) for _, main, _, group in members])
 
     def _early_members(self) -> dict:
         """{need: [(model param, main param, its shard range, its param group)]} of the Muon

@@ -26,6 +26,7 @@ from pathlib import Path
 from ..algorithms.coefficients import COEFFICIENT_SETS
 from .cost_model import CostModel, CostTable, cluster_spec, load_bench_kernels_profile, load_config
 from .milp import BACKENDS
+from .overlap_mode import OverlapMode
 from .models import PRESETS, ModelSpec, ParallelSpec, parse_megatron_argv
 from .plans import PLANNERS, compare_plans
 
@@ -427,7 +428,7 @@ def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     if args.model_tflops is not None and not 0 < args.model_tflops < float("inf"):
         p.error(f"--model-tflops must be a finite number > 0 (got {args.model_tflops})")
-    if args.overlap_step == "on" and model.num_experts:
+    if OverlapMode(args.overlap_step).overlaps and model.num_experts:
         p.error("--overlap-step on: the compute model covers dense GPTs only (no --experts)")
 
 
@@ -465,7 +466,7 @@ def main(argv=None) -> int:
         return 0
     model, par, extra = _model_and_parallel(args, parser)
     _check(parser, args, model, par)
-    if args.overlap_step == "on":  # Megatron's --overlap-param-gather needs --overlap-grad-reduce's buckets
+    if OverlapMode(args.overlap_step).overlaps:  # Megatron's --overlap-param-gather needs --overlap-grad-reduce's buckets
         args.simulate = True
         extra["overlap_grad_reduce"] = True
     config, cluster, table = _cost_inputs(parser, args)
@@ -495,7 +496,7 @@ def main(argv=None) -> int:
             report["simulation"] = predict_optimizer_step(
                 model, par, cluster, cost_model, planner=planner, two_level=not args.flat,
                 optimizer=config["optimizer"], stage=args.stage, plan=plans[planner])
-            if args.overlap_step == "on":
+            if OverlapMode(args.overlap_step).overlaps:
                 from .simulate_overlap import DEFAULT_ETA, simulate_overlap
 
                 report["overlap"] = simulate_overlap(

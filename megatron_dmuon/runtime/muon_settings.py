@@ -16,7 +16,7 @@ from ..algorithms.schedules import schedule_for_shape
 from ..kernels import measured_method
 from ..planning.ns_choice import NSChoice, choose_ns
 from ..planning.tp_cost import TP_METHODS
-from .overlap_step import OVERLAP_STEP_MODES
+from ..planning.overlap_mode import OverlapMode
 from .row_update_step import validate_update_settings
 
 ADAPTIVE_SCHEDULE = "adaptive"
@@ -66,9 +66,9 @@ class MuonSettings:
     # (1.25 x the schedule's exact-arithmetic peak)² − 1) is recomputed by the exact float32 NS
     ns_check_interval: int = 100
     ns_check_bound: Optional[float] = None
-    # OVERLAP_STEP_MODES (runtime/overlap_step.py): 'off', or the Muon work cut per need group
-    # (MatrixInfo.need) and finished when the next forward needs it ('on'), or inside the step
-    # ('sync': the same stacks and arithmetic, for checking 'on' bit for bit)
+    # OVERLAP_STEP_MODES (their meaning: planning/overlap_mode.py): 'off', or the Muon work cut per
+    # need group (MatrixInfo.need) and finished when the next forward needs it ('on', 'backward'),
+    # or inside the step ('sync': the same stacks and arithmetic, for checking 'on' bit for bit)
     overlap_step: str = "off"
 
     @classmethod
@@ -86,9 +86,8 @@ class MuonSettings:
             raise ValueError(f"--dmuon-ns-method {self.ns_method!r} unknown; valid: {', '.join(NS_METHODS)}")
         if self.ns_steps < 1:
             raise ValueError(f"--muon-num-ns-steps {self.ns_steps} must be >= 1 (MuonSettings.ns_steps)")
-        if self.overlap_step not in OVERLAP_STEP_MODES:
-            raise ValueError(f"--dmuon-overlap-step {self.overlap_step!r} unknown; valid: {', '.join(OVERLAP_STEP_MODES)}")
-        if self.overlap_step != "off" and self.update != "muon":
+        overlap = OverlapMode(self.overlap_step)  # (an unknown mode: its ValueError names the flag)
+        if overlap.cuts_per_need_group and self.update != "muon":
             raise ValueError(f"--dmuon-overlap-step {self.overlap_step} runs the Muon rule only; --dmuon-update "
                              f"{self.update} steps inside optimizer.step(): drop --dmuon-overlap-step")
         if self.ns_launch not in NS_LAUNCH_MODES:

@@ -1,6 +1,11 @@
 """The overlapped owner step (`--dmuon-overlap-step on`): each need group's Newton–Schulz runs
 while the next forward computes the layers before it.
 
+`OverlappedStep` is owned by `OwnerMuonAdamW` (its ``overlapped``); the owner's step hands it the
+Muon matrices and the Megatron glue (megatron/overlap_step.py, owner_optimizer.py, optimizer.py)
+drives it through its public methods: ``launch`` / ``launch_early``, ``finish`` / ``finish_all``,
+``commit_early`` / ``cancel_early``. The mode's meaning is planning/overlap_mode.OverlapMode.
+
 ``MatrixInfo.need`` orders the Muon matrices by when the next forward needs them (their DDP bucket
 group's place in the forward, megatron/overlap_step.py). The step cuts the NS stacks per need group
 (a stack never spans two groups), runs every momentum pass, and launches each group's NS in need
@@ -29,10 +34,7 @@ from typing import Dict, Optional
 import torch
 from torch.profiler import record_function
 
-# 'backward': 'on', and each group's momentum and NS launched during the last micro-batch's backward,
-# as soon as its grads are reduced (``launch_early``), unclipped: a step whose clipping fires redoes them
-OVERLAP_STEP_MODES = ("off", "on", "sync", "backward")
-OVERLAPPED = ("on", "backward")  # the modes whose NS runs outside optimizer.step()
+from ..planning.overlap_mode import OverlapMode
 
 
 class _LaunchedGroup:
@@ -68,111 +70,156 @@ class PendingSteps:
         return {p for item in self.groups.values() for p, *_ in item.members}
 
 
-def launch_need_groups(opt, entries, grad_scale: Optional[float] = None) -> None:
-    """The Muon part of ``OwnerMuonAdamW.step`` for whole matrices (no TP), cut per need group:
-    momentum passes now, each group's NS launched (side stream on CUDA), finished later by
-    ``finish`` (mode 'on') or right here (mode 'sync')."""
-    by_need = defaultdict(list)
-    for p, group, info in entries:
-        by_need[info.need].append((p, group, info))
-    launched = {}
-    for need in sorted(by_need):
-        members = by_need[need]
-        plan, stacks = opt._fill_stacks(members, grad_scale, tag=need)
-        launched[need] = _LaunchedGroup(plan, stacks, [(p, info, g["lr"], g["weight_decay"]) for p, g, info in members])
-    if launched and entries[0][0].is_cuda and opt.muon.overlap_step == "backward":  # (the grads' lifetime: commit_early)
-        device = entries[0][0].device
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        opt.pending.momentum_done.append((device, event))
-    side = ns_stream(opt, entries[0][0].device) if entries and entries[0][0].is_cuda else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(side.device))  # the momentum passes wrote the stacks
-    with record_function("dmuon.ns_launch"), (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
-        for item in launched.values():
-            item.outputs = opt._launch_ns(item.plan, item.stacks)
-            if side is not None:
-                for x in item.stacks:  # allocated on the current stream, read by the side stream
-                    x.record_stream(side)
-                item.event = torch.cuda.Event()
-                item.event.record(side)
-    opt.pending.groups.update(launched)
-    opt.stats["ns_matrices_total"] += opt.stats["ns_matrices"]
-    opt.stats["tp_bytes"] = 0
-    if opt.muon.overlap_step == "sync":
-        finish_all(opt)
+class OverlappedStep:
+    """The Muon work of one ``OwnerMuonAdamW`` cut per need group and finished apart from its
+    ``step()``. It uses the owner's public stack helpers (``fill_ns_stacks``, ``launch_ns``,
+    ``check_ns_outputs``, ``apply_ns_outputs``), its ``state`` (the momenta), ``stats`` and
+    ``on_applied`` (the copy of finished masters into the model's params)."""
+
+    def __init__(self, owner, mode: OverlapMode):
+        self.owner = owner
+        self.mode = mode
+        self.pending = PendingSteps()
+        self._ns_streams: Dict[torch.device, "torch.cuda.Stream"] = {}
+        self._momentum_streams: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+    def launch(self, entries, grad_scale: Optional[float] = None) -> None:
+        """The Muon part of ``OwnerMuonAdamW.step`` for whole matrices (no TP), cut per need group:
+        momentum passes now, each group's NS launched (side stream on CUDA), finished later by
+        ``finish`` (mode 'on') or right here (mode 'sync')."""
+        owner, pending = self.owner, self.pending
+        by_need = defaultdict(list)
+        for p, group, info in entries:
+            by_need[info.need].append((p, group, info))
+        launched = {}
+        for need in sorted(by_need):
+            members = by_need[need]
+            plan, stacks = owner.fill_ns_stacks(members, grad_scale, tag=need)
+            launched[need] = _LaunchedGroup(plan, stacks, [(p, info, g["lr"], g["weight_decay"]) for p, g, info in members])
+        if launched and entries[0][0].is_cuda and self.mode.starts_in_backward:  # (the grads' lifetime: commit_early)
+            device = entries[0][0].device
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            pending.momentum_done.append((device, event))
+        side = self.ns_stream(entries[0][0].device) if entries and entries[0][0].is_cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(side.device))  # the momentum passes wrote the stacks
+        with record_function("dmuon.ns_launch"), (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+            for item in launched.values():
+                item.outputs = owner.launch_ns(item.plan, item.stacks)
+                if side is not None:
+                    for x in item.stacks:  # allocated on the current stream, read by the side stream
+                        x.record_stream(side)
+                    item.event = torch.cuda.Event()
+                    item.event.record(side)
+        pending.groups.update(launched)
+        owner.stats["ns_matrices_total"] += owner.stats["ns_matrices"]
+        owner.stats["tp_bytes"] = 0
+        if self.mode.finishes_in_step:
+            self.finish_all()
+
+    @torch.no_grad()  # also from the forward's pre-hooks, where autograd records
+    def finish(self, need: int) -> None:
+        """Finish need group ``need`` if it is in flight: wait for its NS on the current stream, check
+        the outputs, apply them, and hand the masters to the owner's ``on_applied``."""
+        owner = self.owner
+        item = self.pending.groups.pop(need, None)
+        if item is None:
+            return
+        with record_function("dmuon.finish_group"):
+            if item.event is not None:
+                torch.cuda.current_stream(item.device).wait_event(item.event)
+            outputs = owner.check_ns_outputs(item.plan, item.outputs, item.stacks, standard_retry=False)
+            owner.apply_ns_outputs(item.plan, outputs, item.members)
+            if owner.on_applied is not None:
+                owner.on_applied([p for p, *_ in item.members])
+
+    def finish_all(self, keep_early: bool = False) -> None:
+        """Finish every group in flight, in need order (``keep_early``: but this step's early ones)."""
+        for need in self.pending.needs():
+            if not (keep_early and need in self.pending.early):
+                self.finish(need)
+
+    def launch_early(self, entries) -> None:
+        """'backward': one need group's momentum pass and NS, launched while the backward still runs
+        (its grads final: reduced to this owner). Whatever the last forward left in flight is finished
+        first. The momenta it overwrites are kept until the step decides (``commit_early`` /
+        ``cancel_early``), so a skipped step changes nothing."""
+        if not entries:
+            return
+        owner, pending = self.owner, self.pending
+        self.finish_all(keep_early=True)
+        if not pending.early:  # the step's counters start with its first early group
+            owner.stats["ns_calls"] = owner.stats["ns_fp32_retries"] = owner.stats["ns_matrices"] = 0
+        for p, _, _ in entries:
+            buf = owner.state.get(p, {}).get("momentum_buffer")
+            pending.backups[p] = None if buf is None else buf.clone()
+        before, total = set(pending.groups), owner.stats["ns_matrices_total"]
+        self.launch(entries)
+        owner.stats["ns_matrices_total"] = total  # (added by the step, once)
+        started = set(pending.groups) - before
+        pending.early |= started
+        owner.stats["overlap_groups_early"] += len(started)  # need groups started during a backward, all steps
+
+    def take_early(self, entries) -> list:
+        """The step's ``entries`` less the matrices launched early (during its backward); the early
+        groups then count as the step's own, in flight for the forward."""
+        launched = self.pending.main_params()
+        self.pending.early = set()
+        return [e for e in entries if e[0] not in launched]
+
+    def _wait_momentum_passes(self) -> None:
+        for device, event in self.pending.momentum_done:
+            torch.cuda.current_stream(device).wait_event(event)
+        self.pending.momentum_done = []
+
+    def commit_early(self) -> None:
+        """The step is applied: the early groups stay in flight for the forward; their backups go."""
+        self._wait_momentum_passes()
+        self.pending.backups = {}
+
+    def cancel_early(self) -> None:
+        """The step is skipped (non-finite grads): the early groups are dropped unapplied and the
+        momenta they overwrote restored, as if nothing had run."""
+        pending, state = self.pending, self.owner.state
+        if not pending.early and not pending.backups:
+            return
+        self._wait_momentum_passes()
+        for need in pending.early:
+            pending.groups.pop(need, None)
+        for p, buf in pending.backups.items():
+            if buf is None:
+                state.get(p, {}).pop("momentum_buffer", None)
+            else:
+                state[p]["momentum_buffer"].copy_(buf)
+        pending.early, pending.backups = set(), {}
+
+    def cancel_early_for_clipping(self) -> None:
+        """Clipping fires on a step whose early groups started unclipped: they are dropped (and
+        counted as redone) for the step to launch them again, clipped, as 'on' does."""
+        if self.pending.early:
+            self.owner.stats["overlap_redos"] += len(self.pending.early)
+            self.cancel_early()
+
+    def ns_stream(self, device) -> "torch.cuda.Stream":
+        return _side_stream(self._ns_streams, device)
+
+    def momentum_stream(self, device) -> "torch.cuda.Stream":
+        """'backward': the stream of the early groups' momentum passes, apart from the NS stream. The
+        step and the next ``zero_grad_buffer`` wait for those passes (``momentum_done``); on the NS
+        stream each would sit behind the NS of every group launched before it."""
+        return _side_stream(self._momentum_streams, device)
 
 
-@torch.no_grad()  # also from the forward's pre-hooks, where autograd records
-def finish(opt, need: int) -> None:
-    """Finish need group ``need`` if it is in flight: wait for its NS on the current stream, check
-    the outputs, apply them, and hand the masters to ``opt.on_applied``."""
-    item = opt.pending.groups.pop(need, None)
-    if item is None:
-        return
-    with record_function("dmuon.finish_group"):
-        if item.event is not None:
-            torch.cuda.current_stream(item.device).wait_event(item.event)
-        outputs = opt._check_outputs(item.plan, item.outputs, item.stacks, standard_retry=False)
-        opt._apply_outputs(item.plan, outputs, item.members)
-        if opt.on_applied is not None:
-            opt.on_applied([p for p, *_ in item.members])
+def finish(owner, need: int) -> None:
+    """``owner.overlapped.finish(need)`` (the entry tests/test_kernels_gpu.py drives the step by)."""
+    owner.overlapped.finish(need)
 
 
-def finish_all(opt, keep_early: bool = False) -> None:
-    """Finish every group in flight, in need order (``keep_early``: but this step's early ones)."""
-    for need in opt.pending.needs():
-        if not (keep_early and need in opt.pending.early):
-            finish(opt, need)
-
-
-def launch_early(opt, entries) -> None:
-    """'backward': one need group's momentum pass and NS, launched while the backward still runs
-    (its grads final: reduced to this owner). Whatever the last forward left in flight is finished
-    first. The momenta it overwrites are kept until the step decides (``commit_early`` /
-    ``cancel_early``), so a skipped step changes nothing."""
-    if not entries:
-        return
-    finish_all(opt, keep_early=True)
-    if not opt.pending.early:  # the step's counters start with its first early group
-        opt.stats["ns_calls"] = opt.stats["ns_fp32_retries"] = opt.stats["ns_matrices"] = 0
-    for p, _, _ in entries:
-        buf = opt.state.get(p, {}).get("momentum_buffer")
-        opt.pending.backups[p] = None if buf is None else buf.clone()
-    before, total = set(opt.pending.groups), opt.stats["ns_matrices_total"]
-    launch_need_groups(opt, entries)
-    opt.stats["ns_matrices_total"] = total  # (added by the step, once)
-    started = set(opt.pending.groups) - before
-    opt.pending.early |= started
-    opt.stats["overlap_groups_early"] += len(started)  # need groups started during a backward, all steps
-
-
-def _wait_momentum_passes(opt) -> None:
-    for device, event in opt.pending.momentum_done:
-        torch.cuda.current_stream(device).wait_event(event)
-    opt.pending.momentum_done = []
-
-
-def commit_early(opt) -> None:
-    """The step is applied: the early groups stay in flight for the forward; their backups go."""
-    _wait_momentum_passes(opt)
-    opt.pending.backups = {}
-
-
-def cancel_early(opt) -> None:
-    """The step is skipped (non-finite grads): the early groups are dropped unapplied and the
-    momenta they overwrote restored, as if nothing had run."""
-    if not opt.pending.early and not opt.pending.backups:
-        return
-    _wait_momentum_passes(opt)
-    for need in opt.pending.early:
-        opt.pending.groups.pop(need, None)
-    for p, buf in opt.pending.backups.items():
-        if buf is None:
-            opt.state.get(p, {}).pop("momentum_buffer", None)
-        else:
-            opt.state[p]["momentum_buffer"].copy_(buf)
-    opt.pending.early, opt.pending.backups = set(), {}
+def _side_stream(streams: dict, device) -> "torch.cuda.Stream":
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device=device, priority=0)  # the lowest: see model_priority_stream
+    return streams[device]
 
 
 @contextlib.contextmanager
@@ -192,21 +239,3 @@ def model_priority_stream(enabled: bool = True):
             yield
     finally:
         outer.wait_stream(stream)
-
-
-def ns_stream(opt, device) -> "torch.cuda.Stream":
-    return _side_stream(opt, device, "_overlap_ns_streams")
-
-
-def momentum_stream(opt, device) -> "torch.cuda.Stream":
-    """'backward': the stream of the early groups' momentum passes, apart from the NS stream. The
-    step and the next ``zero_grad_buffer`` wait for those passes (``momentum_done``); on the NS
-    stream each would sit behind the NS of every group launched before it."""
-    return _side_stream(opt, device, "_overlap_momentum_streams")
-
-
-def _side_stream(opt, device, name) -> "torch.cuda.Stream":
-    streams = opt.__dict__.setdefault(name, {})
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device=device, priority=0)  # the lowest: see model_priority_stream
-    return streams[device]

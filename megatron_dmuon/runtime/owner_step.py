@@ -22,11 +22,12 @@ from ..kernels import GraphedGroups, orthogonalize_batched, orthogonalize_groups
 from ..kernels.fused_muon import muon_apply_fast_, muon_momentum_fast_  # the torch ops where they cannot fuse
 from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite_stacks
 from ..planning.ns_choice import NSChoice, torch_path_method
+from ..planning.overlap_mode import OverlapMode
 from ..planning.params import check_muon_matrix_shape
 from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
-from .overlap_step import PendingSteps, cancel_early, commit_early, finish_all, launch_need_groups
+from .overlap_step import OverlappedStep
 from .row_update_step import row_update_step, tp_refusal
 from .tp_exchange import TPExchange, TPMatrix
 
@@ -134,13 +135,14 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.tp = TPExchange(tp_group)
         if self.muon.update != "muon" and self.tp.size > 1:
             raise ValueError(tp_refusal(self.muon.update))
-        if self.muon.overlap_step != "off" and self.tp.size > 1:
+        overlap = OverlapMode(self.muon.overlap_step)
+        if overlap.cuts_per_need_group and self.tp.size > 1:
             raise ValueError(f"--dmuon-overlap-step {self.muon.overlap_step} is not implemented with tensor "
                              f"parallelism (TP={self.tp.size}): drop --dmuon-overlap-step")
-        # the overlapped step's launched, unfinished need groups (runtime/overlap_step.py), and what
-        # it calls with each group's fp32 masters once applied (the DistributedOptimizer's copy to
-        # the model params; None: nothing to copy)
-        self.pending = PendingSteps()
+        # the overlapped step (runtime/overlap_step.py): its launched, unfinished need groups, and
+        # what it calls with each group's fp32 masters once applied (the DistributedOptimizer's copy
+        # to the model params; None: nothing to copy)
+        self.overlapped = OverlappedStep(self, overlap)
         self.on_applied: Optional[Callable[[list], None]] = None
         self._graphs: Dict[tuple, object] = {}  # ns_launch='graph': one GraphedGroups per stack-shape set
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
@@ -153,6 +155,11 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         # every grad by it first, as Megatron's clip would (same roundings), but inside the Muon
         # momentum pass instead of a pass of its own; consumed by that step
         self.grad_scale: Optional[float] = None
+
+    @property
+    def pending(self):
+        """The need groups in flight (``OverlappedStep.pending``): empty unless the step overlaps."""
+        return self.overlapped.pending
 
     def register_matrix(self, main_param: torch.Tensor, info: MatrixInfo) -> None:
         if main_param.numel() != info.local_shape[0] * info.local_shape[1]:
@@ -216,12 +223,11 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         # forward did not hide)
         # ('backward': this step's own groups, launched during its backward, stay in flight)
         self.stats["overlap_groups_left"] += len(self.pending.groups) - len(self.pending.early)
-        finish_all(self, keep_early=True)
+        self.overlapped.finish_all(keep_early=True)
         grad_scale, self.grad_scale = self.grad_scale, None
-        if grad_scale is not None and self.pending.early:  # clipping fired: the backward started them unclipped
-            self.stats["overlap_redos"] += len(self.pending.early)
-            cancel_early(self)  # (redone below, clipped, as 'on' launches them)
-        commit_early(self)
+        if grad_scale is not None:  # clipping fired: the backward started its groups unclipped (redone below)
+            self.overlapped.cancel_early_for_clipping()
+        self.overlapped.commit_early()
         self.ns_check.begin_step()
         all_groups = self.param_groups
         adam_groups = [g for g in all_groups if not g.get("use_muon", False)]
@@ -279,17 +285,15 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                     entries.append((p, group, info))
         entries.sort(key=lambda e: e[2].name)  # the same order on every TP rank
         if self.pending.early:  # 'backward': launched during the backward; the step launches the rest
-            launched = {p for item in self.pending.groups.values() for p, *_ in item.members}
-            entries = [e for e in entries if e[0] not in launched]
-            self.pending.early = set()
+            entries = self.overlapped.take_early(entries)
             if not entries:
                 self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
                 return None
         else:
             self.stats["ns_calls"] = self.stats["ns_fp32_retries"] = self.stats["ns_matrices"] = 0
         if s.update == "muon" and self.tp.size == 1:
-            if s.overlap_step != "off":
-                return launch_need_groups(self, entries, grad_scale)
+            if self.overlapped.mode.cuts_per_need_group:
+                return self.overlapped.launch(entries, grad_scale)
             return self._local_step(entries, grad_scale)  # clipping folded into the momentum pass
         if grad_scale is not None:
             torch._foreach_mul_([p.grad for p, _, _ in entries if p.grad is not None], grad_scale)
@@ -344,14 +348,14 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         into the NS input stacks and the directions applied straight from the NS outputs
         (ns_stacks.StackPlan), instead of materialising each update, stacking it, and reassembling
         split directions. The same arithmetic as the general path, in fewer passes."""
-        plan, stacks = self._fill_stacks(entries, grad_scale)
+        plan, stacks = self.fill_ns_stacks(entries, grad_scale)
         with record_function("dmuon.ns"):
-            outputs = self._check_outputs(plan, self._launch_ns(plan, stacks), stacks)
-        self._apply_outputs(plan, outputs, [(p, info, group["lr"], group["weight_decay"]) for p, group, info in entries])
+            outputs = self._check_outputs(plan, self.launch_ns(plan, stacks), stacks)
+        self.apply_ns_outputs(plan, outputs, [(p, info, group["lr"], group["weight_decay"]) for p, group, info in entries])
         self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
         self.stats["tp_bytes"] = 0
 
-    def _fill_stacks(self, entries, grad_scale: Optional[float] = None, tag: Optional[int] = None):
+    def fill_ns_stacks(self, entries, grad_scale: Optional[float] = None, tag: Optional[int] = None):
         """The momentum pass of ``entries`` (whole matrices), written into their NS input stacks:
         (StackPlan, stacks). ``tag``: the need group whose own stacks these are (overlapped step)."""
         device = entries[0][0].device if entries else None
@@ -367,7 +371,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.stats["ns_matrices"] += len(entries)
         return plan, stacks
 
-    def _apply_outputs(self, plan: StackPlan, outputs, members) -> None:
+    def apply_ns_outputs(self, plan: StackPlan, outputs, members) -> None:
         """Decay and lr-scaled direction of every (main param, info, lr, weight decay) of ``plan``'s
         jobs, straight from the NS outputs where a matrix is a view of its stack."""
         s = self.muon
@@ -393,7 +397,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()}, like)
         owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
         with record_function("dmuon.ns"):
-            orthogonalized = self._orthogonalize_owned([(info, full[info.name]) for _, info in owned])
+            orthogonalized = self.orthogonalize_owned([(info, full[info.name]) for _, info in owned])
         with record_function("dmuon.direction"):
             directions = {
                 info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
@@ -425,7 +429,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 self.stats["ns_matrices"] += len(members)
         return out
 
-    def _orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:
+    def orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:
         """NS outputs of every (info, full update) job, one batched call per distinct piece shape;
         per matrix, the outputs in the order of ``info.split.pieces`` (stacks stay stacks)."""
         device = jobs[0][1].device if jobs else None
@@ -434,7 +438,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         stacks = self._input_stacks(plan, device) if jobs else []
         for j, (_, update) in enumerate(jobs):
             plan.write(stacks, j, update)
-        outputs = self._check_outputs(plan, self._launch_ns(plan, stacks), stacks)
+        outputs = self._check_outputs(plan, self.launch_ns(plan, stacks), stacks)
         return {info.name: plan.outputs(outputs, j) for j, (info, _) in enumerate(jobs)}
 
     def _stack_plan(self, jobs: List[StackJob], device, infos: Sequence[Optional[MatrixInfo]] = (),
@@ -466,7 +470,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         graph = self._graphs.get(self._graph_key(plan, device)) if self.muon.ns_launch == "graph" else None
         return list(graph.static_inputs) if graph is not None else plan.new_stacks(device)
 
-    def _launch_ns(self, plan: StackPlan, stacks: List[torch.Tensor]) -> List[torch.Tensor]:
+    def launch_ns(self, plan: StackPlan, stacks: List[torch.Tensor]) -> List[torch.Tensor]:
         """One NS result per stack, launched as ``MuonSettings.ns_launch`` says (unchecked: see
         ``_check_outputs``)."""
         s = self.muon
@@ -494,6 +498,12 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                     graph = self._graphs[key] = GraphedGroups(stacks, adopt_inputs=True, **calls())
                 outputs = graph(stacks)  # the graph's static outputs: consumed before the next step
         return outputs
+
+    def check_ns_outputs(self, plan: StackPlan, outputs: List[torch.Tensor], stacks: List[torch.Tensor],
+                         standard_retry: bool = True) -> List[torch.Tensor]:
+        """``_check_outputs`` for the overlapped step's groups (kept under that name because
+        bench/momentum_spectra.py wraps it to record every NS output of a run)."""
+        return self._check_outputs(plan, outputs, stacks, standard_retry=standard_retry)
 
     def _check_outputs(self, plan: StackPlan, outputs: List[torch.Tensor], stacks: List[torch.Tensor],
                        standard_retry: bool = True) -> List[torch.Tensor]:

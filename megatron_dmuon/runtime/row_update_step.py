@@ -50,7 +50,7 @@ def tp_refusal(update: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _NSJob:
-    """One piece's NS input as ``OwnerMuonAdamW._orthogonalize_owned`` takes it (already cut)."""
+    """One piece's NS input as ``OwnerMuonAdamW.orthogonalize_owned`` takes it (already cut)."""
 
     name: str
     split: Optional[object] = None
@@ -74,7 +74,7 @@ def row_update_step(opt, entries) -> None:
                                   beta=s.momentum, nesterov=s.nesterov, fraction=s.fraction)
         jobs += [(_NSJob(f"{info.name}#{i}"), sel.values) for i, sel in enumerate(selections)]
         pending.append((p, group, info, variance, selections))
-    outputs = opt._orthogonalize_owned(jobs)
+    outputs = opt.orthogonalize_owned(jobs)
     for p, group, info, variance, selections in pending:
         orthogonalized = [outputs[f"{info.name}#{i}"][0] for i in range(len(selections))]
         direction, scale = row_direction(orthogonalized, selections, variance, shape=info.shape, beta2=s.row_beta2,

@@ -16,7 +16,8 @@ import torch
 
 from megatron_dmuon.logs import log_to
 
-from ...runtime.overlap_step import OVERLAPPED, model_priority_stream
+from ...planning.overlap_mode import OverlapMode
+from ...runtime.overlap_step import model_priority_stream
 from .args import parse_args
 from .checkpoints import hold_save_lock
 from .checks import job_error, schedule_of
@@ -55,7 +56,7 @@ def main(argv=None) -> None:
     hold_save_lock(args, rank)
     job = build(args, rank, world, backend)
     print_start_line(job)
-    overlapped = args.optimizer == "dmuon" and args.dmuon_overlap_step in OVERLAPPED
+    overlapped = args.optimizer == "dmuon" and OverlapMode(args.dmuon_overlap_step).overlaps
     with model_priority_stream(overlapped):  # the overlapped step's NS fills what the model leaves of the GPU
         run = train(job)
     problem = [report(job, run)]  # rank 0's: an unwritable --timing-json
