@@ -354,8 +354,6 @@ KNOWN_PRIVATE_REACHES: dict[tuple[str, str], str] = {
     # planning's own function ([shape-2] item 1)
     **{(f"{PACKAGE}.planning.rank_milp", n): "planning internals shared with the rank MILP (item 1)"
        for n in ("_Model", "_NoSolution", "_SOLVERS", "_spread", "_align", "_min_shard", "_plan", "_split_buckets")},
-    (f"{PACKAGE}.planning.plan_cli", "_argv_parser"): "planning/models.py's Megatron argv parser (item 1)",
-    (f"{PACKAGE}.algorithms.gram_newton_schulz", "_as_stack"): "newton_schulz's stacking helper, shared",
     # testing/: the self-test workers share one harness's helpers (not production code)
     **{(f"{PACKAGE}.testing.{m}", n): "the test workers' shared harness"
        for m, names in {"checkpoint_workers": ("_build", "_finish_overlap", "_report", "_train", "_content_metadata"),

@@ -32,7 +32,7 @@ from torch import Tensor
 from .coefficients import CoefficientSpec, get_coefficients
 from .newton_schulz import (
     NS_EPS,
-    _as_stack,
+    as_stack,
     newton_schulz,
     normalised_wide,
     quartic_rescale,
@@ -230,7 +230,7 @@ def gram_newton_schulz(
             normalisation=normalisation,
         )
 
-    stack = _as_stack(x)
+    stack = as_stack(x)
     X, transposed = normalised_wide(stack if stack.ndim == 3 else stack.unsqueeze(0), compute_dtype, eps)
     segments = gram_segments(schedule, restarts)
     R = X @ X.mT

@@ -166,7 +166,7 @@ def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float, alpha: float = 1.0
     return torch.baddbmm(bias, m1, m2, beta=beta, alpha=alpha)
 
 
-def _as_stack(x: Tensor) -> Tensor:
+def as_stack(x: Tensor) -> Tensor:
     """View any [..., r, c] input as 2-D (unchanged) or one flattened 3-D batch."""
     if x.ndim <= 3:
         return x
@@ -212,7 +212,7 @@ def newton_schulz(
     if x.numel() == 0:
         return torch.zeros_like(x)
 
-    X, transposed = normalised_wide(_as_stack(x), compute_dtype, eps)
+    X, transposed = normalised_wide(as_stack(x), compute_dtype, eps)
     for t, (a, b, c) in enumerate(schedule):
         gram = X @ X.mT
         if quartic and t == 0:

@@ -176,7 +176,8 @@ def stage_params(model: ModelSpec, par: ParallelSpec, stage: int = 0) -> Dict[st
     return {"dense": dense, "expert": expert}
 
 
-def _argv_parser() -> argparse.ArgumentParser:
+def megatron_argv_parser() -> argparse.ArgumentParser:
+    """The Megatron-LM flags ``parse_megatron_argv`` reads (the plan CLI checks an argv with it too)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     a = p.add_argument
     a("--num-layers", type=int)
@@ -210,7 +211,7 @@ def parse_megatron_argv(argv: Sequence[str] | str) -> Tuple[ModelSpec, ParallelS
     'bucket_size'})."""
     if isinstance(argv, str):
         argv = shlex.split(argv)
-    args, _ = _argv_parser().parse_known_args(list(argv))
+    args, _ = megatron_argv_parser().parse_known_args(list(argv))
     missing = [f for f, v in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
                               ("--num-attention-heads", args.num_attention_heads)) if v is None]
     if missing:

@@ -270,9 +270,9 @@ def _megatron_argv(p, text: str):
     except ValueError as e:
         p.error(f"--megatron-argv: the command line does not split as a shell would ({e}): close its quote, "
                 "and quote the whole command line once for the shell (e.g. --megatron-argv \"--num-layers 28 ...\")")
-    from .models import _argv_parser
+    from .models import megatron_argv_parser
 
-    checker = _argv_parser()
+    checker = megatron_argv_parser()
     checker.exit_on_error = False  # a bad value inside the argv: named below, not by the inner parser's own exit
     try:
         checker.parse_known_args(list(argv))
