@@ -21,22 +21,23 @@ checkpointing (torch_dist).
 - ``resume``: a DMuon run saved at iteration 10 and resumed to 20 against the same run unbroken,
   bit for bit.
 
-It writes ``bridge.json`` and ``bridge.md``.
+It writes ``bridge.json`` and ``bridge.md``. Every run goes through bench/harness.py (torchrun, one rank; a
+transient failure such as out of memory among the band's concurrent runs is tried once more).
 """
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, Job, in_parallel  # noqa: E402  (bench/harness.py, the one runner; it puts ROOT on the path)
+import harness  # noqa: E402
+
 if os.environ.get("BRIDGE_LITE"):  # an image without diffusers: megatron.bridge registered without its
     # __init__ (which imports every HF/diffusion model bridge); the training path imports as usual
     from megatron_dmuon.testing.bridge_imports import without_model_bridges  # noqa: E402
@@ -167,21 +168,19 @@ def run(args) -> None:
 # ---------------------------------------------------------------- the driver (compare)
 
 def one(out_dir: str, name: str, extra: list, timeout: int = 900) -> dict:
-    """One ``run`` under torchrun: its JSON plus log tail, or the error."""
+    """One ``run`` under torchrun (bench/harness.py's ``run``): its JSON, or the error (the log's tail)."""
     out = os.path.join(out_dir, f"{name}.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.abspath(__file__), "run", "--out", out, *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    t = time.time()
-    with open(os.path.join(out_dir, f"{name}.log"), "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-    if proc.returncode or not os.path.exists(out):
-        tail = open(os.path.join(out_dir, f"{name}.log")).read()[-2500:]
-        print(f"[{name}] failed (rc {proc.returncode}):\n{tail}", flush=True)
+    log = os.path.join(out_dir, f"{name}.log")
+    job = Job(["run", "--out", out, *extra], program=[os.path.abspath(__file__)], nproc=1, timeout=timeout, log=log,
+              env={"PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    r = harness.run(job)
+    if not r["ok"] or not os.path.exists(out):
+        tail = r["output"][-2500:]
+        print(f"[{name}] failed (rc {r['returncode']}):\n{tail}", flush=True)
         return {"name": name, "error": tail}
     with open(out) as f:
         doc = json.load(f)
-    doc.update(name=name, wall_s=time.time() - t)
+    doc.update(name=name, wall_s=r["wall_s"])
     return doc
 
 
@@ -239,10 +238,9 @@ def stage_timing(args, results, log) -> bool:
 
 def stage_band(args, results, log) -> bool:
     jobs = [(model, opt, seed) for model in args.band_models for opt in ("muon", "dmuon") for seed in (1, 2, 3)]
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        band = dict(zip(jobs, pool.map(lambda j: one(args.out_dir, f"band_{j[0]}_{j[1]}_s{j[2]}", [
-            "--optimizer", j[1], "--model", j[0], "--iters", str(args.band_iters), "--seed", str(j[2]),
-            "--lr", "2e-3"]), jobs)))
+    band = dict(zip(jobs, in_parallel(lambda j: one(args.out_dir, f"band_{j[0]}_{j[1]}_s{j[2]}", [
+        "--optimizer", j[1], "--model", j[0], "--iters", str(args.band_iters), "--seed", str(j[2]),
+        "--lr", "2e-3"]), jobs, jobs=args.jobs)))
     results["band"] = {f"{m}/{o}/{s}": r for (m, o, s), r in band.items()}
     log("\n| model | optimizer | final loss, seeds 1 / 2 / 3 (mean of the last 5 iterations) | mean |\n|---|---|---|---:|")
     for model in args.band_models:

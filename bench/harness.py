@@ -13,7 +13,8 @@ last ``TAIL_CHARS`` characters). A run that failed on something transient (out o
 EADDRINUSE: another run on the same machine took it) is tried once more after ``retry_wait_s``.
 ``in_parallel`` runs a function over items ``jobs`` at a time (a ``--jobs`` pool; seeds are items).
 
-The main job is named here once (``MAIN_JOB``); the layer and precision flags the main-job benchmarks
+The main job is named here once (``main_job()``: ``python -m megatron_dmuon.megatron.train`` on GPUs, the
+same trainer through the CPU shim on CPUs); the layer and precision flags the main-job benchmarks
 pass it (``add_layer_args`` / ``job_layer_args`` / ``layers_of``) live here too. From a shell script:
 
     python bench/harness.py [--nproc N | --single] -- <main-job flags>     # output streams through
@@ -33,9 +34,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # (the repository, for the package)
-# The project's main job: what ``python`` runs, as its argv ([script] or ["-m", module]). The one place in
-# bench/ that names it.
-MAIN_JOB = [os.path.join(ROOT, "examples", "pretrain_gpt.py")]
+# The project's main job, as ``python``'s argv: the trainer's own entry on CUDA GPUs; on CPUs the same trainer
+# after the test CPU shim (megatron-core's hard-coded CUDA calls need it). launch/precheck.py picks the same
+# way for launch/run_main.sh. The one place in bench/ that names it: ``main_job()``.
+MAIN_JOB_GPU = ["-m", "megatron_dmuon.megatron.train"]
+MAIN_JOB_CPU = ["-m", "megatron_dmuon.testing.cpu_train"]
 TRANSIENT = ("out of memory", "EADDRINUSE")  # failures a second attempt may not meet
 TAIL_CHARS = 3000
 # NVLink multicast off (NCCL NVLS, symmetric memory), as the GPU drivers here (*.sh) set it; harmless elsewhere
@@ -46,7 +49,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 class Job:
     """One launch of ``program`` (default: the main job) with ``flags``."""
     flags: list
-    program: list = dataclasses.field(default_factory=lambda: list(MAIN_JOB))
+    program: list = dataclasses.field(default_factory=lambda: main_job())
     nproc: int = 1
     launch: str = "torchrun"          # or "single": one process, RANK 0 of 1, its own MASTER_PORT
     timing_json: str | bool | None = None  # a path (True: a temporary file) passed as --timing-json, read back
@@ -64,6 +67,11 @@ def has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def main_job(gpu: bool | None = None) -> list:
+    """The main job's ``python`` argv: ``MAIN_JOB_GPU`` where CUDA is (``gpu=None``: this machine), else ``MAIN_JOB_CPU``."""
+    return list(MAIN_JOB_GPU if (has_cuda() if gpu is None else gpu) else MAIN_JOB_CPU)
 
 
 def launch_for(nproc: int, gpu: bool) -> str:
@@ -197,17 +205,13 @@ def progress_tail(output: str, lines: int = 12) -> str:
     return "\n".join(keep[-lines:])
 
 
-def main_job_module():
+def main_job_module(gpu: bool | None = None):
     """The main job as a module in this process (its ``main(argv)``), for benchmarks that watch it from inside."""
     import importlib
-    import importlib.util
 
-    if MAIN_JOB[0] == "-m":
-        return importlib.import_module(MAIN_JOB[1])
-    spec = importlib.util.spec_from_file_location("bench_main_job", MAIN_JOB[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    name = main_job(gpu)[1]
+    module = importlib.import_module(name)
+    return module if hasattr(module, "main") else importlib.import_module(name + ".__main__")  # (a package)
 
 
 # --- the main job's layer and precision flags (Megatron-LM's names; the job's defaults: TE where it imports on a GPU)

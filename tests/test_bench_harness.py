@@ -1,6 +1,6 @@
 """bench/harness.py, the one runner of bench/: the timing JSON read back, one retry of a transient
 failure, errors with the output's tail, timeouts, the --jobs pool; and Megatron-LM's runs going
-through it (bench/megatron_lm_compare.py). Fake programs stand in for the jobs (seconds, no torchrun)."""
+through it (bench/megatron_lm_compare.py), and Megatron-Bridge's (bench/bridge.py). Fake programs stand in for the jobs (seconds, no torchrun)."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import harness  # noqa: E402  (bench/harness.py)
 import megatron_lm_compare  # noqa: E402
+import bridge as bench_bridge  # noqa: E402  (bench/bridge.py; Bridge itself is imported only by its runs)
 
 sys.path.pop(0)
 
@@ -47,13 +48,26 @@ def fake(tmp_path):
 
 
 def test_the_main_job_is_named_once_in_bench():
+    """bench/ launches the trainer's own module (no shim script): only harness.py names it."""
     hits = []
     for name in sorted(os.listdir(os.path.join(ROOT, "bench"))):
         if name.endswith((".py", ".sh")):
             text = open(os.path.join(ROOT, "bench", name)).read()
-            if "examples/pretrain_gpt" in text or '"examples", "pretrain_gpt.py"' in text:
+            assert "examples/pretrain_gpt" not in text and '"examples", "pretrain_gpt.py"' not in text, name
+            if "megatron_dmuon.megatron.train\"" in text or "megatron_dmuon.testing.cpu_train\"" in text:
                 hits.append(name)
     assert hits == ["harness.py"]
+    assert harness.main_job(gpu=True) == ["-m", "megatron_dmuon.megatron.train"]
+    assert harness.main_job(gpu=False) == ["-m", "megatron_dmuon.testing.cpu_train"]
+    assert harness.main_job() == harness.main_job(gpu=harness.has_cuda()) == harness.Job([]).program
+
+
+def test_the_main_job_module_is_the_entry_with_main():
+    """main_job_module (bench/momentum_spectra.py runs the job in its own process): the entry's ``main``."""
+    gpu = harness.main_job_module(gpu=True)
+    assert gpu.__name__ == "megatron_dmuon.megatron.train.__main__" and callable(gpu.main)
+    cpu = harness.main_job_module(gpu=False)
+    assert cpu.__name__ == "megatron_dmuon.testing.cpu_train" and callable(cpu.main)
 
 
 def test_timing_json_is_read_back(fake, tmp_path):
@@ -90,7 +104,10 @@ def test_a_run_past_its_timeout_is_stopped_and_reported(fake):
 def test_torchrun_command():
     cmd = harness.command(harness.Job(["--a", "1"], nproc=4), "/tmp/t.json")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    assert cmd[6:] == [*harness.MAIN_JOB, "--a", "1", "--timing-json", "/tmp/t.json"]
+    assert cmd[6:] == [*harness.main_job(), "--a", "1", "--timing-json", "/tmp/t.json"]
+    assert cmd[6:8] == ["-m", "megatron_dmuon.megatron.train" if harness.has_cuda() else "megatron_dmuon.testing.cpu_train"]
+    single = harness.command(harness.Job(["--a"], program=harness.main_job(gpu=True), launch="single"))
+    assert single[1:] == ["-m", "megatron_dmuon.megatron.train", "--a"]
     assert harness.launch_for(1, gpu=True) == "single" and harness.launch_for(2, gpu=True) == "torchrun"
     assert harness.launch_for(1, gpu=False) == "torchrun"
 
@@ -131,3 +148,37 @@ def test_megatron_lm_runs_go_through_the_harness(tmp_path, monkeypatch):
     args.qk_clip = None  # any other run: DMuon's launcher on the unmodified script
     megatron_lm_compare.run("adam", args, str(tmp_path), str(tmp_path))
     assert seen[-1].program == ["-m", "megatron_dmuon.megatron.run", str(tmp_path / "pretrain_gpt.py")]
+
+
+def test_bridge_runs_go_through_the_harness(tmp_path, monkeypatch):
+    """bench/bridge.py's ``one``: its own ``run`` under torchrun through harness.run (one rank, the log written,
+    the repository on PYTHONPATH), its JSON read back; a failed run returns the output's tail. The band's
+    concurrent runs go through harness.in_parallel."""
+    seen = []
+
+    def fake_run(job, capture=True):
+        seen.append(job)
+        out = job.flags[job.flags.index("--out") + 1]
+        if "--fail" in job.flags:
+            return {"ok": False, "returncode": 1, "output": "progress\nRuntimeError: boom", "wall_s": 1.0}
+        with open(out, "w") as f:
+            f.write('{"rows": [{"iteration": 1, "ms": 5.0, "loss": {"lm loss": 2.5}}], "optimizer": "X"}')
+        return {"ok": True, "returncode": 0, "output": "", "wall_s": 2.0}
+
+    monkeypatch.setattr(harness, "run", fake_run)
+    doc = bench_bridge.one(str(tmp_path), "a", ["--optimizer", "dmuon"], timeout=11)
+    (job,) = seen
+    assert job.program == [os.path.join(ROOT, "bench", "bridge.py")] and job.nproc == 1 and job.launch == "torchrun"
+    assert job.flags == ["run", "--out", str(tmp_path / "a.json"), "--optimizer", "dmuon"]
+    assert job.timeout == 11 and job.log == str(tmp_path / "a.log")
+    assert job.env["PYTHONPATH"].split(os.pathsep)[0] == ROOT
+    assert doc["name"] == "a" and doc["wall_s"] == 2.0 and bench_bridge.lm_loss(doc["rows"][0]) == 2.5
+    failed = bench_bridge.one(str(tmp_path), "b", ["--fail"])
+    assert failed == {"name": "b", "error": "progress\nRuntimeError: boom"}
+    # the band stage: every (model, optimizer, seed) run through the pool, results by job
+    seen.clear()
+    args = SimpleNamespace(out_dir=str(tmp_path), band_models=["small"], band_iters=3, jobs=2)
+    results = {}
+    assert bench_bridge.stage_band(args, results, lambda text: None)
+    assert len(seen) == 6 and sorted(results["band"]) == sorted(f"small/{o}/{s}" for o in ("muon", "dmuon")
+                                                                  for s in (1, 2, 3))
