@@ -132,12 +132,13 @@ def rank_milp_layouts(rank, world_size):
 
 def _captured_planning(num_layers):
     """A real megatron-core GPT, its DDP config and layout groups, and a dict that receives the
-    items and keyword arguments of the owner planner build_plan calls (``plan_owner_layout``, or
-    ``plan_rank_owner_layout`` for --dmuon-balance milp)."""
+    items and keyword arguments of the owner planner build_plan's planning calls (``plan_owner_layout``,
+    or ``plan_rank_owner_layout`` for --dmuon-balance milp)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_dmuon.megatron import layout as layout_mod
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
+    from megatron_dmuon.planning import owner_planning
     from megatron_dmuon.testing.workers import init_parallel
 
     init_parallel()
@@ -152,6 +153,6 @@ def _captured_planning(num_layers):
             return plan(items, *args, **kwargs)
         return capture
 
-    layout_mod.plan_owner_layout = capturing(layout_mod.plan_owner_layout)
-    layout_mod.plan_rank_owner_layout = capturing(layout_mod.plan_rank_owner_layout)
+    owner_planning.plan_owner_layout = capturing(owner_planning.plan_owner_layout)
+    owner_planning.plan_rank_owner_layout = capturing(owner_planning.plan_rank_owner_layout)
     return model, ddp_config, groups, seen

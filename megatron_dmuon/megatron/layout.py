@@ -1,24 +1,17 @@
 """Plan once and hand megatron-core's DDP the owner-aligned FullParamLayout (Megatron 0.19 `full_param_layout`)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
-import warnings
-from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..algorithms.tp_shards import tp_full_shape
-from ..planning.owner_layout import OwnerLayout, megatron_bucket_size, plan_owner_layout
+from ..planning.owner_layout import megatron_bucket_size
+from ..planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
 from ..planning.params import owner_ns_cost, param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
 from ..planning.plans import split_rule_for
-from ..planning.rank_cost import RankCostModel
-from ..planning.rank_milp import plan_rank_owner_layout
-from ..planning.caches import PlanCache, plan_key
-from ..planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 from ..planning.tp_cost import choose_tp_method
 
 
@@ -48,18 +41,6 @@ def layout_groups(config, ddp_config) -> Dict[str, object]:
         # every rank of this pipeline stage (dense and expert owners alike): plans are made once
         "stage": parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True),
     }
-
-
-def _elementwise_costs(model):
-    """``elementwise_costs`` in the planner's units: ms under a profiled cost model, else NS FLOPs
-    at the rates of the cluster config's device matching this GPU (the first one on CPU)."""
-    from ..planning.cost_model import DeviceSpec, device_spec_for, elementwise_costs
-
-    if model is not None:
-        device = getattr(model, "device", None)
-        return elementwise_costs(device, "ms") if isinstance(device, DeviceSpec) else None
-    on_gpu = torch.cuda.is_available()
-    return elementwise_costs(device_spec_for(torch.cuda.get_device_name() if on_gpu else "", warn=on_gpu), "flops")
 
 
 def buffer_name(key) -> str:
@@ -117,29 +98,6 @@ def plan_records(module: torch.nn.Module, ddp_config, sizes, cfg, model_config=N
     return [r for recs in _records(named, buffers, sizes, cfg, model_config).values() for r in recs]
 
 
-def _matrices_of(piece) -> Tuple[Tuple[int, int], int]:
-    """(matrix shape, count) of an NS piece: a matrix, or a [heads, rows, cols] stack of them."""
-    return (tuple(piece[-2:]), piece[0]) if len(piece) == 3 else (tuple(piece), 1)
-
-
-def _costed(records, cost_fn, model):
-    """The records with each matrix's predicted NS cost: the sum over its pieces, in ms (and
-    batched-launch ms) under a profiled cost model, else ``cost_fn`` (FLOPs)."""
-    out = {}
-    for key, recs in records.items():
-        out[key] = []
-        for r in recs:
-            if r.use_muon:
-                matrices = [_matrices_of(s) for s in r.pieces]
-                if model is not None:
-                    r = dataclasses.replace(r, cost=sum(n * model.per_matrix_ms(s) for s, n in matrices),
-                                            launch_cost=sum(model.launch_ms(s) for s in {s for s, _ in matrices}))
-                else:
-                    r = dataclasses.replace(r, cost=sum(n * cost_fn(s) for s, n in matrices))
-            out[key].append(r)
-    return out
-
-
 def owner_cost_fn(muon):
     """NS FLOPs of one piece as the owner step runs it under ``muon`` (schedule, steps, method)."""
     return functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
@@ -150,113 +108,74 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
                cfg, model_config=None):
     """The DMuonPlan of `module` under the complete config `cfg` (dense buffers: DP x TP owners;
     expert buffers: expert-DP x expert-TP owners), and the FullParamLayout DDP builds its buffers
-    from. Owners are planned on rank 0 of the pipeline stage and broadcast.
-
-    A matrix costs what the owner step will run on it: the sum over its pieces (q, k, v; gate,
-    up) under the config's split flags (with `model_config`, the TransformerConfig), by
-    ``cfg.layout.cost_fn`` (default: ``owner_cost_fn(cfg.muon)``, NS FLOPs) or, with a cost model
-    (``cfg.layout.cost_model_fn``, or the start-up profile when ``cfg.layout.profile``), predicted
-    ms and batched-launch costs (rank 0 only). The element-wise work per element
-    (``plan_owner_layout``'s `elementwise`) comes from the cluster config ('auto'). A plan cache
-    (``cfg.layout.plan_cache``) lets rank 0 reuse a plan made for the same parameters, sizes,
-    options and costs; ``cfg.layout.plan_budget_s`` bounds profiling + MILP at start-up."""
+    from. The Megatron side of the planning: the buffers and records (``plan_records``, the split
+    flags need `model_config`, the TransformerConfig), then ``planning.owner_planning.plan_owners``
+    on rank 0 of the pipeline stage (with ``cfg.layout``'s planning options and
+    ``cost_source(cfg)``), broadcast so that every rank holds rank 0's plan."""
     from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
-    from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout
 
     if not ddp_config.use_distributed_optimizer:
         raise ValueError(
             "--optimizer dmuon needs the distributed optimizer: set "
             "DistributedDataParallelConfig(use_distributed_optimizer=True) / --use-distributed-optimizer"
         )
-    opts = cfg.layout
     named = {p: n for n, p in module.named_parameters() if p.requires_grad}
     buffers = group_params_for_buffers(list(named), ddp_config.grad_reduce_in_fp32)
-    keys = list(buffers.keys())
+    sizes = _grid_sizes(groups)
+    records = _records(named, buffers, sizes, cfg, model_config)
+    opts, stage = cfg.layout, groups["stage"]
+    payload = [None]
+    if stage.rank() == 0:  # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
+        to_plan = {key: BufferParams(tuple(records[key]), *sizes(key), expert=key.is_expert_parallel)
+                   for key in buffers}
+        options = OwnerPlanningOptions(balance=opts.balance, max_bucket_padding=opts.max_bucket_padding,
+                                       milp_options=opts.milp_options, elementwise=opts.elementwise,
+                                       plan_cache=opts.plan_cache, plan_budget_s=opts.plan_budget_s)
+        payload = [plan_owners(to_plan, bucket_size, options, cost_source(cfg))]
+    if stage.size() > 1:
+        torch.distributed.broadcast_object_list(payload, src=torch.distributed.get_global_rank(stage, 0), group=stage)
+    planned = payload[0]
+    layouts = {buffer_name(k): planned.layout(k) for k in buffers}
+    costed = [planned.costed(r) for k in buffers for r in records[k]]
+    plan = DMuonPlan(records=merged_records(costed, layouts), layouts=layouts, settings=cfg.plan_summary(),
+                     ranks_per_node=opts.ranks_per_node, publish_dtype=cfg.publish_dtype, config=cfg)
+    return plan, _full_param_layout(buffers, named, layouts, sizes)
 
-    def sizes(key):
+
+def _grid_sizes(groups: Dict[str, object]):
+    """``sizes(buffer key)`` = (DP size, TP size) of the cells that own the buffer's matrices."""
+    def sizes(key) -> Tuple[int, int]:
         kind = "expert_" if key.is_expert_parallel else ""
         return groups[kind + "dp"].size(), groups[kind + "tp"].size()
 
-    records = _records(named, buffers, sizes, cfg, model_config)
-    cost_model_fn = opts.cost_model_fn
-    rank_profile = cost_model_fn is None and opts.profile  # --dmuon-balance milp: the rank cost model
-    cost_fn = opts.cost_fn or owner_cost_fn(cfg.muon)
-    milp_options = opts.milp_options
-    stage = groups["stage"]
-    payload = [None]
-    if stage.rank() == 0:
-        model = None
-        started = time.perf_counter()
-        counts = Counter()  # the shapes the owner step will orthogonalize
-        for r in (r for recs in records.values() for r in recs):
-            for shape, n in map(_matrices_of, r.pieces):
-                counts[shape] += n
-        if rank_profile:  # measure (or read the cache) on this GPU; analytic off CUDA
-            from ..runtime.rank_profile import profile_counts, profiled_rank_model
+    return sizes
 
-            cells = min(dp * tp for dp, tp in map(sizes, keys)) if keys else 1
-            model = profiled_rank_model(profile_counts(counts, cells), settings=cfg.muon,
-                                        budget_s=profile_budget(opts.plan_budget_s or STARTUP_BUDGET_S))
-        elif cost_model_fn is not None:
-            model = cost_model_fn(sorted(counts), min(max(counts.values(), default=1), 8))
-        rank_model = model if isinstance(model, RankCostModel) else None
-        if rank_model is not None:  # the greedy warm start plans on NS FLOPs, as --dmuon-balance cost
-            model = None
-        if opts.plan_budget_s is not None and opts.balance == "milp":
-            limit = milp_time_limit(opts.plan_budget_s, time.perf_counter() - started,
-                                    (milp_options or {}).get("time_limit_s"))
-            milp_options = dict(milp_options or {}, time_limit_s=limit)
-        items = {key: [r.param_item() for r in recs] for key, recs in _costed(records, cost_fn, model).items()}
-        elementwise = _elementwise_costs(model) if isinstance(opts.elementwise, str) else opts.elementwise
-        cache, cache_key = None, None
-        if opts.plan_cache is not None:
-            cache = PlanCache(opts.plan_cache)
-            cache_key = plan_key({"items": {str(k): [dataclasses.astuple(it) for it in items[k]] for k in keys},
-                                  "sizes": {str(k): sizes(k) for k in keys}, "bucket_size": bucket_size,
-                                  "max_bucket_padding": opts.max_bucket_padding, "balance": opts.balance,
-                                  "milp_options": milp_options, "elementwise": elementwise,
-                                  "rank_model": rank_model.to_json() if rank_model is not None else None})
-            cached = cache.get(cache_key)
-            problem = _cached_plan_problem(cached, keys, items, sizes) if cached is not None else None
-            if problem:  # a damaged or foreign entry: planned again (and replaced below)
-                warnings.warn(f"{cache.label} {cache.path}: its entry for this model is unusable ({problem}); "
-                              "planning again", RuntimeWarning)
-            elif cached is not None:
-                payload = [({k: cached[str(k)] for k in keys}, _cost_of(items))]
-        if payload[0] is None:
-            rank_cost: Dict[bool, List[float]] = {}
-            layouts = {}
-            for key in keys:
-                dp_size, tp_size = sizes(key)
-                cost = rank_cost.setdefault(key.is_expert_parallel, [0.0] * (dp_size * tp_size))
-                if rank_model is not None and opts.balance == "milp":
-                    # the rank MILP uses all of its limit (local search included): buffers share it
-                    options = dict(milp_options or {})
-                    if "time_limit_s" in options:
-                        options["time_limit_s"] /= len(keys)
-                    layouts[key] = plan_rank_owner_layout(items[key], dp_size, bucket_size, opts.max_bucket_padding,
-                                                          cost, tp_size, milp_options=options,
-                                                          elementwise=elementwise, model=rank_model)
-                    continue
-                layouts[key] = plan_owner_layout(items[key], dp_size, bucket_size, opts.max_bucket_padding, cost,
-                                                 tp_size, opts.balance, milp_options=milp_options,
-                                                 elementwise=elementwise)
-            # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
-            payload = [({k: layouts[k].to_json() for k in keys}, _cost_of(items))]
-            if cache is not None:
-                cache.put(cache_key, {str(k): v for k, v in payload[0][0].items()})
-    if stage.size() > 1:
-        torch.distributed.broadcast_object_list(payload, src=torch.distributed.get_global_rank(stage, 0), group=stage)
-    layout_json, costs = payload[0]
-    layouts = {buffer_name(k): OwnerLayout.from_json(layout_json[k]) for k in keys}
-    costed = [dataclasses.replace(r, cost=costs[r.name][0], launch_cost=costs[r.name][1]) if r.use_muon else r
-              for k in keys for r in records[k]]
-    plan = DMuonPlan(records=merged_records(costed, layouts), layouts=layouts, settings=cfg.plan_summary(),
-                     ranks_per_node=opts.ranks_per_node, publish_dtype=cfg.publish_dtype, config=cfg)
+
+def cost_source(cfg) -> CostSource:
+    """Where rank 0's planning takes its costs from under `cfg`: ``cfg.layout.cost_fn`` (default
+    ``owner_cost_fn(cfg.muon)``, NS FLOPs) per piece; a cost model (``cfg.layout.cost_model_fn``)
+    or, with ``cfg.layout.profile`` (--dmuon-balance milp), the start-up profile of this GPU; this
+    GPU's name for the cluster config's element-wise rates."""
+    opts = cfg.layout
+    return CostSource(ns_cost=opts.cost_fn or owner_cost_fn(cfg.muon), cost_model_fn=opts.cost_model_fn,
+                      rank_profile=functools.partial(_profiled_rank_model, settings=cfg.muon) if opts.profile else None,
+                      gpu_name=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def _profiled_rank_model(counts, cells: int, budget_s: float, *, settings):
+    """The start-up profile's RankCostModel (measured on this GPU or read from its cache;
+    analytic off CUDA) for ``counts`` matrices of each piece shape shared by ``cells`` owners."""
+    from ..runtime.rank_profile import profile_counts, profiled_rank_model
+
+    return profiled_rank_model(profile_counts(counts, cells), settings=settings, budget_s=budget_s)
+
+
+def _full_param_layout(buffers, named, layouts, sizes):
+    """Megatron's FullParamLayout of the planned buffers: each param's range, the buckets."""
+    from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout
 
     per_buffer = {}
-    for key in keys:
-        params, param_indices = buffers[key]
+    for key, (params, param_indices) in buffers.items():
         layout = layouts[buffer_name(key)]
         per_buffer[key] = PerBufferParamLayout(
             param_index_map={p: layout.param_ranges[named[p]] for p in params},
@@ -265,28 +184,7 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
             param_indices=param_indices,
             num_optimizer_shards=sizes(key)[0],
         )
-    return plan, FullParamLayout(layouts=per_buffer)
-
-
-def _cached_plan_problem(cached, keys, items, sizes) -> Optional[str]:
-    """Why a plan-cache entry cannot serve this model (None: it can): other buffers, a layout that
-    does not read, or one that fails the layout's invariants at these DP x TP sizes."""
-    try:
-        if set(cached) != {str(k) for k in keys}:
-            return "other buffers"
-        for key in keys:
-            layout = OwnerLayout.from_json(cached[str(key)])
-            if (layout.world_size, layout.tp_size) != tuple(sizes(key)):
-                return f"made for DP x TP {layout.world_size} x {layout.tp_size}, not {sizes(key)[0]} x {sizes(key)[1]}"
-            layout.validate(items[key])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _cost_of(items) -> Dict[str, Tuple[float, float]]:
-    """{matrix name: (cost, launch cost)} rank 0 planned with (recorded in every rank's plan)."""
-    return {it.name: (it.cost, it.launch_cost) for recs in items.values() for it in recs if it.is_matrix}
+    return FullParamLayout(layouts=per_buffer)
 
 
 def _import_distributed_data_parallel():

@@ -1,0 +1,229 @@
+"""Rank 0's owner planning: which DP x TP cell owns each Muon matrix of every DDP buffer, and the
+owner-aligned layout around it. Pure data in, pure data out: ``plan_owners`` takes each buffer's
+records and owner grid (``BufferParams``), the layout options (``OwnerPlanningOptions``) and where
+the costs come from (``CostSource``), and returns the ``PlannedOwners`` that rank 0 broadcasts.
+
+megatron/layout.py::build_plan is its one production caller: it turns Megatron's buffers and the
+run's config into these inputs on rank 0 of the pipeline stage, broadcasts the result and builds
+the DMuonPlan and Megatron's FullParamLayout from it.
+
+    counts      = the NS piece shapes of every matrix, and how many of each
+    model       = costs.cost_model_fn(shapes, batch) | costs.rank_profile(counts, cells, budget) | None
+    cost        = per matrix, summed over its pieces: ms under a per-matrix model, else costs.ns_cost
+    elementwise = options.elementwise, or 'auto': the cluster config's rates in the same units
+    layouts     = the plan cache's entry for (items, sizes, options, costs), if it is sound
+                | per buffer: plan_rank_owner_layout (milp on a rank model) or plan_owner_layout
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections import Counter
+from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+from .caches import PlanCache, plan_key
+from .cost_model import DeviceSpec, device_spec_for, elementwise_costs
+from .owner_layout import OwnerLayout, ParamItem, plan_owner_layout
+from .plan import MatrixRecord
+from .rank_cost import RankCostModel
+from .rank_milp import plan_rank_owner_layout
+from .startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
+
+Shape = Tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferParams:
+    """One DDP buffer as the owner planner sees it: its params' records (no owners, no costs) in
+    buffer order, and the grid of cells that own its matrices."""
+
+    records: Tuple[MatrixRecord, ...]
+    dp_size: int
+    tp_size: int = 1
+    expert: bool = False  # expert buffers share one load per cell, dense buffers another
+
+    @property
+    def sizes(self) -> Tuple[int, int]:
+        return self.dp_size, self.tp_size
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerPlanningOptions:
+    """The layout options the owner planning reads (the run's ``LayoutOptions`` has them under
+    the same names, beside those of the DDP and the cost source)."""
+
+    balance: str = "cost"
+    max_bucket_padding: float = 0.02
+    milp_options: Optional[dict] = None
+    elementwise: object = "auto"  # (AdamW, Muon) work per element, 'auto' (cluster config) or None
+    plan_cache: Optional[str] = None  # a PlanCache file: a plan made for the same inputs is reused
+    plan_budget_s: Optional[float] = None  # bounds profiling + MILP together
+
+
+@dataclasses.dataclass(frozen=True)
+class CostSource:
+    """Where rank 0's costs come from. ``ns_cost(piece shape)``: one NS piece's cost (FLOPs),
+    used unless a per-matrix model gives ms. ``cost_model_fn(shapes, max batch)``: a model with
+    ``per_matrix_ms`` / ``launch_ms`` (planning.cost_model.CostModel) or a RankCostModel.
+    ``rank_profile(shape counts, owner cells, budget_s)``: the start-up profile's RankCostModel
+    (measured by the caller's runtime; ``cost_model_fn`` wins when both are given). ``gpu_name``:
+    this GPU, whose cluster-config rates price the element-wise work (None off CUDA: the first
+    device, quietly)."""
+
+    ns_cost: Callable[[Shape], float]
+    cost_model_fn: Optional[Callable[[List[Shape], int], object]] = None
+    rank_profile: Optional[Callable[[Dict[Shape, int], int, float], RankCostModel]] = None
+    gpu_name: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedOwners:
+    """What rank 0 planned and broadcasts: each buffer's OwnerLayout (JSON, by buffer key) and
+    each Muon matrix's (cost, launch cost), recorded in every rank's plan."""
+
+    layouts: Dict[Hashable, str]
+    costs: Dict[str, Tuple[float, float]]
+
+    def layout(self, key) -> OwnerLayout:
+        return OwnerLayout.from_json(self.layouts[key])
+
+    def costed(self, record: MatrixRecord) -> MatrixRecord:
+        """``record`` with the cost rank 0 planned it with."""
+        if not record.use_muon:
+            return record
+        cost, launch_cost = self.costs[record.name]
+        return dataclasses.replace(record, cost=cost, launch_cost=launch_cost)
+
+
+def plan_owners(buffers: Mapping[Hashable, BufferParams], bucket_size: Optional[int],
+                options: OwnerPlanningOptions, costs: CostSource) -> PlannedOwners:
+    """The owners and owner-aligned layout of every buffer (keyed as ``buffers``; a key's ``str``
+    names it in the plan cache). A matrix costs the sum over its NS pieces. With a rank cost model
+    and ``balance='milp'`` each buffer is the rank MILP's (the buffers share its time limit);
+    otherwise ``plan_owner_layout`` under ``options.balance``. ``options.plan_budget_s`` bounds
+    the profile and the MILP together; ``options.plan_cache`` reuses a plan made for the same
+    items, sizes, options and costs."""
+    started = time.perf_counter()
+    model = _cost_model(buffers, options, costs)
+    rank_model = model if isinstance(model, RankCostModel) else None
+    if rank_model is not None:  # the greedy warm start plans on NS FLOPs, as --dmuon-balance cost
+        model = None
+    milp_options = options.milp_options
+    if options.plan_budget_s is not None and options.balance == "milp":
+        limit = milp_time_limit(options.plan_budget_s, time.perf_counter() - started,
+                                (milp_options or {}).get("time_limit_s"))
+        milp_options = dict(milp_options or {}, time_limit_s=limit)
+    items = {key: [r.param_item() for r in _costed(b.records, costs.ns_cost, model)] for key, b in buffers.items()}
+    elementwise = _elementwise(options.elementwise, model, costs.gpu_name)
+    cache, cache_key = None, None
+    if options.plan_cache is not None:
+        cache = PlanCache(options.plan_cache)
+        cache_key = plan_key({"items": {str(k): [dataclasses.astuple(it) for it in items[k]] for k in buffers},
+                              "sizes": {str(k): b.sizes for k, b in buffers.items()}, "bucket_size": bucket_size,
+                              "max_bucket_padding": options.max_bucket_padding, "balance": options.balance,
+                              "milp_options": milp_options, "elementwise": elementwise,
+                              "rank_model": rank_model.to_json() if rank_model is not None else None})
+        cached = cache.get(cache_key)
+        problem = _cached_plan_problem(cached, buffers, items) if cached is not None else None
+        if problem:  # a damaged or foreign entry: planned again (and replaced below)
+            warnings.warn(f"{cache.label} {cache.path}: its entry for this model is unusable ({problem}); "
+                          "planning again", RuntimeWarning)
+        elif cached is not None:
+            return PlannedOwners({k: cached[str(k)] for k in buffers}, _cost_of(items))
+    layouts = _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwise, rank_model)
+    planned = PlannedOwners({k: layout.to_json() for k, layout in layouts.items()}, _cost_of(items))
+    if cache is not None:
+        cache.put(cache_key, {str(k): v for k, v in planned.layouts.items()})
+    return planned
+
+
+def _cost_model(buffers, options, costs):
+    """The cost model of the shapes the owner step will orthogonalize (None: NS FLOPs)."""
+    if costs.cost_model_fn is None and costs.rank_profile is None:
+        return None
+    counts = Counter()
+    for r in (r for b in buffers.values() for r in b.records):
+        for shape, n in map(_matrices_of, r.pieces):
+            counts[shape] += n
+    if costs.cost_model_fn is not None:
+        return costs.cost_model_fn(sorted(counts), min(max(counts.values(), default=1), 8))
+    cells = min(b.dp_size * b.tp_size for b in buffers.values()) if buffers else 1
+    return costs.rank_profile(counts, cells, profile_budget(options.plan_budget_s or STARTUP_BUDGET_S))
+
+
+def _matrices_of(piece) -> Tuple[Shape, int]:
+    """(matrix shape, count) of an NS piece: a matrix, or a [heads, rows, cols] stack of them."""
+    return (tuple(piece[-2:]), piece[0]) if len(piece) == 3 else (tuple(piece), 1)
+
+
+def _costed(records: Sequence[MatrixRecord], ns_cost, model) -> List[MatrixRecord]:
+    """The records with each matrix's predicted NS cost: the sum over its pieces, in ms (and
+    batched-launch ms) under a per-matrix cost model, else ``ns_cost`` (FLOPs)."""
+    out = []
+    for r in records:
+        if r.use_muon:
+            matrices = [_matrices_of(s) for s in r.pieces]
+            if model is not None:
+                r = dataclasses.replace(r, cost=sum(n * model.per_matrix_ms(s) for s, n in matrices),
+                                        launch_cost=sum(model.launch_ms(s) for s in {s for s, _ in matrices}))
+            else:
+                r = dataclasses.replace(r, cost=sum(n * ns_cost(s) for s, n in matrices))
+        out.append(r)
+    return out
+
+
+def _elementwise(requested, model, gpu_name: Optional[str]):
+    """``plan_owner_layout``'s `elementwise` in the planner's units: as requested, or for 'auto'
+    ms under a per-matrix cost model of a cluster-config device, else NS FLOPs at this GPU's rates
+    (the cluster config's first device off CUDA)."""
+    if not isinstance(requested, str):
+        return requested
+    if model is not None:
+        device = getattr(model, "device", None)
+        return elementwise_costs(device, "ms") if isinstance(device, DeviceSpec) else None
+    return elementwise_costs(device_spec_for(gpu_name or "", warn=gpu_name is not None), "flops")
+
+
+def _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwise,
+                  rank_model) -> Dict[Hashable, OwnerLayout]:
+    """Each buffer's OwnerLayout, the loads of the buffers planned before it carried along
+    (dense and expert buffers apart: their owners are different cells)."""
+    rank_cost: Dict[bool, List[float]] = {}
+    layouts = {}
+    for key, b in buffers.items():
+        cost = rank_cost.setdefault(b.expert, [0.0] * (b.dp_size * b.tp_size))
+        if rank_model is not None and options.balance == "milp":
+            # the rank MILP uses all of its limit (local search included): buffers share it
+            shared = dict(milp_options or {})
+            if "time_limit_s" in shared:
+                shared["time_limit_s"] /= len(buffers)
+            layouts[key] = plan_rank_owner_layout(items[key], b.dp_size, bucket_size, options.max_bucket_padding,
+                                                  cost, b.tp_size, milp_options=shared, elementwise=elementwise,
+                                                  model=rank_model)
+            continue
+        layouts[key] = plan_owner_layout(items[key], b.dp_size, bucket_size, options.max_bucket_padding, cost,
+                                         b.tp_size, options.balance, milp_options=milp_options,
+                                         elementwise=elementwise)
+    return layouts
+
+
+def _cached_plan_problem(cached, buffers, items) -> Optional[str]:
+    """Why a plan-cache entry cannot serve these buffers (None: it can): other buffers, a layout
+    that does not read, or one that fails the layout's invariants at these DP x TP sizes."""
+    try:
+        if set(cached) != {str(k) for k in buffers}:
+            return "other buffers"
+        for key, b in buffers.items():
+            layout = OwnerLayout.from_json(cached[str(key)])
+            if (layout.world_size, layout.tp_size) != b.sizes:
+                return f"made for DP x TP {layout.world_size} x {layout.tp_size}, not {b.dp_size} x {b.tp_size}"
+            layout.validate(items[key])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _cost_of(items: Mapping[Hashable, Sequence[ParamItem]]) -> Dict[str, Tuple[float, float]]:
+    """{matrix name: (cost, launch cost)} the plan was made with."""
+    return {it.name: (it.cost, it.launch_cost) for recs in items.values() for it in recs if it.is_matrix}
