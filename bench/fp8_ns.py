@@ -26,6 +26,7 @@ Every row names its NS path. JSON + markdown go to ``--out``.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dmuon.algorithms.fp8_products import (fp8_gemm, fp8_gram_newton_schulz,  # noqa: E402
                                                     fp8_newton_schulz, quantize_e4m3, scaled_fp8_matmul)
-from megatron_dmuon.algorithms.ns_dispatch import orthogonalize  # noqa: E402
+from megatron_dmuon.algorithms.gram_newton_schulz import gram_applies  # noqa: E402
+from megatron_dmuon.algorithms.ns_dispatch import method_compute_dtype, orthogonalize  # noqa: E402
 from megatron_dmuon.runtime.muon_settings import MuonSettings  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import device_name, time_steps  # noqa: E402
 from megatron_dmuon.runtime.owner_step import run_ns  # noqa: E402
@@ -73,11 +75,18 @@ SPEED_VARIANTS = ("torch16", "fp8_row_std[A,BX]k1_gram[R]", "fp8_row_std[BX]k1_g
 
 def default_choice(stack):
     """The NSChoice the owner step makes for this stack under SETTINGS (``ns_resolver(device).choice``;
-    ``choose_ns`` in trees from before the resolver: planning/ns_choice.py is being changed)."""
+    ``choose_ns`` in trees from before the resolver: planning/ns_choice.py is being changed). Off
+    CUDA 'auto' is standard NS; there the method is the one CUDA's FLOP rule picks (Gram where it
+    applies), so CPU rows show the numerics of the GPU's methods."""
     rows, cols, batch = stack.size(-2), stack.size(-1), stack.size(0)
     if hasattr(SETTINGS, "ns_resolver"):
-        return SETTINGS.ns_resolver(stack.device).choice(rows, cols, batch)
-    return SETTINGS.choose_ns(rows, cols, batch, stack.device)
+        choice = SETTINGS.ns_resolver(stack.device).choice(rows, cols, batch)
+    else:
+        choice = SETTINGS.choose_ns(rows, cols, batch, stack.device)
+    if stack.device.type != "cuda":
+        method = "gram" if gram_applies(rows, cols) else "standard"
+        choice = dataclasses.replace(choice, method=method, compute_dtype=method_compute_dtype(method, SETTINGS.ns_dtype))
+    return choice
 
 
 def default_ns(stack):
@@ -148,6 +157,7 @@ def numerics(args, device, deadline):
     rows = []
     for label, x in cases:
         ref = fp32_ns(x).double()
+        default_path = default_ns(x[:1])[1] + (" (kernels)" if device.type == "cuda" else " (torch path)")
         paths = {"default": lambda s: default_ns(s)[0], **{n: variant_ns(n) for n in VARIANTS}}
         for name, fn in paths.items():
             if time.time() > deadline:
@@ -160,7 +170,7 @@ def numerics(args, device, deadline):
                 continue
             lo, hi = sigma_range(y)
             rel = float(((y - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max())
-            rows.append({"case": label, "variant": name, "path": "kernels" if name == "default" else path_label(name),
+            rows.append({"case": label, "variant": name, "path": default_path if name == "default" else path_label(name),
                          "sigma_min": lo, "sigma_max": hi, "rel_to_fp32": rel})
         lo, hi = sigma_range(ref)
         rows.append({"case": label, "variant": "fp32 (reference)", "sigma_min": lo, "sigma_max": hi, "rel_to_fp32": 0.0})
@@ -279,10 +289,10 @@ def markdown(result):
         lines.append("")
     nu = [r for r in result.get("numerics", []) if "rel_to_fp32" in r]
     if nu:
-        lines += ["## Numerics (σ of the output; rel. Frobenius distance to float32 NS of the same schedule)", "",
-                  "| case | variant | σ min | σ max | rel. to fp32 |", "|---|---|---:|---:|---:|"]
-        lines += [f"| {r['case']} | {r['variant']} | {r['sigma_min']:.3f} | {r['sigma_max']:.3f} | {r['rel_to_fp32']:.4f} |"
-                  for r in nu]
+        lines += ["## Numerics (σ of the output; rel. Frobenius distance to float32 NS of the same method and schedule)", "",
+                  "| case | variant | σ min | σ max | rel. to fp32 | NS path |", "|---|---|---:|---:|---:|---|"]
+        lines += [f"| {r['case']} | {r['variant']} | {r['sigma_min']:.3f} | {r['sigma_max']:.3f} | {r['rel_to_fp32']:.4f} | "
+                  f"{r.get('path', '')} |" for r in nu]
         lines.append("")
     errs = [r for sec in ("speed", "products", "numerics") for r in result.get(sec, []) if "error" in r or "skipped" in r]
     if errs:
