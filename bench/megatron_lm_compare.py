@@ -10,6 +10,10 @@ progress lines (`--log-interval 1`). Runs (`--runs`):
                    LayerWiseDistributedOptimizer), bf16 Newton-Schulz (`--muon-fp32-matmul-prec medium`);
 * `muon_fp32ns`    the same with fp32 Newton-Schulz (`high`): how far bf16 rounding alone moves the
                    loss curve — the noise band DMuon's curve is judged against;
+* `muon_syrk`      Megatron's Muon with `--muon-use-syrk` (Emerging-Optimizers' Triton SYRK kernel for
+                   the NS's symmetric products): its fastest setting, in the default set where the
+                   Emerging-Optimizers this process imports is >= 0.4.0 and the tree has the flag
+                   (Megatron-LM main); every table names the Emerging-Optimizers version;
 * `dmuon`          DMuon through the hook, same flags (`--dmuon-ns-method auto` by default);
 * `dmuon_standard` DMuon with `--dmuon-ns-method standard` (the NS iteration Megatron runs);
 * `dmuon_fp32ns`   DMuon with fp32 Newton-Schulz (`high`; full fp32 here, TF32 matmuls in Megatron's);
@@ -83,6 +87,7 @@ OVERLAP_COMM = ["--overlap-grad-reduce", "--overlap-param-gather"]
 RUNS = {
     "muon": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "medium"],
     "muon_fp32ns": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "high"],
+    "muon_syrk": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "medium", "--muon-use-syrk"],
     "dmuon": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium"],
     "dmuon_standard": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium",
                        "--dmuon-ns-method", "standard"],
@@ -235,6 +240,36 @@ def expected_rows(args, flags) -> int:
     return len([i for i in trained if i % interval == 0 or i == 1])
 
 
+DEFAULT_RUNS = ["muon", "muon_fp32ns", "dmuon", "dmuon_standard"]
+SYRK_RUN, SYRK_MIN_EO = "muon_syrk", (0, 4)
+
+
+def emerging_optimizers_version():
+    """The Emerging-Optimizers release Megatron's Muon imports in the runs (they inherit this
+    process's path; the tree holds none), or None."""
+    try:
+        import emerging_optimizers
+    except ImportError:
+        return None
+    return str(getattr(emerging_optimizers, "__version__", "unknown"))
+
+
+def syrk_refusal(version, megatron_lm: str):
+    """Why Megatron's Muon cannot run --muon-use-syrk here (None: it can): Megatron-LM refuses it
+    below Emerging-Optimizers 0.4.0, and a tree without the flag (core_v0.19.0) would ignore it."""
+    try:
+        new_enough = tuple(int(p) for p in version.split(".")[:2]) >= SYRK_MIN_EO
+    except (AttributeError, ValueError):
+        new_enough = False
+    if not new_enough:
+        return (f"Megatron's --muon-use-syrk needs Emerging-Optimizers >= 0.4.0 and this process imports "
+                f"{version or 'none'} (0.4.0 installs from tag v0.4.0 of NVIDIA-NeMo/Emerging-Optimizers)")
+    arguments = os.path.join(megatron_lm, "megatron", "training", "arguments.py")
+    if not (os.path.isfile(arguments) and "--muon-use-syrk" in open(arguments).read()):
+        return f"the Megatron-LM tree {megatron_lm} has no --muon-use-syrk (Megatron-LM main has)"
+    return None
+
+
 def loss_gap(a: dict, b: dict) -> dict:
     pairs = [(x["loss"], y["loss"]) for x, y in zip(a["iterations"], b["iterations"])
              if x["loss"] is not None and y["loss"] is not None]
@@ -319,8 +354,8 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=1, help="GPUs (data-parallel ranks)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--model", default="qwen7b-4l", choices=sorted(MODELS))
-    p.add_argument("--runs", nargs="+", default=["muon", "muon_fp32ns", "dmuon", "dmuon_standard"],
-                   choices=sorted(RUNS))
+    p.add_argument("--runs", nargs="+", default=None, choices=sorted(RUNS),
+                   help=f"default: {' '.join(DEFAULT_RUNS)}, and {SYRK_RUN} where Megatron's Muon can run --muon-use-syrk")
     p.add_argument("--seeds", nargs="+", type=int, default=[DEFAULT_SEED],
                    help="every run once per seed (--seed: init and mock data); the band becomes a spread over seeds")
     p.add_argument("--jobs", type=int, default=1,
@@ -345,6 +380,12 @@ def main(argv=None) -> int:
     resolve_layers(args)
     timed = args.jobs == 1
     megatron_lm = os.path.abspath(args.megatron_lm)
+    eo_version = emerging_optimizers_version()
+    no_syrk = syrk_refusal(eo_version, megatron_lm)
+    if args.runs is None:
+        args.runs = DEFAULT_RUNS + ([SYRK_RUN] if no_syrk is None else [])
+    elif SYRK_RUN in args.runs and no_syrk:
+        p.error(f"--runs {SYRK_RUN}: {no_syrk}")
     subprocess.run(["bash", os.path.join(ROOT, "patches", "apply.sh"), megatron_lm], check=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -354,7 +395,8 @@ def main(argv=None) -> int:
                "jobs": args.jobs, "timed": timed, "transformer_impl": args.transformer_impl,
                "fp8_format": args.fp8_format, "fp8_recipe": args.fp8_recipe if args.fp8_format else None,
                "fp8_param_gather": args.fp8_param_gather,
-               "gradient_accumulation_fusion": args.gradient_accumulation_fusion, "layers": precision_label(args)}
+               "gradient_accumulation_fusion": args.gradient_accumulation_fusion, "layers": precision_label(args),
+               "emerging_optimizers": eo_version}
     if len(args.seeds) == 1:
         (seed,) = args.seeds
         summary["seed"] = seed
@@ -370,7 +412,9 @@ def main(argv=None) -> int:
     print(json.dumps({"summary": summary, "iterations": iterations}))
     table = [f"{args.model}, {precision_label(args)}, {args.nproc} GPU(s), {args.iters} iterations; NS paths: "
              "muon = Megatron's bf16 standard NS (medium), dmuon = DMuon's defaults (auto: Gram fp16 for wide "
-             "matrices, standard bf16 for square), *_fp32ns = fp32 NS, dmuon_standard = DMuon's standard bf16 NS", "",
+             "matrices, standard bf16 for square), *_fp32ns = fp32 NS, dmuon_standard = DMuon's standard bf16 NS; "
+             f"Megatron's Muon rows (muon*): Emerging-Optimizers {eo_version or 'not importable'}, without "
+             f"--muon-use-syrk except {SYRK_RUN}", "",
              "| run | ms/iter (median, 2nd half) | TFLOP/s/GPU | speed-up vs muon | first loss | last loss | "
              "max abs loss gap to muon | last-iteration gap | skipped / nan |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for seed, rows in rows_by_seed.items():

@@ -54,6 +54,10 @@ MODELS = {
 OPTION_ROWS = [  # in the order they run (the most telling first, all seeds of a row together)
     ("exact (fp32 standard NS)", ["--muon-fp32-matmul-prec", "high", "--dmuon-ns-method", "standard"], False),
     ("Megatron's own Muon (megatron_layerwise)", ["--dmuon-mode", "megatron_layerwise"], True),
+    # Megatron's --muon-coefficient-type choices beside the defaults' 'quintic' (Emerging-Optimizers' sets;
+    # deepseekv4 is a 10-step schedule: 8 x Keller's, 2 x (2, -1.5, 0.5))
+    ("polar_express", ["--muon-coefficient-type", "polar_express"], False),
+    ("deepseekv4 (10 steps)", ["--muon-coefficient-type", "deepseekv4", "--muon-num-ns-steps", "10"], False),
     ("adaptive", ["--dmuon-coefficients", "adaptive"], False),
     ("adaptive + standard NS", ["--dmuon-coefficients", "adaptive", "--dmuon-ns-method", "standard"], False),
     ("adaptive + gram NS", ["--dmuon-coefficients", "adaptive", "--dmuon-ns-method", "gram"], False),

@@ -113,6 +113,38 @@ def test_report_from_runs(tmp_path, monkeypatch, capsys):
     assert summary["runs"]["dmuon_standard"]["loss_gap_to_muon"]["max_abs"] == pytest.approx(0.002)
 
 
+@pytest.mark.parametrize("version,tree_has_flag,syrk", [("0.4.0", True, True), ("0.3.0", True, False),
+                                                       ("0.4.0", False, False), (None, True, False)])
+def test_megatrons_syrk_row_joins_where_it_can_run(tmp_path, monkeypatch, capsys, version, tree_has_flag, syrk):
+    """muon_syrk (Megatron's Muon with --muon-use-syrk) is a default row where Emerging-Optimizers >= 0.4.0
+    imports and the tree has the flag (main); asked for elsewhere it is refused before any run, naming
+    why; the table names the Emerging-Optimizers version of Megatron's rows."""
+    names = []
+
+    def fake_run(name, args, megatron_lm, log_dir, label=None, more=()):
+        names.append(name)
+        rows = [{"iteration": i + 1, "ms": 500.0, "loss": 10.0 - i * 0.1, "grad_norm": 1.0, "tflops": 100.0,
+                 "skipped": 0.0, "nan": 0.0} for i in range(args.iters)]
+        return {"run": name, "iterations": rows, "median_ms": 500.0, "median_tflops": 100.0,
+                "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"], "skipped": 0, "nan": 0}
+
+    (tmp_path / "megatron" / "training").mkdir(parents=True)
+    (tmp_path / "megatron" / "training" / "arguments.py").write_text(
+        "group.add_argument('--muon-use-syrk', action='store_true')\n" if tree_has_flag else "")
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench, "emerging_optimizers_version", lambda: version)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)  # patches/apply.sh
+    out = tmp_path / "out"
+    assert bench.main(["--megatron-lm", str(tmp_path), "--iters", "4", "--out", str(out)]) == 0
+    assert ("muon_syrk" in names) == syrk and set(names) - {"muon_syrk"} == set(bench.DEFAULT_RUNS)
+    assert f"Megatron's Muon rows (muon*): Emerging-Optimizers {version or 'not importable'}" in (
+        out / "megatron_lm_compare.md").read_text()
+    if not syrk:
+        with pytest.raises(SystemExit):
+            bench.main(["--megatron-lm", str(tmp_path), "--iters", "4", "--runs", "muon", "muon_syrk"])
+        assert "--runs muon_syrk: " in capsys.readouterr().err
+
+
 def test_seeds_give_each_run_its_gap_beside_that_seeds_band(tmp_path, monkeypatch):
     """--seeds/--jobs: every run once per seed (the seed reaches Megatron-LM as its last --seed flag, the
     default seed as COMMON's), gaps to that seed's muon, each set beside that seed's band; with --jobs > 1

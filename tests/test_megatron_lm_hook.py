@@ -238,10 +238,10 @@ def test_every_other_optimizer_is_untouched():
      "--muon-scalar-optimizer"),
     (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-fp32-matmul-prec", "low"],
      "--muon-fp32-matmul-prec"),
-    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-coefficient-type", "aol"],
-     "--muon-coefficient-type"),
-    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-coefficient-type", "polar_express",
-      "--muon-num-ns-steps", "8"], "--dmuon-coefficients polar_express"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-coefficient-type", "custom"],
+     "--muon-coefficient-type custom"),
+    (["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-coefficient-type", "cubic5",
+      "--muon-num-ns-steps", "7"], "--muon-num-ns-steps 5"),
     (["--optimizer", "dmuon", "--use-distributed-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
     (["--optimizer", "dmuon", "--use-distributed-optimizer", "--use-precision-aware-optimizer"],
      "--use-precision-aware-optimizer"),
@@ -270,6 +270,12 @@ def test_hierarchy_must_divide_the_data_parallel_size_known_under_torchrun(capsy
     ["--optimizer", "dmuon", "--use-distributed-optimizer", "--tensor-model-parallel-size", "2",
      "--muon-tp-mode", "duplicated"],
     ["--optimizer", "dmuon", "--dmuon-mode", "gather_then_compute"],
+    # every Emerging-Optimizers coefficient type (its sets, past the table's end too), and Megatron-LM
+    # main's --muon-use-syrk (registered by DMuon on this core_v0.19.0 parser)
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-coefficient-type", "polar_express",
+     "--muon-num-ns-steps", "10", "--muon-use-syrk"],
+    ["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-coefficient-type", "deepseekv4",
+     "--muon-num-ns-steps", "10"],
     # the megatron_layerwise baseline hands --muon-tp-mode to Megatron's own Muon, blockwise included
     ["--optimizer", "dmuon", "--use-distributed-optimizer", "--dmuon-mode", "megatron_layerwise",
      "--tensor-model-parallel-size", "2"],
@@ -523,6 +529,14 @@ def test_every_muon_flag_of_a_megatron_lm_tree_is_honoured_or_refused(tree):
     assert flags <= set(MUON_FLAG_HANDLING), sorted(flags - set(MUON_FLAG_HANDLING))
 
 
+def tree_pythonpath(checkout, *more) -> str:
+    """PYTHONPATH of a process that runs a Megatron-LM tree: the tree, this checkout, ``more``, and
+    Emerging-Optimizers 0.4.0's package dir where $DMUON_EO040 names one (it then shadows the
+    installed 0.3.x: the whole set runs under either release)."""
+    eo_040 = os.environ.get("DMUON_EO040")
+    return os.pathsep.join([checkout, ROOT, *more, *([eo_040] if eo_040 else [])])
+
+
 def _megatron_lm_checkout():
     path = os.environ.get("DMUON_MEGATRON_LM") or os.path.join(ROOT, ".mlm")
     return path if os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")) else None
@@ -546,7 +560,7 @@ def test_install_on_a_real_megatron_lm_checkout():
             "--micro-batch-size 2 --global-batch-size 4 --train-iters 5 --lr 1e-3 --mock-data --tokenizer-type "
             "NullTokenizer --vocab-size 1000 --transformer-impl local --bf16").split()
     checkout = _megatron_lm_checkout()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([checkout, ROOT]), WORLD_SIZE="1", RANK="0",
+    env = dict(os.environ, PYTHONPATH=tree_pythonpath(checkout), WORLD_SIZE="1", RANK="0",
                PYTHONWARNINGS="ignore")
 
     def run(*argv):
@@ -583,7 +597,7 @@ def test_real_megatron_lm_training_step_with_the_hook_on_cpu():
             "--no-masked-softmax-fusion --attention-backend unfused --swiglu --normalization RMSNorm "
             "--position-embedding-type rope --disable-bias-linear --use-cpu-initialization --eval-iters 0 "
             "--eval-interval 1000 --use-distributed-optimizer --muon-momentum 0.95 --muon-nesterov").split()
-    env = {"PYTHONPATH": os.pathsep.join([checkout, ROOT, HERE])}
+    env = {"PYTHONPATH": tree_pythonpath(checkout, HERE)}
     runs = {}
     for optimizer in ("dmuon", "adam"):
         out = run_distributed("megatron_lm_workers:megatron_train_step", 2, timeout=900, env=env,
@@ -620,7 +634,7 @@ def test_optimizer_switch_in_megatron_lms_own_loop_on_cpu(first, then, tmp_path)
             "--muon-fp32-matmul-prec high --dmuon-ns-method standard --muon-tp-mode duplicated "
             "--dist-ckpt-optim-fully-reshardable --save-interval 1000 --ckpt-format torch_dist --hidden-dropout 0 "
             "--attention-dropout 0").split()
-    env = {"PYTHONPATH": os.pathsep.join([checkout, ROOT, HERE])}
+    env = {"PYTHONPATH": tree_pythonpath(checkout, HERE)}
 
     def train(optimizer, extra, **kw):
         return run_distributed("megatron_lm_workers:megatron_train_step", 1, timeout=900, env=env,
@@ -666,7 +680,7 @@ def test_qk_clip_in_megatron_lms_own_loop_muon_and_dmuon_agree_on_cpu():
             "--eval-iters 0 --eval-interval 1000 --use-distributed-optimizer --muon-momentum 0.95 --muon-nesterov "
             "--bf16 --muon-fp32-matmul-prec high --dmuon-ns-method standard --muon-tp-mode duplicated "
             "--hidden-dropout 0 --attention-dropout 0 --qk-clip-alpha 0.5").split()
-    env = {"PYTHONPATH": os.pathsep.join([checkout, ROOT, HERE])}
+    env = {"PYTHONPATH": tree_pythonpath(checkout, HERE)}
     runs = {}
     for optimizer in ("muon", "dmuon"):
         for clip, flags in ((False, ["--log-max-attention-logit"]), (True, ["--qk-clip", "--qk-clip-threshold", str(threshold)])):
@@ -684,7 +698,16 @@ def test_qk_clip_in_megatron_lms_own_loop_muon_and_dmuon_agree_on_cpu():
     between = {clip: float((qkv["muon", clip] - qkv["dmuon", clip]).norm()) for clip in (False, True)}
     effect = float((qkv["dmuon", True] - qkv["dmuon", False]).norm())
     assert between[True] <= 2 * between[False] + 0.01 * effect, (between, effect)
-    assert runs["dmuon", True]["losses"] == pytest.approx(runs["muon", True]["losses"], rel=1e-4)
+    # The two optimizers' losses part by rounding, not by the clip (which both apply through Megatron's
+    # clip_qk, after the step, to the fp32 master and the bf16 weight alike): DMuon folds lr x scale into
+    # one factor where Megatron's Muon multiplies the update by the scale first, a last-bit difference
+    # that flips a few bf16 weights at the first step (2 of fc2's 8192) and grows at lr 1e-2 to 1e-5-1e-4
+    # of the loss by the fifth. How far depends on the CPU's kernels: Megatron's Muon alone moves its
+    # third loss by 1.3e-4 under ATEN_CPU_CAPABILITY=default, where a fixed rel=1e-4 between the two
+    # failed on other machines. So the clipped pair is held to the unclipped pair's gap of the same run.
+    gap = {clip: max(abs(a - b) for a, b in zip(runs["muon", clip]["losses"], runs["dmuon", clip]["losses"]))
+           for clip in (False, True)}
+    assert gap[True] <= 3 * gap[False] + 1e-4 * runs["muon", True]["losses"][0], gap
     assert runs["dmuon", True]["max_logits"] == pytest.approx(runs["muon", True]["max_logits"], rel=2e-2)
 
 

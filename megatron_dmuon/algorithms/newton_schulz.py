@@ -219,6 +219,9 @@ def newton_schulz(
             gram, gram_squared, gamma = quartic_rescale(gram)
             X = X * gamma
             gram_update = gram * b + gram_squared * c
+        elif c == 0.0:  # a cubic step (Emerging-Optimizers' cubic5): a X + b A X, as it computes it, no A²
+            X = _addmm(X, gram, X, beta=a, alpha=b)
+            continue
         else:
             gram_update = _addmm(gram, gram, gram, beta=b, alpha=c)
         X = _addmm(X, gram_update, X, beta=a)

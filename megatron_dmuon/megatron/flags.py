@@ -65,7 +65,8 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     g.add_argument("--dmuon-coefficients", default=None, choices=COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,),
                    help="DMuon's NS schedule instead of --muon-coefficient-type (adaptive: per shape, "
                         "the tighter ||(XX^T)^2||^(1/4) normalisation with 4 designed steps for aspect >= 2, "
-                        "5 for nearer-square matrices)")
+                        "5 for nearer-square matrices; polar_express: DMuon's own, the published sets at full "
+                        "precision, not Megatron's --muon-coefficient-type polar_express)")
     g.add_argument("--dmuon-ns-launch", default="eager", choices=NS_LAUNCH_MODES,
                    help="GPU: the owner's per-shape NS calls one by one, on concurrent streams, or as one CUDA graph")
     g.add_argument("--dmuon-overlap-step", default="off", choices=OVERLAP_STEP_MODES,

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ..algorithms.coefficients import COEFFICIENT_SETS, YOU
+from ..algorithms.coefficients import YOU, get_coefficients
+from ..algorithms.eo_coefficients import EO_COEFFICIENT_TYPES, eo_schedule
 from ..algorithms.muon import LR_SCALE_MODES
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, MuonSettings
 
-# --muon-coefficient-type -> our schedule. Emerging-Optimizers 0.3: 'simple' = Keller's
-# (3.4445, -4.7750, 2.0315) every step (ours 'keller'); 'quintic' = modded-nanogpt's 5 per-step sets
-# (ours 'you'), cycled from the first set after step 5; 'polar_express' = the Polar Express
-# polynomials (ours 'polar_express', up to 5 steps; see docs/megatron_lm.md for the rounding).
-MUON_COEFFICIENT_TYPES = ("simple", "quintic", "polar_express")
+# --muon-coefficient-type -> our schedule: every type Emerging-Optimizers 0.4.0 offers (NSCoeffT),
+# its sets walked as its newton_schulz walks them (algorithms/eo_coefficients.py); 'custom' is refused.
+MUON_COEFFICIENT_TYPES = EO_COEFFICIENT_TYPES
 # --muon-fp32-matmul-prec -> NS compute dtype. Megatron's 'medium' casts the normalized matrix to
 # bf16 for the iterations; 'high' keeps fp32 (TF32 matmuls there; full fp32 here).
 MUON_FP32_MATMUL_PREC = {"medium": torch.bfloat16, "high": torch.float32}
@@ -36,7 +35,8 @@ MEGATRON_MUON_FLAGS = (
     ("--muon-fp32-matmul-prec", dict(type=str, default="medium", choices=tuple(MUON_FP32_MATMUL_PREC),
                                      help="NS precision: medium = bf16, high = fp32")),
     ("--muon-coefficient-type", dict(type=str, default="quintic", choices=MUON_COEFFICIENT_TYPES,
-                                     help="Newton-Schulz coefficients")),
+                                     help="Newton-Schulz coefficients (Emerging-Optimizers' types, its sets "
+                                          "and step order)")),
     ("--muon-num-ns-steps", dict(type=int, default=5, help="Newton-Schulz steps")),
     # Megatron-LM main's default (core_v0.19.0's is blockwise, which DMuon refuses under TP > 1)
     ("--muon-tp-mode", dict(type=str, default="duplicated", choices=MUON_TP_MODES,
@@ -44,8 +44,9 @@ MEGATRON_MUON_FLAGS = (
                                  "(duplicated/distributed); blockwise is refused under TP > 1 except for "
                                  "--dmuon-mode megatron_layerwise, which hands it to Megatron's own Muon")),
     ("--muon-use-syrk", dict(action="store_true",
-                             help="Megatron's Triton SYRK Gram kernel (same math); DMuon's kernels choose "
-                                  "their own symmetric products, so it changes nothing under --optimizer dmuon")),
+                             help="Megatron's Triton SYRK kernel for the symmetric products of its NS (same "
+                                  "math); DMuon's NS kernels compute their symmetric products as such already, "
+                                  "so under --optimizer dmuon it changes nothing")),
     ("--muon-extra-scale-factor", dict(type=float, default=1.0, help="extra factor on the Muon update")),
     ("--muon-scalar-optimizer", dict(type=str, default="adam", choices=MUON_SCALAR_OPTIMIZERS,
                                      help="optimizer of embeddings, output layer, norms, biases")),
@@ -60,11 +61,13 @@ MUON_FLAG_HANDLING = {
     "--muon-nesterov": "honoured",
     "--muon-scale-mode": "honoured",
     "--muon-fp32-matmul-prec": "honoured: medium (bf16 NS), high (fp32); low refused",
-    "--muon-coefficient-type": "honoured: simple, quintic, polar_express (<= 5 steps); others refused",
+    "--muon-coefficient-type": "honoured: simple, quintic, polar_express, cans, aol, deepseekv4, cubic5 (5 steps "
+                               "only, as Emerging-Optimizers); custom refused (Megatron-LM passes no sets)",
     "--muon-num-ns-steps": "honoured",
     "--muon-tp-mode": "honoured: duplicated, distributed (whole-matrix NS); blockwise refused at TP > 1 "
                       "(except --dmuon-mode megatron_layerwise); other modes refused",
-    "--muon-use-syrk": "accepted: a kernel choice of the same math; DMuon's kernels choose their own",
+    "--muon-use-syrk": "accepted, changes nothing: a kernel choice of the same math (Megatron's needs "
+                       "Emerging-Optimizers >= 0.4); DMuon's kernels are symmetric already",
     "--muon-extra-scale-factor": "honoured",
     "--muon-scalar-optimizer": "honoured: adam; lion refused",
 }
@@ -100,23 +103,14 @@ def megatron_muon_settings(**overrides) -> MuonSettings:
 
 
 def muon_coefficients_for(coefficient_type: str, steps: int):
-    """Our schedule for Megatron's --muon-coefficient-type at --muon-num-ns-steps."""
+    """Our schedule for Megatron's --muon-coefficient-type at --muon-num-ns-steps: the sets
+    Emerging-Optimizers' newton_schulz applies, step for step (names where ours are the same)."""
+    schedule = eo_schedule(coefficient_type, steps)  # refuses 'custom' and cubic5 at other step counts
     if coefficient_type == "simple":
         return "keller"
-    if coefficient_type == "quintic":
-        # Emerging-Optimizers cycles its 5 sets; ours ('you') would repeat the last one
-        return "you" if steps <= len(YOU) else tuple(YOU[i % len(YOU)] for i in range(steps))
-    if coefficient_type == "polar_express":
-        if steps > 5:
-            raise ValueError(
-                f"--muon-coefficient-type polar_express with --muon-num-ns-steps {steps}: Megatron continues "
-                "with three further Polar Express sets that DMuon does not have; use <= 5 steps, or "
-                "--dmuon-coefficients polar_express (ours: the fifth set repeats)")
-        return "polar_express"
-    raise ValueError(
-        f"--muon-coefficient-type {coefficient_type!r} is not available under --optimizer dmuon; valid: "
-        f"{', '.join(MUON_COEFFICIENT_TYPES)}, or DMuon's own --dmuon-coefficients "
-        f"{{{','.join(COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,))}}}")
+    if coefficient_type == "quintic" and steps <= len(YOU):
+        return "you"
+    return schedule
 
 
 def megatron_muon_fields(cfg, tp_mode: str = "duplicated") -> dict:
@@ -124,16 +118,29 @@ def megatron_muon_fields(cfg, tp_mode: str = "duplicated") -> dict:
     (the `megatron_layerwise` baseline; `tp_mode` is Megatron's --muon-tp-mode, which DMuon itself
     does not need): the inverse of `DMuonConfig.from_args`."""
     m = cfg.muon
-    names = {"keller": "simple", "you": "quintic", "polar_express": "polar_express"}
-    cycled = tuple(YOU[i % len(YOU)] for i in range(m.ns_steps))
-    coefficient_type = "quintic" if m.coefficients == cycled else names.get(m.coefficients) \
-        if isinstance(m.coefficients, str) else None
+    coefficient_type = _megatron_coefficient_type(m.coefficients, m.ns_steps)
     precision = {dtype: name for name, dtype in MUON_FP32_MATMUL_PREC.items()}.get(m.ns_dtype)
     if coefficient_type is None or precision is None or cfg.split_per_head or cfg.split_glu:
         raise ValueError(
             "--dmuon-mode megatron_layerwise runs Megatron's own Muon, which has no equivalent of "
-            f"coefficients={m.coefficients!r}, ns_dtype={m.ns_dtype}, --dmuon-split-heads or --dmuon-split-glu")
+            f"coefficients={m.coefficients!r}, ns_dtype={m.ns_dtype}, --dmuon-split-heads or --dmuon-split-glu "
+            "(--dmuon-coefficients polar_express is DMuon's own variant; Megatron's is --muon-coefficient-type "
+            "polar_express)")
     return dict(muon_momentum=m.momentum, muon_nesterov=m.nesterov, muon_split_qkv=cfg.split_qkv,
                 muon_scale_mode=m.scale_mode, muon_extra_scale_factor=m.extra_scale,
                 muon_coefficient_type=coefficient_type, muon_num_ns_steps=m.ns_steps,
                 muon_fp32_matmul_prec=precision, muon_tp_mode=tp_mode, muon_scalar_optimizer="adam")
+
+
+def _megatron_coefficient_type(coefficients, steps: int):
+    """The --muon-coefficient-type whose sets at ``steps`` are ``coefficients``' (None: no type)."""
+    if coefficients == ADAPTIVE_SCHEDULE:
+        return None
+    ours = get_coefficients(coefficients, steps)
+    for coefficient_type in MUON_COEFFICIENT_TYPES:
+        try:
+            if get_coefficients(muon_coefficients_for(coefficient_type, steps), steps) == ours:
+                return coefficient_type
+        except ValueError:  # (cubic5 at another step count)
+            continue
+    return None
