@@ -25,6 +25,8 @@ each model's predicted slowest GPU against the emulated one.
     python bench/rank_balance.py emulate --layouts qwen2.5-7b/dp8/one qwen7b-4l/dp2/buckets \
         --plans greedy numel_lpt megatron_lpt milp --rank-profile start.json --out emu
     python bench/rank_balance.py report --emulation emu.json --models startup=start.json calibration=cal.json
+    python bench/rank_balance.py check --emulation emu.json --models startup=start.json [--refit-points CACHE.json \
+        --refit-on emu*.json]
 
 Layouts: PRESET/dpN[/epE]/(buckets|one): ``buckets`` = Megatron's buckets with
 ``--overlap-grad-reduce`` (max(40 M, 1 M x DP) elements), ``one`` = one bucket per buffer.
@@ -359,17 +361,120 @@ def report(args, log):
                     continue
                 for name, path in models.items():
                     rm = load_rank_model(path, spec)
-                    predicted = []
-                    for x in row["ranks"]:
-                        job = lay["jobs"][str(x["job"])]
-                        work = RankWork(Counter({tuple(int(v) for v in k.split("x")): n
-                                                 for k, n in job["pieces"].items()}), job["adamw_elements"],
-                                        job["fragments"])
-                        predicted.append(rm.rank_ms(work))
+                    predicted = [rm.rank_ms(rank_work(lay["jobs"][str(x["job"])])) for x in row["ranks"]]
                     entry[name] = max(predicted)
                     entry[name + "_error"] = max(predicted) / row["slowest_ms"] - 1
                 rows.append(entry)
     return {"rows": rows, "models": models}
+
+
+def rank_work(job) -> RankWork:
+    """The RankWork of an emulated job (its pieces, AdamW elements and fragments)."""
+    return RankWork(Counter({tuple(int(v) for v in k.split("x")): n for k, n in job["pieces"].items()}),
+                    job["adamw_elements"], job["fragments"])
+
+
+def muon_steps(layouts, model):
+    """The emulated DMuon ranks of several piece shapes as Muon-only steps ({shape: k}, ms): the
+    measured ms less the AdamW part ``model`` predicts beside them (what a start-up profile's
+    step of several shapes at a rank's counts would measure)."""
+    out = []
+    for lay in layouts:
+        for job in lay["jobs"].values():
+            work = rank_work(job)
+            if job.get("runner") or job.get("tp_shards") or len(work.pieces) < 2:
+                continue
+            ms = statistics.median(x["ms"] for row in lay["plans"].values() for x in row["ranks"]
+                                   if lay["jobs"][str(x["job"])] is job)
+            out.append((dict(work.pieces), ms - model.adamw_ms(work.adamw_elements, work.fragments) * (1 - model.hidden)))
+    return out
+
+
+def refitted(model, points=(), others=(), shapes=()):
+    """``model`` fitted again as the start-up profile now does: its stacks with every ns| point of
+    ``points`` (calibrate JSONs, profile caches) of its shapes and of ``shapes`` (the layout's: a
+    profile cut by its budget measured fewer), its shared parts by least squares on their pair| and
+    multi| steps plus ``others`` (Muon-only steps, ``muon_steps``) of those shapes; AdamW and the
+    hidden fraction as they were."""
+    from megatron_dmuon.planning.cost_model import shape_key
+    from megatron_dmuon.planning.rank_cost import RankCostModel, multi_counts
+
+    stacks = {s: list(p) for s, p in model.stacks.items()}
+    steps = [(c, t) for c, t in others if all(shape_key(s) in stacks for s in c)]  # this layout's shapes only
+    for data in points:
+        fitted = RankCostModel.from_calibration({"jobs": data})
+        for s, pts in fitted.stacks.items():
+            if s in stacks or s in shapes:
+                stacks[s] = sorted({**dict(stacks.get(s, [])), **dict(pts)}.items())
+        for name, job in data.items():
+            kind, *f = name.split("|")
+            if kind in ("pair", "multi"):
+                counts = multi_counts(name) if kind == "multi" else {shape_key(f[0].split("x")): int(f[1]),
+                                                                     shape_key(f[2].split("x")): int(f[3])}
+                if all(s in stacks for s in counts):
+                    steps.append((counts, float(job["ms"])))
+    out = RankCostModel(stacks, model.adamw_points, hidden=model.hidden, device=model.device,
+                        meta=dict(model.meta, source="refitted"), steps=model.steps, ns_method=model.ns_method)
+    out.fit_shared(steps)
+    return out
+
+
+def check(args, log):
+    """Every emulated DMuon GPU predicted by each model: per GPU (parts beside the measured ms) and
+    per plan (slowest predicted vs slowest emulated, and whether the model orders the plans as the
+    emulation did). ``--refit-points`` / ``--refit-on``: each model fitted again as the start-up
+    profile now does (``refitted``), with, from ``--refit-on``, the multi-shape ranks of the other
+    layouts only (the layout checked is never in its own fit)."""
+    emulated = {spec: lay for p in args.emulation for spec, lay in json.loads(Path(p).read_text())["layouts"].items()}
+    points = [load_points(p) for p in args.refit_points]
+    others = {spec: lay for p in args.refit_on for spec, lay in json.loads(Path(p).read_text())["layouts"].items()}
+    models = dict(m.split("=", 1) for m in args.models)
+    ranks, plans = [], []
+    for spec, lay in emulated.items():
+        for name, path in models.items():
+            rm = load_rank_model(path, spec)
+            if points or others:
+                shapes = {s for job in lay["jobs"].values() if not job.get("runner") for s in rank_work(job).pieces}
+                rm = refitted(rm, points, muon_steps([v for k, v in others.items() if k != spec], rm), shapes)
+            slowest = {}
+            for plan_name, row in lay["plans"].items():
+                if plan_name in BASELINES:
+                    continue
+                predicted = {x["job"]: rm.rank_ms(rank_work(lay["jobs"][str(x["job"])])) for x in row["ranks"]}
+                slowest[plan_name] = (row["slowest_ms"], max(predicted.values()))
+                for job in sorted(set(predicted)):
+                    ms = statistics.median(x["ms"] for x in row["ranks"] if x["job"] == job)
+                    ranks.append({"layout": spec, "model": name, "plan": plan_name, "job": job,
+                                  "pieces": lay["jobs"][str(job)]["pieces"], "emulated_ms": ms,
+                                  "predicted_ms": predicted[job], "error": predicted[job] / ms - 1 if ms else 0.0})
+            for plan_name, (emu, pred) in slowest.items():
+                plans.append({"layout": spec, "model": name, "plan": plan_name, "emulated_ms": emu, "predicted_ms": pred,
+                              "error": pred / emu - 1 if emu else 0.0, "shared_ms": rm.shared_ms,
+                              "shape_shared": {f"{m}x{n}": v for (m, n), v in rm.shape_shared.items()},
+                              "emulated_best": min(slowest, key=lambda p: slowest[p][0]),
+                              "predicted_best": min(slowest, key=lambda p: slowest[p][1])})
+    return {"check_ranks": ranks, "check_plans": plans}
+
+
+def load_points(path):
+    """The measured jobs of a calibrate JSON or of a start-up profile cache (every entry's)."""
+    data = json.loads(Path(path).read_text())
+    if "jobs" in data:
+        return data["jobs"]
+    return {k: v for entry in data.get("entries", {}).values() for k, v in entry.get("jobs", {}).items()}
+
+
+def check_table(result):
+    lines = ["| layout | model | plan | emulated slowest ms | predicted ms | error | best plan emulated / predicted |",
+             "|---|---|---|---:|---:|---:|---|"]
+    lines += [f"| {r['layout']} | {r['model']} | {r['plan']} | {r['emulated_ms']:.2f} | {r['predicted_ms']:.2f} | "
+              f"{100 * r['error']:+.1f}% | {r['emulated_best']} / {r['predicted_best']} |" for r in result["check_plans"]]
+    lines += ["", "| layout | model | plan | GPU job | pieces | emulated ms | predicted ms | error |",
+              "|---|---|---|---:|---|---:|---:|---:|"]
+    lines += [f"| {r['layout']} | {r['model']} | {r['plan']} | {r['job']} | "
+              f"{' '.join(f'{k}:{v}' for k, v in r['pieces'].items())} | {r['emulated_ms']:.2f} | "
+              f"{r['predicted_ms']:.2f} | {100 * r['error']:+.1f}% |" for r in result["check_ranks"]]
+    return "\n".join(lines)
 
 
 def scale(args, log):
@@ -440,6 +545,8 @@ def scale_table(result):
 def table(result):
     if "scale_rows" in result:
         return scale_table(result)
+    if "check_plans" in result:
+        return check_table(result)
     lines = []
     if "rows" in result:
         names = list(result["models"])
@@ -473,14 +580,18 @@ def table(result):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["emulate", "calibrate", "startup", "report", "scale"])
+    parser.add_argument("mode", choices=["emulate", "calibrate", "startup", "report", "scale", "check"])
     parser.add_argument("--cluster", default="h200", help="scale: planning/clusters.json's cluster for the modelled "
                                                            "communication")
     parser.add_argument("--cache-dir", default="/tmp/dmuon_rank_profile", help="startup: the profile cache's folder")
     parser.add_argument("--startup-budget", type=float, default=30.0, help="startup: --dmuon-plan-budget")
-    parser.add_argument("--emulation", nargs="+", default=[], help="report: emulate runs' JSON")
-    parser.add_argument("--models", nargs="+", default=[], help="report: NAME=PATH rank models (calibrate, startup "
-                                                                 "or model JSON)")
+    parser.add_argument("--emulation", nargs="+", default=[], help="report, check: emulate runs' JSON")
+    parser.add_argument("--models", nargs="+", default=[], help="report, check: NAME=PATH rank models (calibrate, "
+                                                                 "startup or model JSON)")
+    parser.add_argument("--refit-points", nargs="+", default=[], help="check: calibrate JSONs or profile caches whose "
+                                                                       "points each model is fitted again with")
+    parser.add_argument("--refit-on", nargs="+", default=[], help="check: emulate JSONs whose multi-shape ranks of "
+                                                                   "the other layouts each model is fitted again with")
     parser.add_argument("--layouts", nargs="+", default=["qwen7b-4l/dp2/buckets"])
     parser.add_argument("--plans", nargs="+", default=["greedy", "numel_lpt", "megatron_lpt"], choices=PLANS + BASELINES,
                         help=f"DMuon's planners; {MEGATRON}: Megatron-LM's own LayerWise Muon step per GPU "
@@ -515,7 +626,7 @@ def main(argv=None):
             "warmup": args.warmup, "torch": torch.__version__}
     run = {"emulate": lambda: emulate(args, cfg, log), "calibrate": lambda: calibrate(args, cfg, log),
            "startup": lambda: startup(args, cfg, log), "report": lambda: report(args, log),
-           "scale": lambda: scale(args, log)}[args.mode]
+           "scale": lambda: scale(args, log), "check": lambda: check(args, log)}[args.mode]
     result = head | run()
     text = table(result)
     print(text)

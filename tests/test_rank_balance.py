@@ -19,18 +19,21 @@ from megatron_dmuon.planning.dp_shards import shard_overlap
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
 from megatron_dmuon.planning.params import owner_ns_cost
 from megatron_dmuon.planning.plans import buffer_items, plan_stage, predict_rank_ms, split_pieces
-from megatron_dmuon.planning.rank_cost import RankCostModel, RankWork, piece_counts
+from megatron_dmuon.planning.rank_cost import RankCostModel, RankWork, multi_counts, piece_counts
 from megatron_dmuon.planning.rank_milp import CANDIDATES, layout_loads, layout_work, plan_rank_owner_layout
+from megatron_dmuon.runtime.rank_profile import profile_counts, profile_jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
 COST_FN = functools.partial(owner_ns_cost, coefficients="adaptive", steps=5, ns_method="auto")
 
 # a made-up device whose steps are NOT what the analytic model says: per shape a launch, a per-matrix
-# part and a wave step every 4 matrices; a shared part per step; AdamW a0 + a1 E + a2 F; 40% of the
-# shorter of Muon and AdamW hidden under the longer
-SHARED, HIDDEN, ADAMW = 0.3, 0.4, (0.05, 2.5e-8, 2e-4)
+# part and a wave step every 4 matrices, in a step of its own; a step of several shapes pays STEP_PART
+# once and each stack less its SHAPE_PART (the small 512x3584 stack mostly covered by the others, as
+# the H100 measured); AdamW a0 + a1 E + a2 F; 40% of the shorter of Muon and AdamW hidden under the longer
+SHARED, STEP_PART, HIDDEN, ADAMW = 0.3, 0.25, 0.4, (0.05, 2.5e-8, 2e-4)
 SHAPES = {(3584, 3584): (0.4, 1.6), (512, 3584): (0.9, 0.01), (3584, 37888): (0.2, 7.5), (3584, 18944): (0.2, 3.7)}
+SHAPE_PART = {(3584, 3584): 0.45, (512, 3584): 1.0, (3584, 37888): 0.2, (3584, 18944): 0.35}
 
 
 def true_stack(shape, k):
@@ -42,9 +45,15 @@ def true_adamw(elements, fragments):
     return 0.0 if elements <= 0 else ADAMW[0] + ADAMW[1] * elements + ADAMW[2] * fragments
 
 
+def true_muon(pieces):
+    parts = {shape_key(s): true_stack(s, k) for s, k in pieces.items() if k}
+    if len(parts) <= 1:
+        return sum(parts.values())
+    return max(max(parts.values()), STEP_PART + sum(max(0.0, t - SHAPE_PART[s]) for s, t in parts.items()))
+
+
 def true_rank(work: RankWork):
-    parts = [true_stack(s, k) for s, k in work.pieces.items() if k]
-    muon = sum(parts) - SHARED * (len(parts) - 1) if parts else 0.0
+    muon = true_muon(work.pieces)
     adamw = true_adamw(work.adamw_elements, work.fragments)
     return muon + adamw - HIDDEN * min(muon, adamw)
 
@@ -57,8 +66,11 @@ def calibration(grid=range(1, 41)):
             jobs[f"ns|{m}x{n}|{k}"] = {"ms": true_stack((m, n), k), "adamw_elements": 0, "fragments": 0}
     for e, f in ((10_000_000, 1), (100_000_000, 1), (100_000_000, 100), (400_000_000, 1)):
         jobs[f"adamw|{e // 10**6}M|{f}"] = {"ms": true_adamw(e, f), "adamw_elements": e, "fragments": f}
-    a, b = (3584, 3584), (512, 3584)
-    jobs["pair|3584x3584|2|512x3584|4"] = {"ms": true_stack(a, 2) + true_stack(b, 4) - SHARED}
+    jobs["pair|3584x3584|2|512x3584|4"] = {"ms": true_muon({(3584, 3584): 2, (512, 3584): 4})}
+    profiled = profile_jobs({(3584, 3584): (3, 6), (512, 3584): (4, 8), (3584, 37888): (1, 2), (3584, 18944): (2, 4)})
+    for name in profiled:
+        if name.startswith("multi|"):  # every shape together at a rank's share, and each left out
+            jobs[name] = {"ms": true_muon(multi_counts(name))}
     muon, adam = true_stack((3584, 18944), 2), true_adamw(100_000_000, 1)
     jobs["mix|3584x18944|2|100M"] = {"ms": muon + adam - HIDDEN * min(muon, adam), "adamw_elements": 100_000_000,
                                      "fragments": 1}
@@ -71,7 +83,9 @@ def model():
 
 
 def test_the_model_recovers_the_parts_it_measured_and_composes_them(model):
-    assert model.shared_ms == pytest.approx(SHARED, abs=1e-9)
+    assert model.shared_ms == pytest.approx(STEP_PART, abs=1e-9)
+    assert model.shape_shared == pytest.approx(SHAPE_PART, abs=1e-9)
+    assert model.meta["multi_points"] == 7 and model.meta["multi_error"] < 1e-9
     assert model.hidden == pytest.approx(HIDDEN, abs=1e-9)
     assert model.adamw_fit == pytest.approx(ADAMW, rel=1e-6)
     for shape in SHAPES:  # the measured stack curve itself, wave steps included
@@ -80,6 +94,8 @@ def test_the_model_recovers_the_parts_it_measured_and_composes_them(model):
     # whole ranks it never saw: several shapes at once beside AdamW
     work = RankWork(Counter({(3584, 3584): 7, (512, 3584): 10, (3584, 37888): 2}), 123_456_789, 57)
     assert model.rank_ms(work) == pytest.approx(true_rank(work), abs=1e-9)
+    two = RankWork(Counter({(512, 3584): 3, (3584, 18944): 5}))
+    assert model.rank_ms(two) == pytest.approx(true_rank(two), abs=1e-9)
     alone = RankWork(Counter(), 5_000_000, 3)
     assert model.rank_ms(alone) == pytest.approx(true_adamw(5_000_000, 3))
     # a JSON round trip predicts the same
@@ -157,8 +173,8 @@ def test_the_milp_is_never_predicted_slower_than_any_greedy(model, preset, dp, b
             assert info["makespan"] <= min(info["candidates"].values()) + 1e-9
     for planner in ("greedy", "megatron_lpt", "numel_lpt"):
         assert slowest["milp"] <= slowest[planner] + 1e-9, (slowest, planner)
-    if (preset, dp) == ("qwen7b-4l", 2):  # and it can win: here the MILP's own plan, by ~0.8 ms of 34
-        assert slowest["milp"] < min(slowest[p] for p in ("greedy", "megatron_lpt", "numel_lpt")) - 0.5, slowest
+    if (preset, dp) == ("qwen7b-4l", 2):  # and it can win: here the MILP's own plan, by ~0.15 ms of 33
+        assert slowest["milp"] < min(slowest[p] for p in ("greedy", "megatron_lpt", "numel_lpt")) - 0.1, slowest
 
 
 def test_the_milp_falls_back_to_the_best_warm_start_with_a_warning(model, monkeypatch):
@@ -193,12 +209,17 @@ def test_rank_profile_measures_in_order_within_its_budget_and_caches(tmp_path):
 
     counts = {(3584, 3584): 6, (512, 3584): 8, (3584, 18944): 2}
     jobs = list(profile_jobs(counts))
-    # one matrix of every shape first, then AdamW, the shared part, the hidden part, then the counts
+    # one matrix of every shape first, then AdamW, each shape at an even share (half the profiled
+    # count), the shared parts, the hidden part, then the counts
     assert jobs[:3] == ["ns|512x3584|1", "ns|3584x3584|1", "ns|3584x18944|1"]
     assert jobs[3:6] == ["adamw|10M|1", "adamw|100M|1", "adamw|100M|100"]
-    # the pair at an even share of each shape (half the profiled count), as a rank holds them
-    assert jobs[6] == "pair|512x3584|4|3584x3584|3" and jobs[7] == "mix|3584x18944|1|100M"
-    assert "ns|3584x3584|6" in jobs and "ns|3584x3584|3" in jobs and "ns|3584x18944|2" in jobs
+    assert jobs[6:8] == ["ns|512x3584|4", "ns|3584x3584|3"]  # (3584x18944's share is its one-matrix point)
+    # every shape at a rank's share together, each left out in turn, and all at one matrix
+    assert jobs[8:13] == ["multi|512x3584:4|3584x3584:3|3584x18944:1", "multi|3584x3584:3|3584x18944:1",
+                          "multi|512x3584:4|3584x18944:1", "multi|512x3584:4|3584x3584:3",
+                          "multi|512x3584:1|3584x3584:1|3584x18944:1"]
+    assert jobs[13] == "mix|3584x18944|1|100M"
+    assert "ns|3584x3584|6" in jobs and "ns|3584x18944|2" in jobs and len(jobs) == len(set(jobs))
     # no profiled step holds more than MAX_ELEMENTS matrix elements (the model is on the GPU already)
     assert "ns|3584x37888|3" in profile_jobs({(37888, 3584): 8}) and "ns|3584x37888|8" not in profile_jobs({(37888, 3584): 8})
     calls = []
@@ -262,12 +283,23 @@ def test_rank_balance_bench_runs_on_cpu(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
     cal = json.loads((tmp_path / "calibrate.json").read_text())
     fitted = RankCostModel.from_calibration(cal, device_spec("H200"))
-    assert fitted.stacks and len(fitted.adamw_points) == 4 and fitted.meta["shared_points"] >= 1  # (CPU: no rates)
+    assert fitted.stacks and len(fitted.adamw_points) == 4 and fitted.meta["multi_points"] >= 1  # (CPU: no rates)
     emu = json.loads((tmp_path / "emulate.json").read_text())
     lay = emu["layouts"]["tiny/dp2/one"]["plans"]["greedy"]
     assert len(lay["ranks"]) == 2 and lay["slowest_ms"] == max(r["ms"] for r in lay["ranks"])
     milp = emu["layouts"]["tiny/dp2/one"]["plans"]["milp"]
     assert milp["info"]["dense"]["chosen"] in milp["info"]["dense"]["candidates"]
+    # check: each emulated GPU and plan predicted, the model fitted again on the other layout's GPUs
+    out = subprocess.run([sys.executable, "bench/rank_balance.py", "check", "--emulation", str(tmp_path / "emulate.json"),
+                          "--models", f"cal={tmp_path / 'calibrate.json'}", "--refit-points",
+                          str(tmp_path / "calibrate.json"), "--refit-on", str(tmp_path / "emulate.json"), "--device",
+                          "cpu", "--out", str(tmp_path / "check")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check = json.loads((tmp_path / "check.json").read_text())
+    plans = {(r["layout"], r["plan"]) for r in check["check_plans"]}
+    assert plans == {(spec, p) for spec in ("tiny/dp2/one", "tiny-moe/dp4/ep2/one") for p in ("greedy", "megatron_lpt", "milp")}
+    assert all(r["model"] == "cal" and r["predicted_ms"] > 0 for r in check["check_ranks"] if r["emulated_ms"] > 0)
 
 
 @pytest.mark.parametrize("spec", ["qwen7b-4l/dp4/buckets", "qwen2.5-7b/dp8/one", "tiny-moe/dp4/ep2/one"])
@@ -374,3 +406,133 @@ def test_the_milp_keeps_the_greedy_plan_when_the_profile_missed_a_shape_or_adamw
     assert plan["layouts"]["dense"].owners == greedy["layouts"]["dense"].owners
     plan, _ = _plan("qwen7b-4l", 4, 40_000_000, "milp", rank_model=model, milp_options={"time_limit_s": 2.0})
     assert plan["info"]["dense"]["status"] != "unmeasured"
+
+
+# [scale-emulation] recorded on one H100 (/tmp/rb_rerun, docs/load_balancing.md): Qwen 4-layer at DP 4, Megatron's
+# buckets. The start-up model as it planned (format 1: one shared part, from one pair step):
+H100_DP4_FORMAT1 = {
+    "format": 1, "shared_ms": 4.130, "hidden": 0.3087, "device": None, "meta": {"source": "calibration"},
+    "stacks": {"512x3584": [[1, 2.626], [2, 3.427], [4, 3.663]], "3584x3584": [[1, 3.521], [2, 5.775], [4, 8.548]],
+               "3584x18944": [[1, 6.282], [2, 9.463]], "3584x37888": [[1, 9.007], [2, 15.495]]},
+    "adamw": [[100_000_000, 1, 1.2325], [100_000_000, 100, 1.7710], [10_000_000, 1, 0.2704]]}
+# every ns point the day's start-up profiles measured of those shapes (ms)
+H100_STACKS = {(512, 3584): [(1, 2.63), (2, 3.43), (4, 3.66), (7, 4.13), (8, 4.65), (14, 3.2), (28, 4.92)],
+               (3584, 3584): [(1, 3.52), (2, 5.77), (4, 8.55), (7, 13.33), (8, 15.34), (14, 24.59), (28, 49.63)],
+               (3584, 18944): [(1, 6.28), (2, 9.46), (3, 13.13), (4, 17.19), (7, 31.75)],
+               (3584, 37888): [(1, 9.01), (2, 15.49), (3, 22.47)]}
+Q, O, F2, F1 = (512, 3584), (3584, 3584), (3584, 18944), (3584, 37888)
+# emulated GPUs, (pieces, AdamW elements, fragments, median ms): the DP 2 layout's, the same day
+H100_DP2_RANKS = [({Q: 2, O: 3, F2: 1, F1: 3}, 63_680_568, 9, 34.38), ({Q: 6, O: 5, F2: 3, F1: 1}, 165_727_688, 4, 34.14),
+                  ({Q: 6, O: 5, F2: 1, F1: 2}, 170_100_280, 6, 33.60), ({Q: 2, O: 3, F2: 3, F1: 2}, 59_307_976, 7, 35.03)]
+# and the DP 4 layout's slowest GPU under the greedy and under the MILP planned on the format-1 model
+H100_DP4_GREEDY = [({F1: 2}, 28_672_000, 1, 15.49), ({Q: 2, O: 2, F2: 3}, 67_207_168, 6, 18.35),
+                   ({Q: 6, O: 6, F2: 1}, 104_857_088, 7, 18.89)]
+H100_DP4_MILP = [({Q: 2, O: 1, F1: 1}, 143_374_336, 6, 13.30), ({Q: 2, O: 3, F2: 1, F1: 1}, 28_672_000, 1, 20.89),
+                 ({F2: 2, F1: 1}, 28_672_000, 1, 18.16), ({Q: 4, O: 4, F2: 1, F1: 1}, 28_689_920, 6, 22.81)]
+
+
+def _slowest(model, ranks, format_1=False):
+    """(predicted, emulated) slowest GPU; ``format_1``: as format-1 code predicted (the stacks less the
+    shared part once per shape but one, unbounded)."""
+    def predict(pieces, elements, fragments):
+        if not format_1:
+            return model.rank_ms(RankWork(Counter(pieces), elements, fragments))
+        muon = sum(model.stack_ms(s, k) for s, k in pieces.items()) - model.shared_ms * (len(pieces) - 1)
+        adamw = model.adamw_ms(elements, fragments)
+        return muon + adamw - model.hidden * min(muon, adamw)
+    return max(predict(p, e, f) for p, e, f, _ in ranks), max(ms for *_, ms in ranks)
+
+
+def test_on_the_h100s_numbers_one_pair_misses_and_steps_of_every_shape_fit():
+    """The format-1 model (shared 4.13 ms, from one pair step: more than the whole one-matrix 512x3584
+    stack, and taken 3 times off a 4-shape GPU) predicted the MILP's plan 2.4% faster than the greedy's
+    and both ~16-30% low; the MILP's plan emulated 21% slower. Fitted on steps of all four shapes at a
+    rank's counts (here the DP 2 layout's GPUs stand in for the profile's multi steps: out of sample for
+    DP 4), the slowest GPUs within 5% (MILP) and 7% (greedy) and the plans in the emulated order."""
+    old = RankCostModel.from_json(H100_DP4_FORMAT1)
+    assert old.shape_shared == {} and old.shared_of(Q) == old.shared_ms == pytest.approx(4.13)
+    (greedy, greedy_ms), (milp, milp_ms) = (_slowest(old, H100_DP4_GREEDY, format_1=True),
+                                            _slowest(old, H100_DP4_MILP, format_1=True))
+    assert milp < greedy and milp_ms > 1.2 * greedy_ms  # the model's order, and the emulated one
+    assert milp / milp_ms - 1 < -0.3 and greedy / greedy_ms - 1 < -0.15
+    # loaded today (a shape's part never more than its stack, a step never below its largest stack)
+    (greedy, _), (milp, _) = _slowest(old, H100_DP4_GREEDY), _slowest(old, H100_DP4_MILP)
+    assert milp / milp_ms - 1 < -0.25 and greedy / greedy_ms - 1 < -0.12
+    base = RankCostModel.fit(H100_STACKS, old.adamw_points)
+    muon_only = [(p, ms - base.adamw_ms(e, f) * (1 - old.hidden)) for p, e, f, ms in H100_DP2_RANKS]
+    new = RankCostModel.fit(H100_STACKS, old.adamw_points, multi=muon_only)
+    new.hidden = old.hidden
+    # every step held all four shapes: only their sum with the step's part is told, one constant
+    assert len(set(new.shape_shared.values())) == 1 and new.shared_ms == pytest.approx(1.46, abs=0.02)
+    assert new.meta["multi_error"] < 0.04
+    (greedy, greedy_ms), (milp, milp_ms) = _slowest(new, H100_DP4_GREEDY), _slowest(new, H100_DP4_MILP)
+    assert abs(greedy / greedy_ms - 1) < 0.07 and abs(milp / milp_ms - 1) < 0.05
+    assert milp > 1.1 * greedy  # the MILP would not pick that plan on this model
+
+
+def test_format_1_models_load_as_one_shared_part_and_unknown_formats_are_refused():
+    old = RankCostModel.from_json(H100_DP4_FORMAT1)
+    three = {O: 4, F2: 1, F1: 1}  # format 1: the sum of the stacks less 2 shared parts (each stack > 4.13 ms)
+    assert old.muon_ms(three) == pytest.approx(sum(old.stack_ms(s, k) for s, k in three.items()) - 2 * 4.130)
+    four = {Q: 4, O: 4, F2: 1, F1: 1}  # 512x3584's 3.66 ms stack: covered whole, not 4.13 ms taken off it
+    again = RankCostModel.from_json(json.loads(json.dumps(old.to_json())))
+    assert old.muon_ms(four) == pytest.approx(old.muon_ms(three))
+    assert again.to_json()["format"] == 2 and again.muon_ms(four) == pytest.approx(old.muon_ms(four))
+    with pytest.raises(ValueError, match="format 3"):
+        RankCostModel.from_json(dict(H100_DP4_FORMAT1, format=3))
+
+
+def test_the_shared_parts_fit():
+    """One pair: the format-1 constant for both shapes and the step; a step of several shapes slower
+    than its stacks apart (the H100's 32B GPU: +3 ms on 44): negative parts, within their bounds; a
+    step of several shapes never predicted below its largest stack."""
+    stacks = {(64, 128): [(1, 1.0), (4, 2.5)], (128, 256): [(1, 3.0), (2, 5.0)], (32, 64): [(1, 0.5)]}
+    model = RankCostModel.fit(stacks, [], multi=[({(64, 128): 1, (128, 256): 2}, 5.4)])
+    assert model.shared_ms == pytest.approx(0.6) and model.shape_shared == pytest.approx({(64, 128): 0.6, (128, 256): 0.6})
+    assert model.shared_of((32, 64)) == pytest.approx(0.6)  # a shape no step held: the step's part
+    slower = RankCostModel.fit(stacks, [], multi=[({(64, 128): 1, (128, 256): 2}, 6.5)])
+    assert slower.shared_ms == pytest.approx(-0.5) and slower.muon_ms({(64, 128): 1, (128, 256): 2}) == pytest.approx(6.5)
+    way_off = RankCostModel.fit(stacks, [], multi=[({(64, 128): 1, (128, 256): 2}, 60.0)])
+    assert way_off.shared_ms == pytest.approx(-1.0)  # -(the cheapest one-matrix stack)
+    covered = RankCostModel.fit(stacks, [], multi=[({(64, 128): 1, (128, 256): 2}, 0.1)])
+    assert covered.muon_ms({(64, 128): 1, (128, 256): 2}) == pytest.approx(5.0)  # its largest stack
+    assert covered.muon_ms({(64, 128): 4, (128, 256): 2}) >= covered.muon_ms({(64, 128): 1, (128, 256): 2})
+    both_whole = RankCostModel(stacks, [], shared_ms=0.0, shape_shared={(64, 128): 1.0, (128, 256): 5.0})
+    assert both_whole.muon_ms({(64, 128): 1, (128, 256): 2}) == pytest.approx(5.0)
+
+
+def test_the_profile_measures_the_counts_a_cost_balanced_plan_gives_one_rank():
+    """Qwen2.5-7B at DP 64: an even share is one matrix of each shape, but the H100's greedy gave one
+    rank 8 of the 56 512x3584 pieces (the curve measured at 1 and 2 and extrapolated was 1.8x off):
+    a shape is profiled up to the count whose NS work equals one matrix of the costliest shape."""
+    counts = profile_counts({Q: 56, O: 56, F2: 28, F1: 28}, 64)
+    assert counts == {Q: (1, 56), O: (1, 11), F2: (1, 2), F1: (1, 2)}
+    jobs = profile_jobs(counts)
+    assert {"ns|512x3584|56", "ns|512x3584|28", "ns|3584x3584|11", "ns|3584x3584|5"} <= set(jobs)
+    assert "multi|512x3584:1|3584x3584:1|3584x18944:1|3584x37888:1" in jobs
+    # one GPU for the whole model: the step of every shape is scaled down to MAX_ELEMENTS
+    from megatron_dmuon.runtime.rank_profile import MAX_ELEMENTS
+
+    whole = [multi_counts(n) for n in profile_jobs(profile_counts({Q: 56, O: 56, F2: 28, F1: 28}, 1))
+             if n.startswith("multi|") and len(multi_counts(n)) == 4 and set(multi_counts(n).values()) != {1}]
+    assert len(whole) == 1 and sum(k * m * n for (m, n), k in whole[0].items()) <= MAX_ELEMENTS
+
+
+def test_the_milp_keeps_the_greedy_plan_when_its_gain_is_within_the_models_error(model):
+    """A plan predicted faster than the greedy by less than the model's own error on its steps of
+    several shapes is not taken (on the H100 a plan predicted 2.3% faster emulated 21% slower)."""
+    free, _ = _plan("qwen7b-4l", 2, 40_000_000, "milp", rank_model=model, milp_options={"time_limit_s": 3.0})
+    info = free["info"]["dense"]
+    gain = 1 - info["makespan"] / info["candidates"]["cost"]
+    assert gain > 0.003  # this device: the MILP's plan wins
+    unsure = RankCostModel.from_json(model.to_json())
+    unsure.meta["multi_error"] = 2 * gain
+    kept, _ = _plan("qwen7b-4l", 2, 40_000_000, "milp", rank_model=unsure, milp_options={"time_limit_s": 3.0})
+    info = kept["info"]["dense"]
+    assert info["chosen"] == "cost" and "kept the greedy plan" in info["note"]
+    assert info["makespan"] == pytest.approx(info["candidates"]["cost"])
+    greedy, _ = _plan("qwen7b-4l", 2, 40_000_000, "greedy")
+    assert kept["layouts"]["dense"].owners == greedy["layouts"]["dense"].owners
+    forced, _ = _plan("qwen7b-4l", 2, 40_000_000, "milp", rank_model=unsure,
+                      milp_options={"time_limit_s": 3.0, "min_gain": 0.0})
+    assert forced["info"]["dense"]["makespan"] == pytest.approx(info["makespan"] * (1 - gain), rel=1e-6)

@@ -11,9 +11,16 @@ This model predicts the step from measurements of the step itself:
   and apply of the stack together, as the runtime batches it). Between points the time is
   interpolated linearly, past the last one extrapolated along the last segment: the stack cost
   against its count is what it measures, wave quantisation and launch amortisation included.
-* ``shared_ms``: the part of a step every shape's points contain once, but a rank with several
-  shapes pays once (the step's own host work and synchronisation): the measured
-  t(a) + t(b) - t(a and b) of a two-shape step.
+* ``shape_shared[s]`` and ``shared_ms``: a step of several shapes does not pay each shape's
+  stack whole. Each stack's points hold a part that another shape's work covers (the step's own
+  host work, and the launches of a small stack, which run while the GPU is busy with a large one):
+  ``shape_shared[s]``; the step then pays ``shared_ms`` once. A rank of several shapes costs
+  ``shared_ms + sum(max(0, stack(s) - shape_shared[s]))``, never less than its largest stack
+  (a negative part: shapes that slow each other down).
+  One constant for every shape (format 1: ``shape_shared`` = ``shared_ms``), from one pair step,
+  missed the H100's slowest 4-shape GPUs of the Qwen 4-layer model by -13%..-32%: a 512x3584
+  stack beside a 3584x3584 one was covered almost whole (~3 ms), two large stacks shared ~1 ms. Fitted by least squares on steps of several
+  shapes (``multi``: all of a layout's shapes at an even share, and each leave-one-out of them).
 * ``adamw``: (elements, fragments, ms) points of an AdamW-only step, fitted to
   ``a0 + a1 x elements + a2 x fragments``.
 * ``hidden``: the fraction of the shorter of the two (Muon, AdamW) that runs under the longer one
@@ -33,9 +40,10 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .cost_model import CostModel, DeviceSpec, ShapeCost, device_spec, fit_affine, load_config, shape_key
 
-__all__ = ["RankWork", "RankCostModel", "piece_counts", "analytic_rank_model", "FORMAT"]
+__all__ = ["RankWork", "RankCostModel", "piece_counts", "analytic_rank_model", "multi_name", "multi_counts", "FORMAT"]
 
-FORMAT = 1
+FORMAT = 2  # 2: shape_shared; format 1 files load as shape_shared = shared_ms
+READABLE_FORMATS = (1, 2)
 Key = Tuple[int, int]
 
 
@@ -80,13 +88,15 @@ def _interpolate(points: Sequence[Tuple[int, float]], k: float) -> float:
 
 def _least_squares(rows: List[List[float]], ys: List[float]) -> List[float]:
     """Solve the normal equations of a small dense least-squares problem (no numpy: planning is
-    pure Python); columns with no variation get 0."""
+    pure Python); a column the earlier ones already explain (no variation of its own, to 1e-9 of
+    its norm) gets 0."""
     n = len(rows[0])
     a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
     b = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(n)]
+    norms = [a[i][i] for i in range(n)]
     for i in range(n):  # Gauss-Jordan with partial pivoting
         p = max(range(i, n), key=lambda r: abs(a[r][i]))
-        if abs(a[p][i]) < 1e-30:
+        if abs(a[p][i]) <= 1e-9 * norms[i] or abs(a[p][i]) < 1e-30:
             a[i] = [0.0] * n
             a[i][i], b[i] = 1.0, 0.0
             continue
@@ -112,9 +122,11 @@ class RankCostModel:
     muon_ms_per_element: float = 0.0  # analytic Muon element-wise pass (unmeasured shapes only)
     steps: int = 5
     ns_method: str = "auto"
+    shape_shared: Dict[Key, float] = dataclasses.field(default_factory=dict)  # absent shape: shared_ms
 
     def __post_init__(self):
         self.stacks = {shape_key(s): sorted((int(k), float(t)) for k, t in pts) for s, pts in self.stacks.items()}
+        self.shape_shared = {shape_key(s): float(v) for s, v in self.shape_shared.items()}
         if not 0.0 <= self.hidden <= 1.0:
             raise ValueError(f"hidden must be in [0, 1], got {self.hidden}")
         self.adamw_fit = self._fit_adamw()
@@ -172,11 +184,16 @@ class RankCostModel:
         a0, a1, a2 = self.adamw_fit
         return a0 + a1 * elements + a2 * fragments
 
+    def shared_of(self, shape: Sequence[int]) -> float:
+        """The part of ``shape``'s stack that another shape's work in the same step covers."""
+        return self.shape_shared.get(shape_key(shape), self.shared_ms)
+
     def muon_ms(self, pieces: Mapping[Sequence[int], int]) -> float:
-        parts = [self.stack_ms(s, k) for s, k in pieces.items() if k > 0]
-        if not parts:
-            return 0.0
-        return sum(parts) - self.shared_ms * (len(parts) - 1)
+        parts = {shape_key(s): self.stack_ms(s, k) for s, k in pieces.items() if k > 0}
+        if len(parts) <= 1:
+            return sum(parts.values())
+        paid = self.shared_ms + sum(max(0.0, t - self.shared_of(s)) for s, t in parts.items())
+        return max(paid, max(parts.values()))  # more work in a step never makes it faster
 
     def rank_ms(self, work: RankWork) -> float:
         muon = self.muon_ms(work.pieces)
@@ -229,13 +246,15 @@ class RankCostModel:
     @classmethod
     def fit(cls, stacks: Mapping[Sequence[int], Sequence[Tuple[int, float]]],
             adamw: Sequence[Tuple[int, int, float]], pairs: Sequence[Tuple[Key, int, Key, int, float]] = (),
-            mixed: Sequence[Tuple[Key, int, int, int, float]] = (), **kw) -> "RankCostModel":
-        """From measured steps: ``stacks`` (Muon-only), ``adamw`` (AdamW-only), ``pairs`` (a, ka,
-        b, kb, ms of a two-shape step: the shared part), ``mixed`` (shape, k, AdamW elements,
-        fragments, ms: the hidden fraction)."""
+            mixed: Sequence[Tuple[Key, int, int, int, float]] = (),
+            multi: Sequence[Tuple[Mapping[Sequence[int], int], float]] = (), **kw) -> "RankCostModel":
+        """From measured steps: ``stacks`` (Muon-only), ``adamw`` (AdamW-only), ``multi`` ({shape:
+        k}, ms of a Muon-only step of several shapes: the shared parts; ``pairs`` (a, ka, b, kb,
+        ms) are two-shape ones), ``mixed`` (shape, k, AdamW elements, fragments, ms: the hidden
+        fraction)."""
         model = cls(dict(stacks), list(adamw), **kw)
-        shared = [model.stack_ms(a, ka) + model.stack_ms(b, kb) - t for a, ka, b, kb, t in pairs]
-        model.shared_ms = max(0.0, sum(shared) / len(shared)) if shared else 0.0
+        steps = [({a: ka, b: kb}, t) for a, ka, b, kb, t in pairs] + [(dict(c), t) for c, t in multi]
+        model.fit_shared(steps)
         hidden = []
         for s, k, e, f, t in mixed:
             muon, adam = model.stack_ms(s, k), model.adamw_ms(e, f)
@@ -243,32 +262,68 @@ class RankCostModel:
                 hidden.append((muon + adam - t) / min(muon, adam))
         model.hidden = min(1.0, max(0.0, sum(hidden) / len(hidden))) if hidden else 0.0
         model.meta.setdefault("source", "measured")
-        model.meta.update(shared_points=len(shared), mixed_points=len(hidden))
+        model.meta.update(mixed_points=len(hidden))
         return model
+
+    def fit_shared(self, steps: Sequence[Tuple[Mapping[Sequence[int], int], float]]) -> None:
+        """``shared_ms`` and ``shape_shared`` by least squares on Muon-only steps of several shapes
+        ({shape: k}, ms): each gives shared_ms - sum of its shapes' shared parts = ms - sum of its
+        stacks. Solved for the step's part and each shape's difference from it: a difference the
+        steps cannot tell (two shapes measured only together) stays 0, which with one pair is the
+        format-1 constant. A part is negative where a step of several shapes costs more than its
+        stacks apart (the H100's Qwen2.5-32B rank: +3 ms on 44, in two runs); the step's part stays
+        within +-the cheapest one-matrix stack, a shape's within +-its stack in the steps (no shape
+        costs less than nothing, or more than twice its stack)."""
+        steps = [({shape_key(s): int(k) for s, k in c.items() if k > 0}, float(t)) for c, t in steps]
+        steps = [(c, t) for c, t in steps if len(c) >= 2]
+        self.shape_shared = {}
+        if not steps:
+            self.shared_ms = 0.0
+            self.meta.update(multi_points=0)
+            return
+        shapes = sorted({s for c, _ in steps for s in c})
+        # shape s's part = step part + its difference: a step of shapes P gives
+        # (1 - |P|) x step part - sum of P's differences = ms - sum of P's stacks
+        rows = [[1.0 - len(c)] + [-1.0 if s in c else 0.0 for s in shapes] for c, _ in steps]
+        ys = [t - sum(self.stack_ms(s, k) for s, k in c.items()) for c, t in steps]
+        step_part, *differences = _least_squares(rows, ys)
+        cheapest = min(self.stack_ms(s, 1) for s in shapes)
+        bounded = min(max(-cheapest, step_part), cheapest)
+        if bounded != step_part:  # at its bound, the differences fitted again around it
+            step_part = bounded
+            differences = _least_squares([r[1:] for r in rows], [y - r[0] * step_part for r, y in zip(rows, ys)])
+        self.shared_ms = step_part
+        for s, difference in zip(shapes, differences):
+            largest = max(self.stack_ms(s, c[s]) for c, _ in steps if s in c)
+            self.shape_shared[s] = min(max(-largest, step_part + difference), largest)
+        errors = [self.muon_ms(c) / t - 1.0 for c, t in steps if t > 0]
+        self.meta.update(multi_points=len(steps), multi_error=max(map(abs, errors), default=0.0))
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "meta": self.meta, "shared_ms": self.shared_ms, "hidden": self.hidden,
+                "shape_shared": {f"{m}x{n}": v for (m, n), v in sorted(self.shape_shared.items())},
                 "stacks": {f"{m}x{n}": [list(p) for p in pts] for (m, n), pts in sorted(self.stacks.items())},
                 "adamw": [list(p) for p in self.adamw_points], "device": self.device.name if self.device else None,
                 "muon_ms_per_element": self.muon_ms_per_element, "steps": self.steps, "ns_method": self.ns_method}
 
     @classmethod
     def from_json(cls, data: dict, config: Optional[dict] = None) -> "RankCostModel":
-        if data.get("format") != FORMAT:
-            raise ValueError(f"rank cost model format {data.get('format')!r}, expected {FORMAT}")
-        stacks = {tuple(int(v) for v in key.split("x")): [(int(k), float(t)) for k, t in pts]
-                  for key, pts in data["stacks"].items()}
+        if data.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"rank cost model format {data.get('format')!r}, expected one of {READABLE_FORMATS} "
+                             "(written by another version: measure again)")
+        stacks = {_key(key): [(int(k), float(t)) for k, t in pts] for key, pts in data["stacks"].items()}
         device = device_spec(data["device"], config) if data.get("device") else None
         return cls(stacks, [tuple(p) for p in data["adamw"]], float(data["shared_ms"]), float(data["hidden"]),
                    device, dict(data.get("meta", {})), float(data.get("muon_ms_per_element", 0.0)),
-                   int(data.get("steps", 5)), data.get("ns_method", "auto"))
+                   int(data.get("steps", 5)), data.get("ns_method", "auto"),
+                   {_key(key): float(v) for key, v in data.get("shape_shared", {}).items()})
 
     @classmethod
     def from_calibration(cls, result: dict, device: Optional[DeviceSpec] = None) -> "RankCostModel":
-        """From ``bench/rank_balance.py calibrate``'s JSON (its ``jobs``: ns|MxN|k, pair|..., adamw|...,
-        mix|...)."""
+        """From ``bench/rank_balance.py calibrate``'s JSON or the start-up profile's points (its
+        ``jobs``: ns|MxN|k, pair|MxN|k|MxN|k, multi|MxN:k|MxN:k|..., adamw|..., mix|...)."""
         stacks: Dict[Key, List[Tuple[int, float]]] = {}
-        adamw, pairs, mixed = [], [], []
+        adamw, pairs, mixed, multi = [], [], [], []
         for name, job in result["jobs"].items():
             kind, *fields = name.split("|")
             ms = float(job["ms"])
@@ -280,8 +335,19 @@ class RankCostModel:
                 pairs.append((_key(fields[0]), int(fields[1]), _key(fields[2]), int(fields[3]), ms))
             elif kind == "mix":
                 mixed.append((_key(fields[0]), int(fields[1]), int(job["adamw_elements"]), int(job["fragments"]), ms))
-        return cls.fit(stacks, adamw, pairs, mixed, device=device,
+            elif kind == "multi":
+                multi.append((multi_counts(name), ms))
+        return cls.fit(stacks, adamw, pairs, mixed, multi, device=device,
                        meta={"source": "calibration", "device": result.get("device"), "flags": result.get("flags")})
+
+
+def multi_name(counts: Mapping[Sequence[int], int]) -> str:
+    """The job name of a Muon-only step of several shapes: multi|MxN:k|... (shapes sorted)."""
+    return "multi|" + "|".join(f"{m}x{n}:{k}" for (m, n), k in sorted((shape_key(s), int(k)) for s, k in counts.items()))
+
+
+def multi_counts(name: str) -> Dict[Key, int]:
+    return {_key(field.split(":")[0]): int(field.split(":")[1]) for field in name.split("|")[1:]}
 
 
 def _key(text: str) -> Key:

@@ -8,12 +8,15 @@ H200):
 
 1. every piece shape the plan holds, one matrix (``ns|MxN|1``);
 2. AdamW alone, one fragment of 10 M and of 100 M elements, and 100 M in 100 fragments (``adamw|...``);
-3. the two most common shapes together, each at an even share (half ``profile_counts``'; ``pair|...``: the
-   part a step pays once; measured on one matrix each it was 3x what a rank's step shares, because a
-   one-matrix step is mostly the step's fixed cost: the H100 emulation of docs/load_balancing.md);
-4. the largest shape beside 100 M AdamW elements (``mix|...``: how much AdamW hides beside the NS);
-5. every shape at the most matrices one rank can own of it (``profile_counts``: ``ns|MxN|K``; at most ``MAX_ELEMENTS``
-   matrix elements in one step), then at half that.
+3. every shape at an even share of its matrices over the owners (``ns|MxN|E``);
+4. every shape together at that share, and each shape left out of it in turn (``multi|MxN:E|...``):
+   the parts of each shape's stack that a step of several shapes does not pay again
+   (planning/rank_cost.py). One pair of shapes, the format-1 profile, measured a constant that missed
+   the H100's slowest 4-shape GPUs by -13%..-32% (a small stack is covered almost whole beside a
+   large one, two large ones share ~1 ms); together at one matrix each too, where that differs;
+5. the largest shape beside 100 M AdamW elements (``mix|...``: how much AdamW hides beside the NS);
+6. every shape at the most matrices one rank is profiled at (``profile_counts``: ``ns|MxN|K``; at
+   most ``MAX_ELEMENTS`` matrix elements in one step), then at half that.
 
 A job whose budget runs out keeps what it measured; the MILP does not plan on a model missing a
 shape or AdamW (planning/rank_milp.py keeps the greedy plan then, with a warning). The same points, named the same way, come from ``bench/rank_balance.py
@@ -29,7 +32,7 @@ import torch
 
 from ..planning.caches import ProfileCache, default_profile_cache_path
 from ..planning.cost_model import device_spec_for, load_config, shape_key
-from ..planning.rank_cost import RankCostModel
+from ..planning.rank_cost import RankCostModel, multi_name
 from .muon_settings import MuonSettings
 from .ns_timing import device_name, profile_meta, time_owner_step
 
@@ -52,37 +55,72 @@ def _fragments(elements: int, count: int) -> List[int]:
     return [elements - (count - 1) * small] + [small] * (count - 1)
 
 
-def profile_counts(counts, cells: int) -> dict:
-    """Per piece shape, the most matrices the rank profile times on one rank: twice an even share
-    over the ``cells`` owners (greedy plans emulated on the H200 gave one rank up to 1.7x the even share;
-    past the last point the model extrapolates), at most all of them."""
-    return {shape: min(n, 2 * -(-n // max(1, cells))) for shape, n in counts.items()}
+def profile_counts(counts, cells: int) -> Dict[Key, Tuple[int, int]]:
+    """Per piece shape, (an even share over the ``cells`` owners, the most matrices the rank
+    profile times on one rank). The most: twice the even share (greedy plans emulated on the H200
+    gave one rank up to 1.7x it), or as many as cost the NS work of one matrix of the costliest
+    shape, where more (a cost-balanced plan piles small matrices onto one rank: at DP 64 the H100's
+    greedy gave one rank 8 of 56 512x3584 pieces, whose curve measured at 1 and 2 and extrapolated
+    was 1.8x off); at most all of them."""
+    def work(shape):  # NS work of an m x n piece, m <= n, grows as m^2 n
+        m, n = shape_key(shape)
+        return m * m * n
+
+    costliest = max((work(s) for s in counts), default=1)
+    out = {}
+    for shape, n in counts.items():
+        even = -(-n // max(1, cells))
+        out[shape_key(shape)] = (min(n, even), min(n, max(2 * even, -(-costliest // work(shape)))))
+    return out
 
 
-def profile_jobs(shape_counts: Mapping[Sequence[int], int]) -> Dict[str, Tuple[List[tuple], List[int]]]:
-    """The start-up points, in measuring order: {name: (matrices, AdamW fragment sizes)}."""
-    counts = {shape_key(s): max(1, min(int(k), MAX_ELEMENTS // (s[0] * s[1]))) for s, k in shape_counts.items()}
+def _multi_jobs(counts: Mapping[Key, int]) -> Dict[str, Tuple[List[tuple], List[int]]]:
+    """Every shape together at ``counts`` and, past two shapes, each one left out in turn (with two,
+    the one-shape steps are the stack points themselves)."""
+    shapes = sorted(counts)
+    if len(shapes) < 2:
+        return {}
+    sets = [shapes] + ([[s for s in shapes if s != out] for out in shapes] if len(shapes) > 2 else [])
+    return {multi_name({s: counts[s] for s in group}): ([m for s in group for m in _matrices(s, counts[s])], [])
+            for group in sets}
+
+
+def profile_jobs(shape_counts: Mapping[Sequence[int], object]) -> Dict[str, Tuple[List[tuple], List[int]]]:
+    """The start-up points, in measuring order: {name: (matrices, AdamW fragment sizes)}.
+    ``shape_counts``: per shape (even share, most) as ``profile_counts`` gives, or the most alone
+    (the even share is then half of it)."""
+    counts, even = {}, {}
+    for s, value in shape_counts.items():
+        key = shape_key(s)
+        share, most = value if isinstance(value, tuple) else (max(1, int(value) // 2), int(value))
+        counts[key] = max(1, min(most, MAX_ELEMENTS // (key[0] * key[1])))
+        even[key] = max(1, min(share, counts[key]))
+    # the step of every shape holds one rank's share of each, scaled down to MAX_ELEMENTS together
+    total = sum(k * s[0] * s[1] for s, k in even.items())
+    if total > MAX_ELEMENTS:
+        even = {s: max(1, k * MAX_ELEMENTS // total) for s, k in even.items()}
     by_size = sorted(counts, key=lambda s: -s[0] * s[0] * s[1])
     jobs: Dict[str, Tuple[List[tuple], List[int]]] = {}
     for s in sorted(counts):
         jobs[f"ns|{s[0]}x{s[1]}|1"] = (_matrices(s, 1), [])
     for elements, count in ADAMW_POINTS:
         jobs[f"adamw|{elements // 10**6}M|{count}"] = ([], _fragments(elements, count))
-    common = sorted(counts, key=lambda s: (-counts[s], s))[:2]
-    if len(common) == 2:
-        a, b = common
-        ka, kb = max(1, counts[a] // 2), max(1, counts[b] // 2)
-        jobs[f"pair|{a[0]}x{a[1]}|{ka}|{b[0]}x{b[1]}|{kb}"] = (_matrices(a, ka) + _matrices(b, kb), [])
+    for s in sorted(counts):
+        jobs.setdefault(f"ns|{s[0]}x{s[1]}|{even[s]}", (_matrices(s, even[s]), []))
+    jobs.update(_multi_jobs(even))
+    if len(counts) > 1:  # and every shape at one matrix: the step of the most owners
+        ones = {s: 1 for s in counts}
+        jobs.setdefault(multi_name(ones), ([m for s in sorted(ones) for m in _matrices(s, 1)], []))
     if by_size:
         s = by_size[0]
         jobs[f"mix|{s[0]}x{s[1]}|1|{MIX_ADAMW // 10**6}M"] = (_matrices(s, 1), [MIX_ADAMW])
     for s in by_size:
         if counts[s] > 1:
-            jobs[f"ns|{s[0]}x{s[1]}|{counts[s]}"] = (_matrices(s, counts[s]), [])
+            jobs.setdefault(f"ns|{s[0]}x{s[1]}|{counts[s]}", (_matrices(s, counts[s]), []))
     for s in by_size:
         half = counts[s] // 2
         if half > 1:
-            jobs[f"ns|{s[0]}x{s[1]}|{half}"] = (_matrices(s, half), [])
+            jobs.setdefault(f"ns|{s[0]}x{s[1]}|{half}", (_matrices(s, half), []))
     return jobs
 
 
