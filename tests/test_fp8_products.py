@@ -114,6 +114,19 @@ def test_transposed_operand_reuses_the_quantization():
                        scaled_fp8_matmul(x, x.mT.contiguous(), scaling="row", out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_quantized_operands_are_row_major_whatever_the_input_strides(scaling):
+    """cuBLASLt's FP8 GEMM takes only a row-major a and a column-major b (qbt.t()): a transposed view
+    (b.mT, X.mT) quantizes to a contiguous q, with the same values (the H100 refused every FP8 NS
+    product before, on the CPU's emulation it never showed)."""
+    x = torch.randn(256, 384, dtype=torch.bfloat16)
+    for view in (x.mT, x[:, :256].mT, x):
+        q, s = quantize_e4m3(view, scaling)
+        assert q.is_contiguous()
+        ref_q, ref_s = quantize_e4m3(view.contiguous(), scaling)
+        assert torch.equal(q.float(), ref_q.float()) and torch.equal(s, ref_s)
+
+
 def test_argument_checks():
     with pytest.raises(ValueError):
         scaled_fp8_matmul(torch.randn(4, 8), torch.randn(7, 3))

@@ -74,7 +74,9 @@ def quantize_e4m3(x: Tensor, scaling: str) -> tuple[Tensor, Tensor]:
     ('row') or [.., r, k/128] ('block128'); ``q·scale_inv`` (blocks expanded) is the dequantized x."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}; got {scaling!r}")
-    xf = x.float()
+    # row-major q whatever x's strides: x is often a transposed view (b.mT), and cuBLASLt takes
+    # only a row-major a with a column-major b (qbt.t())
+    xf = x.to(torch.float32, memory_format=torch.contiguous_format)
     if scaling == "block128":
         pad = (-xf.size(-1)) % BLOCK
         if pad:
