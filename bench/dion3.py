@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import ROOT, Job, has_cuda, run  # noqa: E402
-from megatron_dmuon.runtime.owner_step import MatrixInfo, OwnerMuonAdamW  # noqa: E402
+from megatron_dmuon.runtime.owner_step import MatrixInfo, OwnerMuonAdamW, with_ns_choices  # noqa: E402
 
 # (label, flags): the rules compared; Dion3 at f = 1/4 and 1/8 with NorDion2's lr (no f factor).
 # Dion3's momentum has no Nesterov form (it is refused), so its rows turn off the job's default Nesterov.
@@ -68,7 +68,7 @@ def build(rule: str, fraction: float, layers: int, scale: int, device):
             infos.append(MatrixInfo(f"layer{layer}.{name}", (r, c)))
     settings = default_settings(update=rule, fraction=fraction)
     opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=1e-3, weight_decay=0.1, muon=settings)
-    for p, info in zip(params, infos):
+    for p, info in zip(params, with_ns_choices(infos, settings, device)):
         opt.register_matrix(p, info)
     opt.init_state()
     return opt

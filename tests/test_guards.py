@@ -7,7 +7,7 @@ import sys
 import torch
 
 from megatron_dmuon.kernels import metrics
-from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW, fp32_orthogonalizer
+from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW, fp32_orthogonalizer, with_ns_choices
 from megatron_dmuon.testing.compare import full_optimizer_state, full_params, rel_diffs, state_diffs
 from megatron_dmuon.testing.multiproc import run_distributed
 
@@ -27,8 +27,9 @@ def test_nan_gradient_on_one_rank_skips_the_step_everywhere():
 def _owner(params, orthogonalizer=None, retry=True):
     opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.1,
                          muon=MuonSettings(ns_dtype=torch.float32, retry_nonfinite=retry), orthogonalizer=orthogonalizer)
-    for i, p in enumerate(params):
-        opt.register_matrix(p, MatrixInfo(f"w{i}", tuple(p.shape)))
+    infos = with_ns_choices([MatrixInfo(f"w{i}", tuple(p.shape)) for i, p in enumerate(params)], opt.muon, "cpu")
+    for p, info in zip(params, infos):
+        opt.register_matrix(p, info)
     return opt
 
 
@@ -66,7 +67,7 @@ def test_all_zero_gradient_is_finite_and_only_decays():
     start_p, start_v = p.detach().clone(), v.detach().clone()
     opt = OwnerMuonAdamW([{"params": [p], "use_muon": True}, {"params": [v], "use_muon": False}], lr=0.02,
                          weight_decay=0.1, muon=MuonSettings(ns_dtype=torch.float32))
-    opt.register_matrix(p, MatrixInfo("w", (16, 24)))
+    opt.register_matrix(p, with_ns_choices([MatrixInfo("w", (16, 24))], opt.muon, "cpu")[0])
     opt.init_state()
     p.grad, v.grad = torch.zeros_like(p), torch.zeros_like(v)
     opt.step()
@@ -82,8 +83,8 @@ def test_state_is_created_for_every_param_before_the_first_step():
     v, w = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
     opt = OwnerMuonAdamW([{"params": [p, q], "use_muon": True}, {"params": [v, w], "use_muon": False}], lr=0.02,
                          weight_decay=0.1, muon=MuonSettings(ns_dtype=torch.float32))
-    opt.register_matrix(p, MatrixInfo("p", (8, 8)))
-    opt.register_matrix(q, MatrixInfo("q", (8, 8)))
+    for param, info in zip((p, q), with_ns_choices([MatrixInfo("p", (8, 8)), MatrixInfo("q", (8, 8))], opt.muon, "cpu")):
+        opt.register_matrix(param, info)
     opt.init_state()
     assert set(opt.state[p]) == {"momentum_buffer"} and set(opt.state[v]) == {"step", "exp_avg", "exp_avg_sq"}
     q0, w0 = q.detach().clone(), w.detach().clone()

@@ -142,22 +142,27 @@ def test_fast_entry_point_argument_errors():
 
 
 def test_owner_step_auto_method_comes_from_the_kernels(monkeypatch):
-    """--dmuon-ns-method auto on CUDA: the owner step's choice (planning.ns_choice.choose_ns) reads the kernels'
+    """--dmuon-ns-method auto on CUDA: the owner step's choice (planning.ns_choice.NSResolver) reads the kernels'
     autotune lookup (megatron_dmuon.kernels.measured_method), else counts FLOPs, so a wide stack runs Gram NS
-    (an import that fails would silently run standard NS everywhere); off CUDA the torch path's standard NS."""
+    (an import that fails would silently run standard NS everywhere); off CUDA the torch path's standard NS.
+    The resolver's FLOPs are those of what it chose (the planner's owner cost)."""
+    from megatron_dmuon.planning.params import ns_flops
     from megatron_dmuon.runtime import muon_settings
     from megatron_dmuon.runtime.owner_step import MuonSettings
 
     asked = []
-    monkeypatch.setattr(muon_settings, "measured_method", lambda device: (lambda *key: asked.append(key)))
+    monkeypatch.setattr(muon_settings, "measured_method",
+                        lambda device, cache_path=None: (lambda *key: asked.append(key)))
     settings = MuonSettings(ns_method="auto", ns_dtype=torch.bfloat16)
-    gram = settings.choose_ns(512, 3584, 2, "cuda")
+    gram = settings.ns_resolver("cuda").choice(512, 3584, 2)
     assert (gram.method, gram.compute_dtype, gram.runs) == ("gram", torch.float16, "gram")
-    assert settings.choose_ns(512, 512, 2, "cuda").method == "standard"
-    assert settings.choose_ns(8, 64, 2, "cpu").method == "standard"
+    assert settings.ns_resolver("cuda").choice(512, 512, 2).method == "standard"
+    assert settings.ns_resolver("cpu").choice(8, 64, 2).method == "standard"
     assert asked == [(512, 3584, 2, torch.bfloat16, 5), (512, 512, 2, torch.bfloat16, 5)]
-    monkeypatch.setattr(muon_settings, "measured_method", lambda device: (lambda *key: "standard"))
-    assert settings.choose_ns(512, 3584, 2, "cuda").method == "standard"  # a measurement outranks the FLOPs
+    assert settings.ns_resolver("cuda").flops(512, 3584, 2) == ns_flops(512, 3584, 5, "gram")
+    monkeypatch.setattr(muon_settings, "measured_method", lambda device, cache_path=None: (lambda *key: "standard"))
+    assert settings.ns_resolver("cuda").choice(512, 3584, 2).method == "standard"  # a measurement outranks the FLOPs
+    assert settings.ns_resolver("cuda").flops(512, 3584, 2) == ns_flops(512, 3584, 5, "standard")  # ... and its cost
 
 
 def test_auto_method_follows_flops():

@@ -145,7 +145,7 @@ def test_gpu_owner_step_launch_modes_are_bit_identical(tmp_path, monkeypatch):
     """The owner's whole Muon step with its per-shape NS calls eager, on streams, or replayed
     from one captured CUDA graph (re-captured when the set of shapes changes)."""
     from megatron_dmuon.kernels.metrics import NONFINITE_METRICS
-    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW, with_ns_choices
 
     monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
     # a kernel failing inside the graph capture (once: a host-to-device copy in the scaled norm)
@@ -158,8 +158,9 @@ def test_gpu_owner_step_launch_modes_are_bit_identical(tmp_path, monkeypatch):
         params = [torch.nn.Parameter(torch.randn(*s, device="cuda")) for s in shapes]
         opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.01,
                              muon=MuonSettings(ns_method="auto", coefficients="adaptive", ns_launch=launch))
-        for i, q in enumerate(params):
-            opt.register_matrix(q, MatrixInfo(f"w{i}", tuple(q.shape)))
+        infos = with_ns_choices([MatrixInfo(f"w{i}", tuple(q.shape)) for i, q in enumerate(params)], opt.muon, "cuda")
+        for q, info in zip(params, infos):
+            opt.register_matrix(q, info)
         for step in range(4):
             for i, q in enumerate(params):
                 # step 3 leaves the last matrix out: another set of stack shapes, another graph
@@ -182,7 +183,7 @@ def test_gpu_overlapped_owner_step_is_bit_identical_to_its_sync_twin(tmp_path, m
     stream) runs, gives bit for bit the params of the same per-group stacks run inside step()
     ('sync'), with the kernels' auto NS (Gram and standard, Triton) under each launch mode."""
     from megatron_dmuon.runtime.overlap_step import finish
-    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW, with_ns_choices
 
     monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
     shapes = [(512, 3584), (3584, 512), (1024, 1024), (512, 3584), (256, 1024), (1024, 1024)]
@@ -195,8 +196,9 @@ def test_gpu_overlapped_owner_step_is_bit_identical_to_its_sync_twin(tmp_path, m
                              muon=MuonSettings(ns_method="auto", ns_launch=launch, overlap_step=mode))
         applied = []
         opt.on_applied = applied.append
-        for i, q in enumerate(params):
-            opt.register_matrix(q, MatrixInfo(f"w{i}", tuple(q.shape), need=needs[i]))
+        infos = [MatrixInfo(f"w{i}", tuple(q.shape), need=needs[i]) for i, q in enumerate(params)]
+        for q, info in zip(params, with_ns_choices(infos, opt.muon, "cuda")):
+            opt.register_matrix(q, info)
         work = torch.randn(4096, 4096, device="cuda")
         for step in range(4):
             for q in params:
@@ -313,7 +315,7 @@ def test_gpu_owner_step_with_adamw_on_a_side_stream_is_deterministic(tmp_path, m
     """AdamW (element-wise params) runs on a side stream concurrently with the Muon step: the
     result equals the one-stream order, bit for bit, run after run; gradient clipping handed to the
     step (grad_scale) equals clipping the grads first."""
-    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW, with_ns_choices
 
     monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
     shapes = [(1024, 4096)] * 3 + [(1024, 1024)] * 2
@@ -327,8 +329,9 @@ def test_gpu_owner_step_with_adamw_on_a_side_stream_is_deterministic(tmp_path, m
                              muon=MuonSettings(ns_method="auto", coefficients="adaptive", ns_launch="graph"))
         if not overlap:
             monkeypatch.setattr(opt, "_side_stream", lambda device: None)
-        for i, q in enumerate(params):
-            opt.register_matrix(q, MatrixInfo(f"w{i}", tuple(q.shape)))
+        infos = with_ns_choices([MatrixInfo(f"w{i}", tuple(q.shape)) for i, q in enumerate(params)], opt.muon, "cuda")
+        for q, info in zip(params, infos):
+            opt.register_matrix(q, info)
         gen = torch.Generator(device="cuda").manual_seed(1)
         for _ in range(4):
             for q in params + vectors:

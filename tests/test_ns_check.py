@@ -47,8 +47,9 @@ def _run(settings, plant: bool, steps=5):
     orth = owner_step.default_orthogonalizer(settings)
     opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.1, muon=settings,
                          orthogonalizer=sabotaged(orth) if plant else orth)
-    for i, p in enumerate(params):
-        opt.register_matrix(p, MatrixInfo(f"w{i}", tuple(p.shape)))
+    for p, info in zip(params, owner_step.with_ns_choices([MatrixInfo(f"w{i}", tuple(p.shape))
+                                                           for i, p in enumerate(params)], settings, "cpu")):
+        opt.register_matrix(p, info)
     for step in range(steps):
         for i, p in enumerate(params):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))

@@ -6,7 +6,7 @@ import torch
 
 from megatron_dmuon.algorithms.muon import muon_step_
 from megatron_dmuon.algorithms.splitting import SplitRule
-from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW, with_ns_choices
 
 SHAPES = [(48, 32), (48, 32), (32, 48), (40, 40)]  # two of one shape: batched into one NS call
 
@@ -20,8 +20,9 @@ def _owner(params, settings, lr=0.02, wd=0.1, adam=()):
     if adam:
         groups.append({"params": list(adam), "use_muon": False})
     opt = OwnerMuonAdamW(groups, lr=lr, weight_decay=wd, muon=settings)
-    for i, p in enumerate(params):
-        opt.register_matrix(p, MatrixInfo(f"w{i}", tuple(p.shape)))
+    infos = with_ns_choices([MatrixInfo(f"w{i}", tuple(p.shape)) for i, p in enumerate(params)], settings, "cpu")
+    for p, info in zip(params, infos):
+        opt.register_matrix(p, info)
     return opt
 
 
@@ -89,7 +90,7 @@ def test_split_matrix_is_muon_on_every_piece(rule):
     ours = torch.nn.Parameter(start.clone())
     settings = MuonSettings.torch_muon(ns_dtype=torch.float32, scale_mode="match_rms_adamw")
     opt = OwnerMuonAdamW([{"params": [ours], "use_muon": True}], lr=0.02, weight_decay=0.1, muon=settings)
-    opt.register_matrix(ours, MatrixInfo("w", shape, rule))
+    opt.register_matrix(ours, with_ns_choices([MatrixInfo("w", shape, rule)], settings, "cpu")[0])
     pieces = [p.clone() for p in rule.pieces(start)]
     flat = [m for p in pieces for m in (p if p.dim() == 3 else [p])]
     moms = [torch.zeros_like(m) for m in flat]
@@ -161,8 +162,9 @@ def test_local_step_is_bit_identical_to_the_exchange_path(ns_method):
     for path in ("local", "exchange"):
         params = [torch.nn.Parameter(_rand(*s, seed=i)) for i, s in enumerate(shapes)]
         opt = OwnerMuonAdamW([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.1, muon=settings)
-        for i, (p, rule) in enumerate(zip(params, rules)):
-            opt.register_matrix(p, MatrixInfo(f"w{i}", tuple(p.shape), rule))
+        infos = [MatrixInfo(f"w{i}", tuple(p.shape), rule) for i, (p, rule) in enumerate(zip(params, rules))]
+        for p, info in zip(params, with_ns_choices(infos, settings, "cpu")):
+            opt.register_matrix(p, info)
         if path == "exchange":  # with clipping as the TP path takes it: one foreach pass first
             def exchange(entries, grad_scale=None, opt=opt):
                 if grad_scale is not None:

@@ -137,7 +137,7 @@ def test_the_ns_of_every_piece_is_chosen_from_the_records_for_its_owners_stack()
     FLOPs; off CUDA it is standard NS; distributed Gram NS runs Gram NS whatever was asked."""
     import torch
 
-    from megatron_dmuon.planning.ns_choice import owner_stack_batches, plan_ns_choices
+    from megatron_dmuon.planning.ns_choice import NSResolver, owner_stack_batches, plan_ns_choices
 
     records = [_muon_record("a", [(512, 3584)], owner=0), _muon_record("b", [(512, 3584), (512, 3584)], owner=0),
                _muon_record("c", [(4, 512, 3584)], owner=1), _muon_record("d", [(512, 3584)], owner=0, expert=True),
@@ -150,7 +150,7 @@ def test_the_ns_of_every_piece_is_chosen_from_the_records_for_its_owners_stack()
         asked.append((m, n, batch, dtype, steps))
         return "standard" if batch == 3 else None
 
-    choices = plan_ns_choices(records, precision=torch.bfloat16, on_cuda=True, measured=measured)
+    choices = plan_ns_choices(records, NSResolver("auto", torch.bfloat16, on_cuda=True, measured=measured))
     assert [[c.method for c in cs] for cs in choices] == [["standard"], ["standard", "standard"], ["gram"], ["gram"],
                                                           ["standard"], ["gram"]]
     assert sorted(set(asked)) == [(512, 512, 1, torch.bfloat16, 5), (512, 3584, 1, torch.bfloat16, 5),
@@ -158,22 +158,22 @@ def test_the_ns_of_every_piece_is_chosen_from_the_records_for_its_owners_stack()
     gram = choices[2][0]
     assert (gram.compute_dtype, gram.runs, gram.label("you")) == (torch.float16, "gram", "gram float16 you x5")
     assert choices[5][0].runs == "standard"  # a 64 x 64 Gram request runs standard NS inside the NS entry points
-    off_cuda = plan_ns_choices(records, precision=torch.bfloat16, on_cuda=False, measured=measured)
+    off_cuda = plan_ns_choices(records, NSResolver("auto", torch.bfloat16, on_cuda=False, measured=measured))
     assert {c.method for cs in off_cuda[:5] for c in cs} == {"standard"}
     with pytest.raises(ValueError, match="--dmuon-ns-method 'svd' unknown"):
-        plan_ns_choices([_muon_record("x", [(8, 8)], owner=0, requested="svd")], precision=torch.float32,
-                        on_cuda=False)
+        plan_ns_choices([_muon_record("x", [(8, 8)], owner=0, requested="svd")], NSResolver(on_cuda=False))
 
 
 def test_the_owner_step_runs_the_choice_its_matrix_info_carries():
     """The runtime decides nothing the plan decided: a matrix whose MatrixInfo carries a Gram choice runs
     Gram NS although the settings ask for standard NS (what it ran is in ns_paths), and its update equals
-    the Gram NS of its momentum; a matrix without a choice runs what the settings ask."""
+    the Gram NS of its momentum; a matrix decided by ``with_ns_choices`` runs what the settings ask, and one
+    with no choice at all is refused at registration (the step never decides)."""
     import torch
 
     from megatron_dmuon.algorithms.ns_dispatch import orthogonalize
     from megatron_dmuon.planning.ns_choice import choose_ns
-    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
+    from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW, with_ns_choices
 
     settings = MuonSettings(ns_method="standard", ns_dtype=torch.float32, coefficients="you", momentum=0.0,
                             nesterov=False, scale_mode="none")
@@ -182,7 +182,9 @@ def test_the_owner_step_runs_the_choice_its_matrix_info_carries():
                        on_cuda=False)
     opt = OwnerMuonAdamW([{"params": [wide, square], "use_muon": True}], lr=1.0, weight_decay=0.0, muon=settings)
     opt.register_matrix(wide, MatrixInfo("wide", (8, 64), ns=(choice,)))
-    opt.register_matrix(square, MatrixInfo("square", (16, 16)))
+    with pytest.raises(ValueError, match="matrix 'square' has no NS choice"):
+        opt.register_matrix(square, MatrixInfo("square", (16, 16)))
+    opt.register_matrix(square, with_ns_choices([MatrixInfo("square", (16, 16))], settings, "cpu")[0])
     grads = [torch.randn(8, 64, generator=torch.Generator().manual_seed(1)),
              torch.randn(16, 16, generator=torch.Generator().manual_seed(2))]
     wide.grad, square.grad = grads[0].clone(), grads[1].clone()

@@ -99,13 +99,14 @@ def newton_schulz_flops(
 
 def ns_method_for(rows: int, cols: int, steps: int = 5, ns_method: str = "auto",
                   restart_after: Iterable[int] | None = None, min_aspect_ratio: float = GRAM_MIN_ASPECT_RATIO,
-                  normalisation: str = "frobenius") -> str:
-    """The NS variant that runs on one ``rows x cols`` matrix when no measurement decides:
-    'gram' or 'standard'. The one rule of the kernels (a shape the autotune cache has not
-    measured), the planner's cost model and its owner costs.
+                  normalisation: str = "frobenius", measured: str | None = None) -> str:
+    """The NS variant that runs on one ``rows x cols`` matrix: 'gram' or 'standard'. The one
+    place a request is resolved, for the run (``planning.ns_choice.NSResolver``, the kernels'
+    own ``method='auto'``) and for every NS cost of the planner alike.
 
     ``'standard'``: standard. ``'gram'``: Gram where it applies (``gram_applies``; below
-    ``min_aspect_ratio`` Gram NS runs standard NS). ``'auto'``: Gram when it needs fewer FLOPs than
+    ``min_aspect_ratio`` Gram NS runs standard NS). ``'auto'``: ``measured`` (the autotune cache's
+    choice for this stack on this GPU) where there is one, else Gram when it needs fewer FLOPs than
     standard NS on symmetric kernels, with its restarts at ``restart_after`` (None:
     ``default_restarts(normalisation)``), else standard."""
     if ns_method not in NS_METHODS:
@@ -114,6 +115,10 @@ def ns_method_for(rows: int, cols: int, steps: int = 5, ns_method: str = "auto",
         return "standard"
     if ns_method == "gram":
         return "gram" if gram_applies(rows, cols, min_aspect_ratio) else "standard"
+    if measured is not None:
+        if measured not in ("gram", "standard"):
+            raise ValueError(f"a measured NS choice is 'gram' or 'standard', got {measured!r}")
+        return measured
     if restart_after is None:
         restart_after = default_restarts(normalisation)
     gram = newton_schulz_flops(rows, cols, steps, "gram", symmetric=True, restart_after=restart_after,

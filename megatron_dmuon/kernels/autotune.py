@@ -377,7 +377,7 @@ def measured_method(device: torch.device, cache_path=None):
 def cached_method(m: int, n: int, batch: int, dtype: torch.dtype, device: torch.device, steps: int, cache_path=None) -> str | None:
     """'gram' or 'standard' if ``tune_method`` measured this shape on this GPU, else None."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():  # a planner without a GPU: nothing measured here
         return None
     entry = get_cache(cache_path).get(method_key(device_key(device), m, n, batch, dtype, steps))
     return None if entry is None else entry["method"]

@@ -396,8 +396,8 @@ def gram_newton_schulz_fast(
 
 
 def resolve_method(x: Tensor, method: str, kwargs: dict) -> str:
-    """'gram' or 'standard' for this stack: explicit, else the autotune cache's, else
-    ``algorithms.flops.ns_method_for`` (by FLOPs)."""
+    """'gram' or 'standard' for this stack: explicit, else ``algorithms.flops.ns_method_for`` with
+    the autotune cache's measurement (the owner step passes its plan's resolved method instead)."""
     if method not in NS_METHODS:
         raise ValueError(f"method must be one of {', '.join(NS_METHODS)}; got {method!r}")
     if method != "auto":
@@ -407,10 +407,9 @@ def resolve_method(x: Tensor, method: str, kwargs: dict) -> str:
     batch = x.numel() // max(rows * cols, 1)
     dtype = kwargs.get("compute_dtype", torch.float16)
     cached = cached_method(min(rows, cols), max(rows, cols), batch, dtype, x.device, steps, kwargs.get("cache_path"))
-    if cached is not None:
-        return cached
     return ns_method_for(rows, cols, steps, "auto", kwargs.get("restart_after"),
-                         kwargs.get("min_aspect_ratio", GRAM_MIN_ASPECT_RATIO), kwargs.get("normalisation", "frobenius"))
+                         kwargs.get("min_aspect_ratio", GRAM_MIN_ASPECT_RATIO), kwargs.get("normalisation", "frobenius"),
+                         measured=cached)
 
 
 def orthogonalize_batched(x: Tensor, method: str = "auto", **kwargs) -> Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..kernels.autotune import measured_method
+import torch
+
 from ..planning.ns_choice import plan_ns_choices
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .megatron_lm_flags import megatron_muon_fields
@@ -57,9 +58,8 @@ def build_gather_then_compute_parts(config, model_chunks, cfg) -> list:
         module = chunk.module if hasattr(chunk, "module") else chunk
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         records = plan_records(module, chunk.ddp_config, lambda key: (1, 1), cfg, chunk.config)
-        on_cuda = any(p.is_cuda for _, p in named)
-        choices = plan_ns_choices(records, precision=cfg.muon.ns_dtype, on_cuda=on_cuda,
-                                  measured=measured_method(next(p for _, p in named).device) if on_cuda else None)
+        device = next((p.device for _, p in named if p.is_cuda), torch.device("cpu"))
+        choices = plan_ns_choices(records, cfg.muon.ns_resolver(device))
         params = {n: p for n, p in named}
         for record, ns in zip(records, choices):
             if record.use_muon:

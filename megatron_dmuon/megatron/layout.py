@@ -9,7 +9,7 @@ import torch
 from ..algorithms.tp_shards import tp_full_shape
 from ..planning.owner_layout import megatron_bucket_size
 from ..planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
-from ..planning.params import owner_ns_cost, param_routing
+from ..planning.params import check_muon_matrix_shape, param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
 from ..planning.plans import split_rule_for
 from ..planning.tp_cost import choose_tp_method
@@ -99,9 +99,15 @@ def plan_records(module: torch.nn.Module, ddp_config, sizes, cfg, model_config=N
 
 
 def owner_cost_fn(muon):
-    """NS FLOPs of one piece as the owner step runs it under ``muon`` (schedule, steps, method)."""
-    return functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
-                             ns_method=muon.ns_method)
+    """NS FLOPs of one piece as the owner step runs it under ``muon``: the run's own resolver
+    (``muon.ns_resolver``, on the GPU the plan is for: 'auto' takes this GPU's autotune
+    measurement where there is one, else the FLOP rule), so the planner costs what runs."""
+    resolver = muon.ns_resolver("cuda")
+
+    def cost(shape) -> float:
+        return resolver.flops(*check_muon_matrix_shape("matrix", shape))
+
+    return cost
 
 
 def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], bucket_size: Optional[int],

@@ -12,7 +12,6 @@ import contextlib
 import torch
 
 from . import checkpoint_torch
-from ..kernels.autotune import measured_method
 from ..planning.dp_shards import shard_range
 from ..planning.ns_choice import plan_ns_choices
 from ..planning.overlap_mode import OverlapMode
@@ -47,8 +46,7 @@ def _matrix_infos(model_chunks, muon) -> dict:
     params = [(idx, param, name, chunk.dmuon_plan.record(name)) for idx, chunk in enumerate(model_chunks)
               for param, name in chunk.param_names().items()]
     device = next(p for _, p, _, _ in params).device if params else torch.device("cpu")
-    choices = plan_ns_choices([r for *_, r in params], precision=muon.ns_dtype, on_cuda=device.type == "cuda",
-                              measured=measured_method(device) if device.type == "cuda" else None)
+    choices = plan_ns_choices([r for *_, r in params], muon.ns_resolver(device))
     need = need_order(model_chunks) if OverlapMode(muon.overlap_step).cuts_per_need_group else {}
     return {param: MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}", ns,
                                           need.get(param, 0))

@@ -1,13 +1,15 @@
-"""Which Newton–Schulz each owner stack runs: decided once, before the first step, and only here.
+"""Which Newton–Schulz each owner stack runs, and what it costs: one resolver for both.
 
 An owner orthogonalizes its matrices (or their split pieces) in one batched call per piece shape.
-``choose_ns`` turns what the config asks (``--dmuon-ns-method``, ``--muon-fp32-matmul-prec``,
-the coefficient schedule) into what runs on one [batch, rows, cols] stack: the method, its compute
-dtype and its schedule. 'auto' is the kernels' measured choice for this stack on this GPU (the
-autotune cache, read through ``measured``), else the FLOP rule (``algorithms.flops.ns_method_for``);
-off CUDA it is standard NS (the torch path has no measured choice). ``owner_stack_batches`` counts
-the stacks each owner will form from the plan's records, so the choice can be made at build time
-for exactly the batch the step will run.
+``NSResolver`` turns what the config asks (``--dmuon-ns-method``, ``--muon-fp32-matmul-prec``,
+the coefficient schedule) into what runs on one [batch, rows, cols] stack (``NSChoice``: the
+method, its compute dtype and its schedule) and into the FLOPs of that run, which the planner's
+owner costs use; the rule itself is ``algorithms.flops.ns_method_for`` ('auto': the kernels'
+measured choice for this stack on this GPU, the autotune cache read through ``measured``, else
+the FLOP rule). Off CUDA the run is standard NS (the torch path has no measured choice); the
+planner costs what the CUDA path runs (a plan made on CPU is for the GPU). ``plan_ns_choices``
+decides every piece of a plan at build time, for exactly the batch each owner's stack will hold;
+the owner step runs those choices and decides nothing itself.
 """
 from __future__ import annotations
 
@@ -20,8 +22,15 @@ import torch
 from ..algorithms.flops import NS_METHODS, ns_method_for
 from ..algorithms.gram_newton_schulz import GRAM_MIN_ASPECT_RATIO, gram_applies
 from ..algorithms.ns_dispatch import method_compute_dtype
+from ..algorithms.schedules import schedule_for_shape
+from .params import ns_flops
 
-__all__ = ["NSChoice", "choose_ns", "owner_stack_batches", "plan_ns_choices", "torch_path_method", "Measured"]
+__all__ = ["ADAPTIVE_SCHEDULE", "NSChoice", "NSResolver", "choose_ns", "ns_schedule", "owner_stack_batches",
+           "plan_ns_choices", "stack_ns_choices", "torch_path_method", "Measured"]
+
+# --dmuon-coefficients adaptive: per shape, the quartic normalisation with 4 designed steps for
+# wide/tall matrices (aspect >= 2) and 5 for the rest (algorithms.schedules.schedule_for_shape)
+ADAPTIVE_SCHEDULE = "adaptive"
 
 # (min(rows, cols), max(rows, cols), batch, requested dtype, steps) -> 'gram' | 'standard' | None
 Measured = Callable[[int, int, int, torch.dtype, int], Optional[str]]
@@ -61,6 +70,15 @@ def torch_path_method(requested: str) -> str:
     return "standard" if requested == "auto" else requested
 
 
+def ns_schedule(coefficients, steps: int, rows: int, cols: int) -> dict:
+    """The NS keyword arguments of a [rows, cols] matrix under ``--dmuon-coefficients`` /
+    ``--muon-num-ns-steps``: ``{'coefficients', 'steps'}`` (and ``'normalisation'`` for the
+    adaptive schedule)."""
+    if coefficients == ADAPTIVE_SCHEDULE:
+        return schedule_for_shape(rows, cols)
+    return {"coefficients": coefficients, "steps": steps}
+
+
 def choose_ns(rows: int, cols: int, batch: int, *, requested: str, precision: torch.dtype, schedule: Mapping,
               on_cuda: bool, measured: Optional[Measured] = None) -> NSChoice:
     """The NS of a [batch, rows, cols] stack. ``requested``: 'standard', 'gram' or 'auto';
@@ -70,10 +88,44 @@ def choose_ns(rows: int, cols: int, batch: int, *, requested: str, precision: to
     method = torch_path_method(requested)
     if requested == "auto" and on_cuda:
         steps = schedule.get("steps", 5)
-        method = (measured(min(rows, cols), max(rows, cols), batch, precision, steps) if measured else None) or \
-            ns_method_for(rows, cols, steps, "auto", None, GRAM_MIN_ASPECT_RATIO,
-                          schedule.get("normalisation", "frobenius"))
+        method = ns_method_for(rows, cols, steps, "auto", None, GRAM_MIN_ASPECT_RATIO,
+                               schedule.get("normalisation", "frobenius"),
+                               measured=measured(min(rows, cols), max(rows, cols), batch, precision, steps)
+                               if measured else None)
     return NSChoice(method, method_compute_dtype(method, precision), dict(schedule), rows, cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class NSResolver:
+    """The NS settings of one run on one device, resolving any stack: ``choice`` (what runs) and
+    ``flops`` (what that costs; the planner's owner cost of a piece). ``requested``: the NS
+    method asked for; ``coefficients`` / ``steps``: the schedule (``ns_schedule``); ``on_cuda``:
+    the kernels run it (the planner's resolver always is: it plans for the GPU); ``measured``:
+    the autotune cache's lookup on that GPU (None: the FLOP rule decides 'auto')."""
+
+    requested: str = "standard"
+    precision: torch.dtype = torch.bfloat16
+    coefficients: object = "you"
+    steps: int = 5
+    on_cuda: bool = True
+    measured: Optional[Measured] = dataclasses.field(default=None, compare=False)
+
+    def schedule(self, rows: int, cols: int) -> dict:
+        return ns_schedule(self.coefficients, self.steps, rows, cols)
+
+    def choice(self, rows: int, cols: int, batch: int = 1, requested: Optional[str] = None) -> NSChoice:
+        """The NS of a [batch, rows, cols] stack; ``requested`` overrides the run's method
+        (distributed Gram NS runs Gram whatever the request)."""
+        return choose_ns(rows, cols, batch, requested=requested or self.requested, precision=self.precision,
+                         schedule=self.schedule(rows, cols), on_cuda=self.on_cuda, measured=self.measured)
+
+    def flops(self, rows: int, cols: int, batch: int = 1) -> float:
+        """FLOPs of the NS ``choice`` runs on one matrix of a [batch, rows, cols] stack (Gram with
+        its restarts; symmetric products at half cost, as the kernels compute them)."""
+        choice = self.choice(rows, cols, batch)
+        schedule = choice.schedule
+        return ns_flops(rows, cols, schedule.get("steps", self.steps), choice.runs,
+                        normalisation=schedule.get("normalisation", "frobenius"))
 
 
 def owner_stack_batches(pieces: Iterable[Tuple[int, ...]]) -> Counter:
@@ -86,34 +138,41 @@ def owner_stack_batches(pieces: Iterable[Tuple[int, ...]]) -> Counter:
     return batches
 
 
-def plan_ns_choices(records: Sequence, *, precision: torch.dtype, on_cuda: bool,
-                    measured: Optional[Measured] = None) -> Tuple[Tuple[NSChoice, ...], ...]:
-    """The NS choice of every piece of every Muon record (``planning.plan.MatrixRecord``; () for
-    AdamW ones), in the order given: each piece's requested method and schedule as the record
-    holds them, for the stack its owner will form. An owner, one per optimizer part (dense or
-    expert), DP rank and TP owner, stacks the pieces of every record it orthogonalizes (pass the
-    records of all model chunks one optimizer steps); distributed Gram NS runs Gram NS on the
-    TP group's shards whatever the request."""
-    def owner(r):
-        return r.expert, r.dp_owner, r.tp_owner
-
-    batches: Dict[tuple, Counter] = defaultdict(Counter)
-    for r in records:
-        if r.use_muon and r.tp_method != "distributed_gram":
-            batches[owner(r)].update(owner_stack_batches(r.pieces))
+def stack_ns_choices(matrices: Sequence[Tuple[object, Sequence[Tuple[int, ...]], Sequence[str], Sequence[Mapping], str]],
+                     resolver: NSResolver) -> Tuple[Tuple[NSChoice, ...], ...]:
+    """The NS choice of every piece of every (owner, pieces, requested methods, schedules, TP
+    method) matrix, one entry per piece in the last four: each owner stacks the pieces of its
+    matrices by shape, so a piece's stack holds every piece of that shape its owner
+    orthogonalizes; distributed Gram NS runs Gram NS on the TP group's shards of one matrix
+    whatever the request."""
+    batches: Dict[object, Counter] = defaultdict(Counter)
+    for owner, pieces, _, _, tp_method in matrices:
+        if tp_method != "distributed_gram":
+            batches[owner].update(owner_stack_batches(pieces))
     out = []
-    for r in records:
+    for owner, pieces, requests, schedules, tp_method in matrices:
         choices = []
-        for piece, requested, schedule in zip(r.pieces, r.ns_methods, r.schedules) if r.use_muon else ():
+        for piece, requested, schedule in zip(pieces, requests, schedules):
             rows, cols = piece[-2:]
-            if r.tp_method == "distributed_gram":
-                choices.append(choose_ns(rows, cols, 1, requested="gram", precision=precision, schedule=schedule,
-                                         on_cuda=on_cuda))
-                continue
-            choices.append(choose_ns(rows, cols, batches[owner(r)][(rows, cols)], requested=requested,
-                                     precision=precision, schedule=schedule, on_cuda=on_cuda, measured=measured))
+            gram = tp_method == "distributed_gram"
+            choices.append(choose_ns(rows, cols, 1 if gram else batches[owner][(rows, cols)],
+                                     requested="gram" if gram else requested, precision=resolver.precision,
+                                     schedule=schedule, on_cuda=resolver.on_cuda,
+                                     measured=None if gram else resolver.measured))
         out.append(tuple(choices))
     return tuple(out)
+
+
+def plan_ns_choices(records: Sequence, resolver: NSResolver) -> Tuple[Tuple[NSChoice, ...], ...]:
+    """The NS choice of every piece of every Muon record (``planning.plan.MatrixRecord``; () for
+    AdamW ones), in the order given: each piece's requested method and schedule as the record
+    holds them. An owner, one per optimizer part (dense or expert), DP rank and TP owner, stacks
+    the pieces of every record it orthogonalizes (pass the records of all model chunks one
+    optimizer steps)."""
+    muon = [r for r in records if r.use_muon]
+    chosen = iter(stack_ns_choices([((r.expert, r.dp_owner, r.tp_owner), r.pieces, r.ns_methods, r.schedules,
+                                     r.tp_method) for r in muon], resolver))
+    return tuple(next(chosen) if r.use_muon else () for r in records)
 
 
 def _check_requested(requested: str) -> None:

@@ -1,5 +1,5 @@
 """How the owners run Muon (``MuonSettings``): the update rule's settings, Megatron-LM's defaults,
-their checks, and the NS each stack runs when no plan decided it (``planning.ns_choice``)."""
+their checks, and the NS resolver of a device (``planning.ns_choice.NSResolver``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,14 +12,12 @@ from ..algorithms.coefficients import get_coefficients
 from ..algorithms.flops import NS_METHODS
 from ..algorithms.muon import muon_lr_scale
 from ..algorithms.ns_metrics import schedule_peak
-from ..algorithms.schedules import schedule_for_shape
 from ..kernels import measured_method
-from ..planning.ns_choice import NSChoice, choose_ns
+from ..planning.ns_choice import ADAPTIVE_SCHEDULE, NSResolver, ns_schedule
 from ..planning.tp_cost import TP_METHODS
 from ..planning.overlap_mode import OverlapMode
 from .row_update_step import validate_update_settings
 
-ADAPTIVE_SCHEDULE = "adaptive"
 # How the owner's per-shape NS calls are launched on CUDA: one after the other ('eager'), on
 # concurrent streams ('streams'), or the whole set captured once as a CUDA graph and replayed
 # every step ('graph': kills the launch overhead of many small matrices; the graph keeps its
@@ -123,21 +121,19 @@ class MuonSettings:
         coefficients = kw["coefficients"] if isinstance(kw["coefficients"], str) else tuple(map(tuple, kw["coefficients"]))
         return _peak_limit(coefficients, kw["steps"])
 
-    def choose_ns(self, rows: int, cols: int, batch: int, device, requested: Optional[str] = None) -> NSChoice:
-        """The NS of a [batch, rows, cols] stack under these settings (``planning.ns_choice``):
-        for stacks the plan's records did not decide (an optimizer built without a plan, the row
-        rules' selected rows). ``requested`` overrides ``ns_method`` (distributed Gram NS)."""
+    def ns_resolver(self, device, cache_path=None) -> NSResolver:
+        """What every stack runs under these settings on ``device`` and what it costs
+        (``planning.ns_choice.NSResolver``): on CUDA 'auto' reads the kernels' autotune cache (a
+        planner on a machine without a GPU resolves for CUDA by the FLOP rule)."""
         device = torch.device(device)
-        return choose_ns(rows, cols, batch, requested=requested or self.ns_method, precision=self.ns_dtype,
-                         schedule=self.ns_schedule(rows, cols), on_cuda=device.type == "cuda",
-                         measured=measured_method(device) if device.type == "cuda" else None)
+        on_cuda = device.type == "cuda"
+        return NSResolver(self.ns_method, self.ns_dtype, self.coefficients, self.ns_steps, on_cuda,
+                          measured_method(device, cache_path) if on_cuda else None)
 
     def ns_schedule(self, rows: int, cols: int) -> dict:
         """The NS keyword arguments for a [rows, cols] matrix: ``{'coefficients', 'steps'}`` (and
         ``'normalisation'`` for the adaptive schedule)."""
-        if self.coefficients == ADAPTIVE_SCHEDULE:
-            return schedule_for_shape(rows, cols)
-        return {"coefficients": self.coefficients, "steps": self.ns_steps}
+        return ns_schedule(self.coefficients, self.ns_steps, rows, cols)
 
 
 NS_CHECK_MARGIN = 1.25  # an output's largest singular value may exceed its schedule's exact peak by 25%

@@ -115,7 +115,7 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
     for the one the TP owner returns). The start-up rank profile and bench/rank_balance.py's
     per-rank emulation time this."""
     from ..algorithms.muon import muon_apply_, muon_momentum_
-    from .owner_step import MatrixInfo, OwnerMuonAdamW
+    from .owner_step import MatrixInfo, OwnerMuonAdamW, with_ns_choices
 
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -140,8 +140,9 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
     if not groups and not shards:
         return 0.0, []
     opt = OwnerMuonAdamW(groups, lr=1e-4, weight_decay=0.1, muon=settings) if groups else None
-    for p, (name, shape, rule) in zip(muon, matrices):
-        opt.register_matrix(p, MatrixInfo(name, tuple(shape), rule))
+    infos = [MatrixInfo(name, tuple(shape), rule) for name, shape, rule in matrices]
+    for p, info in zip(muon, with_ns_choices(infos, settings, device) if infos else ()):
+        opt.register_matrix(p, info)
 
     def step():
         if opt is not None:

@@ -21,7 +21,7 @@ from ..algorithms.ns_dispatch import orthogonalize
 from ..kernels import GraphedGroups, orthogonalize_batched, orthogonalize_groups
 from ..kernels.fused_muon import muon_apply_fast_, muon_momentum_fast_  # the torch ops where they cannot fuse
 from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite_stacks
-from ..planning.ns_choice import NSChoice, torch_path_method
+from ..planning.ns_choice import NSChoice, stack_ns_choices, torch_path_method
 from ..planning.overlap_mode import OverlapMode
 from ..planning.params import check_muon_matrix_shape
 from .ns_check import NSQualityCheck
@@ -49,7 +49,7 @@ class MatrixInfo:
     tp_owner: int = 0  # TP rank that orthogonalizes this matrix
     tp_method: str = "gather"  # 'gather' to the TP owner, or 'distributed_gram' (planning/tp_cost.py)
     # per piece, the NS its stack runs (planning.ns_choice, decided from the plan before the first
-    # step); empty: the owner step decides once per stack shape, by the same rule
+    # step; ``with_ns_choices`` for matrices no plan holds): required to register the matrix
     ns: Tuple[NSChoice, ...] = ()
     # when the next forward needs it: its DDP bucket group's place in the forward (the overlapped
     # step cuts stacks and finishes them in this order; 0 for every matrix otherwise)
@@ -73,6 +73,20 @@ class MatrixInfo:
                         self.partition_dim, self.partition_stride)
 
 
+def with_ns_choices(infos: Sequence[MatrixInfo], settings: MuonSettings, device) -> List[MatrixInfo]:
+    """``infos`` with the NS of every piece decided (``MatrixInfo.ns``), as one owner that steps them
+    all together stacks them: for an owner step used without a plan (tests, benchmarks, a plain
+    torch training loop). A plan's matrices get theirs from ``planning.ns_choice.plan_ns_choices``."""
+    def pieces(info):
+        return tuple(tuple(s) for s in info.split.piece_shapes(info.shape)) if info.split is not None \
+            else (tuple(info.shape),)
+
+    resolver = settings.ns_resolver(device)
+    matrices = [(info.tp_owner, pieces(info), [settings.ns_method] * len(pieces(info)),
+                 [settings.ns_schedule(*s[-2:]) for s in pieces(info)], info.tp_method) for info in infos]
+    return [dataclasses.replace(info, ns=ns) for info, ns in zip(infos, stack_ns_choices(matrices, resolver))]
+
+
 def fp32_orthogonalizer(settings: MuonSettings, method: Optional[str] = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The float32 torch path of the same NS schedule: with the settings' method (the retry for
     non-finite outputs), or ``method`` ('standard': the online check's exact repair)."""
@@ -86,12 +100,12 @@ def fp32_orthogonalizer(settings: MuonSettings, method: Optional[str] = None) ->
 
 
 def default_orthogonalizer(settings: MuonSettings) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The owner step's NS of a [B, m, n] stack no plan decided: ``MuonSettings.choose_ns`` for
-    that stack, run by ``run_ns``."""
+    """The NS of any [B, m, n] stack under ``settings`` (their ``NSResolver`` on the stack's
+    device), run by ``run_ns``: for timing and checking NS outside an owner step."""
 
     def orth(stack: torch.Tensor) -> torch.Tensor:
         batch = stack.numel() // max(stack.size(-2) * stack.size(-1), 1)
-        return run_ns(stack, settings.choose_ns(stack.size(-2), stack.size(-1), batch, stack.device))
+        return run_ns(stack, settings.ns_resolver(stack.device).choice(stack.size(-2), stack.size(-1), batch))
 
     return orth
 
@@ -169,6 +183,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             )
         if any(i.name == info.name for i in self.matrix_info.values()):
             raise ValueError(f"DMuon: matrix name {info.name!r} registered twice")
+        if not info.ns:
+            raise ValueError(f"DMuon: matrix {info.name!r} has no NS choice (MatrixInfo.ns): build its info from "
+                             "its plan record (MatrixInfo.from_record with planning.ns_choice.plan_ns_choices), "
+                             "or decide it with runtime.owner_step.with_ns_choices")
         self.matrix_info[main_param] = info
 
     def _momentum_dtype(self, p: torch.Tensor) -> torch.dtype:
@@ -418,8 +436,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         for (local_shape, shape, owner), members in sorted(groups.items()):
             tall = shape[0] >= shape[1]  # shards are column blocks of the wide orientation
             stack = torch.stack([updates[info.name].mT if tall else updates[info.name] for _, info in members])
-            choice = members[0][1].ns[0] if members[0][1].ns else s.choose_ns(*shape, len(members), stack.device,
-                                                                               requested="gram")
+            choice = members[0][1].ns[0]
             result = self.tp.gram_orthogonalize(stack, owner, **dict(choice.schedule,
                                                                      compute_dtype=choice.compute_dtype))
             for (p, info), o in zip(members, result):
@@ -443,19 +460,22 @@ class OwnerMuonAdamW(torch.optim.AdamW):
 
     def _stack_plan(self, jobs: List[StackJob], device, infos: Sequence[Optional[MatrixInfo]] = (),
                     tag: Optional[int] = None) -> StackPlan:
-        """The stacks of ``jobs`` and the NS each runs: the plan's choice where the jobs' infos
-        carry one, else decided once here (``MuonSettings.choose_ns``), per set of jobs."""
+        """The stacks of ``jobs`` and the NS each runs: the choices their ``MatrixInfo``s carry;
+        jobs without one (``infos`` None: the row rules' selected rows, whose row count is the
+        rule's and known only now) by the settings' ``NSResolver``, once per set of jobs."""
         key = (tuple(jobs), str(device), tag)
         plans = self.__dict__.setdefault("_stack_plans", {})
         if key not in plans:
             if len(plans) > 16 and tag is None:  # shapes change rarely (row rules with a new selection size)
                 plans.clear()
             plan = StackPlan(jobs, tag)
+            infos = list(infos) or [None] * len(jobs)
             planned = {}
             for j, info in enumerate(infos):
                 for (g, _, _, _), choice in zip(plan.pieces[j], info.ns if info is not None else ()):
                     planned.setdefault(g, choice)
-            plan.ns = [planned.get(g) or self.muon.choose_ns(m, n, size, device)
+            resolver = self.muon.ns_resolver(device) if device is not None and None in infos else None
+            plan.ns = [planned[g] if g in planned else resolver.choice(m, n, size)
                        for g, ((m, n, _), size) in enumerate(zip(plan.groups, plan.sizes))]
             plans[key] = plan
         return plans[key]

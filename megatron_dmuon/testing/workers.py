@@ -173,13 +173,15 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
     )
     parts = [] if mode == "adam" else opt.chained_optimizers
     if blockwise:  # Megatron's inexact 'blockwise' TP mode, for contrast: every TP shard is its own matrix
-        from megatron_dmuon.runtime.owner_step import MatrixInfo
+        from megatron_dmuon.runtime.owner_step import MatrixInfo, with_ns_choices
         from megatron_dmuon.runtime.tp_exchange import TPExchange
 
         for part in parts:
             inner = part.optimizer
             inner.tp = TPExchange(None)
-            inner.matrix_info = {p: MatrixInfo(i.name, i.local_shape) for p, i in inner.matrix_info.items()}
+            shards = [MatrixInfo(i.name, i.local_shape) for i in inner.matrix_info.values()]
+            device = next(iter(inner.matrix_info)).device if shards else "cpu"
+            inner.matrix_info = dict(zip(inner.matrix_info, with_ns_choices(shards, inner.muon, device)))
     # ``ddp``/``model``: the one chunk of a run without virtual stages (None with several)
     one = len(chunks) == 1
     return SimpleNamespace(chunks=chunks, ddp=chunks[0] if one else None, model=models[0] if one else None,
