@@ -52,7 +52,7 @@ def main():
     from megatron_dmuon.planning.plans import buffer_items, split_pieces
     from megatron_dmuon.planning.rank_cost import piece_counts
     from megatron_dmuon.planning.rank_milp import plan_rank_owner_layout
-    from megatron_dmuon.planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
+    from megatron_dmuon.planning.startup_budget import STARTUP_BUDGET_S, milp_time_limit, profile_budget
     from megatron_dmuon.runtime.owner_step import MuonSettings
     from megatron_dmuon.runtime.rank_profile import profile_counts, profiled_rank_model
 

@@ -314,7 +314,7 @@ def startup(args, cfg, log):
     """What rank 0 of a ``--dmuon-balance milp`` job does at start-up, per layout: the rank profile
     (runtime/rank_profile.py, through the cache in --cache-dir) within the budget's share, then the
     MILP with what is left; seconds of each, and the model it planned on."""
-    from megatron_dmuon.planning.startup_profile import milp_time_limit, profile_budget
+    from megatron_dmuon.planning.startup_budget import milp_time_limit, profile_budget
     from megatron_dmuon.runtime.rank_profile import profile_counts, profiled_rank_model
 
     out = {"layouts": {}, "models": {}}

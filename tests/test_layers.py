@@ -15,7 +15,8 @@ too, relative ones resolved to module names.
     standard library, torch, numpy, scipy and mip (python-mip);
 (g) no module imports or calls another module's private ``_names`` (KNOWN_PRIVATE_REACHES lists
     those still reached, each with why);
-(h) the ``--dmuon-overlap-step`` mode names are compared only in planning/overlap_mode.py.
+(h) the ``--dmuon-overlap-step`` mode names are compared only in planning/overlap_mode.py;
+(i) the ``--dmuon-mode`` names are compared nowhere: production code asks megatron/modes.py's traits.
 """
 from __future__ import annotations
 
@@ -501,3 +502,52 @@ def test_overlap_mode_names_are_compared_in_one_module():
     assert not bad, "overlap mode names compared outside planning/overlap_mode.py (use OverlapMode):\n" + \
         "\n".join(f"  {name}: lines {lines}" for name, lines in sorted(bad.items()))
     assert found[OVERLAP_MODE_MODULE], "the finder no longer sees OverlapMode's own comparisons"
+
+
+# --- the --dmuon-mode names are compared nowhere: what a mode needs is in megatron/modes.py --------
+DMUON_MODE_NAMES = ("dmuon", "gather_then_compute", "megatron_layerwise")
+DMUON_BASELINE_NAMES = ("gather_then_compute", "megatron_layerwise")  # no other setting is spelled so
+
+
+def dmuon_mode_comparisons(source: str) -> list[int]:
+    """Lines comparing a --dmuon-mode by its name: a comparison of something named ``*mode*`` with
+    a mode literal (or a tuple, list or set of them), or any comparison with a baseline's name."""
+
+    def literal_modes(node, names=DMUON_MODE_NAMES) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and \
+            any(literal_modes(e, names) for e in node.elts)
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        if any(literal_modes(o, DMUON_BASELINE_NAMES) for o in operands):
+            lines.append(node.lineno)
+        elif any(literal_modes(o) for o in operands) and any("mode" in ast.unparse(o).lower()
+                                                              for o in operands if not literal_modes(o)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_dmuon_mode_comparison_finder():
+    source = (
+        "a = cfg.mode == 'dmuon'\n"
+        "b = args.dmuon_mode != 'megatron_layerwise'\n"
+        "c = args.optimizer == 'dmuon'\n"  # the optimizer's name: not this flag
+        "d = x in ('gather_then_compute', 'y')\n"
+        "e = mode_traits(args.dmuon_mode).all_reduces\n"
+    )
+    assert dmuon_mode_comparisons(source) == [1, 2, 4]
+
+
+def test_dmuon_mode_names_are_compared_nowhere():
+    """A mode's needs (distributed optimizer, DDP, owner step, TP/EP, checkpoints, update rules, the
+    Megatron-LM hook) are its ModeTraits; production code asks them instead of comparing names."""
+    found = {name: dmuon_mode_comparisons(path.read_text()) for name, path in package_modules().items()
+             if not name.startswith(f"{PACKAGE}.testing")}
+    bad = {name: lines for name, lines in found.items() if lines}
+    assert not bad, "--dmuon-mode names compared (ask megatron/modes.py's mode_traits):\n" + \
+        "\n".join(f"  {name}: lines {lines}" for name, lines in sorted(bad.items()))

@@ -15,8 +15,7 @@ from megatron_dmuon.planning.cost_model import (CostModel, analytic_shape_cost, 
                                                 load_bench_kernels_profile)
 from megatron_dmuon.planning.milp import MilpFallbackWarning, OwnerProblem, evaluate, solve_owner_milp
 from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
-from megatron_dmuon.planning.caches import PlanCache, ProfileCache
-from megatron_dmuon.planning.startup_profile import measure_profile, profile_batches
+from megatron_dmuon.planning.caches import PlanCache
 
 HERE = os.path.dirname(__file__)
 # the H200 kernel benchmark cut to what load_bench_kernels_profile reads
@@ -243,78 +242,6 @@ def test_cluster_config_has_h200_and_a800():
 
 # ----------------------------------------------------------------------------- caches
 
-def _fake_timer(calls):
-    def time_fn(shape, batch, repeats):
-        calls.append((shape, batch, repeats))
-        return 0.5 + batch * shape[0] * shape[1] * 1e-6
-    return time_fn
-
-
-META = {"device": "Fake GPU", "dtype": "bfloat16", "torch": "2.x", "triton": "3.x", "steps": 5,
-        "coefficients": "keller", "ns_method": "auto"}
-
-
-def test_profile_is_measured_once_and_reused_from_the_cache(tmp_path):
-    cache_path = tmp_path / "profile.json"
-    shapes = [(64, 256), (256, 64), (128, 128)]  # the first two are one orientation-free shape
-    calls = []
-    table = measure_profile(shapes, 5, _fake_timer(calls), META, cache=ProfileCache(cache_path))
-    assert len(calls) == 2 * len(profile_batches(5)) and profile_batches(5) == [1, 5] and profile_batches(1) == [1]
-    calls2 = []
-    again = measure_profile(shapes, 5, _fake_timer(calls2), META, cache=ProfileCache(cache_path))
-    assert calls2 == [] and again.points == table.points
-    fit = CostModel(device_spec("H200"), again).shape_cost((256, 64))
-    assert fit.launch_ms == pytest.approx(0.5) and fit.per_matrix_ms == pytest.approx(64 * 256 * 1e-6)
-    # other software versions: another key, measured again
-    calls3 = []
-    measure_profile(shapes, 5, _fake_timer(calls3), dict(META, torch="2.y"), cache=ProfileCache(cache_path))
-    assert len(calls3) == len(calls)
-
-
-@pytest.mark.parametrize("damage", ["garbage", "old_version", "bad_entry", "wrong_meta", "missing_points"])
-def test_corrupt_or_stale_profile_cache_is_rebuilt_with_a_warning(tmp_path, damage):
-    cache_path = tmp_path / "profile.json"
-    shapes = [(64, 256), (128, 128)]
-    measure_profile(shapes, 3, _fake_timer([]), META, cache=ProfileCache(cache_path))
-    data = json.loads(cache_path.read_text())
-    key = next(iter(data["entries"]))
-    if damage == "garbage":  # cut short (a file that is not ours is refused: test_bad_input_tools)
-        cache_path.write_text(cache_path.read_text()[:50])
-    elif damage == "old_version":
-        data["version"] = 0
-        cache_path.write_text(json.dumps(data))
-    elif damage == "bad_entry":
-        data["entries"][key] = {"points": {"64x256": [[1]]}}
-        cache_path.write_text(json.dumps(data))
-    elif damage == "wrong_meta":
-        data["entries"][key]["meta"]["steps"] = 6
-        cache_path.write_text(json.dumps(data))
-    else:
-        data["entries"][key]["points"].pop("128x128")
-        cache_path.write_text(json.dumps(data))
-    calls = []
-    with pytest.warns(RuntimeWarning):
-        table = measure_profile(shapes, 3, _fake_timer(calls), META, cache=ProfileCache(cache_path))
-    per_shape = len(profile_batches(3))
-    expected = per_shape if damage == "missing_points" else 2 * per_shape
-    assert len(calls) == expected and len(table.points) == 2
-    # the rebuilt cache is whole again: the next start measures nothing, silently
-    calls = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        measure_profile(shapes, 3, _fake_timer(calls), META, cache=ProfileCache(cache_path))
-    assert calls == []
-
-
-def test_profiling_stops_at_its_budget():
-    clock = iter(range(100)).__next__
-    calls = []
-    with pytest.warns(RuntimeWarning, match="budget"):
-        table = measure_profile([(64, 256), (128, 128), (32, 32)], 4, _fake_timer(calls), META, budget_s=2.5,
-                                clock=clock)
-    assert len(calls) == 2 and sum(len(v) for v in table.points.values()) == 2  # clock 1, 2 < 2.5; 3 stops
-
-
 def test_plan_cache_round_trip_and_corruption(tmp_path):
     path = tmp_path / "plans.json"
     PlanCache(path).put("k", {"a": 1})
@@ -481,7 +408,7 @@ def test_balance_milp_plans_on_the_rank_cost_model_gloo():
 
 def test_startup_budget_splits_between_profile_and_milp_and_the_plan_key_ignores_the_limit():
     from megatron_dmuon.planning.caches import plan_key
-    from megatron_dmuon.planning.startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
+    from megatron_dmuon.planning.startup_budget import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 
     assert profile_budget() == pytest.approx(STARTUP_BUDGET_S * 2 / 3)
     assert milp_time_limit(30.0, 12.0) == pytest.approx(18.0)

@@ -18,7 +18,7 @@ from megatron_dmuon.planning.owner_layout import OwnerLayout
 from megatron_dmuon.planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
 from megatron_dmuon.planning.plan import MatrixRecord
 from megatron_dmuon.planning.rank_cost import RankCostModel
-from megatron_dmuon.planning.startup_profile import profile_budget
+from megatron_dmuon.planning.startup_budget import profile_budget
 
 # str() of megatron-core's BufferKey: the plan cache names buffers by it
 DENSE = "BufferKey(param_dtype=torch.float32, grad_dtype=torch.float32, is_expert_parallel=False, " \

@@ -249,6 +249,68 @@ def test_rank_profile_measures_in_order_within_its_budget_and_caches(tmp_path):
     assert list(partial) == jobs[:2]  # the clock ticks once per point: 2 points fit in 2.5 s
 
 
+
+def _fake_owner_step(calls):
+    def fake(matrices, fragments):  # the made-up device, timed
+        calls.append(len(matrices))
+        w = RankWork()
+        for _, shape, _ in matrices:
+            w.add_matrix([shape])
+        w.add_fragments(fragments)
+        return true_rank(w)
+    return fake
+
+
+@pytest.mark.parametrize("damage", ["garbage", "old_version", "bad_point", "not_a_dict", "other_settings",
+                                    "missing_points"])
+def test_a_damaged_or_stale_rank_profile_cache_is_measured_again_with_a_warning(tmp_path, damage):
+    """The start-up profile never plans on a damaged cache entry: it is measured again (with a warning
+    naming the cache; what is still valid of a partial entry is kept), and the next start is silent."""
+    import warnings
+
+    from megatron_dmuon.runtime.rank_profile import profiled_rank_model
+
+    counts = {(3584, 3584): 4, (512, 3584): 4}
+    path = tmp_path / "profile.json"
+    calls = []
+    profiled_rank_model(counts, time_fn=_fake_owner_step(calls), cache_path=str(path))
+    points = len(calls)
+    data = json.loads(path.read_text())
+    key = next(iter(data["entries"]))
+    entry = data["entries"][key]
+    first = next(iter(entry["jobs"]))
+    if damage == "garbage":  # a file of ours cut short (one that is not ours is refused: test_bad_input_tools)
+        path.write_text(path.read_text()[:50])
+    else:
+        if damage == "old_version":
+            data["version"] = 0
+        elif damage == "bad_point":
+            entry["jobs"][first] = {"ms": "fast", "adamw_elements": 0, "fragments": 0}
+        elif damage == "not_a_dict":
+            entry["jobs"][first] = [1.0]
+        elif damage == "other_settings":
+            entry["meta"]["steps"] = 6
+        else:
+            del entry["jobs"][first]
+        path.write_text(json.dumps(data))
+    calls = []
+    if damage == "missing_points":  # a profile cut short by its budget: the rest is measured, silently
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            profiled_rank_model(counts, time_fn=_fake_owner_step(calls), cache_path=str(path))
+        assert len(calls) == 1
+    else:
+        with pytest.warns(RuntimeWarning):
+            profiled_rank_model(counts, time_fn=_fake_owner_step(calls), cache_path=str(path))
+        assert len(calls) == points
+    calls = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = profiled_rank_model(counts, time_fn=_fake_owner_step(calls), cache_path=str(path))
+    assert calls == []  # whole again: the next start measures nothing
+    work = RankWork(Counter({(3584, 3584): 3, (512, 3584): 4}), 0, 0)
+    assert again.rank_ms(work) == pytest.approx(true_rank(work), rel=0.05)
+
 def test_dmuon_plan_prints_the_four_planners_on_the_whole_owner_step(tmp_path, model):
     path = tmp_path / "rank_model.json"
     path.write_text(json.dumps(model.to_json()))

@@ -3,6 +3,7 @@ before any buffer or optimizer state exists."""
 from __future__ import annotations
 
 from ..planning.overlap_mode import OverlapMode
+from .modes import mode_traits
 
 
 def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
@@ -17,10 +18,10 @@ def check_model_parallel_config(model_config, mode: str = "dmuon") -> None:
             "--optimizer dmuon does not support --context-parallel-size > 1 yet (its owner plan and "
             "exactness tests cover TP/PP/EP/DP); use --context-parallel-size 1 or --optimizer adam"
         )
-    if mode == "gather_then_compute" and (get("tensor_model_parallel_size") > 1
-                                          or get("expert_model_parallel_size") > 1):
+    if not mode_traits(mode).model_parallel and (get("tensor_model_parallel_size") > 1
+                                                 or get("expert_model_parallel_size") > 1):
         raise ValueError(
-            "--dmuon-mode gather_then_compute is the DP-only baseline (per-shard NS under TP/EP would not "
+            f"--dmuon-mode {mode} is the DP-only baseline (per-shard NS under TP/EP would not "
             "be Muon); use --dmuon-mode dmuon with --tensor-model-parallel-size / --expert-model-parallel-size"
         )
     if get("qk_clip", False):
@@ -81,17 +82,18 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
         raise ValueError("--optimizer dmuon does not support --use-precision-aware-optimizer; drop the flag")
     if not getattr(config, "decoupled_weight_decay", True):
         raise ValueError("--optimizer dmuon applies decoupled weight decay only; drop decoupled_weight_decay=False")
-    if cfg.mode == "dmuon":
+    traits = mode_traits(cfg.mode)
+    if traits.distributed_optimizer:
         if not (config.use_distributed_optimizer and ddp_config.use_distributed_optimizer):
             raise ValueError(
                 "--optimizer dmuon needs --use-distributed-optimizer (OptimizerConfig and "
                 "DistributedDataParallelConfig use_distributed_optimizer=True); or pick "
                 "--dmuon-mode gather_then_compute"
             )
-        if ddp_config.num_distributed_optimizer_instances != 1:
-            raise ValueError("--optimizer dmuon needs --num-distributed-optimizer-instances 1")
-    elif cfg.mode == "gather_then_compute" and ddp_config.use_distributed_optimizer:
-        raise ValueError("--dmuon-mode gather_then_compute all-reduces grads: drop --use-distributed-optimizer")
+    if traits.owner_step and ddp_config.num_distributed_optimizer_instances != 1:
+        raise ValueError("--optimizer dmuon needs --num-distributed-optimizer-instances 1")
+    if traits.all_reduces and ddp_config.use_distributed_optimizer:
+        raise ValueError(f"--dmuon-mode {cfg.mode} all-reduces grads: drop --use-distributed-optimizer")
 
 
 def tensor_parallel_size(config) -> int:
@@ -119,7 +121,7 @@ def check_overlap_step(ddp_config, cfg, model_config=None, config=None) -> None:
     flag = f"--dmuon-overlap-step {overlap.name}"
     if overlap.starts_in_backward:
         _check_backward_start(flag, ddp_config, cfg, config)
-    if cfg.mode != "dmuon":
+    if not mode_traits(cfg.mode).owner_step:
         raise ValueError(f"{flag} applies to --dmuon-mode dmuon (got {cfg.mode}): drop the flag")
     if overlap.overlaps and not getattr(ddp_config, "overlap_param_gather", False):
         raise ValueError(

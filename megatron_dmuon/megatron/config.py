@@ -1,8 +1,15 @@
-"""DMuon's configuration schema: `DMuonConfig` (what the DDP plans with and the optimizer reads),
-its `LayoutOptions`, and how parsed flags become one (`DMuonConfig.from_args`, parsed once per run:
-`config_of`). `DMuonConfig()` equals what an empty command line gives (Megatron-LM's Muon defaults,
-megatron_lm_flags.py, plus DMuon's own), so the Python API, the trainer and a Megatron-LM launch
-share one set of defaults. The flags themselves and their parse-time checks: flags.py.
+"""DMuon's configuration schema: `DMuonConfig` (what the DDP plans with and the optimizer reads)
+and its `LayoutOptions`. `DMuonConfig()` equals what an empty command line gives (Megatron-LM's Muon
+defaults, megatron_lm_flags.py, plus DMuon's own), so the Python API, the trainer and a Megatron-LM
+launch share one set of defaults. A config is built one of three ways:
+
+* from flags: `DMuonConfig.from_args(args)` (parsed once per run: `config_of(args)`; the flags and
+  their parse-time checks are flags.py's);
+* from fields: `flags.dmuon_config_from_fields(optimizer_config, tp, **options)`, for a megatron-core
+  OptimizerConfig carrying Megatron's `muon_*` fields (Megatron-Bridge's recipes);
+* from code: `DMuonConfig(...)`, with `with_overrides(cfg, {...})` for DMuonDDP's keyword options.
+
+What each `--dmuon-mode` needs: modes.py.
 """
 from __future__ import annotations
 
@@ -15,12 +22,12 @@ from ..planning.caches import default_plan_cache_path
 from ..planning.owner_layout import BALANCE
 from ..runtime.row_update_step import tp_refusal
 from .checks import tensor_parallel_size
+from .modes import MODES, mode_traits, modes_training  # noqa: F401 (MODES: public API)
 from .megatron_lm_flags import (MUON_FP32_MATMUL_PREC, MUON_SCALAR_OPTIMIZERS, MUON_TP_MODES, megatron_muon_settings,
                                 muon_coefficients_for, refuse_unknown_muon_flags)
 from .publish import PUBLISH_DTYPES
 from ..runtime.owner_step import MuonSettings
 
-MODES = ("dmuon", "gather_then_compute", "megatron_layerwise")
 # --dmuon-momentum-dtype: the owners' Muon momentum (bf16 halves the Muon state; docs/mixed_precision.md)
 MOMENTUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -79,17 +86,18 @@ class DMuonConfig:
 
     def validate(self) -> None:
         self.layout.validate()
-        if self.mode not in MODES:
-            raise ValueError(f"--dmuon-mode {self.mode!r} unknown; valid: {', '.join(MODES)}")
+        traits = mode_traits(self.mode)
         if self.publish_dtype not in PUBLISH_DTYPES:
             raise ValueError(f"--dmuon-publish-dtype {self.publish_dtype!r} unknown; valid: {', '.join(PUBLISH_DTYPES)}")
-        if self.publish_dtype != "param" and self.mode != "dmuon":
+        if self.publish_dtype != "param" and not traits.owner_step:
             raise ValueError(f"--dmuon-publish-dtype {self.publish_dtype} needs --dmuon-mode dmuon (the owners quantize); "
                              f"--dmuon-mode {self.mode} publishes nothing of its own")
         self.muon.validate()
-        if self.mode == "megatron_layerwise" and self.muon.update != "muon":
-            raise ValueError(f"--dmuon-mode megatron_layerwise runs Megatron's own Muon; --dmuon-update "
-                             f"{self.muon.update} needs --dmuon-mode dmuon (or gather_then_compute)")
+        if traits.updates is not None and self.muon.update not in traits.updates:
+            first, *others = modes_training(self.muon.update)
+            why = " runs Megatron's own Muon" if traits.megatron_muon else f" trains {', '.join(traits.updates)} only"
+            raise ValueError(f"--dmuon-mode {self.mode}{why}; --dmuon-update {self.muon.update} needs --dmuon-mode "
+                             f"{first}" + (f" (or {', '.join(others)})" if others else ""))
 
     def plan_summary(self) -> dict:
         """What a plan records of the config it was made from (plain data; ``plan_matches``)."""
@@ -122,7 +130,7 @@ class DMuonConfig:
         tp = tensor_parallel_size(args)
         if args.muon_tp_mode not in MUON_TP_MODES:
             raise ValueError(f"--muon-tp-mode {args.muon_tp_mode!r} unknown; valid: {', '.join(MUON_TP_MODES)}")
-        if args.muon_tp_mode == "blockwise" and tp > 1 and args.dmuon_mode != "megatron_layerwise":
+        if args.muon_tp_mode == "blockwise" and tp > 1 and not mode_traits(args.dmuon_mode).megatron_muon:
             raise ValueError(
                 "--muon-tp-mode blockwise (core_v0.19.0's default) orthogonalizes every TP shard on its own, so "
                 "the update depends on the TP size (it is not Muon); --optimizer dmuon orthogonalizes whole "

@@ -17,13 +17,14 @@ from ..algorithms.dion3 import FRACTION_LR_MODES
 from ..algorithms.flops import NS_METHODS
 from ..kernels.autotune import CACHE_ENV
 from ..planning.owner_layout import BALANCE
-from ..planning.startup_profile import STARTUP_BUDGET_S
+from ..planning.startup_budget import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
 from ..planning.overlap_mode import OVERLAP_STEP_MODES
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES
 from ..runtime.row_update_step import UPDATE_RULES
 from .checks import check_dmuon_config
-from .config import DEFAULT_DION3_FRACTION, MODES, MOMENTUM_DTYPES, DMuonConfig, remember_config
+from .config import DEFAULT_DION3_FRACTION, MOMENTUM_DTYPES, DMuonConfig, remember_config
+from .modes import MODE_TRAITS, MODES, mode_traits
 from .hierarchy import check_two_level_config
 from .megatron_lm_flags import UNKNOWN_MUON_FLAGS, MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING
 from .publish import PUBLISH_DTYPES
@@ -56,8 +57,7 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
             group.add_argument(flag, **kw)
     g = parser.add_argument_group("DMuon (owner-centric distributed Muon; docs/megatron_lm.md)")
     g.add_argument("--dmuon-mode", default="dmuon", choices=MODES,
-                   help="dmuon: owners (needs --use-distributed-optimizer); gather_then_compute: the "
-                        "all-reduce baseline; megatron_layerwise: Megatron's own LayerWise Muon")
+                   help="; ".join(f"{t.name}: {t.help}" for t in MODE_TRAITS.values()))
     g.add_argument("--dmuon-ns-method", default="auto", choices=NS_METHODS,
                    help="Newton-Schulz variant: standard, gram (in the small Gram space; a 16-bit "
                         "--muon-fp32-matmul-prec runs it in fp16, where it is stable, not bf16), auto (the "
@@ -218,7 +218,7 @@ class _ArgsView:
         get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
         self._args = args
         self._derived = dict(
-            use_distributed_optimizer=get("use_distributed_optimizer", cfg.mode != "gather_then_compute"),
+            use_distributed_optimizer=get("use_distributed_optimizer", not mode_traits(cfg.mode).all_reduces),
             num_distributed_optimizer_instances=get("num_distributed_optimizer_instances", 1),
             fp8_param=get("fp8_param_gather", False),
             decoupled_weight_decay=get("decoupled_weight_decay", True),

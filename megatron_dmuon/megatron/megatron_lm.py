@@ -46,6 +46,7 @@ from . import checkpoint_switch
 from ..planning.overlap_mode import OverlapMode
 from .config import config_of
 from .flags import add_dmuon_args
+from .modes import mode_traits
 
 _ORIGINALS: dict = {}
 # every (module, attribute) of megatron.training that install() and its routes replace
@@ -65,13 +66,13 @@ def ddp_class_for(args) -> Optional[type]:
     LayerWise's layout for the `megatron_layerwise` baseline; or None where Megatron's own
     DistributedDataParallel is right (another optimizer, or the all-reduce baseline
     `--dmuon-mode gather_then_compute`)."""
-    if args.optimizer != "dmuon" or args.dmuon_mode == "gather_then_compute":
+    ddp = mode_traits(args.dmuon_mode).ddp if args.optimizer == "dmuon" else "megatron"
+    if ddp == "megatron":
         return None
     from .layout import MegatronLayerWiseDDP
 
-    if args.dmuon_mode == "megatron_layerwise":  # Megatron's own LayerWise Muon, wired as Megatron-LM does
+    if ddp == "layerwise":  # Megatron's own LayerWise Muon, wired as Megatron-LM does
         return MegatronLayerWiseDDP
-
     return dmuon_ddp_class(config_of(args))
 
 
@@ -126,7 +127,7 @@ def install() -> None:
         if getattr(args, "optimizer", None) != "dmuon":
             _route_checkpoint_loads()  # (a DMuon checkpoint may be loaded into Megatron's own optimizer)
             return _ORIGINALS["validate_args"](args, defaults)
-        if args.dmuon_mode == "megatron_layerwise" or getattr(args, "yaml_cfg", None):
+        if not mode_traits(args.dmuon_mode).megatron_lm_hook or getattr(args, "yaml_cfg", None):
             _fail("--dmuon-mode megatron_layerwise and --yaml-cfg are not available through the Megatron-LM "
                   "hook; for Megatron's own distributed Muon run --optimizer muon --use-distributed-optimizer")
         _route_checkpoint_loads()

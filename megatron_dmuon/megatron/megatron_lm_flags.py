@@ -14,6 +14,7 @@ from ..algorithms.coefficients import YOU, get_coefficients
 from ..algorithms.eo_coefficients import EO_COEFFICIENT_TYPES, eo_schedule
 from ..algorithms.muon import LR_SCALE_MODES
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, MuonSettings
+from .modes import mode_traits
 
 # --muon-coefficient-type -> our schedule: every type Emerging-Optimizers 0.4.0 offers (NSCoeffT),
 # its sets walked as its newton_schulz walks them (algorithms/eo_coefficients.py); 'custom' is refused.
@@ -79,7 +80,7 @@ def refuse_unknown_muon_flags(args) -> None:
     """A --muon-* flag DMuon does not know (a newer Megatron-LM tree's), set to other than its
     default, would be ignored silently: refuse it by name (Megatron's own Muon, under
     ``--dmuon-mode megatron_layerwise``, reads its flags itself)."""
-    if getattr(args, "dmuon_mode", "dmuon") == "megatron_layerwise":
+    if mode_traits(getattr(args, "dmuon_mode", "dmuon")).megatron_muon:
         return
     for dest, (flag, default) in UNKNOWN_MUON_FLAGS.items():
         value = getattr(args, dest, default)

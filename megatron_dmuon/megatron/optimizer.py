@@ -29,8 +29,14 @@ from .owner_optimizer import DMuonDistributedOptimizer, build_owner_parts
 from .publish import publish_layouts
 from .step_guards import found_nonfinite, report_ns_check
 
-# each --dmuon-mode's builder of the parts DMuonChainedOptimizer chains (megatron_layerwise: Megatron's own)
-PART_BUILDERS = {"dmuon": build_owner_parts, "gather_then_compute": build_gather_then_compute_parts}
+
+
+def _chained(build_parts):
+    """A builder of DMuonChainedOptimizer over the parts ``build_parts`` makes."""
+    def build(config, model_chunks, cfg):
+        return DMuonChainedOptimizer(build_parts(config, model_chunks, cfg),
+                                     skip_nonfinite=cfg.skip_nonfinite, fold_clipping=cfg.fold_clipping)
+    return build
 
 
 # what the owner step takes from the plan (split pieces, NS and TP method per matrix): a config given
@@ -70,10 +76,7 @@ def get_dmuon_optimizer(config, model_chunks: List, dmuon: Optional[DMuonConfig]
         from ..kernels.autotune import use_cache_file
 
         use_cache_file(cfg.autotune_cache)
-    if cfg.mode == "megatron_layerwise":
-        return build_megatron_layerwise(config, model_chunks, cfg)
-    return DMuonChainedOptimizer(PART_BUILDERS[cfg.mode](config, model_chunks, cfg),
-                                 skip_nonfinite=cfg.skip_nonfinite, fold_clipping=cfg.fold_clipping)
+    return OPTIMIZER_BUILDERS[cfg.mode](config, model_chunks, cfg)
 
 
 def _import_chained_optimizer():
@@ -244,8 +247,15 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
                 "overlap_redos": sum(o.optimizer.stats["overlap_redos"] for o in self.chained_optimizers)}
 
 
-def comm_bytes_per_step(model_chunks, mode: str) -> dict:
-    """Bytes each rank sends per step for grad reduction and param publish (ring algorithms).
+# each --dmuon-mode's optimizer (megatron_layerwise: Megatron's own; what each mode needs: modes.py)
+OPTIMIZER_BUILDERS = {"dmuon": _chained(build_owner_parts),
+                      "gather_then_compute": _chained(build_gather_then_compute_parts),
+                      "megatron_layerwise": build_megatron_layerwise}
+
+
+def comm_bytes_per_step(model_chunks, all_reduce: bool = False) -> dict:
+    """Bytes each rank sends per step for grad reduction and param publish (ring algorithms);
+    ``all_reduce``: grads all-reduced (Megatron's plain DDP: the gather_then_compute baseline).
 
     reduce-scatter / all-gather of n elements: (D-1)/D * n per rank; all-reduce: 2(D-1)/D * n.
     With two-level groups (N nodes x L ranks) the split is also reported: intra-node
@@ -263,7 +273,7 @@ def comm_bytes_per_step(model_chunks, mode: str) -> dict:
                 padded += n
                 unpadded += bucket.numel_unpadded
                 gbytes = bucket.grad_data.element_size()
-                if mode == "gather_then_compute":
+                if all_reduce:
                     reduce_b += 2 * (d - 1) / d * n * gbytes
                     continue
                 pbytes = bucket.param_data.element_size() if bucket.param_data is not None else gbytes

@@ -1,9 +1,9 @@
-"""The planner's on-disk caches: NS profiles (``ProfileCache``) and finished owner plans (``PlanCache``).
+"""The planner's on-disk caches: start-up rank profiles (``ProfileCache``) and finished owner plans (``PlanCache``).
 
 Both are ``JsonStore`` files (megatron_dmuon/json_store.py: versioned entries, locked merging
 writes, a signature that names the cache: a file that is not this cache is refused and left
-untouched), the store the kernels' autotune cache uses too. The start-up profiles of the NS
-(runtime/ns_timing) and of the whole owner step (runtime/rank_profile) share ``ProfileCache``'s file.
+untouched), the store the kernels' autotune cache uses too. ``ProfileCache`` holds the start-up
+profiles of the whole owner step (runtime/rank_profile.py), one entry per device and settings.
 
 Paths: the ``path`` argument, else ``$DMUON_PROFILE_CACHE`` / ``$DMUON_PLAN_CACHE``, else
 ``~/.cache/megatron_dmuon/ns_profile.json`` / ``owner_plans.json``.
@@ -41,7 +41,7 @@ def default_plan_cache_path() -> str:
 
 
 class ProfileCache(JsonStore):
-    """``{"dmuon_cache": signature, "entries": {key: CostTable JSON or rank profile}, "version": PROFILE_VERSION}``."""
+    """``{"dmuon_cache": signature, "entries": {key: rank profile}, "version": PROFILE_VERSION}``."""
 
     version = PROFILE_VERSION
     label = "DMuon NS profile cache"

@@ -28,7 +28,7 @@ from .owner_layout import OwnerLayout, ParamItem, plan_owner_layout
 from .plan import MatrixRecord
 from .rank_cost import RankCostModel
 from .rank_milp import plan_rank_owner_layout
-from .startup_profile import STARTUP_BUDGET_S, milp_time_limit, profile_budget
+from .startup_budget import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 
 Shape = Tuple[int, int]
 

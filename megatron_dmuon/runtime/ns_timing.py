@@ -1,22 +1,19 @@
-"""Start-up NS profile on the real GPU: the owner step's own orthogonalizer, timed per shape and
-batch size, cached on disk (planning/caches.py), turned into the planner's ``CostModel``.
-
-Run on the one rank that plans (megatron/layout.py plans on rank 0 of the stage and broadcasts).
+"""Timing of the owner step on this device: ``time_owner_step`` runs one synthetic rank's whole owner
+step (its matrices' NS and its AdamW fragments) and returns the median ms; the start-up rank profile
+(rank_profile.py) and bench/rank_balance.py time with it. ``profile_meta`` names the device,
+software and NS settings a measurement belongs to (the cache key).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from ..planning.caches import ProfileCache, default_profile_cache_path
-from ..planning.cost_model import CostModel, device_spec_for, load_config
-from ..planning.startup_profile import measure_profile
-from .owner_step import MuonSettings, default_orthogonalizer
+from .owner_step import MuonSettings
 
-__all__ = ["profile_meta", "cuda_ns_timer", "profiled_cost_model", "device_name", "time_owner_step"]
+__all__ = ["profile_meta", "device_name", "time_steps", "time_owner_step"]
 
 
 def device_name(device) -> str:
@@ -34,48 +31,6 @@ def profile_meta(settings: MuonSettings, device) -> dict:
     return {"device": device_name(device), "dtype": str(settings.ns_dtype).replace("torch.", ""),
             "torch": torch.__version__, "triton": triton_version, "steps": settings.ns_steps,
             "coefficients": settings.coefficients, "ns_method": settings.ns_method}
-
-
-def cuda_ns_timer(settings: MuonSettings, device, input_dtype: torch.dtype = torch.float32):
-    """``time_fn(shape, batch, repeats) -> ms`` of one batched call of the owner step's NS."""
-    from ..kernels.autotune import time_cuda_ms
-
-    orth = default_orthogonalizer(settings)
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def time_fn(shape, batch, repeats):
-        x = torch.randn(batch, *shape, device=device, dtype=input_dtype, generator=gen)
-        ms = time_cuda_ms(lambda: orth(x), target_ms=0.0, min_reps=repeats, max_reps=repeats)
-        del x
-        return ms
-
-    return time_fn
-
-
-def profiled_cost_model(
-    shapes: Iterable[Sequence[int]],
-    max_batch: int,
-    settings: Optional[MuonSettings] = None,
-    device=None,
-    *,
-    cache_path=None,
-    repeats: int = 3,
-    budget_s: float = 20.0,
-    config_path=None,
-) -> CostModel:
-    """Profile (or load from the cache) every shape at batch sizes 1..``max_batch`` on ``device``
-    and return the cost model built on it. On CPU, or without CUDA, the analytic model."""
-    settings = settings or MuonSettings()
-    config = load_config(config_path)
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = device_name(device)
-    spec = device_spec_for(name, config, warn=device.type == "cuda")
-    if device.type != "cuda":
-        return CostModel(spec, None, settings.ns_steps, settings.ns_method)
-    cache = ProfileCache(cache_path or default_profile_cache_path())
-    table = measure_profile(shapes, max_batch, cuda_ns_timer(settings, device), profile_meta(settings, device),
-                            repeats=repeats, cache=cache, budget_s=budget_s)
-    return CostModel(spec, table, settings.ns_steps, settings.ns_method)
 
 
 def time_steps(step, *, iters: int, warmup: int, device) -> list:

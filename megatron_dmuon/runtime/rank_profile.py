@@ -24,6 +24,8 @@ calibrate``, whose denser grid checks the model (docs/load_balancing.md).
 """
 from __future__ import annotations
 
+import json
+import math
 import time
 import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -178,10 +180,29 @@ def profiled_rank_model(
     meta = rank_profile_meta(settings, device)
     key = "|".join(f"{k}={meta[k]}" for k in sorted(meta))
     cache = ProfileCache(cache_path or default_profile_cache_path())
-    known = cache.get(key) or {}
+    known = cached_points(cache.get(key), meta, cache.path)
     jobs = profile_jobs(shape_counts)
-    measured = measure_rank_jobs(jobs, time_fn, known=known.get("jobs") if isinstance(known, dict) else None,
-                                 budget_s=budget_s)
-    if set(measured) - set((known or {}).get("jobs", {})):
-        cache.put(key, {"meta": meta, "jobs": {**(known or {}).get("jobs", {}), **measured}})
+    measured = measure_rank_jobs(jobs, time_fn, known=known, budget_s=budget_s)
+    if set(measured) - set(known):
+        cache.put(key, {"meta": meta, "jobs": {**known, **measured}})
     return RankCostModel.from_calibration({"jobs": measured, "device": meta["device"]}, device=spec)
+
+
+def _valid_point(point) -> bool:
+    return (isinstance(point, dict) and isinstance(point.get("ms"), (int, float)) and math.isfinite(point["ms"])
+            and point["ms"] > 0 and all(isinstance(point.get(k), int) and point[k] >= 0
+                                        for k in ("adamw_elements", "fragments")))
+
+
+def cached_points(entry, meta: dict, path) -> dict:
+    """The measured points of a cached rank profile; an entry damaged, or recorded under other
+    settings than ``meta``, is measured again (with a warning) instead of planning on it."""
+    if entry is None:
+        return {}
+    jobs = entry.get("jobs") if isinstance(entry, dict) else None
+    if (isinstance(jobs, dict) and entry.get("meta") == json.loads(json.dumps(meta))
+            and all(_valid_point(p) for p in jobs.values())):
+        return jobs
+    warnings.warn(f"the rank profile cached in {path} for {meta['device']} is damaged or was recorded under other "
+                  "settings; measuring it again", RuntimeWarning)
+    return {}

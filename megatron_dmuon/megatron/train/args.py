@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..modes import mode_traits
 from .checks import JobArgumentParser, validate_args
 
 # The main job's Muon settings (what the launch recipes use): momentum 0.95 with Nesterov, and
@@ -114,7 +115,7 @@ def parse_args(argv=None):
     validate_args(p, args, DEFAULT_LR, p.given(argv))  # (given: a flag the run would ignore is refused by name)
     # what Megatron-LM reads from --use-distributed-optimizer: DMuon's owners need it, the
     # all-reduce baseline must not have it
-    args.use_distributed_optimizer = not (args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute")
+    args.use_distributed_optimizer = not (args.optimizer == "dmuon" and mode_traits(args.dmuon_mode).all_reduces)
     return args
 
 

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from ..modes import mode_traits
 from .data import check_indexed_dataset, parse_split, token_source, train_split_problem
 from .output_paths import check_outputs_against_inputs, dir_problem, file_problem
 
@@ -237,8 +238,8 @@ def _check_run_flags(p, args, given: dict) -> None:
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         p.error("--decoupled-min-lr has no effect without --decoupled-lr (Megatron reads it only as the decoupled "
                 "lr's minimum): add --decoupled-lr, or drop it")
-    if args.overlap_param_gather and args.optimizer == "dmuon" and args.dmuon_mode == "gather_then_compute":
-        p.error("--overlap-param-gather has no effect under --dmuon-mode gather_then_compute (an all-reduce "
+    if args.overlap_param_gather and args.optimizer == "dmuon" and mode_traits(args.dmuon_mode).all_reduces:
+        p.error(f"--overlap-param-gather has no effect under --dmuon-mode {args.dmuon_mode} (an all-reduce "
                 "baseline without the distributed optimizer's param all-gather): drop it")
     if not args.load:
         for dest, flag in LOAD_FLAGS.items():
@@ -438,7 +439,7 @@ def _check_checkpointing(p, args) -> None:
                     "remove it, or save elsewhere")
     if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
         p.error(f"--load {args.load} is not a directory")
-    if (args.save or args.load) and args.optimizer == "dmuon" and args.dmuon_mode != "dmuon":
+    if (args.save or args.load) and args.optimizer == "dmuon" and not mode_traits(args.dmuon_mode).checkpoints:
         p.error(f"--save/--load support --dmuon-mode dmuon (and --optimizer adam); --dmuon-mode {args.dmuon_mode} "
                 "is a comparison baseline without checkpoints")
     from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError

@@ -49,7 +49,7 @@ def print_start_line(job) -> None:
         print(f"> {mode} | backend {job.backend} | DP {job.dp_size} TP {args.tensor_model_parallel_size} "
               f"PP {args.pipeline_model_parallel_size} | grad accum {job.grad_accum} | params {nparams/1e6:.2f}M | "
               f"layers {layers_label(args)} | "
-              f"bytes/step {json.dumps(comm_bytes_per_step([job.ddp], 'gather_then_compute' if gtc else 'dmuon'))}",
+              f"bytes/step {json.dumps(comm_bytes_per_step([job.ddp], all_reduce=gtc))}",
               flush=True)
 
 
@@ -72,7 +72,7 @@ def _memory_summary(opt, ddp, dp_size) -> dict:
 
     out = {"optimizer_state_bytes": optimizer_state_bytes(opt)["total"],
            "adamw_distopt_state_bytes": megatron_adamw_state_bytes([ddp], dp_size),
-           "publish_bytes": comm_bytes_per_step([ddp], "dmuon")["publish_bytes"] if hasattr(ddp, "buffers") else None,
+           "publish_bytes": comm_bytes_per_step([ddp])["publish_bytes"] if hasattr(ddp, "buffers") else None,
            "publish_gathered_bytes": _gathered_bytes(ddp)}
     if torch.cuda.is_available():
         out["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2 ** 20
