@@ -2,7 +2,7 @@
 of Megatron-LM main's LayerWise Muon (``megatron_layerwise``) and of Megatron's DistributedOptimizer
 AdamW (``megatron_adamw``), with megatron-core's own optimizer classes where they run here.
 
-What each GPU steps is read off the same layouts as DMuon's planners (planning/plans.py); what is
+What each GPU steps is read off the same layouts as DMuon's planners (planning/planners.py); what is
 timed is the inner optimizer steps, as ``runtime.ns_timing.time_owner_step`` times DMuon's."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import statistics
 import torch
 
 from megatron_dmuon.planning.models import stage_params
-from megatron_dmuon.planning.plans import gpu_cells
+from megatron_dmuon.planning.planners import gpu_cells
 from megatron_dmuon.runtime.ns_timing import time_steps
 
 

@@ -5,7 +5,7 @@ owner plan on it, both cached on disk; run it twice (two processes) to see the s
     python bench/plan_startup.py --preset qwen2.5-7b --dp 8 --cache-dir /tmp/dmuon --out /tmp/dmuon/start1.json
     python bench/plan_startup.py --preset qwen2.5-7b --dp 8 --cache-dir /tmp/dmuon --out /tmp/dmuon/start2.json
 
-It plans what rank 0 plans in megatron/layout.py::build_plan for ``--dmuon-balance milp`` (the model
+It plans what rank 0 plans in megatron/ddp.py::build_plan for ``--dmuon-balance milp`` (the model
 itself is not built): the parameters of pipeline stage 0 from planning/models.py, the start-up rank
 profile (runtime/rank_profile.py: synthetic owner steps timed on this GPU, within the budget's
 profiling share; the kernels' autotuning of each new (shape, count) happens inside them), then
@@ -49,7 +49,7 @@ def main():
     from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs
     from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
     from megatron_dmuon.planning.params import owner_ns_cost
-    from megatron_dmuon.planning.plans import buffer_items, split_pieces
+    from megatron_dmuon.planning.planners import buffer_items, split_pieces
     from megatron_dmuon.planning.rank_cost import piece_counts
     from megatron_dmuon.planning.rank_milp import plan_rank_owner_layout
     from megatron_dmuon.planning.startup_budget import STARTUP_BUDGET_S, milp_time_limit, profile_budget
@@ -79,7 +79,7 @@ def main():
                                     ns_method=settings.ns_method)
         items = buffer_items(params, None, pieces, cost_fn)
         elementwise = elementwise_costs(device_spec(model.device.name if model.device else "H200"))
-        # the same split as megatron/layout.py: the MILP gets what profiling left of the budget
+        # the same split as megatron/ddp.py: the MILP gets what profiling left of the budget
         options = {"time_limit_s": milp_time_limit(budget, t1 - t0, args.time_limit)}
         cache = PlanCache(os.path.join(args.cache_dir, "plans.json"))
         key = plan_key({"items": [list(vars(it).values()) for it in items], "dp": args.dp, "tp": args.tp,

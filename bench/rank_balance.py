@@ -57,7 +57,7 @@ from megatron_dmuon.planning.cost_model import cluster_spec, device_spec, elemen
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params  # noqa: E402
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size  # noqa: E402
 from megatron_dmuon.planning.params import owner_ns_cost  # noqa: E402
-from megatron_dmuon.planning.plans import gpu_cells, plan_stage, split_rule_for, transformer_shape  # noqa: E402
+from megatron_dmuon.planning.planners import gpu_cells, plan_stage, split_rule_for, transformer_shape  # noqa: E402
 from megatron_dmuon.planning.rank_cost import RankWork, piece_counts  # noqa: E402
 from megatron_dmuon.planning.simulate import adamw_fragments_in_shard  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import time_owner_step  # noqa: E402

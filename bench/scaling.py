@@ -31,7 +31,7 @@ from megatron_dmuon.planning.cost_model import (CostModel, cluster_spec, device_
                                                 load_bench_kernels_profile)
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec  # noqa: E402
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size  # noqa: E402
-from megatron_dmuon.planning.plans import plan_stage  # noqa: E402
+from megatron_dmuon.planning.planners import plan_stage  # noqa: E402
 from megatron_dmuon.planning.simulate import predict_adamw_step, predict_optimizer_step  # noqa: E402
 from megatron_dmuon.planning.simulate_overlap import DEFAULT_ETA, simulate_overlap  # noqa: E402
 

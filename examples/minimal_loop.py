@@ -15,7 +15,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, causal_batch
-from megatron_dmuon.megatron.layout import build_dmuon_ddp
+from megatron_dmuon.megatron.ddp import build_dmuon_ddp
 from megatron_dmuon.megatron.optimizer import DMuonConfig, get_dmuon_optimizer
 
 if torch.cuda.is_available():

@@ -24,7 +24,7 @@ class RankCosts:
 def milp_layouts(rank, world_size, cache_dir):
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron import ddp as layout_mod
     from megatron_dmuon.megatron.config import with_overrides
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
     from megatron_dmuon.planning import owner_layout
@@ -89,7 +89,7 @@ def milp_layouts(rank, world_size, cache_dir):
 def layout_item_costs(rank, world_size, split):
     """The planner items build_plan makes for a real megatron-core GPT (GQA,
     SwiGLU) under ``split``, and the element-wise credit it plans with."""
-    from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron import ddp as layout_mod
     from megatron_dmuon.megatron.config import with_overrides
     from megatron_dmuon.planning.params import ns_cost
 
@@ -107,7 +107,7 @@ def rank_milp_layouts(rank, world_size):
     """--dmuon-balance milp as the flag sets it (the start-up rank profile; analytic on CPU) on a
     real megatron-core GPT: every rank's plan, and on rank 0 the rank model's prediction of that
     plan and of the greedy's on the same items."""
-    from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron import ddp as layout_mod
     from megatron_dmuon.megatron.config import with_overrides
     from megatron_dmuon.planning.owner_layout import plan_owner_layout
     from megatron_dmuon.planning.rank_milp import layout_loads
@@ -136,7 +136,7 @@ def _captured_planning(num_layers):
     or ``plan_rank_owner_layout`` for --dmuon-balance milp)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megatron_dmuon.megatron import layout as layout_mod
+    from megatron_dmuon.megatron import ddp as layout_mod
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt
     from megatron_dmuon.planning import owner_planning
     from megatron_dmuon.testing.workers import init_parallel

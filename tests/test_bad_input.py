@@ -14,7 +14,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
 from megatron_dmuon.kernels import autotune, metrics, ns_driver, symmetric_ops
-from megatron_dmuon.megatron import checkpoint as ckpt
+from megatron_dmuon.megatron.checkpoint import optimizer_state as ckpt
 from megatron_dmuon.megatron.optimizer import DMuonConfig, check_dmuon_config
 from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
 from megatron_dmuon.runtime.owner_step import OwnerMuonAdamW
@@ -76,7 +76,7 @@ def test_corrupt_owner_plan_in_a_checkpoint_is_named():
 
 
 def test_checkpoint_tracker_and_directory_errors(tmp_path):
-    from megatron_dmuon.megatron import checkpoint_io
+    from megatron_dmuon.megatron.checkpoint import job as checkpoint_io
 
     assert checkpoint_io.latest_iteration(str(tmp_path)) is None  # no checkpoint: a fresh start
     (tmp_path / checkpoint_io.TRACKER).write_text("5\n")
@@ -498,7 +498,7 @@ def test_a_failed_save_names_the_directory_and_the_checkpoint_kept(tmp_path, cap
     full'; the job now names --save, the reason and the checkpoint that is still the latest, and exits 1."""
     import torch.distributed as dist
 
-    from megatron_dmuon.megatron import checkpoint_io
+    from megatron_dmuon.megatron.checkpoint import job as checkpoint_io
     from megatron_dmuon.megatron.train import checkpoints
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")

@@ -1,4 +1,4 @@
-"""[bridge]: DMuon in Megatron-Bridge (megatron_dmuon/bridge/).
+"""[bridge]: DMuon in Megatron-Bridge (megatron_dmuon/megatron/bridge/, imported as megatron_dmuon.bridge).
 
 In CI (no Bridge installed): Bridge's OptimizerConfig fields map onto DMuon's config as the
 Megatron-LM flags do, errors speak Bridge's field names, and the launcher's argument handling.
@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from megatron_dmuon.bridge import bridge_names
-from megatron_dmuon.bridge.__main__ import split_argv
+from megatron_dmuon.megatron.bridge.__main__ import split_argv
 from megatron_dmuon.megatron.flags import dmuon_config_from_fields
 
 
@@ -206,7 +206,7 @@ SWITCH_SCRIPT = textwrap.dedent("""
     import megatron.bridge.training.pretrain as pretrain_module
     mb.install(ns_launch="graph")
     assert pretrain_module.pretrain.__name__ == "pretrain" and ("megatron.bridge.training.pretrain", "pretrain") in \\
-        __import__("megatron_dmuon.megatron.bridge", fromlist=["_ORIGINALS"])._ORIGINALS
+        __import__("megatron_dmuon.megatron.bridge.adapter", fromlist=["_ORIGINALS"])._ORIGINALS
     c = config()
     c.optimizer.optimizer = "dmuon"
     try:
@@ -349,7 +349,7 @@ def main():
     dmuon_at_save = momenta(opt, chunks)
     dmuon_next = train(chunks, opt, sched, range(3, 5))  # (the batches of steps 3-4 again: data is not the point)
     back_cfg = config("muon", load=root + "_dmuon")
-    from megatron_dmuon.megatron.bridge import restore_ddp
+    from megatron_dmuon.megatron.bridge.adapter import restore_ddp
     restore_ddp()  # a second run in this process (install()'s pretrain does this for a non-DMuon config)
     chunks, opt, sched, state = build(back_cfg)
     iteration, _ = load_checkpoint(state, chunks, opt, sched, checkpointing_context={})

@@ -116,7 +116,7 @@ def _model_config(**kw):
     (dict(gtp_weight_remat_size=2), "--gtp-weight-remat-size"),
 ])
 def test_unsupported_parallel_layouts_fail_before_any_buffer(kw, match):
-    from megatron_dmuon.megatron.layout import build_dmuon_ddp
+    from megatron_dmuon.megatron.ddp import build_dmuon_ddp
 
     class Untouchable(torch.nn.Module):
         def named_parameters(self, *a, **k):

@@ -37,8 +37,8 @@ KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
 LAYERS = ("algorithms", "kernels", "planning", "runtime", "megatron", "bridge")
 TOOLS = (f"{PACKAGE}.cli",)
 MEGATRON_CORE_IMPORTERS = (f"{PACKAGE}.megatron", f"{PACKAGE}.testing", *TOOLS)
-# Megatron-Bridge: one module imports it, beside the Megatron-LM hook (bridge/, the package users import, does not)
-BRIDGE_IMPORTER = f"{PACKAGE}.megatron.bridge"
+# Megatron-Bridge: one module imports it, in megatron/bridge/ beside the Megatron-LM hook (bridge.py, the door users import, does not)
+BRIDGE_IMPORTER = f"{PACKAGE}.megatron.bridge.adapter"
 TESTING = f"{PACKAGE}.testing"
 TESTING_IMPORTERS = (TESTING,)
 DECENTRALIZED = f"{PACKAGE}.decentralized"
@@ -342,22 +342,15 @@ def test_nothing_in_the_repository_cites_files_a_clone_does_not_have():
 # fails test_known_private_reaches_are_still_in_the_code.
 KNOWN_PRIVATE_REACHES: dict[tuple[str, str], str] = {
     # megatron-core's DistributedOptimizer method (DMuon's owner optimizer overrides it): Megatron's API
-    (f"{PACKAGE}.megatron.checkpoint", "_copy_main_params_to_model_params"):
+    (f"{PACKAGE}.megatron.checkpoint.optimizer_state", "_copy_main_params_to_model_params"):
         "megatron-core's DistributedOptimizer API, called on a part after a load",
-    # helpers shared across the checkpoint modules: they become public when those modules move into
-    # one subpackage ([shape-2] item 5)
-    (f"{PACKAGE}.megatron.checkpoint_io", "_chunks"): "checkpoint modules' shared helper (item 5)",
-    (f"{PACKAGE}.megatron.checkpoint_io", "_content_metadata"): "checkpoint modules' shared helper (item 5)",
-    (f"{PACKAGE}.megatron.checkpoint_torch", "_chunks"): "checkpoint modules' shared helper (item 5)",
-    (f"{PACKAGE}.megatron.checkpoint_switch", "_chunks"): "checkpoint modules' shared helper (item 5)",
-    (f"{PACKAGE}.megatron.checkpoint_switch", "_global_shape"): "checkpoint modules' shared helper (item 5)",
     # the rank MILP reuses the owner layout's and the MILP's internals: public with the rank-0
     # planning's own function ([shape-2] item 1)
     **{(f"{PACKAGE}.planning.rank_milp", n): "planning internals shared with the rank MILP (item 1)"
        for n in ("_Model", "_NoSolution", "_SOLVERS", "_spread", "_align", "_min_shard", "_plan", "_split_buckets")},
     # testing/: the self-test workers share one harness's helpers (not production code)
     **{(f"{PACKAGE}.testing.{m}", n): "the test workers' shared harness"
-       for m, names in {"checkpoint_workers": ("_build", "_finish_overlap", "_report", "_train", "_content_metadata"),
+       for m, names in {"checkpoint_workers": ("_build", "_finish_overlap", "_report", "_train"),
                         "mixed_precision": ("_build", "_finish_overlap", "_report"),
                         "overlap_workers": ("_concat", "_load", "_save", "_build", "_finish_overlap", "_report", "_train"),
                         "qk_clip_workers": ("_build", "_finish_overlap", "_report", "_train"),

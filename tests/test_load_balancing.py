@@ -435,7 +435,7 @@ def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_
     assert plain.split_flags() == DMuonConfig().split_flags() == dict(split_qkv=True, split_glu=False, per_head=False)
     # owners are balanced by what the run's NS costs: the adaptive schedule makes the wide
     # matrices far cheaper relative to square ones than the standard 5-step count says
-    from megatron_dmuon.megatron.layout import owner_cost_fn
+    from megatron_dmuon.megatron.ddp import owner_cost_fn
     from megatron_dmuon.planning.params import ns_cost, owner_ns_cost
 
     adaptive = owner_cost_fn(DMuonConfig.from_args(parser.parse_args(["--dmuon-coefficients", "adaptive"])).muon)

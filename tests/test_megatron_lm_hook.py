@@ -400,7 +400,7 @@ def _megatron_parse(m, argv):
 def test_install_routes_dmuon_and_leaves_other_optimizers_alone(stand_in_megatron_training):
     import megatron_dmuon.megatron as dm
     from megatron_dmuon.megatron import qk_clip
-    from megatron_dmuon.megatron.layout import DMuonDDP
+    from megatron_dmuon.megatron.ddp import DMuonDDP
 
     m = stand_in_megatron_training
     dm.install()
@@ -429,7 +429,7 @@ def test_install_routes_dmuon_and_leaves_other_optimizers_alone(stand_in_megatro
 
 
 def test_overlap_step_refuses_megatron_lms_params_norm_log():
-    from megatron_dmuon.megatron.checks import check_overlap_step
+    from megatron_dmuon.megatron.config_checks import check_overlap_step
 
     args = argparse.Namespace(overlap_param_gather=True, log_params_norm=True, fp8_param_gather=False)
     with pytest.raises(ValueError, match="--dmuon-overlap-step on with --log-params-norm"):
@@ -442,7 +442,7 @@ def test_overlap_step_refuses_one_cuda_hardware_queue(monkeypatch):
     H200 trace: the step's trailing kernels waited 52 ms behind the NS graph): refused by name."""
     import torch
 
-    from megatron_dmuon.megatron.checks import check_overlap_step
+    from megatron_dmuon.megatron.config_checks import check_overlap_step
 
     args = argparse.Namespace(overlap_param_gather=True, log_params_norm=False, fp8_param_gather=False)
     on = DMuonConfig(muon=MuonSettings(overlap_step="on"))
@@ -713,7 +713,7 @@ def test_qk_clip_in_megatron_lms_own_loop_muon_and_dmuon_agree_on_cpu():
 
 def test_backward_start_refusals(monkeypatch):
     """--dmuon-overlap-step backward: its grads must be the reduced grads in the buffer, no loss scaler."""
-    from megatron_dmuon.megatron.checks import check_overlap_step
+    from megatron_dmuon.megatron.config_checks import check_overlap_step
 
     ddp = argparse.Namespace(overlap_param_gather=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
                              log_params_norm=False, fp8_param_gather=False)

@@ -184,7 +184,7 @@ def test_fp8_publish_refuses_an_fp32_model_and_a_mismatched_optimizer():
 def test_te_fp8_param_gather_without_transformer_engine_names_the_tested_path():
     from types import SimpleNamespace
 
-    from megatron_dmuon.megatron.checks import check_model_parallel_config
+    from megatron_dmuon.megatron.config_checks import check_model_parallel_config
     from megatron_dmuon.megatron.te_fp8 import transformer_engine_available
 
     if transformer_engine_available():

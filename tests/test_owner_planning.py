@@ -1,7 +1,7 @@
 """Rank 0's owner planning (planning/owner_planning.py) on CPU, without megatron-core: the plans
 of a small GPT's buffers under each balance and cost source, the plan cache, the start-up budget.
 
-The pinned owners, loads and cache keys are those megatron/layout.py::build_plan gave for the same
+The pinned owners, loads and cache keys are those megatron/ddp.py::build_plan gave for the same
 model (megatron-core GPTShape(num_layers=3): hidden 64, 4 heads in 2 query groups, SwiGLU FFN 160,
 vocab 256; MoE: 4 experts of FFN 96, 2 local under EP 2) on 2 gloo ranks before the planning moved
 out of it: the move changed no plan."""

@@ -83,7 +83,7 @@ def use_muon_false_run(rank, world_size):
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, wire_sync_funcs
-    from megatron_dmuon.megatron.layout import build_dmuon_ddp
+    from megatron_dmuon.megatron.ddp import build_dmuon_ddp
     from megatron_dmuon.megatron.optimizer import get_dmuon_optimizer
     from megatron_dmuon.testing.workers import init_parallel
 

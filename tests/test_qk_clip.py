@@ -110,7 +110,7 @@ def _model_config(**kw):
     (dict(multi_latent_attention=True), "--qk-clip with --multi-latent-attention"),
 ])
 def test_where_megatrons_clip_cannot_run_it_is_refused_at_start_up(kw, match):
-    from megatron_dmuon.megatron.checks import check_model_parallel_config
+    from megatron_dmuon.megatron.config_checks import check_model_parallel_config
 
     with pytest.raises(ValueError, match=match):
         check_model_parallel_config(_model_config(**kw))

@@ -18,7 +18,7 @@ from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs, s
 from megatron_dmuon.planning.dp_shards import shard_overlap
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
 from megatron_dmuon.planning.params import owner_ns_cost
-from megatron_dmuon.planning.plans import buffer_items, plan_stage, predict_rank_ms, split_pieces
+from megatron_dmuon.planning.planners import buffer_items, plan_stage, predict_rank_ms, split_pieces
 from megatron_dmuon.planning.rank_cost import RankCostModel, RankWork, multi_counts, piece_counts
 from megatron_dmuon.planning.rank_milp import CANDIDATES, layout_loads, layout_work, plan_rank_owner_layout
 from megatron_dmuon.runtime.rank_profile import profile_counts, profile_jobs

@@ -9,7 +9,7 @@ from megatron_dmuon.planning.compute_model import CALIBRATION, forward_segments,
 from megatron_dmuon.planning.cost_model import CostModel, cluster_spec, device_spec, load_bench_kernels_profile
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size
-from megatron_dmuon.planning.plans import plan_stage
+from megatron_dmuon.planning.planners import plan_stage
 from megatron_dmuon.planning.simulate_overlap import group_ns_ms, need_groups, simulate_overlap
 
 BENCH = os.path.join(os.path.dirname(__file__), "data", "bench_kernels_h200_profile.json")

@@ -31,14 +31,15 @@ def test_every_module_imports():
     report = json.loads(run.stdout.strip().splitlines()[-1])
     expected = {m.name for m in pkgutil.walk_packages(megatron_dmuon.__path__, "megatron_dmuon.")}
     # The walk itself must have seen the subpackages (a missing __init__.py would hide them).
-    for package in ("algorithms", "kernels", "planning", "runtime", "megatron", "bridge", "testing", "decentralized"):
+    for package in ("algorithms", "kernels", "planning", "runtime", "megatron", "megatron.bridge", "megatron.checkpoint",
+                    "testing", "decentralized"):
         assert f"megatron_dmuon.{package}" in expected
     assert set(report["imported"]) == expected
     failures = dict(report["failures"])
     # the Megatron-Bridge adapter needs Bridge, an optional dependency (docs/bridge.md): where Bridge
     # itself does not import (not installed; or installed without Transformer Engine, which it
     # imports unguarded), only that module may fail, and only with an import error
-    adapter = failures.pop("megatron_dmuon.megatron.bridge", None)
+    adapter = failures.pop("megatron_dmuon.megatron.bridge.adapter", None)
     if adapter is not None:
         bridge = subprocess.run([sys.executable, "-c", "import megatron.bridge.training.config"], capture_output=True)
         assert bridge.returncode != 0 and ("ModuleNotFoundError" in adapter or "ImportError" in adapter), adapter

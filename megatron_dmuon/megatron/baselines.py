@@ -10,7 +10,7 @@ import torch
 from ..planning.ns_choice import plan_ns_choices
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .megatron_lm_flags import megatron_muon_fields
-from .layout import plan_records
+from .ddp import plan_records
 from .owner_optimizer import grad_scaler, init_state_fn, muon_adam_groups, register_matrices
 
 

@@ -21,7 +21,7 @@ import torch
 from ..planning.caches import default_plan_cache_path
 from ..planning.owner_layout import BALANCE
 from ..runtime.row_update_step import tp_refusal
-from .checks import tensor_parallel_size
+from .config_checks import tensor_parallel_size
 from .modes import MODES, mode_traits, modes_training  # noqa: F401 (MODES: public API)
 from .megatron_lm_flags import (MUON_FP32_MATMUL_PREC, MUON_SCALAR_OPTIMIZERS, MUON_TP_MODES, megatron_muon_settings,
                                 muon_coefficients_for, refuse_unknown_muon_flags)

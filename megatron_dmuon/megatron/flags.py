@@ -22,7 +22,7 @@ from ..planning.tp_cost import TP_METHODS
 from ..planning.overlap_mode import OVERLAP_STEP_MODES
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES
 from ..runtime.row_update_step import UPDATE_RULES
-from .checks import check_dmuon_config
+from .config_checks import check_dmuon_config
 from .config import DEFAULT_DION3_FRACTION, MOMENTUM_DTYPES, DMuonConfig, remember_config
 from .modes import MODE_TRAITS, MODES, mode_traits
 from .hierarchy import check_two_level_config

@@ -42,7 +42,7 @@ import dataclasses
 import sys
 from typing import Callable, Optional
 
-from . import checkpoint_switch
+from .checkpoint import switch as checkpoint_switch
 from ..planning.overlap_mode import OverlapMode
 from .config import config_of
 from .flags import add_dmuon_args
@@ -69,7 +69,7 @@ def ddp_class_for(args) -> Optional[type]:
     ddp = mode_traits(args.dmuon_mode).ddp if args.optimizer == "dmuon" else "megatron"
     if ddp == "megatron":
         return None
-    from .layout import MegatronLayerWiseDDP
+    from .ddp import MegatronLayerWiseDDP
 
     if ddp == "layerwise":  # Megatron's own LayerWise Muon, wired as Megatron-LM does
         return MegatronLayerWiseDDP
@@ -79,7 +79,7 @@ def ddp_class_for(args) -> Optional[type]:
 def dmuon_ddp_class(cfg) -> type:
     """DMuonDDP bound to ``cfg``, constructed as Megatron constructs its DistributedDataParallel
     (what Megatron-LM's and Megatron-Bridge's model builders call)."""
-    from .layout import DMuonDDP
+    from .ddp import DMuonDDP
 
     class BoundDMuonDDP(DMuonDDP):
         def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,

@@ -21,9 +21,9 @@ import torch
 
 from ..kernels.metrics import NONFINITE_METRICS
 from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
-from .checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
+from .config_checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig  # noqa: F401 (MODES: public API)
-from .optimizer_checkpoint import OwnerCheckpoints
+from .checkpoint import OwnerCheckpoints
 from .overlap_step import finish_parts
 from .owner_optimizer import DMuonDistributedOptimizer, build_owner_parts
 from .publish import publish_layouts

@@ -3,7 +3,7 @@ its inner step the owner step (runtime/owner_step.py), one part for dense and on
 
 Built from the DDP chunks' plans: every Muon matrix's record (split pieces, owners, TP method) and
 the NS its owner's stack runs (``planning.ns_choice.plan_ns_choices``) become the owner step's
-``MatrixInfo``s. Checkpoints use DMuon's per-parameter format (megatron/checkpoint.py).
+``MatrixInfo``s. Checkpoints use DMuon's per-parameter format (megatron/checkpoint/optimizer_state.py).
 """
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import contextlib
 
 import torch
 
-from . import checkpoint_torch
+from .checkpoint import torch_format
 from ..planning.dp_shards import shard_range
 from ..planning.ns_choice import plan_ns_choices
 from ..planning.overlap_mode import OverlapMode
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
-from .optimizer_checkpoint import OwnerCheckpoints
+from .checkpoint import OwnerCheckpoints
 from .overlap_step import install_overlap_step, need_order
 from .publish import register_masters
 
@@ -134,7 +134,7 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
     """Megatron's DistributedOptimizer whose shards are owner-aligned and whose inner step is the
     owner step (OwnerMuonAdamW). Everything else (grad copy, norm/clip, zero count, publish via
     param all-gather, overlap hooks) is inherited unchanged; checkpoints use DMuon's per-parameter
-    format (megatron/checkpoint.py)."""
+    format (megatron/checkpoint/optimizer_state.py)."""
 
     def __init__(self, *args, **kwargs):
         self.check_owner_aligned(kwargs["model_chunks"])  # before Megatron builds any state
@@ -241,10 +241,10 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
                 setattr(self, n, v)
 
     def get_parameter_state_dp_zero(self, *args, **kwargs):
-        return checkpoint_torch.param_state_dp_zero([self])
+        return torch_format.param_state_dp_zero([self])
 
     def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format: bool = False):
-        checkpoint_torch.load_param_state_dp_zero([self], state_dict)
+        torch_format.load_param_state_dp_zero([self], state_dict)
 
     def _megatron_format_not_used(self, *args, **kwargs):
         raise NotImplementedError(
@@ -266,7 +266,7 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
             if getattr(chunk, "dmuon_plan", None) is None:
                 raise ValueError(
                     "DMuon: the model chunk was wrapped with a plain DistributedDataParallel; wrap it "
-                    "with megatron_dmuon.megatron.layout.build_dmuon_ddp(...) so buckets are owner-aligned"
+                    "with megatron_dmuon.megatron.ddp.build_dmuon_ddp(...) so buckets are owner-aligned"
                 )
 
 

@@ -5,7 +5,7 @@ per-head max attention logits are all-reduced (MAX) over the data-parallel group
 attention's `clip_qk()` rescales the Q and K rows of `linear_qkv.weight` in `weight.data` and,
 where the attribute exists, in `weight.main_param`, which it treats as the whole 2-D fp32 master.
 (Multi-latent attention, whose clip_qk rescales other weights, and TP > 1, where Megatron's
-rescale fails for every optimizer, are refused at start-up: megatron/checks.py.)
+rescale fails for every optimizer, are refused at start-up: megatron/config_checks.py.)
 
 Under DMuon a bf16/fp16 weight's `main_param` is what Megatron's DistributedOptimizer makes it,
 this rank's flat 1-D shard of the master: the whole matrix on its DP owner, whose owner-aligned
@@ -45,7 +45,7 @@ def check_qk_clip_plan(model_config, plan) -> None:
 
 
 def _is_dmuon_chunk(chunk) -> bool:
-    return getattr(chunk, "dmuon_plan", None) is not None  # a DMuonDDP (layout.py imports this module)
+    return getattr(chunk, "dmuon_plan", None) is not None  # a DMuonDDP (ddp.py imports this module)
 
 
 def _with_layers_at_megatrons_path(chunk):

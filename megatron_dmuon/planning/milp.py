@@ -1,7 +1,7 @@
 """Owner assignment as a mixed-integer program: minimise the predicted makespan of the owner step.
 
 Pure function of plain data (no torch, no process groups). The solver runs on one rank; the plan
-is broadcast (megatron/layout.py), so every rank holds the identical plan whatever the solver did.
+is broadcast (megatron/ddp.py), so every rank holds the identical plan whatever the solver did.
 
 Model (``OwnerProblem``; costs in any unit, e.g. ms from planning/cost_model.py):
 

@@ -3,7 +3,7 @@ owner-aligned layout around it. Pure data in, pure data out: ``plan_owners`` tak
 records and owner grid (``BufferParams``), the layout options (``OwnerPlanningOptions``) and where
 the costs come from (``CostSource``), and returns the ``PlannedOwners`` that rank 0 broadcasts.
 
-megatron/layout.py::build_plan is its one production caller: it turns Megatron's buffers and the
+megatron/ddp.py::build_plan is its one production caller: it turns Megatron's buffers and the
 run's config into these inputs on rank 0 of the pipeline stage, broadcasts the result and builds
 the DMuonPlan and Megatron's FullParamLayout from it.
 

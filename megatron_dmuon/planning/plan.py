@@ -3,7 +3,7 @@
 ``DMuonPlan`` holds one ``MatrixRecord`` per trainable parameter of a DDP-wrapped model chunk
 (Muon or AdamW and why, full and local shape, the pieces NS runs on, DP and TP owner, TP method,
 NS method and schedule per piece, predicted cost) and the owner-aligned bucket layout of each
-buffer (``OwnerLayout``). The Megatron glue builds it (``megatron/layout.py``), the DDP carries
+buffer (``OwnerLayout``). The Megatron glue builds it (``megatron/ddp.py``), the DDP carries
 it as its only DMuon object, and the optimizer builder, the owner step's registration,
 checkpoints, FP8 publish and the planner CLI read it. Plain data: serialisable to JSON (what
 checkpoints record and ``dmuon-plan`` prints) and validated on construction.

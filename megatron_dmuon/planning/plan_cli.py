@@ -28,7 +28,7 @@ from .cost_model import CostModel, CostTable, cluster_spec, load_bench_kernels_p
 from .milp import BACKENDS
 from .overlap_mode import OverlapMode
 from .models import PRESETS, ModelSpec, ParallelSpec, parse_megatron_argv
-from .plans import PLANNERS, compare_plans
+from .planners import PLANNERS, compare_plans
 
 __all__ = ["main", "build_parser", "load_profile"]
 
@@ -510,7 +510,7 @@ def main(argv=None) -> int:
             from .cost_model import elementwise_costs
             from .owner_layout import megatron_bucket_size
             from .params import owner_ns_cost
-            from .plans import compare_rank_plans
+            from .planners import compare_rank_plans
 
             split = dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
                          per_head=args.dmuon_split_heads)

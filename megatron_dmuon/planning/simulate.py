@@ -3,7 +3,7 @@
 For one pipeline stage of a GPT (planning/models.py) on a cluster (clusters.json: device, GPUs per
 node, NVLink and InfiniBand alpha/beta), per GPU:
 
-* owner NS: the owner plan's predicted time (planning/plans.py: one batched call per shape);
+* owner NS: the owner plan's predicted time (planning/planners.py: one batched call per shape);
 * element-wise passes: Muon (momentum, Nesterov, casts, update, copy) on the matrices its DP rank
   owns, AdamW on its 1/D of the other parameters, both ``bytes_per_param`` / effective HBM rate;
 * TP exchange (TP > 1): bytes of planning/tp_cost.py's per-matrix choice (gather vs distributed
@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 from .cost_model import ClusterSpec, CostModel, Link, load_config
 from .models import ModelSpec, ParallelSpec, stage_params
 from .owner_layout import fragments_by_rank, megatron_bucket_size
-from .plans import gpu_cells, plan_stage, predict_stage
+from .planners import gpu_cells, plan_stage, predict_stage
 from .tp_cost import choose_tp_method
 
 __all__ = ["collective_ms", "gpu_step_parts", "predict_optimizer_step", "predict_adamw_step"]

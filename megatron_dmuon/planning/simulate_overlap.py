@@ -38,7 +38,7 @@ from .compute_model import Segment, forward_segments, model_tflops
 from .cost_model import ClusterSpec, CostModel, load_config
 from .models import ModelSpec, ParallelSpec
 from .owner_layout import megatron_bucket_size
-from .plans import gpu_cells, plan_stage, predict_stage
+from .planners import gpu_cells, plan_stage, predict_stage
 from .simulate import collective_ms, gpu_step_parts
 
 __all__ = ["DEFAULT_ETA", "MODES", "need_groups", "group_ns_ms", "overlap_timeline", "simulate_overlap"]

@@ -28,7 +28,7 @@ class NSQualityCheck:
     def __init__(self, settings, exact: Callable[[torch.Tensor], torch.Tensor]):
         self.settings = settings
         self.exact = exact
-        self.steps = 0  # optimizer steps applied (a checkpoint restores it: megatron/checkpoint.py)
+        self.steps = 0  # optimizer steps applied (a checkpoint restores it: megatron/checkpoint/optimizer_state.py)
         self.recomputed_total = 0
         self.last: Optional[dict] = None  # this step's findings, when it was a check step
 

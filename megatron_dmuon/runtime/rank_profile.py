@@ -2,7 +2,7 @@
 on, taken by timing the owner step itself (``ns_timing.time_owner_step``) on synthetic ranks, within
 the start-up budget, cached on disk.
 
-``--dmuon-balance milp`` runs it on rank 0 of each pipeline stage (megatron/layout.py). The points,
+``--dmuon-balance milp`` runs it on rank 0 of each pipeline stage (megatron/ddp.py). The points,
 cheapest and most informative first (each new (shape, count) costs a kernel autotune, ~2 s on the
 H200):
 

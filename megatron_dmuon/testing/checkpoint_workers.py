@@ -69,7 +69,7 @@ def _save(run, root, iteration, fmt):
 
     from megatron.core import parallel_state as ps
 
-    from megatron_dmuon.megatron.checkpoint_io import save_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import save_checkpoint
 
     if fmt == "dist":
         save_checkpoint(root, iteration, run.chunks, run.opt, extra={"scheduler": run.sched.state_dict()})
@@ -100,17 +100,17 @@ def _load(run, root, iteration, fmt, optimizer_only=False):
 
     from megatron.core import parallel_state as ps
 
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import checkpoint_dir, load_checkpoint
 
     if fmt == "dist":
         if optimizer_only:  # the masters alone: the publish must reach every replica
             from megatron.core import dist_checkpointing
 
-            from megatron_dmuon.megatron.checkpoint import _content_metadata, model_state
+            from megatron_dmuon.megatron.checkpoint.optimizer_state import content_metadata, model_state
 
             state = model_state(run.chunks)
             state["optimizer"] = run.opt.sharded_state_dict(state, is_loading=True,
-                                                            metadata=_content_metadata("fully_reshardable"))
+                                                            metadata=content_metadata("fully_reshardable"))
             for key in [k for k in state if k.startswith("model")]:
                 state.pop(key)
             loaded = dist_checkpointing.load(state, checkpoint_dir(root, iteration))
@@ -158,7 +158,7 @@ def checkpoint_bad_loads(rank, world_size, root, **kw):
     import os
     import shutil
 
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint, save_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import checkpoint_dir, load_checkpoint, save_checkpoint
 
     init_parallel()
     good = _build(**kw)

@@ -138,7 +138,7 @@ def layerwise_to_dmuon(rank, world_size, resume_at=3, root=None, load_world=None
     on to the end (the run that never switched); a fresh DMuon run loads that checkpoint and trains
     the same steps. Returns both runs' losses, parameters and optimizer state (at the save / right
     after the load, and at the end)."""
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint, save_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import checkpoint_dir, load_checkpoint, save_checkpoint
 
     init_parallel()
     steps = {**DEFAULTS, **kw}["steps"]
@@ -164,7 +164,7 @@ def layerwise_to_dmuon(rank, world_size, resume_at=3, root=None, load_world=None
 def _attempt_load(path, run, snapshot, same) -> tuple:
     """Load ``path`` into ``run``, expecting a refusal: (the error's type and message or None,
     whether ``snapshot()`` is unchanged)."""
-    from megatron_dmuon.megatron.checkpoint_io import load_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import load_checkpoint
 
     before = snapshot()
     try:
@@ -179,7 +179,7 @@ def dmuon_loads_layerwise(rank, world_size, root, resume_at=3, data_dp=None, ref
     """A DMuon run at this world's DP size loads ``layerwise_to_dmuon``'s checkpoint and trains on
     (the global batch defined for ``data_dp`` ranks). ``refuse_kw``: first a run of other settings
     tries the load, which must fail on every rank and leave it untouched: (message, untouched)."""
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import checkpoint_dir, load_checkpoint
 
     from .checkpoint_workers import _same, _snapshot
 
@@ -213,7 +213,7 @@ def dmuon_to_layerwise(rank, world_size, resume_at=3, root=None, refuse_kw=None,
     switched); a fresh LayerWise run loads DMuon's checkpoint and trains the same steps.
     ``refuse_kw``: first a LayerWise run of other settings tries the load, which must fail on every
     rank and leave its state untouched: (message, untouched)."""
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, load_checkpoint, save_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import checkpoint_dir, load_checkpoint, save_checkpoint
 
     init_parallel()
     steps = {**DEFAULTS, **kw}["steps"]

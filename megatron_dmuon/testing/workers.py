@@ -116,7 +116,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_dmuon.megatron.gpt import build_gpt, transformer_config, virtual_stages, wire_sync_funcs
-    from megatron_dmuon.megatron.layout import build_dmuon_ddp
+    from megatron_dmuon.megatron.ddp import build_dmuon_ddp
     from megatron_dmuon.megatron.config import LayoutOptions
     from megatron_dmuon.megatron.optimizer import DMuonConfig, get_dmuon_optimizer
     from megatron_dmuon.testing.global_params import init_params_by_name

@@ -1,5 +1,5 @@
 """The job's --save / --load: one writer per --save directory (a lock), resume from the latest
-checkpoint, save one (Megatron-LM's torch_dist layout, through megatron/checkpoint_io.py)."""
+checkpoint, save one (Megatron-LM's torch_dist layout, through megatron/checkpoint/job.py)."""
 from __future__ import annotations
 
 import os
@@ -60,7 +60,7 @@ def load_if_requested(args, ddp, opt, sched, rank) -> tuple[int, int]:
     by then); (0, 0): a fresh start. As Megatron-LM's load_checkpoint: --no-load-optim loads the model
     and keeps the iteration and consumed samples (the data continues), while the optimizer state and
     the lr schedule start fresh (Megatron loads the schedule with the optimizer state)."""
-    from megatron_dmuon.megatron.checkpoint_io import checkpoint_dir, latest_iteration, load_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import checkpoint_dir, latest_iteration, load_checkpoint
 
     if not args.load:
         return 0, 0
@@ -115,7 +115,7 @@ DISK_FULL_SIGNS = ("No space left on device", "unexpected pos", "file write fail
 def save(args, iteration, ddp, opt, sched, rank, consumed: int = None) -> None:
     """Checkpoint ``iteration`` into --save, with the train samples consumed by then (as Megatron-LM's
     checkpoint args hold them: a resume, even with --no-load-optim, continues the data there)."""
-    from megatron_dmuon.megatron.checkpoint_io import latest_iteration, save_checkpoint
+    from megatron_dmuon.megatron.checkpoint.job import latest_iteration, save_checkpoint
 
     extra = {"opt_param_scheduler": sched.state_dict(), "model_config": model_config_of(args)}
     if consumed is not None:

@@ -367,7 +367,7 @@ def _check_resume(p, args, iteration: int) -> None:
     its lr schedule is this run's unless Megatron-LM's flag says which wins. Refused by name."""
     from megatron.core import dist_checkpointing
 
-    from megatron_dmuon.megatron.checkpoint_io import TRACKER, checkpoint_dir, checkpoint_problem, complete_iterations
+    from megatron_dmuon.megatron.checkpoint.job import TRACKER, checkpoint_dir, checkpoint_problem, complete_iterations
 
     path = checkpoint_dir(args.load, iteration)
     problem = checkpoint_problem(path)
@@ -391,7 +391,7 @@ def _check_resume(p, args, iteration: int) -> None:
         p.error(f"--load {args.load}: {path} was saved by another model ({flags(saved)}; this run: {flags(mine)}); "
                 "pass the checkpoint's values, or another --load")
     if args.optimizer == "dmuon" and not args.no_load_optim and isinstance(common, dict):
-        from megatron_dmuon.megatron.checkpoint_switch import megatron_source
+        from megatron_dmuon.megatron.checkpoint.switch import megatron_source
 
         source = megatron_source(common.get("optimizer"))
         if source is not None and not source["muon_groups"]:  # (Megatron's Muon: DMuon continues it at load)
@@ -409,7 +409,7 @@ def _check_resume(p, args, iteration: int) -> None:
 def muon_saver_of(common_optimizer):
     """Which Muon optimizer wrote a checkpoint's common ``optimizer`` record, in the flags' words (None:
     no Muon matrix in it, e.g. Megatron's Adam)."""
-    from megatron_dmuon.megatron.checkpoint_switch import dmuon_record_of, megatron_source
+    from megatron_dmuon.megatron.checkpoint.switch import dmuon_record_of, megatron_source
 
     record = dmuon_record_of(common_optimizer)
     if record is not None:
@@ -443,7 +443,7 @@ def _check_checkpointing(p, args) -> None:
         p.error(f"--save/--load support --dmuon-mode dmuon (and --optimizer adam); --dmuon-mode {args.dmuon_mode} "
                 "is a comparison baseline without checkpoints")
     from megatron_dmuon.megatron.checkpoint import CheckpointMismatchError
-    from megatron_dmuon.megatron.checkpoint_io import TRACKER, complete_iterations, latest_iteration, resume_iteration
+    from megatron_dmuon.megatron.checkpoint.job import TRACKER, complete_iterations, latest_iteration, resume_iteration
 
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         p.error("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler ask for opposite schedules: "

@@ -115,7 +115,7 @@ def _same_file(a: str, b: str) -> bool:
 def _checkpoint_entry(root: str, path: str):
     """The entry of checkpoint directory ``root`` that ``path`` is or lies in (the tracker, the lock
     file or an iter_NNNNNNN directory), or None."""
-    from megatron_dmuon.megatron.checkpoint_io import TRACKER
+    from megatron_dmuon.megatron.checkpoint.job import TRACKER
 
     rel = os.path.relpath(_real(path), _real(root))
     first = rel.split(os.sep)[0]

@@ -1,7 +1,7 @@
 """Job-level checkpoints in Megatron-LM's torch_dist layout: ``ROOT/iter_NNNNNNN`` (model, optimizer,
 scheduler, iteration) and ``ROOT/latest_checkpointed_iteration.txt``, for the main job, the tests
 and any megatron-core loop (Megatron-LM itself saves through its own code and DMuon's
-``sharded_state_dict``). DMuon's optimizer state format is ``checkpoint.py``'s; Megatron's own
+``sharded_state_dict``). DMuon's optimizer state format is optimizer_state.py's; Megatron's own
 optimizers (the AdamW baseline) load through Megatron's code.
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import List, Optional
 
 import torch
 
-from .checkpoint import (
-    CheckpointMismatchError, _chunks, _content_metadata, agree_or_raise, check_record, gather_record,
+from .optimizer_state import (
+    CheckpointMismatchError, model_chunks_of, content_metadata, agree_or_raise, check_record, gather_record,
     model_sharded_metadata, model_state, unwrap,
 )
-from .checkpoint_switch import megatron_torch_adam_load
+from .switch import megatron_torch_adam_load
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -37,7 +37,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, extra: O
 
     from megatron.core import dist_checkpointing
 
-    from .child_processes import install as children_die_with_this_rank
+    from ..child_processes import install as children_die_with_this_rank
 
     children_die_with_this_rank()  # the writer's Manager process must not outlive a SIGKILLed rank
     path = checkpoint_dir(root, iteration)
@@ -46,7 +46,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, extra: O
             shutil.rmtree(path)
         os.makedirs(path)
     torch.distributed.barrier()
-    metadata = _content_metadata(sharding_type)
+    metadata = content_metadata(sharding_type)
     for chunk in model_chunks:  # --overlap-param-gather: the last publish may still wait in a forward
         if chunk.ddp_config.overlap_param_gather:  # hook (Megatron-LM disables the hooks around a save: the same sync)
             with torch.no_grad():
@@ -168,21 +168,21 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (no metadata.json)")
-    metadata = dist_checkpointing.load_content_metadata(path) or _content_metadata("fully_reshardable")
+    metadata = dist_checkpointing.load_content_metadata(path) or content_metadata("fully_reshardable")
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     dmuon = all(hasattr(getattr(p, "model_chunks", [None])[0], "dmuon_plan") for p in parts)  # else one of Megatron's own
     if load_optimizer and dmuon:
         common = dist_checkpointing.load_common_state_dict(path)
         saved = common.get("optimizer") if isinstance(common, dict) else None
-        meta = model_sharded_metadata(model_state(_chunks(parts)))
-        from .checkpoint_switch import prepare_load
+        meta = model_sharded_metadata(model_state(model_chunks_of(parts)))
+        from .switch import prepare_load
 
         if not prepare_load(path, parts, saved, meta):  # Megatron's own Muon: checked there
             agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
                                         gather_record(parts, meta)))
     switch = False
     if load_optimizer and not dmuon:  # Megatron's own optimizer: a DMuon checkpoint switches back
-        from .checkpoint_switch import dmuon_record_of
+        from .switch import dmuon_record_of
 
         common = dist_checkpointing.load_common_state_dict(path)
         switch = dmuon_record_of(common.get("optimizer") if isinstance(common, dict) else None) is not None
@@ -198,7 +198,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
 def _load(path, model_chunks, optimizer, load_optimizer, metadata, switch=False) -> dict:
     from megatron.core import dist_checkpointing
 
-    from .checkpoint_switch import megatron_request_for_dmuon, megatron_state_from_dmuon
+    from .switch import megatron_request_for_dmuon, megatron_state_from_dmuon
 
     state = model_state(model_chunks, metadata)
     prepared = None

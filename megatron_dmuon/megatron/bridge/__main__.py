@@ -21,7 +21,7 @@ USAGE = "usage: python -m megatron_dmuon.bridge [--dmuon-* flags] SCRIPT.py [its
 def split_argv(argv: list) -> tuple:
     """(DMuon's options by name, the script, its arguments): the ``--dmuon-*`` flags before the
     script are parsed with DMuon's own parser (its choices and types)."""
-    from ..megatron.flags import add_dmuon_args
+    from ..flags import add_dmuon_args
 
     script_at = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), None)
     if script_at is None:

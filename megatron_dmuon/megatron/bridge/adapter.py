@@ -1,6 +1,6 @@
-"""Megatron-Bridge's extension points filled with DMuon (megatron_dmuon/bridge/__init__.py, the package users
-import, says how to use them; docs/bridge.md). The only module that imports ``megatron.bridge``: it sits beside
-the Megatron-LM hook (megatron_lm.py), in the one package that imports megatron."""
+"""Megatron-Bridge's extension points filled with DMuon (this package's __init__.py, which users import as
+``megatron_dmuon.bridge``, says how to use them; docs/bridge.md). The only module that imports ``megatron.bridge``:
+it sits beside the Megatron-LM hook (megatron_lm.py), in the one package that imports megatron."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,10 +8,10 @@ from typing import Optional
 
 from megatron.bridge.training.config import OptimizerConfig
 
-from .checks import check_dmuon_config, tensor_parallel_size
-from .config import DMuonConfig
-from .flags import dmuon_config_from_fields
-from .bridge_names import bridge_names
+from ..config_checks import check_dmuon_config, tensor_parallel_size
+from ..config import DMuonConfig
+from ..flags import dmuon_config_from_fields
+from .names import bridge_names
 
 DMUON = "dmuon"
 _DDP = ("megatron.training.models.dist_utils", "DistributedDataParallel")
@@ -65,7 +65,7 @@ class DMuonOptimizerConfig(OptimizerConfig):
         ``setup_optimizer`` hook)."""
         from megatron.core.optimizer import get_standard_config_overrides
 
-        from .optimizer import get_dmuon_optimizer
+        from ..optimizer import get_dmuon_optimizer
 
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         core = self.megatron_core_config()
@@ -90,7 +90,7 @@ def route_ddp(cfg: DMuonConfig) -> None:
     """Bridge's DDP wrap (megatron-core's ``_ddp_wrap``) constructs DMuon's DDP bound to ``cfg``."""
     import megatron.training.models.dist_utils as dist_utils
 
-    from .megatron_lm import dmuon_ddp_class
+    from ..megatron_lm import dmuon_ddp_class
 
     _ORIGINALS.setdefault(_DDP, dist_utils.DistributedDataParallel)
     dist_utils.DistributedDataParallel = dmuon_ddp_class(cfg)
@@ -111,7 +111,7 @@ def route_checkpoint_loads() -> None:
     reads the common state first, with the run's ConfigContainer as ``cfg``. Idempotent."""
     import megatron.bridge.training.checkpointing as checkpointing
 
-    from .checkpoint_switch import route_checkpoint_loads as route
+    from ..checkpoint import route_checkpoint_loads as route
 
     route(checkpointing, "_load_checkpoint_from_path", 3, checkpointing, _load_settings)
 
@@ -177,7 +177,7 @@ def install(**options) -> None:
     the optimizer switch (``route_checkpoint_loads``), whatever the optimizer. Idempotent."""
     import importlib
 
-    from .child_processes import install as children_die_with_this_rank
+    from ..child_processes import install as children_die_with_this_rank
 
     children_die_with_this_rank()  # Megatron's checkpoint writers (its Manager, async saves) end with the rank
     route_checkpoint_loads()

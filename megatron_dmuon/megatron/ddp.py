@@ -11,7 +11,7 @@ from ..planning.owner_layout import megatron_bucket_size
 from ..planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
 from ..planning.params import check_muon_matrix_shape, param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
-from ..planning.plans import split_rule_for
+from ..planning.planners import split_rule_for
 from ..planning.tp_cost import choose_tp_method
 
 
@@ -215,7 +215,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
 
     def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None,
                  full_param_layout=None, *, dmuon=None, **overrides):
-        from .checks import check_model_parallel_config
+        from .config_checks import check_model_parallel_config
         from .config import with_overrides
         from .hierarchy import check_two_level_config
         from .publish import check_publish_config, install_fp8_publish

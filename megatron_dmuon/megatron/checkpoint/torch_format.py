@@ -1,13 +1,13 @@
 """DMuon optimizer checkpoints in Megatron-LM's torch format (``--ckpt-format torch``):
 ``save_parameter_state(file)`` gathers every per-parameter tensor to DP rank 0, keyed by the same
-parameter ids as the torch_dist format (megatron/checkpoint.py), so it reshards over DP too."""
+parameter ids as the torch_dist format (optimizer_state.py), so it reshards over DP too."""
 from __future__ import annotations
 
 from typing import Dict, Optional
 
 import torch
 
-from .checkpoint import ROW_KEY, _chunks, agree_or_raise, check_pieces, check_record, gather_record, load_pieces, local_pieces, model_sharded_metadata, model_state, param_id, publish
+from .optimizer_state import ROW_KEY, model_chunks_of, agree_or_raise, check_pieces, check_record, gather_record, load_pieces, local_pieces, model_sharded_metadata, model_state, param_id, publish
 
 
 def _dp_root(parts):
@@ -24,7 +24,7 @@ def param_state_dp_zero(parts) -> Optional[dict]:
     """Torch format: {'dmuon': record over the DP group, 'params': {param id: {key: full flattened
     TP-local tensor}}} on DP rank 0 (None elsewhere), gathered like Megatron's dp_zero format."""
     group, root = _dp_root(parts)
-    meta = model_sharded_metadata(model_state(_chunks(parts)))
+    meta = model_sharded_metadata(model_state(model_chunks_of(parts)))
     record = gather_record(parts, meta, group=group)
     mine = [(param_id(meta[p.model_param]), p.start, p.end, p.model_param.numel(),
              {k: t.detach().cpu().clone() for k, t in p.tensors.items()}) for opt in parts for p in local_pieces(opt)]
@@ -58,7 +58,7 @@ def load_param_state_dp_zero(parts, state) -> None:
     box = [state]
     torch.distributed.broadcast_object_list(box, src=root, group=group)
     state = box[0]
-    meta = model_sharded_metadata(model_state(_chunks(parts)))
+    meta = model_sharded_metadata(model_state(model_chunks_of(parts)))
     current = gather_record(parts, meta, group=group)
     ids = {p: param_id(sh) for p, sh in meta.items()}
     error = check_record(state.get("dmuon") if isinstance(state, dict) else None, current)

@@ -1,14 +1,14 @@
 """The optimizer's checkpoint entry points in DMuon's per-parameter format, once for a single
 owner part (``DMuonDistributedOptimizer``) and the chain of them (``DMuonChainedOptimizer``, whose
-load may split dense and expert params differently from the save): megatron/checkpoint.py does the
-work, checkpoint_switch.py reads a checkpoint of Megatron's own Muon."""
+load may split dense and expert params differently from the save): optimizer_state.py does the
+work, switch.py reads a checkpoint of Megatron's own Muon."""
 from __future__ import annotations
 
 from typing import Optional
 
-from . import checkpoint as ckpt
-from . import checkpoint_switch, checkpoint_torch
-from .overlap_step import finish_parts
+from . import optimizer_state as ckpt
+from . import switch, torch_format
+from ..overlap_step import finish_parts
 
 
 class OwnerCheckpoints:
@@ -37,19 +37,19 @@ class OwnerCheckpoints:
             return super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type=sharding_type,
                                               metadata=metadata, **kwargs)
         if is_loading:  # Megatron-LM's own load: the checkpoint it noted may be Megatron's Muon
-            checkpoint_switch.prepare_noted_load(parts, model_sharded_state_dict)
+            switch.prepare_noted_load(parts, model_sharded_state_dict)
         return ckpt.sharded_optimizer_state(parts, model_sharded_state_dict, is_loading, metadata, sharding_type)
 
     def load_state_dict(self, state_dict):
         parts = self._parts_finished()
-        return checkpoint_switch.load_optimizer_state(parts, state_dict) if parts else super().load_state_dict(state_dict)
+        return switch.load_optimizer_state(parts, state_dict) if parts else super().load_state_dict(state_dict)
 
     def save_parameter_state(self, filename: str):
         parts = self._parts_finished()
-        return checkpoint_torch.save_param_state_file(parts, filename) if parts else super().save_parameter_state(filename)
+        return torch_format.save_param_state_file(parts, filename) if parts else super().save_parameter_state(filename)
 
     def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False):
         parts = self._parts_finished()
         if not parts:
             return super().load_parameter_state(filename, update_legacy_format=update_legacy_format)
-        return checkpoint_torch.load_param_state_file(parts, filename)
+        return torch_format.load_param_state_file(parts, filename)

@@ -45,8 +45,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import checkpoint as ckpt
-from .checkpoint import (_global_shape, agree_or_raise, check_pieces, flat, load_pieces,
+from . import optimizer_state as ckpt
+from .optimizer_state import (global_shape, agree_or_raise, check_pieces, flat, load_pieces,
                          local_pieces, megatron_name, mismatch_message, publish)
 
 
@@ -144,8 +144,8 @@ def check_tensors(parts, meta: dict, saved: dict, adam_master: str = "param") ->
                     kind = ("Muon here, AdamW in the checkpoint" if piece.muon else "AdamW here, Muon in the checkpoint")
                     problems.append(f"{name} is missing" + (f" ({sh.key} is {kind})"
                                                             if f"optimizer.state.{other}.{sh.key}" in saved else ""))
-                elif tuple(found.global_shape) != _global_shape(sh):
-                    problems.append(f"{name} has shape {tuple(found.global_shape)}, this model {_global_shape(sh)}")
+                elif tuple(found.global_shape) != global_shape(sh):
+                    problems.append(f"{name} has shape {tuple(found.global_shape)}, this model {global_shape(sh)}")
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, sorted(mine))
     model_keys = set().union(*map(set, everyone))
@@ -217,7 +217,7 @@ def prepare_noted_load(parts, model_sharded_state_dict=None) -> None:
         return
     path, common = noted
     if model_sharded_state_dict is None:
-        model_sharded_state_dict = ckpt.model_state(ckpt._chunks(parts))
+        model_sharded_state_dict = ckpt.model_state(ckpt.model_chunks_of(parts))
     prepare_load(path, parts, common.get("optimizer") if isinstance(common, dict) else None,
                  ckpt.model_sharded_metadata(model_sharded_state_dict))
 
@@ -371,7 +371,7 @@ def route_checkpoint_loads(outer_owner, outer_name: str, optimizer_at: int, base
     ``base_owner._load_base_checkpoint`` the read it makes, first of the common state (``rank0=True``),
     then of the sharded state. ``settings_of(args, kwargs)`` of a read: an object with the run's
     ``optimizer`` name and ``no_load_optim``. Megatron-LM's ``load_checkpoint`` and Megatron-Bridge's
-    ``_load_checkpoint_from_path`` (megatron/bridge.py) are routed so. Idempotent per module."""
+    ``_load_checkpoint_from_path`` (megatron/bridge/adapter.py) are routed so. Idempotent per module."""
     if base_owner._load_base_checkpoint in _ROUTED:
         return
     base, outer = base_owner._load_base_checkpoint, getattr(outer_owner, outer_name)

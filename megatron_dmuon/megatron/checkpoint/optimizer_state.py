@@ -29,7 +29,7 @@ holds the loaded model (Megatron PR #6920's bug was a resume that skipped this p
 
 Torch format (Megatron-LM ``--ckpt-format torch``): ``state_dict()`` plus
 ``save_parameter_state(file)``, which, like Megatron's, gathers per-parameter tensors to DP rank 0
-(keyed by the same parameter ids, so it reshards over DP too): megatron/checkpoint_torch.py.
+(keyed by the same parameter ids, so it reshards over DP too): megatron/checkpoint/torch_format.py.
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def param_id(sh) -> str:
     return sh.key + ("@" + ",".join(map(str, prepend)) if prepend else "")
 
 
-def _global_shape(sh) -> tuple:
+def global_shape(sh) -> tuple:
     return tuple(int(s) for s in _plain(sh).global_shape)
 
 
@@ -248,7 +248,7 @@ def _local_record(parts, meta: Optional[dict]) -> dict:
         if meta is not None:
             for piece in local_pieces(opt):
                 sh = meta[piece.model_param]
-                params[param_id(sh)] = [list(_global_shape(sh)), "muon" if piece.muon else "adamw"]
+                params[param_id(sh)] = [list(global_shape(sh)), "muon" if piece.muon else "adamw"]
         for i, chunk in enumerate(opt.model_chunks):
             plan = chunk.dmuon_plan
             for buffer, layout in plan.layouts.items():  # 'dense|expert/param dtype': as written before the plan
@@ -301,14 +301,14 @@ def check_record(record, current: dict) -> Optional[str]:
     for field in ("params", "plans", "parallel"):
         if not isinstance(record.get(field), dict):
             return f"the checkpoint's DMuon record is corrupt: field {field!r} is missing or not a mapping"
-    from ..planning.owner_layout import OwnerLayout
+    from ...planning.owner_layout import OwnerLayout
 
     for name, text in record["plans"].items():
         try:
             OwnerLayout.from_json(text)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the same corruption
             return f"the checkpoint's DMuon owner plan {name!r} is corrupt ({type(exc).__name__}: {exc})"
-    from ..planning.plan import DMuonPlan
+    from ...planning.plan import DMuonPlan
 
     saved_plans = record.get("dmuon_plans", {})  # (checkpoints written before the plan object have none)
     if not isinstance(saved_plans, dict):
@@ -364,7 +364,7 @@ def _check_sharding_type(metadata, sharding_type=None) -> None:
             "or --ckpt-format torch)")
 
 
-def _chunks(parts) -> list:
+def model_chunks_of(parts) -> list:
     return parts[0].model_chunks
 
 
@@ -392,7 +392,7 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
     if source is None:  # (a load of Megatron's own Muon checkpoint asks for its sharding type)
         _check_sharding_type(metadata, sharding_type)
     if model_sharded_state_dict is None:
-        model_sharded_state_dict = model_state(_chunks(parts))
+        model_sharded_state_dict = model_state(model_chunks_of(parts))
     meta = model_sharded_metadata(model_sharded_state_dict)
     record = gather_record(parts, meta)  # first: its checks fail on every rank at once
     state = optimizer_state_dict(parts)
@@ -414,7 +414,7 @@ MEGATRON_MASTER = "fp32_param"  # Megatron's Float16Optimizer: a matrix's fp32 m
 
 
 def megatron_name(piece, key: str, adam_master: str = "param") -> str:
-    """A DMuon state key's name in Megatron's Muon checkpoint (megatron/checkpoint_switch.py): a
+    """A DMuon state key's name in Megatron's Muon checkpoint (megatron/checkpoint/switch.py): a
     matrix's master is ``fp32_param``; an AdamW param's is ``param`` in a DistributedOptimizer part,
     ``fp32_param`` (``adam_master``) where LayerWise keeps the AdamW params in its own
     Float16Optimizer (Megatron-LM's pretrain_gpt path)."""
@@ -433,7 +433,7 @@ def load_optimizer_state(parts, state_dict) -> None:
     parts[0]._pending_load = parts[0]._pending_source = parts[0]._load_source = None
     if param_state is not None:  # dist_checkpointing: every rank is here
         if pending is None:
-            meta = model_sharded_metadata(model_state(_chunks(parts)))
+            meta = model_sharded_metadata(model_state(model_chunks_of(parts)))
             pending = (gather_record(parts, meta), {p: param_id(sh) for p, sh in meta.items()})
         current, ids = pending
         error = check_record(info, current)
@@ -516,8 +516,8 @@ def load_pieces(opt, lookup, ids: dict) -> None:
             dst.copy_(lookup(pid, key, piece).reshape(dst.shape))
 
 
-# ----------------------------------------------------- the model part (used here and by checkpoint_io.py)
-def _content_metadata(sharding_type: str) -> dict:
+# ----------------------------------------------------- the model part (used here and by job.py)
+def content_metadata(sharding_type: str) -> dict:
     # what Megatron-LM's _build_sharded_state_dict_metadata passes (minus the process group)
     return {"distrib_optim_sharding_type": sharding_type, "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True}

@@ -1,5 +1,7 @@
-"""DMuon in Megatron-Bridge, through Bridge's own extension points. The adapter itself is
-``megatron_dmuon.megatron.bridge``, the only module that imports ``megatron.bridge``.
+"""DMuon in Megatron-Bridge, through Bridge's own extension points; all of it lives here:
+``adapter.py`` (the only module that imports ``megatron.bridge``), ``names.py`` (DMuon's messages in
+Bridge's field names) and ``__main__.py`` (the launcher). Users import it as ``megatron_dmuon.bridge``
+(megatron_dmuon/bridge.py, the door to this package).
 
     from megatron_dmuon.bridge import dmuon_with_cosine_annealing
     cfg = <a Bridge recipe>(...)                       # e.g. a Qwen or DeepSeek recipe's ConfigContainer
@@ -24,7 +26,7 @@ Bridge's scripts with ``optimizer.optimizer=dmuon`` among their overrides,
 """
 from __future__ import annotations
 
-from ..megatron.bridge_names import bridge_names  # noqa: F401 (public)
+from .names import bridge_names  # noqa: F401 (public)
 
 # the adapter (imports megatron.bridge) is loaded on first use, so the launcher's argument handling
 # and these names import without Bridge installed
@@ -34,7 +36,7 @@ _ADAPTER_NAMES = ("DMuonOptimizerConfig", "as_dmuon_config", "dmuon_with_cosine_
 
 def __getattr__(name):
     if name in _ADAPTER_NAMES:
-        from ..megatron import bridge as adapter
+        from . import adapter
 
         return getattr(adapter, name)
     raise AttributeError(f"module 'megatron_dmuon.bridge' has no attribute {name!r}")
