@@ -34,6 +34,7 @@ runtime/rank_profile.py (start-up) or bench/rank_balance.py (calibration).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -265,7 +266,7 @@ class RankCostModel:
         model.meta.update(mixed_points=len(hidden))
         return model
 
-    def fit_shared(self, steps: Sequence[Tuple[Mapping[Sequence[int], int], float]]) -> None:
+    def fit_shared(self, steps: Sequence[Tuple[Mapping[Sequence[int], int], float]], holdout: bool = True) -> None:
         """``shared_ms`` and ``shape_shared`` by least squares on Muon-only steps of several shapes
         ({shape: k}, ms): each gives shared_ms - sum of its shapes' shared parts = ms - sum of its
         stacks. Solved for the step's part and each shape's difference from it: a difference the
@@ -298,6 +299,22 @@ class RankCostModel:
             self.shape_shared[s] = min(max(-largest, step_part + difference), largest)
         errors = [self.muon_ms(c) / t - 1.0 for c, t in steps if t > 0]
         self.meta.update(multi_points=len(steps), multi_error=max(map(abs, errors), default=0.0))
+        if holdout:  # in-sample error is 0 wherever the steps just determine the parts (the H100's 4-shape
+            # profiles: 5 steps, 5 parts), so the model's error is also measured on each step left out
+            self.meta["multi_holdout_error"] = self._holdout_error(steps)
+
+    def _holdout_error(self, steps) -> float:
+        """The worst miss on a multi-shape step of a model fitted without it (0 with fewer than 2)."""
+        worst = 0.0
+        for i, (c, t) in enumerate(steps):
+            others = steps[:i] + steps[i + 1:]
+            if not others or t <= 0:
+                continue
+            refit = copy.copy(self)
+            refit.meta = dict(self.meta)
+            refit.fit_shared(others, holdout=False)
+            worst = max(worst, abs(refit.muon_ms(c) / t - 1.0))
+        return worst
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "meta": self.meta, "shared_ms": self.shared_ms, "hidden": self.hidden,
