@@ -216,6 +216,17 @@ def test_milp_rank_costs_are_the_models_prediction_of_its_layout(model):
     assert cost == pytest.approx(predicted) and layout.rank_cost == pytest.approx(predicted)
 
 
+def _fake_owner_step(calls):
+    def fake(matrices, fragments):  # the made-up device, timed
+        calls.append(len(matrices))
+        w = RankWork()
+        for _, shape, _ in matrices:
+            w.add_matrix([shape])
+        w.add_fragments(fragments)
+        return true_rank(w)
+    return fake
+
+
 def test_rank_profile_measures_in_order_within_its_budget_and_caches(tmp_path):
     from megatron_dmuon.runtime.rank_profile import profile_jobs, profiled_rank_model
 
@@ -235,15 +246,7 @@ def test_rank_profile_measures_in_order_within_its_budget_and_caches(tmp_path):
     # no profiled step holds more than MAX_ELEMENTS matrix elements (the model is on the GPU already)
     assert "ns|3584x37888|3" in profile_jobs({(37888, 3584): 8}) and "ns|3584x37888|8" not in profile_jobs({(37888, 3584): 8})
     calls = []
-
-    def fake(matrices, fragments):  # the made-up device, timed
-        calls.append(len(matrices))
-        w = RankWork()
-        for _, shape, _ in matrices:
-            w.add_matrix([shape])
-        w.add_fragments(fragments)
-        return true_rank(w)
-
+    fake = _fake_owner_step(calls)
     cache = str(tmp_path / "profile.json")
     first = profiled_rank_model(counts, time_fn=fake, cache_path=cache)
     assert len(calls) == len(jobs)
@@ -259,18 +262,6 @@ def test_rank_profile_measures_in_order_within_its_budget_and_caches(tmp_path):
         partial = rank_profile.measure_rank_jobs(profile_jobs(counts), fake, budget_s=2.5,
                                                  clock=lambda: float(next(ticks)))
     assert list(partial) == jobs[:2]  # the clock ticks once per point: 2 points fit in 2.5 s
-
-
-
-def _fake_owner_step(calls):
-    def fake(matrices, fragments):  # the made-up device, timed
-        calls.append(len(matrices))
-        w = RankWork()
-        for _, shape, _ in matrices:
-            w.add_matrix([shape])
-        w.add_fragments(fragments)
-        return true_rank(w)
-    return fake
 
 
 @pytest.mark.parametrize("damage", ["garbage", "old_version", "bad_point", "not_a_dict", "other_settings",

@@ -305,14 +305,15 @@ def optimizer_state_shards(run) -> dict:
 def _report(run, rank, trained, ns_counts, return_params=True):
     from megatron.core import parallel_state as ps
 
-    from megatron_dmuon.megatron.modes import mode_traits
+    from megatron_dmuon.megatron.modes import MODE_TRAITS
     from megatron_dmuon.megatron.optimizer import comm_bytes_per_step
     from megatron_dmuon.testing.global_params import local_shards
 
     chunks, parts, dp_rank = run.chunks, run.parts, ps.get_data_parallel_rank()
     out = {
         **trained, "ns_counts": ns_counts,
-        "bytes": comm_bytes_per_step(chunks, all_reduce=mode_traits(run.mode).all_reduces),
+        # (mode 'adam': Megatron's DistributedOptimizer, reduce-scattered)
+        "bytes": comm_bytes_per_step(chunks, all_reduce=run.mode in MODE_TRAITS and MODE_TRAITS[run.mode].all_reduces),
         "ranks": {"dp": dp_rank, "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
                   "ep": ps.get_expert_model_parallel_rank()},
     }
