@@ -1,4 +1,6 @@
 """Bad DMuon set-ups fail at start-up with errors that name the flag and the fix."""
+import dataclasses
+
 import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -159,3 +161,23 @@ def test_muon_settings_defaults_are_megatrons_flag_defaults():
     torch_rule = MuonSettings.torch_muon()
     assert (torch_rule.momentum, torch_rule.nesterov, torch_rule.coefficients, torch_rule.scale_mode) == \
         (0.95, True, "keller", "shape_scaling")
+
+
+def test_every_mode_has_its_traits_and_one_builder():
+    """megatron/modes.py's table covers every --dmuon-mode, the optimizer has one builder per mode,
+    and an unknown mode is refused by the flag's name wherever its traits are asked for."""
+    from megatron_dmuon.megatron.modes import MODE_TRAITS, MODES, mode_traits, modes_training
+    from megatron_dmuon.megatron.optimizer import OPTIMIZER_BUILDERS
+
+    assert MODES == ("dmuon", "gather_then_compute", "megatron_layerwise") and set(OPTIMIZER_BUILDERS) == set(MODES)
+    with pytest.raises(ValueError, match=r"--dmuon-mode 'adamw' unknown; valid: dmuon, gather_then_compute, "
+                                         r"megatron_layerwise"):
+        mode_traits("adamw")
+    # only the product mode needs the distributed optimizer and checkpoints; the all-reduce baseline refuses it
+    assert [m for m, t in MODE_TRAITS.items() if t.checkpoints] == ["dmuon"]
+    assert [m for m, t in MODE_TRAITS.items() if t.all_reduces] == ["gather_then_compute"]
+    assert modes_training("dion3") == ("dmuon", "gather_then_compute") and modes_training("muon") == MODES
+    with pytest.raises(ValueError, match=r"--dmuon-mode megatron_layerwise runs Megatron's own Muon; --dmuon-update "
+                                         r"dion3 needs --dmuon-mode dmuon \(or gather_then_compute\)"):
+        DMuonConfig(mode="megatron_layerwise", muon=dataclasses.replace(DMuonConfig().muon, update="dion3",
+                                                                         fraction=0.25)).validate()

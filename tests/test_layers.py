@@ -344,10 +344,6 @@ KNOWN_PRIVATE_REACHES: dict[tuple[str, str], str] = {
     # megatron-core's DistributedOptimizer method (DMuon's owner optimizer overrides it): Megatron's API
     (f"{PACKAGE}.megatron.checkpoint.optimizer_state", "_copy_main_params_to_model_params"):
         "megatron-core's DistributedOptimizer API, called on a part after a load",
-    # the rank MILP reuses the owner layout's and the MILP's internals: public with the rank-0
-    # planning's own function ([shape-2] item 1)
-    **{(f"{PACKAGE}.planning.rank_milp", n): "planning internals shared with the rank MILP (item 1)"
-       for n in ("_Model", "_NoSolution", "_SOLVERS", "_spread", "_align", "_min_shard", "_plan", "_split_buckets")},
     # testing/: the self-test workers share one harness's helpers (not production code)
     **{(f"{PACKAGE}.testing.{m}", n): "the test workers' shared harness"
        for m, names in {"checkpoint_workers": ("_build", "_finish_overlap", "_report", "_train"),

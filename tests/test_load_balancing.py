@@ -167,9 +167,9 @@ def test_fallback_to_greedy_when_the_instance_is_too_large():
 
 def test_fallback_when_the_time_limit_leaves_no_solution(monkeypatch):
     def timed_out(mdl, start, time_limit_s, gap):
-        raise milp._NoSolution("CBC status NO_SOLUTION_FOUND", infeasible=False)
+        raise milp.NoSolution("CBC status NO_SOLUTION_FOUND", infeasible=False)
 
-    monkeypatch.setitem(milp._SOLVERS, "cbc", timed_out)
+    monkeypatch.setitem(milp.SOLVERS, "cbc", timed_out)
     problem = random_problem(random.Random(4), dp=2, tp=2)
     with pytest.warns(MilpFallbackWarning, match="NO_SOLUTION_FOUND.*greedy plan"):
         sol = solve_owner_milp(problem, backend="cbc")

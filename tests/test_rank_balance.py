@@ -195,8 +195,8 @@ def test_the_milp_falls_back_to_the_best_warm_start_with_a_warning(model, monkey
     def broken(*a, **k):
         raise ImportError("no solver here")
 
-    monkeypatch.setitem(milp_mod._SOLVERS, "cbc", broken)
-    monkeypatch.setitem(milp_mod._SOLVERS, "highs", broken)
+    monkeypatch.setitem(milp_mod.SOLVERS, "cbc", broken)
+    monkeypatch.setitem(milp_mod.SOLVERS, "highs", broken)
     with pytest.warns(milp_mod.MilpFallbackWarning, match="no solver here"):
         plan, par = _plan("qwen7b-4l", 2, 40_000_000, "milp", rank_model=model,
                           milp_options={"time_limit_s": 2.0, "polish_share": 0.0, "min_gain": 0.0})

@@ -61,7 +61,7 @@ class MilpFallbackWarning(RuntimeWarning):
 # The MILP in a solver-neutral form: columns (lb, ub, integer, objective) and sparse rows.
 
 @dataclasses.dataclass
-class _Model:
+class MilpModel:
     lb: List[float] = dataclasses.field(default_factory=list)
     ub: List[float] = dataclasses.field(default_factory=list)
     integer: List[bool] = dataclasses.field(default_factory=list)
@@ -84,7 +84,7 @@ class _Model:
 class _Formulation:
     """The compact assignment model: y[k, c] matrices of class k on cell c, z[g, c] launches."""
 
-    model: _Model
+    model: MilpModel
     classes: List[List[int]]  # item indices of each class
     y: Dict[Tuple[int, int], int]
     z: Dict[Tuple[str, int], int]
@@ -98,10 +98,10 @@ class _Formulation:
 
     def decode(self, problem: "OwnerProblem", values: Sequence[float]) -> List[int]:
         counts = [[int(round(values[self.y[k, c]])) for c in range(problem.cells)] for k in range(len(self.classes))]
-        return _spread(self.classes, counts, len(problem.per_matrix))
+        return spread_counts(self.classes, counts, len(problem.per_matrix))
 
 
-def _spread(classes: List[List[int]], counts: List[List[int]], n_items: int) -> List[int]:
+def spread_counts(classes: List[List[int]], counts: List[List[int]], n_items: int) -> List[int]:
     """Cells per item from per-class counts per cell (items of a class are interchangeable)."""
     cells = [0] * n_items
     for items, per_cell in zip(classes, counts):
@@ -134,7 +134,7 @@ def _formulate(problem: OwnerProblem, upper: float) -> _Formulation:
     base = problem.base_loads()
     scale = max([p + problem.launch.get(g, 0.0) for p, g in zip(problem.per_matrix, problem.group)] + [max(base), 1e-30])
     classes = _classes(problem)
-    mdl = _Model()
+    mdl = MilpModel()
     room = upper * (1 + 1e-9) - min(base)  # the most work one cell can take in a plan no worse than `upper`
 
     def most(count, cost, launch, numel, bucket):  # matrices of one kind a cell can hold
@@ -290,7 +290,7 @@ def _pattern_search(problem: OwnerProblem, upper: float, limit: int, solve, dead
                 for p, load in nonempty]
 
     def feasible(level):
-        mdl = _Model(presolve=False)
+        mdl = MilpModel(presolve=False)
         cols = [j for j, (_, load) in enumerate(nonempty) if load <= level]
         x = {j: mdl.var(0, D, True, OBJ_SCALE * launches[j]) for j in cols}
         mdl.row({x[j]: 1.0 for j in cols}, -math.inf, D)
@@ -301,7 +301,7 @@ def _pattern_search(problem: OwnerProblem, upper: float, limit: int, solve, dead
         order = [j for j in sorted(cols, key=lambda j: (-nonempty[j][1], j)) for _ in range(int(round(values[x[j]])))]
         order += [None] * (problem.cells - len(order))
         counts = [[nonempty[j][0][k] if j is not None else 0 for j in order] for k in range(len(classes))]
-        return _spread(classes, counts, len(problem.per_matrix))
+        return spread_counts(classes, counts, len(problem.per_matrix))
 
     lo, hi, cells, proven = 0, len(levels) - 1, None, True  # levels[hi] is feasible: the warm start
     while lo < hi:
@@ -311,13 +311,13 @@ def _pattern_search(problem: OwnerProblem, upper: float, limit: int, solve, dead
         mid = (lo + hi) // 2
         try:
             cells, hi = feasible(levels[mid]), mid
-        except _NoSolution as exc:
+        except NoSolution as exc:
             proven = proven and exc.infeasible
             lo = mid + 1
     return cells, ("optimal" if proven else "feasible")  # cells None: the warm start is the best
 
 
-class _NoSolution(RuntimeError):
+class NoSolution(RuntimeError):
     """The backend ran but returned no usable solution (status in the message)."""
 
     def __init__(self, message: str, infeasible: bool):
@@ -325,7 +325,7 @@ class _NoSolution(RuntimeError):
         self.infeasible = infeasible
 
 
-def _solve_cbc(mdl: _Model, start: Dict[int, float], time_limit_s: float, gap: float):
+def _solve_cbc(mdl: MilpModel, start: Dict[int, float], time_limit_s: float, gap: float):
     """python-mip's models hold reference cycles; if the garbage collector frees an old one while
     cffi holds its (non-reentrant) type lock in a new model's call, the process deadlocks (seen:
     `Model.__del__` inside `ffi.new` of `model.start`). So the collector is off while mip runs and
@@ -347,7 +347,7 @@ def _solve_cbc(mdl: _Model, start: Dict[int, float], time_limit_s: float, gap: f
             gc.enable()
 
 
-def _run_cbc(mip, model, mdl: _Model, start: Dict[int, float], time_limit_s: float, gap: float):
+def _run_cbc(mip, model, mdl: MilpModel, start: Dict[int, float], time_limit_s: float, gap: float):
     model.verbose = 0
     model.threads = 1
     model.seed = 0
@@ -369,11 +369,11 @@ def _run_cbc(mip, model, mdl: _Model, start: Dict[int, float], time_limit_s: flo
         model.start = [(xs[j], v) for j, v in start.items()]
     status = model.optimize(max_seconds=min(max(time_limit_s, 1e-3), 1e9))
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or model.num_solutions == 0:
-        raise _NoSolution(f"CBC status {status.name}", infeasible=status == mip.OptimizationStatus.INFEASIBLE)
+        raise NoSolution(f"CBC status {status.name}", infeasible=status == mip.OptimizationStatus.INFEASIBLE)
     return [x.x for x in xs], ("optimal" if status == mip.OptimizationStatus.OPTIMAL else "feasible")
 
 
-def _solve_highs(mdl: _Model, start, time_limit_s: float, gap: float):
+def _solve_highs(mdl: MilpModel, start, time_limit_s: float, gap: float):
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -393,11 +393,11 @@ def _solve_highs(mdl: _Model, start, time_limit_s: float, gap: float):
                options={"time_limit": min(max(time_limit_s, 1e-3), 1e9), "disp": False, "mip_rel_gap": gap,
                         "presolve": mdl.presolve})
     if res.x is None or res.status not in (0, 1):
-        raise _NoSolution(f"HiGHS status {res.status} ({res.message})", infeasible=res.status == 2)
+        raise NoSolution(f"HiGHS status {res.status} ({res.message})", infeasible=res.status == 2)
     return list(res.x), ("optimal" if res.status == 0 else "feasible")
 
 
-_SOLVERS = {"cbc": _solve_cbc, "highs": _solve_highs}
+SOLVERS = {"cbc": _solve_cbc, "highs": _solve_highs}
 
 
 def solve_owner_milp(
@@ -447,7 +447,7 @@ def solve_owner_milp(
             reasons.append(f"{name}: no time left of time_limit_s={time_limit_s:g}")
             break
         try:
-            solve = _SOLVERS[name]
+            solve = SOLVERS[name]
             searched = _pattern_search(problem, upper, max_patterns, solve, deadline, mip_gap)
             if searched is not None:
                 cells, status = searched
@@ -463,7 +463,7 @@ def solve_owner_milp(
                 cells = compact.decode(problem, values)
         except ImportError as exc:
             reasons.append(f"{name}: solver not importable ({exc})")
-        except _NoSolution as exc:
+        except NoSolution as exc:
             reasons.append(f"{name}: {exc} (time limit {time_limit_s:g} s)")
             break  # a time-out: another backend would run out of time too
         except Exception as exc:  # a broken solver install must not stop training start-up

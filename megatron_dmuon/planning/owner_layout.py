@@ -29,7 +29,7 @@ from .placement import least_loaded_cell
 PARAM_ALIGN = 64  # Megatron aligns param starts to 64 elements; keeps matrix views GEMM-friendly.
 
 
-def _align(x: int, a: int = PARAM_ALIGN) -> int:
+def align_up(x: int, a: int = PARAM_ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
@@ -133,7 +133,7 @@ def megatron_bucket_size(dp_size: int, overlap_grad_reduce: bool, bucket_size: O
     return max(40_000_000, 1_000_000 * dp_size)
 
 
-def _split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world_size: int,
+def split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world_size: int,
                    max_padding: float) -> List[List[int]]:
     """Group param indices (in reverse order, i.e. backprop order, as Megatron does) into buckets.
 
@@ -187,7 +187,7 @@ def _max_min_squared(item) -> float:
 _LPT_RULES = {"numel_lpt": lambda item: float(item.numel), "megatron_lpt": _max_min_squared}
 
 
-def _min_shard(items, members, world_size) -> int:
+def min_shard(items, members, world_size) -> int:
     """A bucket's smallest shard: 1/D of its elements, and at least its biggest matrix."""
     total = sum(items[i].numel for i in members)
     return max(math.ceil(total / world_size), max((items[i].numel for i in members if items[i].is_matrix), default=0))
@@ -205,7 +205,7 @@ def _elementwise_term(items, bucket_members, world_size, elementwise) -> float:
     adamw, muon = elementwise
     total = sum(items[i].numel for i in bucket_members)
     matrices = sum(items[i].numel for i in bucket_members if items[i].is_matrix)
-    free = world_size * _min_shard(items, bucket_members, world_size) - matrices
+    free = world_size * min_shard(items, bucket_members, world_size) - matrices
     phi = min(1.0, (total - matrices) / free) if free > 0 else 1.0
     return muon - phi * adamw
 
@@ -237,14 +237,14 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
     # heaviest first; then the ones that lower their row's load, most lowering first
     mats = sorted((i for i in bucket_members if items[i].is_matrix),
                   key=lambda i: (net(i) < 0, -abs(net(i)), -items[i].numel, items[i].name))
-    shard = _min_shard(items, bucket_members, world_size)
+    shard = min_shard(items, bucket_members, world_size)
     owned_numel = [0] * world_size
     owners, tp_owners = {}, {}
     cells = range(world_size * tp_size)
     for i in mats:
         it = items[i]
         def has_room(d):
-            return owned_numel[d] + _align(it.numel) <= shard + PARAM_ALIGN
+            return owned_numel[d] + align_up(it.numel) <= shard + PARAM_ALIGN
 
         fits = [c for c in cells if has_room(c // tp_size)]
         pool = cells
@@ -256,7 +256,7 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
             pool = [c for c in fits if c // tp_size == heaviest]
         c = least_loaded_cell(pool, tp_size, has_room, rank_cost.__getitem__, owned_numel.__getitem__)
         owners[it.name], tp_owners[it.name] = divmod(c, tp_size)
-        owned_numel[c // tp_size] += _align(it.numel)
+        owned_numel[c // tp_size] += align_up(it.numel)
         rank_cost[c] += it.cost
         if per_element:
             dp = c // tp_size
@@ -267,10 +267,10 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
 
 def _bucket_loads(items, members, owners, tp_owners, world_size, tp_size, base, elementwise, start):
     """Cell loads after one bucket, as its layout (placed from buffer offset ``start``, as
-    ``_plan`` will place it) holds them: ``base`` + the NS cost of the matrices each cell owns +
+    ``plan_layout_once`` will place it) holds them: ``base`` + the NS cost of the matrices each cell owns +
     on every cell of DP row r ``muon x (r's owned matrix elements) + adamw x (element-wise
     elements in r's shard)`` (straddling params by overlap). Returns (loads, placement, shard),
-    the placement being ``_place_bucket``'s, which ``_plan`` then keeps."""
+    the placement being ``_place_bucket``'s, which ``plan_layout_once`` then keeps."""
     adamw, muon = elementwise
     loads = list(base)
     mats = [i for i in members if items[i].is_matrix]
@@ -307,11 +307,11 @@ def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padd
     greedy_cost = list(rank_cost)
     for b, members in enumerate(buckets):
         in_bucket = [i for i in members if items[i].is_matrix]
-        lo = _min_shard(items, members, world_size)
+        lo = min_shard(items, members, world_size)
         owners, tp_owners = _assign_owners(items, members, world_size, greedy_cost, tp_size, elementwise=elementwise)
         used = [0] * world_size
         for i in in_bucket:
-            used[owners[items[i].name]] += _align(items[i].numel)
+            used[owners[items[i].name]] += align_up(items[i].numel)
         shard_min.append(lo)
         shard_max.append(max(int(lo * (1.0 + max_bucket_padding)), max(used) - PARAM_ALIGN, lo))
         per_element = _elementwise_term(items, members, world_size, elementwise)
@@ -325,7 +325,7 @@ def _milp_owners(items, buckets, world_size, rank_cost, tp_size, max_bucket_padd
         launch[g] = max(launch.get(g, 0.0), items[i].launch_cost)
     problem = OwnerProblem(
         per_matrix=adjusted,
-        numel=[_align(items[i].numel) for i, _ in mats],
+        numel=[align_up(items[i].numel) for i, _ in mats],
         group=groups, bucket=[b for _, b in mats], launch=launch, dp_size=world_size, tp_size=tp_size,
         shard_min=shard_min, shard_max=shard_max, slack=PARAM_ALIGN, base=list(rank_cost),
         padding_weight=padding_weight)
@@ -346,9 +346,9 @@ def _place_bucket(items, members, owners, world_size, start) -> Tuple[Dict[str, 
     fillers = []
     for i in members:
         (mats_of[owners[items[i].name]] if items[i].is_matrix else fillers).append(i)
-    block = [sum(_align(items[i].numel) for i in m) for m in mats_of]
+    block = [sum(align_up(items[i].numel) for i in m) for m in mats_of]
     total = sum(items[i].numel for i in members)
-    shard = _align(max(math.ceil(total / world_size), max(block)), 1)
+    shard = align_up(max(math.ceil(total / world_size), max(block)), 1)
     while True:
         placed = _try_pour(items, mats_of, block, fillers, world_size, start, shard)
         if placed is not None:
@@ -367,7 +367,7 @@ def _try_pour(items, mats_of, block, fillers, world_size, start, shard):
         # fillers that fit before this rank's block
         while f < len(fillers):
             n = items[fillers[f]].numel
-            s = _align(cursor) if cursor > lo or r == 0 else cursor
+            s = align_up(cursor) if cursor > lo or r == 0 else cursor
             s = max(s, cursor)
             if s + n + (block[r] + (PARAM_ALIGN if block[r] else 0)) <= hi:
                 pos[items[fillers[f]].name] = (s, s + n)
@@ -376,10 +376,10 @@ def _try_pour(items, mats_of, block, fillers, world_size, start, shard):
             else:
                 break
         if block[r]:
-            s = max(_align(cursor), lo)
+            s = max(align_up(cursor), lo)
             for i in mats_of[r]:
                 pos[items[i].name] = (s, s + items[i].numel)
-                s = _align(s + items[i].numel)
+                s = align_up(s + items[i].numel)
             cursor = s
             if cursor > hi:
                 return None
@@ -424,7 +424,7 @@ def plan_owner_layout(
     rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, balance, elementwise)
     args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise)
     carried = list(rank_cost)
-    layout = _plan(items, rank_cost, info, *args)
+    layout = plan_layout_once(items, rank_cost, info, *args)
     # A huge element-wise param (a 152k-row embedding) fits only between two owners' matrix
     # blocks, so the shard grows until the gap holds it (x2.8 the buffer for Qwen2.5-7B at DP=64).
     # Where that pads a bucket by more than half, such params get buckets of their own (if that
@@ -433,7 +433,7 @@ def plan_owner_layout(
     if big:
         alone = [dataclasses.replace(it, own_bucket=True) if it.name in big else it for it in items]
         cost, alone_info = list(carried), {}
-        split = _plan(alone, cost, alone_info, *args)
+        split = plan_layout_once(alone, cost, alone_info, *args)
         if split.numel < layout.numel:
             layout = split
             rank_cost[:] = cost
@@ -470,12 +470,12 @@ def own_bucket_items(items, world_size, bucket_size, max_bucket_padding, tp_size
     (the rule ``plan_owner_layout`` applies after planning, decided here before: for a planner
     that spends its time limit once)."""
     greedy = (world_size, bucket_size, max_bucket_padding, tp_size, "cost", None, elementwise)
-    together = _plan(items, list(rank_cost), None, *greedy)
+    together = plan_layout_once(items, list(rank_cost), None, *greedy)
     big = _oversized_fillers(items, together)
     if not big:
         return items
     alone = [dataclasses.replace(it, own_bucket=True) if it.name in big else it for it in items]
-    return alone if _plan(alone, list(rank_cost), None, *greedy).numel < together.numel else items
+    return alone if plan_layout_once(alone, list(rank_cost), None, *greedy).numel < together.numel else items
 
 
 def _oversized_fillers(items, layout, pad_limit=0.5):
@@ -490,11 +490,14 @@ def _oversized_fillers(items, layout, pad_limit=0.5):
     return out
 
 
-def _plan(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options,
-          elementwise):
+def plan_layout_once(items, rank_cost, info, world_size, bucket_size, max_bucket_padding, tp_size, balance,
+                     milp_options, elementwise):
+    """One pass of ``plan_owner_layout``: buckets, owners under ``balance`` and the assembled layout
+    (``plan_owner_layout`` may run it twice, with oversized element-wise params in buckets of their
+    own; planning/rank_milp.py runs it for each greedy warm start)."""
     owners: Dict[str, int] = {}
     tp_owners: Dict[str, int] = {}
-    buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
+    buckets_members = split_buckets(items, bucket_size, world_size, max_bucket_padding)
     placed: Dict[int, tuple] = {}  # bucket -> (placement, shard) already made while planning
     if balance == "milp":
         owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,

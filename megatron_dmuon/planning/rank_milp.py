@@ -38,9 +38,9 @@ import warnings
 from collections import Counter, defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .milp import BACKENDS, LAUNCH_TIE, MilpFallbackWarning, _Model, _NoSolution, _SOLVERS, _spread
-from .owner_layout import (PARAM_ALIGN, _align, _min_shard, _plan, _split_buckets, assemble_layout, check_plan_inputs,
-                           fragments_by_rank, own_bucket_items)
+from .milp import BACKENDS, LAUNCH_TIE, MilpFallbackWarning, MilpModel, NoSolution, SOLVERS, spread_counts
+from .owner_layout import (PARAM_ALIGN, align_up, assemble_layout, check_plan_inputs, fragments_by_rank, min_shard,
+                           own_bucket_items, plan_layout_once, split_buckets)
 from .rank_cost import RankCostModel, RankWork, piece_counts
 
 # the least predicted gain over the greedy a rank-model plan must show: the same plan's slowest GPU
@@ -104,7 +104,7 @@ def plan_rank_owner_layout(items, world_size: int, bucket_size: Optional[int] = 
     (everything included), max_variables, polish_share, min_gain (module docstring)."""
     rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, "milp", elementwise)
     items = own_bucket_items(items, world_size, bucket_size, max_bucket_padding, tp_size, rank_cost, elementwise)
-    buckets_members = _split_buckets(items, bucket_size, world_size, max_bucket_padding)
+    buckets_members = split_buckets(items, bucket_size, world_size, max_bucket_padding)
     return rank_milp_layout(items, buckets_members, rank_cost, info, world_size, bucket_size, max_bucket_padding,
                             tp_size, milp_options, model, elementwise)
 
@@ -131,7 +131,7 @@ def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optio
     for name in CANDIDATES:
         greedy_items, balance, rates = {"cost": (items, "cost", elementwise),
                                         "cost_ms": (ms_items, "cost", (adamw_ms, muon_ms))}.get(name, (items, name, None))
-        layouts[name] = _plan(greedy_items, list(base), None, world_size, bucket_size, max_bucket_padding, tp_size,
+        layouts[name] = plan_layout_once(greedy_items, list(base), None, world_size, bucket_size, max_bucket_padding, tp_size,
                               balance, None, rates)
         loads[name] = layout_loads(items, layouts[name], model, base)
     gaps = model.unmeasured({s for it in items if it.is_matrix for s in piece_counts(item_pieces(it))},
@@ -159,7 +159,7 @@ def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optio
                                                      t0 + (1.0 - polish_share) * time_limit, max_variables)
             layouts["milp"] = assemble_layout(items, buckets_members, owners, tp_owners, world_size, tp_size, base)
             loads["milp"] = layout_loads(items, layouts["milp"], model, base)
-        except (ImportError, _NoSolution, _TooLarge) as exc:
+        except (ImportError, NoSolution, _TooLarge) as exc:
             note = f"MILP unavailable ({exc}); kept the best greedy plan ({start})"
             warnings.warn(f"DMuon owner MILP: {note}", MilpFallbackWarning)
     chosen = min(layouts, key=lambda n: (_score(loads[n]), n == "milp"))
@@ -256,10 +256,10 @@ def _bucket_terms(items, buckets_members, world_size, tp_size, start_layout, max
     used = defaultdict(int)
     for i, it in enumerate(items):
         if it.is_matrix:
-            used[start_layout.param_ranges[it.name][2], start_layout.owners[it.name]] += _align(it.numel)
+            used[start_layout.param_ranges[it.name][2], start_layout.owners[it.name]] += align_up(it.numel)
     out = []
     for b, members in enumerate(buckets_members):
-        lo = _min_shard(items, members, world_size)
+        lo = min_shard(items, members, world_size)
         shard = start_layout.buckets[b].shard_size
         total = sum(items[i].numel for i in members)
         matrices = sum(items[i].numel for i in members if items[i].is_matrix)
@@ -282,12 +282,12 @@ def _solve(items, buckets_members, mats, base, D, T, max_bucket_padding, model, 
     adamw = model.elementwise_ms()[0]
     by_key: Dict[tuple, List[int]] = defaultdict(list)
     for j, (i, b) in enumerate(mats):
-        by_key[(b, tuple(sorted(pieces[i].items())), _align(items[i].numel))].append(j)
+        by_key[(b, tuple(sorted(pieces[i].items())), align_up(items[i].numel))].append(j)
     keys = sorted(by_key)
     classes = [by_key[k] for k in keys]
     if len(classes) * cells + len(shapes) * cells + 1 > max_variables:
         raise _TooLarge(f"{len(classes) * cells + len(shapes) * cells + 1} variables > max_variables {max_variables}")
-    mdl = _Model()
+    mdl = MilpModel()
     m_var = mdl.var(0.0, math.inf, False, 1.0)
     y = {(k, c): mdl.var(0, len(classes[k]), True) for k in range(len(classes)) for c in range(cells)}
     z = {(s, c): mdl.var(0, 1, True, LAUNCH_TIE / max(1, len(shapes) * cells)) for s in shapes for c in range(cells)}
@@ -341,20 +341,20 @@ def _solve(items, buckets_members, mats, base, D, T, max_bucket_padding, model, 
             errors.append("no time left")
             break
         try:
-            values, status = _SOLVERS[name](mdl, start, left, 1e-4)
+            values, status = SOLVERS[name](mdl, start, left, 1e-4)
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
             continue
-        except _NoSolution as exc:
+        except NoSolution as exc:
             errors.append(f"{name}: {exc}")
             continue
         counts = [[int(round(values[y[k, c]])) for c in range(cells)] for k in range(len(classes))]
-        assigned = _spread(classes, counts, len(mats))
+        assigned = spread_counts(classes, counts, len(mats))
         owners, tp_owners = {}, {}
         for (i, _), c in zip(mats, assigned):
             owners[items[i].name], tp_owners[items[i].name] = divmod(c, T)
         return owners, tp_owners, status, name
-    raise _NoSolution("; ".join(errors), infeasible=False)
+    raise NoSolution("; ".join(errors), infeasible=False)
 
 
 def _descending(values, rows, y, z, num_classes, shapes, cells):
