@@ -30,7 +30,6 @@ from .publish import publish_layouts
 from .step_guards import found_nonfinite, report_ns_check
 
 
-
 def _chained(build_parts):
     """A builder of DMuonChainedOptimizer over the parts ``build_parts`` makes."""
     def build(config, model_chunks, cfg):
