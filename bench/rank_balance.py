@@ -30,7 +30,7 @@ each model's predicted slowest GPU against the emulated one.
 
 Layouts: PRESET/dpN[/epE]/(buckets|one): ``buckets`` = Megatron's buckets with
 ``--overlap-grad-reduce`` (max(40 M, 1 M x DP) elements), ``one`` = one bucket per buffer.
-Plans: ``planning.plans.plan_stage`` planners (greedy = ``--dmuon-balance cost`` with pieces and
+Plans: ``planning.planners.plan_stage`` planners (greedy = ``--dmuon-balance cost`` with pieces and
 element-wise work; numel_lpt; megatron_lpt; milp on the rank cost model of ``--rank-profile``).
 Writes STEM.json and a markdown table STEM.md.
 """
@@ -38,7 +38,6 @@ Writes STEM.json and a markdown table STEM.md.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -51,129 +50,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_dmuon.megatron.config import DMuonConfig  # noqa: E402
-from megatron_dmuon.megatron.flags import add_dmuon_args  # noqa: E402
-from megatron_dmuon.planning.cost_model import cluster_spec, device_spec, elementwise_costs  # noqa: E402
-from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params  # noqa: E402
-from megatron_dmuon.planning.owner_layout import megatron_bucket_size  # noqa: E402
-from megatron_dmuon.planning.params import owner_ns_cost  # noqa: E402
-from megatron_dmuon.planning.planners import gpu_cells, plan_stage, split_rule_for, transformer_shape  # noqa: E402
-from megatron_dmuon.planning.rank_cost import RankWork, piece_counts  # noqa: E402
-from megatron_dmuon.planning.simulate import adamw_fragments_in_shard  # noqa: E402
+from megatron_dmuon.planning.cost_model import cluster_spec  # noqa: E402
+from megatron_dmuon.planning.models import stage_params  # noqa: E402
+from megatron_dmuon.planning.planners import split_rule_for, transformer_shape  # noqa: E402
+from megatron_dmuon.planning.rank_cost import RankWork  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import time_owner_step  # noqa: E402
 from megatron_ranks import adamw_work, megatron_layerwise_work, time_adamw_rank, time_megatron_rank  # noqa: E402
-
-PLANS = ("greedy", "numel_lpt", "megatron_lpt", "milp")
-# Megatron-LM's own LayerWise Muon, each rank emulated with Megatron's own optimizer classes
-MEGATRON = "megatron_layerwise"
-# Megatron's DistributedOptimizer AdamW per GPU (every param sharded evenly): what Muon is to cost
-ADAMW = "megatron_adamw"
-BASELINES = (MEGATRON, ADAMW)
-
-
-def job_settings(flags):
-    parser = add_dmuon_args(argparse.ArgumentParser(), validate=False)
-    return DMuonConfig.from_args(parser.parse_args(flags))
-
-
-def parse_layout(spec: str):
-    """'qwen2.5-7b/dp8/ep4/one', 'qwen2.5-7b/tp2/dp4/buckets' -> (model, ParallelSpec, bucket size or None)."""
-    parts = spec.split("/")
-    if parts[0] not in PRESETS or parts[-1] not in ("buckets", "one"):
-        raise ValueError(f"layout {spec!r}: PRESET/dpN[/epE]/(buckets|one), presets {', '.join(sorted(PRESETS))}")
-    fields = {p[:2]: int(p[2:]) for p in parts[1:-1]}
-    if set(fields) - {"tp", "dp", "ep"}:
-        raise ValueError(f"layout {spec!r}: PRESET[/tpT]/dpN[/epE]/(buckets|one)")
-    par = ParallelSpec(tp=fields.get("tp", 1), dp=fields["dp"], ep=fields.get("ep", 1))
-    size = megatron_bucket_size(par.dp_size, parts[-1] == "buckets")
-    return PRESETS[parts[0]], par, size
-
-
-def make_plans(model, par, bucket_size, cfg, planners, rank_profile=None, milp_options=None):
-    muon = cfg.muon
-    cost_fn = functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
-                                ns_method=muon.ns_method)
-    split = cfg.split_flags()
-    out = {}
-    for name in planners:
-        kw = dict(bucket_size=bucket_size, cost_fn=cost_fn, split=split)
-        if name in ("greedy", "milp"):  # the milp's greedy warm start is exactly the greedy plan
-            kw["elementwise"] = elementwise_costs(device_spec("H200"))
-        if name == "milp":
-            if rank_profile is None:
-                raise ValueError("the milp plan needs --rank-profile (a calibrate run's rank cost model)")
-            kw.update(rank_model=rank_profile, milp_options=dict(milp_options or {}))
-        t0 = time.perf_counter()
-        out[name] = plan_stage(model, par, None, name, **kw)
-        out[name]["plan_s"] = time.perf_counter() - t0
-    return out
-
-
-def gpu_work(plan, model, par, split):
-    """Per GPU of the stage: (owned matrices [(name, full shape, split rule)], AdamW fragment sizes)."""
-    config = transformer_shape(model)
-    gpus = par.dp_size * par.tp
-    out = []
-    for r in range(gpus):
-        mats, frags = [], []
-        for kind, layout in plan["layouts"].items():
-            params = plan["params"][kind]
-            cell = gpu_cells(par, r)[kind]
-            dp, tp = divmod(cell, layout.tp_size)
-            for p in params:
-                if p.is_matrix and layout.owners[p.name] == dp and layout.tp_owners.get(p.name, 0) == tp:
-                    mats.append((p.name, tuple(p.full_shape), split_rule_for(p.name, p.full_shape, config, split)))
-            frags += adamw_fragments_in_shard(layout, params, dp)
-        out.append((mats, frags))
-    return out
-
-
-def tp_cell_work(plan, par, cluster="h200"):
-    """Per GPU of a TP > 1 stage: (element counts of its shards of the matrices its DP row owns and
-    another TP rank orthogonalizes, the TP exchange's modelled ms). The GPU runs those shards'
-    momentum and apply (``time_owner_step(tp_shards=...)``); the exchange is two all-to-alls inside
-    the TP group (shards to each matrix's TP owner, directions back: runtime/tp_exchange.py), fp32,
-    at the cluster's intra-node link (planning/clusters.json), modelled, not timed: one GPU has no
-    peer. Every matrix is emulated as gathered to its TP owner (``--dmuon-tp-method gather``);
-    distributed Gram NS (``auto``'s pick for shapes sharded along their long dim) is not emulated."""
-    link = cluster_spec(cluster).intra
-    out = []
-    for r in range(par.dp_size * par.tp):
-        shards, sent, received = [], 0, 0
-        for kind, layout in plan["layouts"].items():
-            if layout.tp_size <= 1:
-                continue
-            dp, tp = divmod(gpu_cells(par, r)[kind], layout.tp_size)
-            for p in plan["params"][kind]:
-                if not p.is_matrix or layout.owners[p.name] != dp or p.partition_dim is None:
-                    continue
-                if layout.tp_owners.get(p.name, 0) == tp:  # gathers the others' shards, returns theirs
-                    received += (layout.tp_size - 1) * p.numel * 4
-                    sent += (layout.tp_size - 1) * p.numel * 4
-                else:
-                    shards.append(p.numel)
-                    sent += p.numel * 4
-                    received += p.numel * 4
-        # two all-to-alls: each a latency, the bytes (both ways counted) at the link's rate
-        exchange_ms = 2 * link.alpha_us * 1e-3 + max(sent, received) / (link.gbytes_per_s * 1e6) if sent else 0.0
-        out.append((shards, exchange_ms))
-    return out
-
-
-def pieces_of(mats):
-    """Counter of the NS piece shapes (m, n), m <= n, a rank's matrices give."""
-    return piece_counts(s for _, shape, rule in mats for s in ([shape] if rule is None else rule.piece_shapes(shape)))
-
-
-def signature(mats, frags):
-    return (tuple(sorted((shape, tuple(map(tuple, rule.piece_shapes(shape))) if rule else ())
-                         for _, shape, rule in mats)), round(sum(frags) / 1e6), len(frags))
-
-
-def describe(mats, frags):
-    return {"pieces": {f"{m}x{n}": k for (m, n), k in sorted(pieces_of(mats).items())},
-            "matrices": len(mats), "muon_elements": sum(s[0] * s[1] for _, s, _ in mats),
-            "adamw_elements": sum(frags), "fragments": len(frags)}
+from rank_layouts import (ADAMW, BASELINES, MEGATRON, PLANS, describe, gpu_work, job_settings,  # noqa: E402
+                          make_plans, parse_layout, pieces_of, signature, tp_cell_work)
 
 
 def time_all(jobs, cfg, rounds, iters, warmup, device, log):
