@@ -437,38 +437,41 @@ def test_known_private_reaches_are_still_in_the_code():
     assert not stale, f"KNOWN_PRIVATE_REACHES entries no longer in the code, remove them: {stale}"
 
 
-# --- the overlap mode's names are compared in one module ------------------------------------------
-OVERLAP_MODE_MODULE = f"{PACKAGE}.planning.overlap_mode"
-OVERLAP_MODE_NAMES = ("off", "on", "sync", "backward")
-OVERLAP_ONLY_NAMES = ("sync", "backward")  # no other setting of the package is spelled so
+# --- a flag's value names are compared only where the flag's meaning lives --------------------------
+def name_comparisons(source: str, names, unique_names, subject: str, table: str = "") -> list[int]:
+    """Lines comparing a flag's value by its name: a comparison of something whose code mentions
+    ``subject`` with one of ``names`` (or a tuple, list or set of them), any comparison with a name no
+    other setting of the package spells (``unique_names``, alone or inside a collection), or a
+    membership test in the flag's ``table`` of names."""
 
-
-def overlap_mode_comparisons(source: str) -> list[int]:
-    """Lines comparing an overlap mode by its name: a comparison of something named ``*overlap*``
-    with a mode literal (or a tuple, list or set of them), any comparison with 'sync' or
-    'backward', or a membership test in ``OVERLAP_STEP_MODES``."""
-
-    def literal_modes(node) -> bool:
+    def literal(node, pool, every: bool) -> bool:
         if isinstance(node, ast.Constant):
-            return node.value in OVERLAP_MODE_NAMES
-        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(map(literal_modes, node.elts))
-
-    def names_only_a_mode(node) -> bool:
-        if isinstance(node, ast.Constant):
-            return node.value in OVERLAP_ONLY_NAMES
-        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(map(names_only_a_mode, node.elts))
+            return node.value in pool
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and \
+            (all if every else any)(literal(e, pool, every) for e in node.elts)
 
     lines = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Compare):
             continue
         operands = [node.left, *node.comparators]
-        if any("OVERLAP_STEP_MODES" in ast.unparse(o) or names_only_a_mode(o) for o in operands):
+        if any((table and table in ast.unparse(o)) or literal(o, unique_names, False) for o in operands):
             lines.append(node.lineno)
-        elif any(literal_modes(o) for o in operands) and any("overlap" in ast.unparse(o).lower()
-                                                              for o in operands if not literal_modes(o)):
+        elif any(literal(o, names, True) for o in operands) and any(
+                subject in ast.unparse(o).lower() for o in operands if not literal(o, names, True)):
             lines.append(node.lineno)
     return lines
+
+
+OVERLAP_MODE_MODULE = f"{PACKAGE}.planning.overlap_mode"
+OVERLAP_MODE_NAMES = ("off", "on", "sync", "backward")
+OVERLAP_ONLY_NAMES = ("sync", "backward")  # no other setting of the package is spelled so
+
+
+def overlap_mode_comparisons(source: str) -> list[int]:
+    """--dmuon-overlap-step's names compared: with something named ``*overlap*``, 'sync' or
+    'backward' anywhere, or a membership test in ``OVERLAP_STEP_MODES``."""
+    return name_comparisons(source, OVERLAP_MODE_NAMES, OVERLAP_ONLY_NAMES, "overlap", "OVERLAP_STEP_MODES")
 
 
 def test_overlap_mode_comparison_finder():
@@ -499,26 +502,8 @@ DMUON_BASELINE_NAMES = ("gather_then_compute", "megatron_layerwise")  # no other
 
 
 def dmuon_mode_comparisons(source: str) -> list[int]:
-    """Lines comparing a --dmuon-mode by its name: a comparison of something named ``*mode*`` with
-    a mode literal (or a tuple, list or set of them), or any comparison with a baseline's name."""
-
-    def literal_modes(node, names=DMUON_MODE_NAMES) -> bool:
-        if isinstance(node, ast.Constant):
-            return node.value in names
-        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and \
-            any(literal_modes(e, names) for e in node.elts)
-
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        if any(literal_modes(o, DMUON_BASELINE_NAMES) for o in operands):
-            lines.append(node.lineno)
-        elif any(literal_modes(o) for o in operands) and any("mode" in ast.unparse(o).lower()
-                                                              for o in operands if not literal_modes(o)):
-            lines.append(node.lineno)
-    return lines
+    """--dmuon-mode's names compared: with something named ``*mode*``, or a baseline's name anywhere."""
+    return name_comparisons(source, DMUON_MODE_NAMES, DMUON_BASELINE_NAMES, "mode")
 
 
 def test_dmuon_mode_comparison_finder():
