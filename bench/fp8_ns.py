@@ -150,7 +150,7 @@ def low_rank_noise(rows, cols, batch, device, seed):
 
 
 def numerics(args, device, deadline):
-    cases = [(f"recorded {k}", x.to(device)) for k, x in torch.load(DATA)["inputs"].items()]
+    cases = [(f"recorded {k}", x.to(device)) for k, x in torch.load(DATA, map_location="cpu", weights_only=True)["inputs"].items()]
     if device.type == "cuda" and not args.tiny:
         cases += [("low-rank+noise 3584x18944", low_rank_noise(3584, 18944, 1, device, 0)),
                   ("low-rank+noise 3584x3584", low_rank_noise(3584, 3584, 1, device, 1))]

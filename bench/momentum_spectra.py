@@ -128,7 +128,7 @@ def evaluate(args) -> None:
 
     rows = []
     for path in args.files:
-        doc = torch.load(path)
+        doc = torch.load(path, map_location="cpu", weights_only=True)  # data only, whoever wrote it
         for label, x in doc["inputs"].items():
             x = x.to(args.device)
             polar = msgn_svd(x)

@@ -192,3 +192,29 @@ def checkpoint_bad_loads(rank, world_size, root, **kw):
             message = f"{type(e).__name__}: {e}"
         out[case] = (message, _same(before, _snapshot(run)))
     return out
+
+
+def save_tiny_dist_checkpoint(rank, world_size, path):
+    """A real megatron-core dist checkpoint of a tensor and an object (what the trusted .metadata reader
+    must admit: every type torch DCP and megatron-core write for them)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    state = {"weight": ShardedTensor.from_rank_offsets("weight", torch.arange(12.0).view(3, 4)),
+             "extra": ShardedObject("extra", {"step": 3}, (1,), (0,)), "common": {"iteration": 3}}
+    dist_checkpointing.save(state, path)
+    return True
+
+
+def load_param_state_file_errors(rank, world_size, filename):
+    """Each rank's error from DMuon's torch-format load of ``filename`` (refused before any state is
+    touched, so parts need only their DP group)."""
+    from types import SimpleNamespace
+
+    from ..megatron.checkpoint.torch_format import load_param_state_file
+
+    try:
+        load_param_state_file([SimpleNamespace(data_parallel_group=torch.distributed.group.WORLD)], filename)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return f"{type(e).__name__}: {e}"
+    return "loaded"

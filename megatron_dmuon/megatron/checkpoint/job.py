@@ -17,6 +17,7 @@ from .optimizer_state import (
     model_sharded_metadata, model_state, unwrap,
 )
 from .switch import megatron_torch_adam_load
+from .trusted_read import UntrustedCheckpointError, check_checkpoint_is_data, trusted_dcp_metadata
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -115,20 +116,22 @@ def resume_iteration(root: str) -> Optional[int]:
 def checkpoint_problem(path: str) -> Optional[str]:
     """Why the checkpoint directory ``path`` cannot load, in words (None: it reads): an unreadable
     metadata.json, torch DCP's .metadata, or a data file shorter than the metadata says. Reads no
-    tensor and needs no process group, so the start-up checks can run it."""
+    tensor and needs no process group, so the start-up checks can run it. A .metadata that holds
+    anything but checkpoint metadata raises ``UntrustedCheckpointError`` (trusted_read.py), unread."""
     import json
     import os
 
-    from torch.distributed.checkpoint import FileSystemReader
+    from ...files import read_bounded_text
 
     try:
-        with open(os.path.join(path, "metadata.json")) as f:
-            json.load(f)
-    except (OSError, ValueError) as e:
-        return f"its metadata.json does not read ({type(e).__name__}: {e})"
+        json.loads(read_bounded_text(os.path.join(path, "metadata.json"), "checkpoint metadata", 1 << 20))
+    except ValueError as e:
+        return f"its metadata.json does not read ({e})"
     try:
-        storage = FileSystemReader(path).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 - torch DCP's reader raises whatever unpickling met
+        storage = trusted_dcp_metadata(path).storage_data
+    except UntrustedCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises whatever unpickling met
         return f"torch DCP's .metadata does not read ({type(e).__name__}: {e})"
     need = {}
     for info in storage.values():
@@ -168,6 +171,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
 
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "metadata.json")):
         raise FileNotFoundError(f"{path} is not a complete dist checkpoint (no metadata.json)")
+    check_checkpoint_is_data(path)  # before any reader unpickles it
     metadata = dist_checkpointing.load_content_metadata(path) or content_metadata("fully_reshardable")
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     dmuon = all(hasattr(getattr(p, "model_chunks", [None])[0], "dmuon_plan") for p in parts)  # else one of Megatron's own

@@ -46,6 +46,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import optimizer_state as ckpt
+from .trusted_read import check_load_dir_is_data
 from .optimizer_state import (global_shape, agree_or_raise, check_pieces, flat, load_pieces,
                          local_pieces, megatron_name, mismatch_message, publish)
 
@@ -389,6 +390,7 @@ def route_checkpoint_loads(outer_owner, outer_name: str, optimizer_at: int, base
             take_noted_load()
 
     def _load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, *rest, **kwargs):
+        check_load_dir_is_data(load_dir, getattr(args, "ckpt_step", None))  # before the reader unpickles
         prepared = None
         if not rank0 and loading.get("switch") and isinstance(sharded_state_dict, dict) \
                 and "optimizer" in sharded_state_dict:

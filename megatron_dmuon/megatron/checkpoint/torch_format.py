@@ -7,6 +7,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .trusted_read import trusted_torch_load
 from .optimizer_state import ROW_KEY, model_chunks_of, agree_or_raise, check_pieces, check_record, gather_record, load_pieces, local_pieces, model_sharded_metadata, model_state, param_id, publish
 
 
@@ -72,6 +73,14 @@ def load_param_state_dp_zero(parts, state) -> None:
 
 
 def load_param_state_file(parts, filename: str) -> None:
+    """DP rank 0 reads ``filename`` as data only (trusted_read.trusted_torch_load); a file it refuses
+    raises on every rank of the DP group before anything is loaded."""
     group, _ = _dp_root(parts)
-    state = torch.load(filename, weights_only=False) if group.rank() == 0 else None
+    state, refusal = None, None
+    if group.rank() == 0:
+        try:
+            state = trusted_torch_load(filename, "DMuon's torch-format optimizer state")
+        except ValueError as e:  # UntrustedCheckpointError, or a missing / special file
+            refusal = str(e)
+    agree_or_raise(refusal, group)
     load_param_state_dp_zero(parts, state)

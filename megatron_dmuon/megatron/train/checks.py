@@ -368,12 +368,16 @@ def _check_resume(p, args, iteration: int) -> None:
     from megatron.core import dist_checkpointing
 
     from megatron_dmuon.megatron.checkpoint.job import TRACKER, checkpoint_dir, checkpoint_problem, complete_iterations
+    from megatron_dmuon.megatron.checkpoint.trusted_read import UntrustedCheckpointError
 
     path = checkpoint_dir(args.load, iteration)
-    problem = checkpoint_problem(path)
-    if problem:
+    try:
+        problem = checkpoint_problem(path)
         older = [i for i in complete_iterations(args.load) if i < iteration and not checkpoint_problem(
-            checkpoint_dir(args.load, i))]
+            checkpoint_dir(args.load, i))] if problem else []
+    except UntrustedCheckpointError as e:  # named before Megatron's reader would unpickle it
+        p.error(f"--load {args.load}: {e}")
+    if problem:
         tracker = os.path.join(args.load, TRACKER)
         p.error(f"--load {args.load}: the checkpoint {path} is damaged: {problem}; " + (
             f"the last complete checkpoint that reads is iteration {older[-1]}: write {older[-1]} into {tracker} to "
