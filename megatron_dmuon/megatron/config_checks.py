@@ -90,8 +90,10 @@ def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
                 "DistributedDataParallelConfig use_distributed_optimizer=True); or pick "
                 "--dmuon-mode gather_then_compute"
             )
-    if traits.owner_step and ddp_config.num_distributed_optimizer_instances != 1:
-        raise ValueError("--optimizer dmuon needs --num-distributed-optimizer-instances 1")
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
+    if instances != 1 and not traits.owner_step:
+        raise ValueError(f"--num-distributed-optimizer-instances {instances} shards DMuon's owner step; --dmuon-mode "
+                         f"{cfg.mode} has none: drop the flag, or pass --dmuon-mode dmuon")
     if traits.all_reduces and ddp_config.use_distributed_optimizer:
         raise ValueError(f"--dmuon-mode {cfg.mode} all-reduces grads: drop --use-distributed-optimizer")
 

@@ -136,7 +136,8 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
                    for key in buffers}
         options = OwnerPlanningOptions(balance=opts.balance, max_bucket_padding=opts.max_bucket_padding,
                                        milp_options=opts.milp_options, elementwise=opts.elementwise,
-                                       plan_cache=opts.plan_cache, plan_budget_s=opts.plan_budget_s)
+                                       plan_cache=opts.plan_cache, plan_budget_s=opts.plan_budget_s,
+                                       dp_layout=opts.dp_layout, split_allowed=split_layout_refusal(cfg, model_config) is None)
         payload = [plan_owners(to_plan, bucket_size, options, cost_source(cfg))]
     if stage.size() > 1:
         torch.distributed.broadcast_object_list(payload, src=torch.distributed.get_global_rank(stage, 0), group=stage)
@@ -146,6 +147,22 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
     plan = DMuonPlan(records=merged_records(costed, layouts), layouts=layouts, settings=cfg.plan_summary(),
                      ranks_per_node=opts.ranks_per_node, publish_dtype=cfg.publish_dtype, config=cfg)
     return plan, _full_param_layout(buffers, named, layouts, sizes)
+
+
+def split_layout_refusal(cfg, model_config=None) -> Optional[str]:
+    """Why this run cannot take the split layout (``DMuonConfig.split_layout_refusal``, plus the model's
+    --qk-clip, whose clip rescales each linear_qkv master as a whole matrix on one rank); None: it can."""
+    if getattr(model_config, "qk_clip", False):
+        return "does not run --qk-clip (Megatron's clip rescales each linear_qkv master whole on its owner)"
+    return cfg.split_layout_refusal()
+
+
+def check_split_layout(cfg, model_config=None) -> None:
+    """--dmuon-dp-layout split on a run that cannot take it: refused by name before any buffer exists."""
+    refusal = split_layout_refusal(cfg, model_config)
+    if cfg.layout.dp_layout == "split" and refusal:
+        raise ValueError(f"--dmuon-dp-layout split {refusal}: drop one of the two flags (or pass --dmuon-dp-layout "
+                         "auto, which keeps whole matrices for such runs)")
 
 
 def _grid_sizes(groups: Dict[str, object]):
@@ -165,7 +182,18 @@ def cost_source(cfg) -> CostSource:
     opts = cfg.layout
     return CostSource(ns_cost=opts.cost_fn or owner_cost_fn(cfg.muon), cost_model_fn=opts.cost_model_fn,
                       rank_profile=functools.partial(_profiled_rank_model, settings=cfg.muon) if opts.profile else None,
-                      gpu_name=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+                      gpu_name=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                      gpus_per_node=gpus_per_node())
+
+
+def gpus_per_node() -> int:
+    """GPUs (ranks) per node: torchrun's LOCAL_WORLD_SIZE, else this node's GPU count, else 8."""
+    import os
+
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        return int(local)
+    return (torch.cuda.device_count() if torch.cuda.is_available() else 0) or 8
 
 
 def _profiled_rank_model(counts, cells: int, budget_s: float, *, settings):
@@ -224,6 +252,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
         cfg = with_overrides(dmuon, overrides)
         opts = cfg.layout
         check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
+        check_split_layout(cfg, config)
         check_publish_config(cfg.publish_dtype, module.parameters(), opts.ranks_per_node)
         # megabatch: one bucket per buffer even with --overlap-grad-reduce, so every same-shape group
         # is reduced and published by the buffer's one collective, however many layers (docs/dion3.md)

@@ -8,6 +8,7 @@ the NS its owner's stack runs (``planning.ns_choice.plan_ns_choices``) become th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -15,6 +16,7 @@ from .checkpoint import torch_format
 from ..planning.dp_shards import shard_range
 from ..planning.ns_choice import plan_ns_choices
 from ..planning.overlap_mode import OverlapMode
+from ..runtime.dp_exchange import SplitMatrix
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .checkpoint import OwnerCheckpoints
 from .overlap_step import install_overlap_step, need_order
@@ -48,9 +50,34 @@ def _matrix_infos(model_chunks, muon) -> dict:
     device = next(p for _, p, _, _ in params).device if params else torch.device("cpu")
     choices = plan_ns_choices([r for *_, r in params], muon.ns_resolver(device))
     need = need_order(model_chunks) if OverlapMode(muon.overlap_step).cuts_per_need_group else {}
-    return {param: MatrixInfo.from_record(record, name if len(model_chunks) == 1 else f"chunk{idx}/{name}", ns,
-                                          need.get(param, 0))
-            for (idx, param, name, record), ns in zip(params, choices) if record.use_muon}
+    out = {}
+    for (idx, param, name, record), ns in zip(params, choices):
+        if record.use_muon:
+            key = name if len(model_chunks) == 1 else f"chunk{idx}/{name}"
+            layout = model_chunks[idx].dmuon_plan.layouts[record.buffer]
+            split = SplitMatrix(key, layout.owners[name], record.numel, tuple(layout.pieces(name))) \
+                if layout.scheme == "split" else None
+            out[param] = dataclasses.replace(MatrixInfo.from_record(record, key, ns, need.get(param, 0)), dp_split=split)
+    return out
+
+
+def register_split_layout(inner: OwnerMuonAdamW, opt, infos: dict) -> dict:
+    """Under the split layout: ``infos`` (this part's) with this rank's piece of every split matrix it
+    holds (Megatron's own range of the param in this rank's shard, which the plan's piece must equal:
+    ``register_matrix`` checks), and every matrix homed here without a piece registered as a home.
+    Returns the infos."""
+    infos = dict(infos)
+    held = set()
+    for model in opt.model_params():
+        info = infos.get(model)
+        if info is not None and info.dp_split is not None:
+            shard = opt._get_model_param_range_map(model)["param"]
+            infos[model] = dataclasses.replace(info, dp_piece=(shard.start, shard.end))
+            held.add(model)
+    for model, info in infos.items():
+        if info.dp_split is not None and model not in held and info.dp_split.home == inner.dp.rank:
+            inner.register_home(info)
+    return infos
 
 
 def register_matrices(inner: OwnerMuonAdamW, model_groups, main_groups, infos) -> None:
@@ -74,6 +101,14 @@ def grad_scaler(config):
     return ConstantGradScaler(config.loss_scale) if config.loss_scale else None
 
 
+def instance_id(pgs) -> int:
+    """This rank's distributed-optimizer instance under ``--num-distributed-optimizer-instances``
+    (as Megatron's get_megatron_optimizer: its rank in the inter-instance group; 0 with one)."""
+    if pgs["dp_cp_group"].size() > pgs["intra_dp_cp_group"].size():
+        return pgs["inter_dist_opt_group"].rank()
+    return 0
+
+
 def build_owner_parts(config, model_chunks, cfg) -> list:
     """The `dmuon` mode: one DMuonDistributedOptimizer per buffer kind (dense, expert) that holds
     params, for ``optimizer.DMuonChainedOptimizer`` to chain."""
@@ -86,6 +121,8 @@ def build_owner_parts(config, model_chunks, cfg) -> list:
     tp_groups = {False: parallel_state.get_tensor_model_parallel_group(),
                  True: parallel_state.get_expert_tensor_parallel_group()}
     infos = _matrix_infos(model_chunks, cfg.muon)
+    expert_params = {param: chunk.dmuon_plan.record(name).expert for chunk in model_chunks
+                     for param, name in chunk.param_names().items()}
     parts = []
     for expert in (False, True):
         param_groups, buffers = _get_param_groups_and_buffers(
@@ -94,23 +131,25 @@ def build_owner_parts(config, model_chunks, cfg) -> list:
         )
         if not any(g["params"] for g in param_groups):
             continue
+        dp_group = pgs["intra_expt_dp_group"] if expert else pgs["intra_dp_cp_group"]
         inner = OwnerMuonAdamW(
             muon_adam_groups(param_groups, infos),
             lr=config.lr, weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, muon=cfg.muon,
-            tp_group=tp_groups[expert],
+            tp_group=tp_groups[expert], dp_group=dp_group,
         )
         opt = DMuonDistributedOptimizer(
             inner, config, grad_scaler(config), init_state_fn,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
-            data_parallel_group=pgs["intra_expt_dp_group"] if expert else pgs["intra_dp_cp_group"],
+            data_parallel_group=dp_group,
             data_parallel_group_gloo=None,
             data_parallel_group_idx=(pgs["expt_tp_pp_with_egtp_remat_group"] if expert else pgs["mp_group"]).rank(),
-            distributed_optimizer_instance_id=0,
+            distributed_optimizer_instance_id=instance_id(pgs),
         )
-        register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, infos)
-        register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, infos)
+        part_infos = register_split_layout(inner, opt, {m: i for m, i in infos.items() if expert_params[m] == expert})
+        register_matrices(inner, opt.model_float16_groups, opt.shard_fp32_from_float16_groups, part_infos)
+        register_matrices(inner, opt.model_fp32_groups, opt.shard_fp32_groups, part_infos)
         # Megatron's get_megatron_optimizer sets these three after construction, as here
         opt.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
         opt.tp_group = tp_groups[False]

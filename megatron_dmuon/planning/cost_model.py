@@ -33,6 +33,7 @@ from .params import ns_flops
 __all__ = [
     "DEFAULT_CONFIG", "DeviceSpec", "Link", "ClusterSpec", "ShapeCost", "CostTable", "CostModel",
     "load_config", "device_spec", "device_spec_for", "elementwise_costs", "cluster_spec", "fit_affine", "ns_kernel_count",
+    "SPLIT_EXCHANGE_BYTES", "cluster_for_device", "dp_link", "exchange_costs",
     "analytic_shape_cost", "load_bench_kernels_profile", "shape_key",
 ]
 
@@ -120,6 +121,38 @@ def cluster_spec(name: str, config: Optional[dict] = None) -> ClusterSpec:
     config, c = _entry(config, "clusters", name)
     links = [Link(float(c[k]["alpha_us"]), float(c[k]["gbytes_per_s"])) for k in ("intra", "inter")]
     return ClusterSpec(name, device_spec(c["device"], config), int(c["gpus_per_node"]), *links)
+
+
+# a split-layout matrix element moved to its NS home (its fp32 Nesterov update) and back (the fp32
+# direction): runtime/dp_exchange.py
+SPLIT_EXCHANGE_BYTES = 8
+
+
+def cluster_for_device(device: DeviceSpec, config: Optional[dict] = None) -> ClusterSpec:
+    """The config's cluster of ``device`` (the first cluster when none has it)."""
+    config = config or load_config()
+    name = next((k for k, c in config["clusters"].items() if c["device"] == device.name), next(iter(config["clusters"])))
+    return cluster_spec(name, config)
+
+
+def dp_link(cluster: ClusterSpec, dp: int, tp: int) -> Link:
+    """The link a DP group's traffic crosses: NVLink while the group fits in one node, else the
+    per-GPU InfiniBand (Megatron's rank order: TP fastest, then DP)."""
+    return cluster.intra if dp * tp <= cluster.gpus_per_node else cluster.inter
+
+
+def exchange_costs(device: DeviceSpec, link: Link, unit: str = "flops",
+                   config: Optional[dict] = None) -> Tuple[float, float]:
+    """(move, collective) per element in the planner's units (``elementwise_costs``'s): ``move`` an
+    element of a split-layout matrix to its NS home and its direction back (``SPLIT_EXCHANGE_BYTES``
+    point to point at the link's rate), ``collective`` an element of a padded buffer through the grad
+    reduce-scatter and the param all-gather (the config's grad + param bytes at the ring's bus rate)."""
+    opt = (config or load_config())["optimizer"]
+    scale = {"flops": device.ns_tflops * 1e12, "ms": 1e3}.get(unit)
+    if scale is None:
+        raise ValueError(f"unit must be 'flops' or 'ms', got {unit!r}")
+    per_byte = scale / (link.gbytes_per_s * 1e9)
+    return SPLIT_EXCHANGE_BYTES * per_byte, (opt["grad_bytes"] + opt["param_bytes"]) * per_byte
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .dp_shards import shard_overlap, shard_range
 from .placement import least_loaded_cell
 
+SCHEMES = ("whole", "split")  # OwnerLayout.scheme
+DP_LAYOUTS = ("auto",) + SCHEMES  # --dmuon-dp-layout: a scheme, or the planner's choice per buffer
 PARAM_ALIGN = 64  # Megatron aligns param starts to 64 elements; keeps matrix views GEMM-friendly.
 
 
@@ -66,6 +68,11 @@ class OwnerLayout:
     rank_cost: List[float]  # per DP x TP cell, index dp_rank * tp_size + tp_rank
     tp_size: int = 1
     tp_owners: Dict[str, int] = dataclasses.field(default_factory=dict)  # matrix name -> TP rank running NS
+    # 'whole': every matrix lies inside its owner's shard (the reduce-scatter is reduce-to-owner);
+    # 'split' (planning/split_layout.py): Megatron's equal shards cut matrices where they fall, each
+    # rank keeps the state of its pieces, and ``owners`` names each matrix's NS home, which the pieces
+    # travel to and from (runtime/dp_exchange.py)
+    scheme: str = "whole"
 
     @property
     def numel(self) -> int:
@@ -95,7 +102,22 @@ class OwnerLayout:
             rank_cost=d["rank_cost"],
             tp_size=d.get("tp_size", 1),
             tp_owners=d.get("tp_owners", {}),
+            scheme=d.get("scheme", "whole"),
         )
+
+    def pieces(self, name: str) -> List[Tuple[int, int, int]]:
+        """``[(DP rank, lo, hi)]``: the part ``[lo, hi)`` of parameter ``name`` (offsets into its
+        flattened elements) inside each DP rank's shard that holds some of it, in rank order."""
+        start, end, b = self.param_ranges[name]
+        bucket = self.buckets[b]
+        first = max(0, (start - bucket.start) // bucket.shard_size)
+        last = min(self.world_size - 1, (end - 1 - bucket.start) // bucket.shard_size)
+        out = []
+        for r in range(first, last + 1):
+            lo, hi = shard_overlap(start, end, r, bucket.shard_size, bucket.start)
+            if hi > lo:
+                out.append((r, lo - start, hi - start))
+        return out
 
     def validate(self, items: Sequence[ParamItem]) -> None:
         """Check the invariants the optimizer relies on (also under ``python -O``)."""
@@ -104,6 +126,7 @@ class OwnerLayout:
             if not ok:
                 raise ValueError(f"DMuon owner layout is inconsistent: {msg}")
 
+        require(self.scheme in SCHEMES, f"scheme {self.scheme!r} is not one of {', '.join(SCHEMES)}")
         spans = sorted((s, e, n) for n, (s, e, _) in self.param_ranges.items())
         for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
             require(e0 <= s1, f"params {n0} and {n1} overlap in the buffer")
@@ -116,7 +139,7 @@ class OwnerLayout:
                 r = self.owners[it.name]
                 require(0 <= r < self.world_size, f"owner {r} of {it.name} is not a rank of {self.world_size}")
                 lo, hi = shard_range(r, bucket.shard_size, bucket.start)
-                require(lo <= s and e <= hi, f"matrix {it.name} crosses its owner's shard")
+                require(self.scheme == "split" or (lo <= s and e <= hi), f"matrix {it.name} crosses its owner's shard")
                 require(0 <= self.tp_owners.get(it.name, 0) < self.tp_size, f"TP owner of {it.name} out of range")
         for bucket in self.buckets:
             require(bucket.end - bucket.start == bucket.shard_size * self.world_size,

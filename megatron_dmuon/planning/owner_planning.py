@@ -23,11 +23,12 @@ from collections import Counter
 from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from .caches import PlanCache, plan_key
-from .cost_model import DeviceSpec, device_spec_for, elementwise_costs
+from .cost_model import DeviceSpec, cluster_for_device, device_spec_for, dp_link, elementwise_costs, exchange_costs
 from .owner_layout import OwnerLayout, ParamItem, plan_owner_layout
 from .plan import MatrixRecord
 from .rank_cost import RankCostModel
 from .rank_milp import plan_rank_owner_layout
+from .split_layout import plan_split_layout
 from .startup_budget import STARTUP_BUDGET_S, milp_time_limit, profile_budget
 
 Shape = Tuple[int, int]
@@ -59,6 +60,11 @@ class OwnerPlanningOptions:
     elementwise: object = "auto"  # (AdamW, Muon) work per element, 'auto' (cluster config) or None
     plan_cache: Optional[str] = None  # a PlanCache file: a plan made for the same inputs is reused
     plan_budget_s: Optional[float] = None  # bounds profiling + MILP together
+    # how matrices lie in the DP shards: 'whole', 'split' or 'auto' (the cheaper under the cost model,
+    # per buffer: ``choose_scheme``); ``split_allowed`` False keeps 'auto' to 'whole' (a run whose
+    # features need whole matrices: DMuonConfig.split_layout_refusal)
+    dp_layout: str = "auto"
+    split_allowed: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +81,7 @@ class CostSource:
     cost_model_fn: Optional[Callable[[List[Shape], int], object]] = None
     rank_profile: Optional[Callable[[Dict[Shape, int], int, float], RankCostModel]] = None
     gpu_name: Optional[str] = None
+    gpus_per_node: int = 8  # where a DP group leaves NVLink (the split layout's exchange and the collectives)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +130,8 @@ def plan_owners(buffers: Mapping[Hashable, BufferParams], bucket_size: Optional[
                               "sizes": {str(k): b.sizes for k, b in buffers.items()}, "bucket_size": bucket_size,
                               "max_bucket_padding": options.max_bucket_padding, "balance": options.balance,
                               "milp_options": milp_options, "elementwise": elementwise,
+                              "dp_layout": options.dp_layout if options.split_allowed else "whole",
+                              "gpus_per_node": costs.gpus_per_node,
                               "rank_model": rank_model.to_json() if rank_model is not None else None})
         cached = cache.get(cache_key)
         problem = _cached_plan_problem(cached, buffers, items) if cached is not None else None
@@ -131,7 +140,9 @@ def plan_owners(buffers: Mapping[Hashable, BufferParams], bucket_size: Optional[
                           "planning again", RuntimeWarning)
         elif cached is not None:
             return PlannedOwners({k: cached[str(k)] for k in buffers}, _cost_of(items))
-    layouts = _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwise, rank_model)
+    device = _device(model, costs.gpu_name)
+    layouts = _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwise, rank_model,
+                            lambda b: _exchange_rates(device, b, costs.gpus_per_node, "flops" if model is None else "ms"))
     planned = PlannedOwners({k: layout.to_json() for k, layout in layouts.items()}, _cost_of(items))
     if cache is not None:
         cache.put(cache_key, {str(k): v for k, v in planned.layouts.items()})
@@ -185,27 +196,81 @@ def _elementwise(requested, model, gpu_name: Optional[str]):
     return elementwise_costs(device_spec_for(gpu_name or "", warn=gpu_name is not None), "flops")
 
 
+def _device(model, gpu_name: Optional[str]) -> DeviceSpec:
+    """The device whose rates price the planner's costs: the cost model's, else this GPU's (the
+    cluster config's first off CUDA)."""
+    device = getattr(model, "device", None)
+    return device if isinstance(device, DeviceSpec) else device_spec_for(gpu_name or "", warn=False)
+
+
+def _exchange_rates(device: DeviceSpec, b: "BufferParams", gpus_per_node: int, unit: str) -> Tuple[float, float]:
+    """(move, collective) per element for buffer ``b`` (cost_model.exchange_costs over the link its
+    DP group crosses)."""
+    cluster = dataclasses.replace(cluster_for_device(device), gpus_per_node=gpus_per_node)
+    return exchange_costs(device, dp_link(cluster, b.dp_size, b.tp_size), unit)
+
+
+def choose_scheme(candidates: Mapping[str, Tuple[OwnerLayout, List[float]]], collective: float) -> str:
+    """The scheme whose layout is predicted cheaper: the slowest cell's load after it (NS, element-wise
+    work and, split, the moves to NS homes) plus its buffers through the reduce-scatter and the
+    all-gather (``collective`` per element of the padded buffer, ring: (D-1)/D of it per rank).
+    Ties keep 'whole' (no exchange to run)."""
+    def predicted(scheme):
+        layout, loads = candidates[scheme]
+        d = layout.world_size
+        return max(loads) + collective * (d - 1) / d * layout.numel
+
+    return min(candidates, key=lambda k: (predicted(k), k != "whole"))
+
+
 def _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwise,
-                  rank_model) -> Dict[Hashable, OwnerLayout]:
+                  rank_model, rates) -> Dict[Hashable, OwnerLayout]:
     """Each buffer's OwnerLayout, the loads of the buffers planned before it carried along
-    (dense and expert buffers apart: their owners are different cells)."""
+    (dense and expert buffers apart: their owners are different cells). Under 'auto' both schemes
+    are planned from the same loads and ``choose_scheme`` keeps one; ``rates(buffer)``: its
+    (move, collective) costs per element."""
     rank_cost: Dict[bool, List[float]] = {}
     layouts = {}
     for key, b in buffers.items():
         cost = rank_cost.setdefault(b.expert, [0.0] * (b.dp_size * b.tp_size))
-        if rank_model is not None and options.balance == "milp":
-            # the rank MILP uses all of its limit (local search included): buffers share it
-            shared = dict(milp_options or {})
-            if "time_limit_s" in shared:
-                shared["time_limit_s"] /= len(buffers)
-            layouts[key] = plan_rank_owner_layout(items[key], b.dp_size, bucket_size, options.max_bucket_padding,
-                                                  cost, b.tp_size, milp_options=shared, elementwise=elementwise,
-                                                  model=rank_model)
+        schemes = _schemes(options, b)
+        if "split" in schemes:
+            move, collective = rates(b)
+            candidates = {}
+            for scheme in schemes:
+                loads = list(cost)
+                candidates[scheme] = (plan_split_layout(items[key], b.dp_size, bucket_size, loads, b.tp_size,
+                                                        elementwise, move) if scheme == "split"
+                                      else _plan_whole(items[key], b, bucket_size, options, milp_options, elementwise,
+                                                       rank_model, loads, len(buffers)), loads)
+            chosen = choose_scheme(candidates, collective)
+            layouts[key], cost[:] = candidates[chosen]
             continue
-        layouts[key] = plan_owner_layout(items[key], b.dp_size, bucket_size, options.max_bucket_padding, cost,
-                                         b.tp_size, options.balance, milp_options=milp_options,
-                                         elementwise=elementwise)
+        layouts[key] = _plan_whole(items[key], b, bucket_size, options, milp_options, elementwise, rank_model, cost,
+                                   len(buffers))
     return layouts
+
+
+def _schemes(options: OwnerPlanningOptions, b: BufferParams) -> Tuple[str, ...]:
+    """The layouts planned for buffer ``b``: the one asked for, or under 'auto' both where the run
+    can take the split one and more than one DP rank shares the buffer."""
+    if options.dp_layout != "auto":
+        return (options.dp_layout,)
+    return ("whole", "split") if options.split_allowed and b.dp_size > 1 else ("whole",)
+
+
+def _plan_whole(items, b, bucket_size, options, milp_options, elementwise, rank_model, cost,
+                buffer_count) -> OwnerLayout:
+    """One buffer's whole-matrix layout (owner_layout.py, or the rank MILP's), ``cost`` updated."""
+    if rank_model is not None and options.balance == "milp":
+        # the rank MILP uses all of its limit (local search included): buffers share it
+        shared = dict(milp_options or {})
+        if "time_limit_s" in shared:
+            shared["time_limit_s"] /= buffer_count
+        return plan_rank_owner_layout(items, b.dp_size, bucket_size, options.max_bucket_padding, cost, b.tp_size,
+                                      milp_options=shared, elementwise=elementwise, model=rank_model)
+    return plan_owner_layout(items, b.dp_size, bucket_size, options.max_bucket_padding, cost, b.tp_size,
+                             options.balance, milp_options=milp_options, elementwise=elementwise)
 
 
 def _cached_plan_problem(cached, buffers, items) -> Optional[str]:

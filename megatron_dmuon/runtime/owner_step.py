@@ -29,6 +29,7 @@ from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
 from .overlap_step import OverlappedStep
 from .row_update_step import row_update_step, tp_refusal
+from .dp_exchange import DPExchange, SplitMatrix
 from .tp_exchange import TPExchange, TPMatrix
 
 # (re-exported: the settings live in runtime/muon_settings.py)
@@ -54,10 +55,20 @@ class MatrixInfo:
     # when the next forward needs it: its DDP bucket group's place in the forward (the overlapped
     # step cuts stacks and finishes them in this order; 0 for every matrix otherwise)
     need: int = 0
+    # the split layout (planning/split_layout.py): the DP shards cut this matrix; ``dp_split`` says
+    # where every piece lies and which DP rank is its NS home, ``dp_piece`` this rank's [lo, hi) of the
+    # flattened TP-local matrix (None: this rank holds none of it, or the matrix is whole here)
+    dp_split: Optional[SplitMatrix] = None
+    dp_piece: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
         self.shape = check_muon_matrix_shape(self.name, self.shape)
         self.local_shape = tuple(self.local_shape or self.shape)
+
+    @property
+    def held_shape(self) -> Tuple[int, ...]:
+        """The shape of what this rank holds: its piece (1-D) under the split layout, else ``local_shape``."""
+        return (self.dp_piece[1] - self.dp_piece[0],) if self.dp_piece is not None else self.local_shape
 
     @classmethod
     def from_record(cls, record, name: Optional[str] = None, ns: Tuple[NSChoice, ...] = (),
@@ -127,7 +138,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     updates go to each matrix's TP owner and directions come back (``runtime.tp_exchange``)."""
 
     def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
-                 muon: Optional[MuonSettings] = None, orthogonalizer=None, tp_group=None,
+                 muon: Optional[MuonSettings] = None, orthogonalizer=None, tp_group=None, dp_group=None,
                  fused_adamw: Optional[bool] = None):
         # fused_adamw: torch's one-kernel AdamW for the element-wise params (the same update in
         # one pass instead of ~8 foreach passes; the rounding of a fused kernel, as Transformer
@@ -147,6 +158,9 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self._fp32_orthogonalizer = fp32_orthogonalizer(self.muon)
         self.ns_check = NSQualityCheck(self.muon, fp32_orthogonalizer(self.muon, method="standard"))
         self.tp = TPExchange(tp_group)
+        self.dp = DPExchange(dp_group)  # the split layout's pieces and NS homes (runtime/dp_exchange.py)
+        # split layout: the matrices whose NS home is this rank but of which it holds no piece
+        self.homed: Dict[str, MatrixInfo] = {}
         if self.muon.update != "muon" and self.tp.size > 1:
             raise ValueError(tp_refusal(self.muon.update))
         overlap = OverlapMode(self.muon.overlap_step)
@@ -176,18 +190,44 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         return self.overlapped.pending
 
     def register_matrix(self, main_param: torch.Tensor, info: MatrixInfo) -> None:
-        if main_param.numel() != info.local_shape[0] * info.local_shape[1]:
+        held = info.held_shape
+        if main_param.numel() != torch.Size(held).numel():
             raise RuntimeError(
-                f"DMuon: rank holds {main_param.numel()} elements of matrix {info.name} "
-                f"{tuple(info.local_shape)}; the owner-aligned layout must deliver whole matrices (or TP shards)"
+                f"DMuon: rank holds {main_param.numel()} elements of matrix {info.name} {tuple(info.local_shape)}, "
+                f"its plan gives it {tuple(held)}: the layout must deliver whole matrices, TP shards or the split "
+                "layout's pieces"
             )
-        if any(i.name == info.name for i in self.matrix_info.values()):
+        if any(i.name == info.name for i in self.matrix_info.values()) or info.name in self.homed:
             raise ValueError(f"DMuon: matrix name {info.name!r} registered twice")
+        self._check_ns_choice(info)
+        if (info.dp_split is None) != (info.dp_piece is None) or (
+                info.dp_split is not None and info.dp_split.piece_of(self.dp.rank) != info.dp_piece):
+            raise ValueError(f"DMuon: matrix {info.name!r}: its piece {info.dp_piece} is not the one its split "
+                             f"layout gives DP rank {self.dp.rank}")
+        self.matrix_info[main_param] = info
+
+    def register_home(self, info: MatrixInfo) -> None:
+        """A split-layout matrix whose NS home is this rank though its shards hold none of it: the home
+        receives every piece of its update, orthogonalizes it and sends the pieces of the direction back."""
+        if info.dp_split is None or info.dp_split.home != self.dp.rank or info.dp_piece is not None:
+            raise ValueError(f"DMuon: {info.name!r} is not a split-layout matrix homed on DP rank {self.dp.rank} "
+                             "without a piece here")
+        if info.name in self.homed or any(i.name == info.name for i in self.matrix_info.values()):
+            raise ValueError(f"DMuon: matrix name {info.name!r} registered twice")
+        self._check_ns_choice(info)
+        self.homed[info.name] = info
+
+    @staticmethod
+    def _check_ns_choice(info: MatrixInfo) -> None:
         if not info.ns:
             raise ValueError(f"DMuon: matrix {info.name!r} has no NS choice (MatrixInfo.ns): build its info from "
                              "its plan record (MatrixInfo.from_record with planning.ns_choice.plan_ns_choices), "
                              "or decide it with runtime.owner_step.with_ns_choices")
-        self.matrix_info[main_param] = info
+
+    @property
+    def splits_matrices(self) -> bool:
+        """Whether the split layout cuts any matrix of this optimizer (the general exchange step runs)."""
+        return bool(self.homed) or any(i.dp_split is not None for i in self.matrix_info.values())
 
     def _momentum_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The stored momentum's dtype: bf16 when asked, else the master's (fp32; float64 in the
@@ -298,8 +338,9 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 if info is None:
                     raise RuntimeError("DMuon: a Muon param has no registered matrix shape")
                 # without TP a param with no grad is skipped (torch semantics); under TP every rank
-                # of the group must step the same matrices, so a missing grad counts as zero
-                if p.grad is not None or self.tp.size > 1:
+                # of the group must step the same matrices, and a split matrix's home waits for every
+                # piece, so a missing grad counts as zero
+                if p.grad is not None or self.tp.size > 1 or info.dp_split is not None:
                     entries.append((p, group, info))
         entries.sort(key=lambda e: e[2].name)  # the same order on every TP rank
         if self.pending.early:  # 'backward': launched during the backward; the step launches the rest
@@ -309,7 +350,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 return None
         else:
             self.stats["ns_calls"] = self.stats["ns_fp32_retries"] = self.stats["ns_matrices"] = 0
-        if s.update == "muon" and self.tp.size == 1:
+        if s.update == "muon" and self.tp.size == 1 and not self.splits_matrices:
             if self.overlapped.mode.cuts_per_need_group:
                 return self.overlapped.launch(entries, grad_scale)
             return self._local_step(entries, grad_scale)  # clipping folded into the momentum pass
@@ -320,23 +361,52 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         return self._exchange_step(entries)
 
     def _exchange_step(self, entries) -> None:
-        """Under TP: updates go to each matrix's TP owner (or into distributed Gram NS) and the
-        directions come back to every shard (runtime.tp_exchange)."""
+        """Under TP or the split layout: each matrix's update travels to where its NS runs and the
+        direction comes back to every shard and piece. Split layout (runtime.dp_exchange): the pieces
+        go to the matrix's NS home over DP first; then, under TP, the home's TP shards go to the TP
+        owner (or into distributed Gram NS, runtime.tp_exchange); directions return the same way."""
         s = self.muon
+        like = self._master_like(entries)
         with record_function("dmuon.momentum"):
-            updates = self._momentum_updates(entries)
-        self.tp.bytes_sent = 0
+            updates = self._momentum_updates(entries)  # of what this rank holds (its piece, its TP shard)
+        self.tp.bytes_sent = self.dp.bytes_sent = 0
         self.stats["ns_matrices"] = 0
-        gram = [e for e in entries if e[2].tp_method == "distributed_gram"]
-        local = self._distributed_gram_step(gram, updates)
-        local.update(self._gather_step([e for e in entries if e[2].tp_method != "distributed_gram"], updates,
-                                       like=entries[0][0] if entries else None))
+        split = {info.name: info for _, _, info in entries if info.dp_split is not None}
+        split.update(self.homed)
+        work = {info.name: info for _, _, info in entries if info.dp_split is None}
+        work_updates = {n: u for n, u in updates.items() if n in work}
+        if split:
+            with record_function("dmuon.dp_exchange"):
+                # (a TP-replicated matrix's momentum lives on its TP owner: only that TP rank's DP group sends it)
+                sent = [i.dp_split for i in split.values() if self.holds_momentum(i)]
+                assembled = self.dp.to_homes(sent, {n: updates[n] for n in split if n in updates}, like)
+            for name, full in assembled.items():
+                work[name] = split[name]
+                work_updates[name] = full.view(split[name].local_shape)
+            work.update({n: i for n, i in split.items() if i.dp_split.home == self.dp.rank})
+        infos = [work[n] for n in sorted(work)]  # the same order on every TP rank of this DP index
+        directions = self._distributed_gram_step([i for i in infos if i.tp_method == "distributed_gram"], work_updates,
+                                                 like)
+        directions.update(self._gather_step([i for i in infos if i.tp_method != "distributed_gram"], work_updates,
+                                            like))
+        if split:
+            with record_function("dmuon.dp_exchange"):
+                directions.update(self.dp.from_homes(
+                    [i.dp_split for i in split.values()],
+                    {n: directions[n] for n, i in split.items() if i.dp_split.home == self.dp.rank}, like))
         with record_function("dmuon.apply"):
-            for p, group, info in entries:  # every rank: decay and lr-scaled direction on its own shard
+            for p, group, info in entries:  # every rank: decay and lr-scaled direction on its own shard or piece
                 scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
-                muon_apply_(p, local[info.name], group["lr"], group["weight_decay"], scale)
+                muon_apply_(p, directions[info.name], group["lr"], group["weight_decay"], scale)
         self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
         self.stats["tp_bytes"] = self.tp.bytes_sent
+        self.stats["dp_bytes"] = self.dp.bytes_sent
+
+    def _master_like(self, entries) -> Optional[torch.Tensor]:
+        """A tensor of the masters' dtype and device (what updates and directions travel in)."""
+        if entries:
+            return entries[0][0]
+        return next((p for g in self.param_groups for p in g["params"]), None)
 
     def _momentum_update(self, p: torch.Tensor, info: MatrixInfo, out: Optional[torch.Tensor] = None,
                          grad_scale: Optional[float] = None) -> torch.Tensor:
@@ -351,7 +421,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         buf = state["momentum_buffer"]
         # a narrower stored momentum is updated in the master's dtype and rounded back once
         wide = buf if buf.dtype == p.dtype else buf.to(p.dtype)
-        update = muon_momentum_fast_(wide.view(info.local_shape), grad.view(info.local_shape), s.momentum,
+        update = muon_momentum_fast_(wide.view(info.held_shape), grad.view(info.held_shape), s.momentum,
                                      s.nesterov, out=out, grad_scale=grad_scale)
         if wide is not buf:
             buf.copy_(wide)
@@ -406,42 +476,43 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                                                   scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)
                 muon_apply_(p, direction, lr, wd, scale)
 
-    def _gather_step(self, entries, updates, like) -> Dict[str, torch.Tensor]:
-        """Directions (this rank's shards) of matrices gathered whole to their TP owner (without TP:
-        every matrix this rank holds), orthogonalized there in batched NS calls."""
+    def _gather_step(self, infos, updates, like) -> Dict[str, torch.Tensor]:
+        """Directions (this rank's TP shards) of matrices gathered whole to their TP owner (without TP:
+        every matrix of ``infos``), orthogonalized there in batched NS calls; ``updates``: the TP-local
+        update of each, ``like``: the masters' dtype and device."""
         s = self.muon
-        tp_mats = [info.tp_matrix() for _, _, info in entries]
-        info_of = {info.name: (p, info) for p, _, info in entries}
-        full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, (_, i) in info_of.items()}, like)
+        tp_mats = [info.tp_matrix() for info in infos]
+        info_of = {info.name: info for info in infos}
+        full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, i in info_of.items()}, like)
         owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
         with record_function("dmuon.ns"):
-            orthogonalized = self.orthogonalize_owned([(info, full[info.name]) for _, info in owned])
+            orthogonalized = self.orthogonalize_owned([(info, full[info.name]) for info in owned])
         with record_function("dmuon.direction"):
             directions = {
                 info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
-                                          scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)[0]
-                for p, info in owned
+                                          scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=like.dtype)[0]
+                for info in owned
             }
         self.stats["ns_matrices"] += len(owned)
-        return self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, (_, i) in info_of.items()}, like)
+        return self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, i in info_of.items()}, like)
 
-    def _distributed_gram_step(self, entries, updates) -> Dict[str, torch.Tensor]:
+    def _distributed_gram_step(self, infos, updates, like) -> Dict[str, torch.Tensor]:
         """Directions (this rank's shards) of matrices orthogonalized by distributed Gram NS across
         the TP group: one stack per (local shape, TP owner), in the same order on every TP rank."""
         s = self.muon
         groups: Dict[tuple, list] = defaultdict(list)
-        for p, _, info in entries:
-            groups[(info.local_shape, info.shape, info.tp_owner)].append((p, info))
+        for info in infos:
+            groups[(info.local_shape, info.shape, info.tp_owner)].append(info)
         out = {}
         for (local_shape, shape, owner), members in sorted(groups.items()):
             tall = shape[0] >= shape[1]  # shards are column blocks of the wide orientation
-            stack = torch.stack([updates[info.name].mT if tall else updates[info.name] for _, info in members])
-            choice = members[0][1].ns[0]
+            stack = torch.stack([updates[info.name].mT if tall else updates[info.name] for info in members])
+            choice = members[0].ns[0]
             result = self.tp.gram_orthogonalize(stack, owner, **dict(choice.schedule,
                                                                      compute_dtype=choice.compute_dtype))
-            for (p, info), o in zip(members, result):
+            for info, o in zip(members, result):
                 out[info.name] = muon_direction([o.mT if tall else o], None, shape=info.shape, scale_mode=s.scale_mode,
-                                                extra_scale=s.extra_scale, dtype=p.dtype)[0]
+                                                extra_scale=s.extra_scale, dtype=like.dtype)[0]
             if owner == self.tp.rank:  # the owner ran the Gram-space iteration: its NS
                 self.stats["ns_matrices"] += len(members)
         return out

@@ -4,16 +4,18 @@ from __future__ import annotations
 import torch
 
 
-def init_parallel(tp=1, pp=1, ep=1, vpp=None, seed=1234):
+def init_parallel(tp=1, pp=1, ep=1, vpp=None, seed=1234, instances=1):
     """Initialise Megatron's parallel state (once per process) and seed every RNG as Megatron does.
-    ``vpp``: virtual stages per pipeline rank (Megatron's interleaved 1F1B schedule)."""
+    ``vpp``: virtual stages per pipeline rank (Megatron's interleaved 1F1B schedule); ``instances``:
+    distributed-optimizer instances (--num-distributed-optimizer-instances)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  expert_model_parallel_size=ep,
-                                                 virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None)
+                                                 virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+                                                 num_distributed_optimizer_instances=instances)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -101,7 +103,7 @@ def _check_layer_assignment(chunks, shape) -> None:
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
            split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
            grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, megabatch=False,
-           fold_clipping=True, align_param_gather=False, config_kw=None, **kw):
+           fold_clipping=True, align_param_gather=False, config_kw=None, dp_layout="auto", instances=1, **kw):
     """Model chunks, DDPs, optimizer and scheduler of one run (parallel state already initialized):
     one chunk, or under the interleaved schedule one per virtual stage, each in its own DDP (as
     Megatron-LM's get_model: bucketing off for every chunk but the first).
@@ -140,11 +142,13 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         overlap_grad_reduce=overlap, overlap_param_gather=overlap and dist_opt,
         align_param_gather=align_param_gather, bucket_size=o.get("bucket_size"),
         fp8_param_gather=shape.fp8_param,  # (Megatron-LM sets it from --fp8-param-gather)
+        num_distributed_optimizer_instances=instances,
     )
     if mode != "adam":  # one DMuonConfig for the DDP's plan and the optimizer (as a run parses it once)
         cfg = DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
                           publish_dtype=optimizer_publish or publish_dtype, fold_clipping=fold_clipping,
-                          layout=LayoutOptions(ranks_per_node=ranks_per_node, balance=balance, megabatch=megabatch),
+                          layout=LayoutOptions(ranks_per_node=ranks_per_node, balance=balance, megabatch=megabatch,
+                                               dp_layout=dp_layout),
                           **_split_kwargs(split))
     chunks = []
     for i, model in enumerate(models):
@@ -309,7 +313,8 @@ def _report(run, rank, trained, ns_counts, return_params=True):
     from megatron_dmuon.megatron.optimizer import comm_bytes_per_step
     from megatron_dmuon.testing.global_params import local_shards
 
-    chunks, parts, dp_rank = run.chunks, run.parts, ps.get_data_parallel_rank()
+    # (the rank inside this distributed-optimizer instance: what the plans' owners count)
+    chunks, parts, dp_rank = run.chunks, run.parts, ps.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True)
     out = {
         **trained, "ns_counts": ns_counts,
         # (mode 'adam': Megatron's DistributedOptimizer, reduce-scattered)
@@ -323,6 +328,7 @@ def _report(run, rank, trained, ns_counts, return_params=True):
         out["muon_states"] = sum(1 for part in parts for p in part.optimizer.matrix_info
                                  if part.optimizer.holds_momentum(part.optimizer.matrix_info[p]))
         out["tp_bytes"] = sum(part.optimizer.stats["tp_bytes"] for part in parts)
+        out["dp_bytes"] = sum(part.optimizer.stats["dp_bytes"] for part in parts)
         out["row_variance_states"] = sum("row_variance" in part.optimizer.state.get(p, {}) for part in parts
                                          for p in part.optimizer.matrix_info)
         out["skipped_iterations"] = run.opt.dmuon_stats()["skipped_iterations"]
@@ -355,10 +361,13 @@ def _ownership(run, dp_rank) -> dict:
         by_name = {n: p for p, n in param_of.items()}
         for r in plan.matrices():
             dp_me = (my_shard if (my_shard is not None and not r.expert)
-                     else (ps.get_expert_data_parallel_rank() if r.expert else dp_rank))
+                     else (ps.get_expert_data_parallel_rank(partial_expert_data_parallel=True) if r.expert else dp_rank))
             tp_me = ps.get_expert_tensor_parallel_rank() if r.expert else ps.get_tensor_model_parallel_rank()
             sharded = r.partition_dim is not None
-            out["owned"] += r.dp_owner == dp_me and (sharded or r.tp_owner == tp_me)
+            layout = plan.layouts[r.buffer]  # split layout: every holder of a piece keeps its momentum
+            holds = (any(rank == dp_me for rank, _, _ in layout.pieces(r.name)) if layout.scheme == "split"
+                     else r.dp_owner == dp_me)
+            out["owned"] += holds and (sharded or r.tp_owner == tp_me)
             if r.dp_owner == dp_me and r.tp_owner == tp_me:
                 out["ns_owned"].append(names[by_name[r.name]])
         prefix = "" if len(run.chunks) == 1 else f"chunk{i}/"
@@ -369,12 +378,13 @@ def _ownership(run, dp_rank) -> dict:
 
 
 def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, vpp=None, return_params=True, count_bytes=False, nan_at=None,
-                skip_steps=(), data_dp=None, record_grads=False, **kw):
+                skip_steps=(), data_dp=None, record_grads=False, instances=1, **kw):
     """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
-    (experts over ep; vpp virtual stages per pipeline rank); report losses, norms, NS counts, plans,
-    every rank's parameter shards and optimizer state pieces."""
-    init_parallel(tp, pp, ep, vpp)
-    run = _build(**kw)
+    (experts over ep; vpp virtual stages per pipeline rank; ``instances`` distributed-optimizer
+    instances); report losses, norms, NS counts, plans, every rank's parameter shards and optimizer
+    state pieces."""
+    init_parallel(tp, pp, ep, vpp, instances=instances)
+    run = _build(instances=instances, **kw)
     steps = run.o["steps"]
     ns_counts = []
     recorded = _record_reduced_grads(run) if record_grads else None

@@ -160,16 +160,69 @@ def global_shape(sh) -> tuple:
     return tuple(int(s) for s in _plain(sh).global_shape)
 
 
-def _replica_id(sh, piece: Piece, key: str, tp_rank: int):
-    """The model param's replica id with the DP coordinate 0 (each optimizer shard is unique);
-    a TP-replicated matrix's momentum is main on its TP owner only."""
+def _replica_id(sh, piece: Piece, key: str, tp_rank: int, instance: int = 0):
+    """The model param's replica id with the DP coordinate the distributed-optimizer instance (each
+    optimizer shard is unique inside an instance; under --num-distributed-optimizer-instances every
+    instance holds the same shards and instance 0's are written); a TP-replicated matrix's momentum
+    is main on its TP owner only."""
     rid = sh.replica_id
     if not isinstance(rid, tuple) or len(rid) != 3:
         raise ValueError(f"DMuon checkpoint: expected a (PP, TP, DP) replica_id for {sh.key}, got {rid!r}")
     tp_coord = rid[1]
     if key == "momentum_buffer":
         tp_coord = 0 if piece.holds_momentum else 1 + tp_rank
-    return (rid[0], tp_coord, 0)
+    return (rid[0], tp_coord, instance)
+
+
+def _regular_parts(sh) -> list:
+    """[(ShardedTensor, lo, hi)]: the regular ShardedTensor(s) the model saves a param as, each with
+    the flat range [lo, hi) of the (TP-local) param it covers: the param's own, or the tensors its
+    factory builds (SwiGLU's fc1: the gate and the up halves, each its own part of the global tensor)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if not isinstance(sh, ShardedTensorFactory):
+        return [(sh, 0, math.prod(sh.data.shape))]
+    built = sh.build_fn(sh.key, torch.empty(sh.data.shape, device="meta"), sh.replica_id, None)
+    tensors = []
+
+    def visit(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+        else:
+            tensors.append(x)
+
+    visit(built)
+    parts = []
+    for t in tensors:
+        if not t.data.is_contiguous():
+            raise NotImplementedError(f"DMuon checkpoint: {sh.key}'s factory builds a non-contiguous part; a matrix the "
+                                      "split layout cuts cannot be saved from it (use --dmuon-dp-layout whole)")
+        lo = t.data.storage_offset()
+        parts.append((t, lo, lo + t.data.numel()))
+    return sorted(parts, key=lambda p: p[1])
+
+
+def _irregular_blocks(part, lo: int, start: int, end: int, data: torch.Tensor, key: str, rid) -> list:
+    """ShardedTensor blocks of the flat range [start, end) of the param (``data`` holds it) inside the
+    regular ``part`` that covers the param's flat range from ``lo``. Irregular shards go through DCP's
+    chunk API, which ignores prepend_axis_num: the prepended axes (layer, expert) become real leading
+    dims of size 1."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    prepend = part.prepend_axis_num
+    blocks = []
+    for offset, shape, a, b in flat_blocks(part.local_shape, start - lo, end - lo):
+        global_offset = tuple(part.global_offset[:prepend]) + tuple(
+            g + o for g, o in zip(part.global_offset[prepend:], offset))
+        local_shape = (1,) * prepend + tuple(shape)
+        blocks.append(ShardedTensor(
+            key, data[a + lo - start:b + lo - start].view(local_shape), data.dtype, local_shape,
+            tuple(part.global_shape), global_offset, None, rid, 0, allow_shape_mismatch=part.allow_shape_mismatch))
+    return blocks
 
 
 def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid, stored: Optional[str] = None):
@@ -182,29 +235,22 @@ def _sharded_entry(sh, piece: Piece, key: str, data: torch.Tensor, rid, stored: 
         rows = (data.numel(),)
         return ShardedTensor(f"optimizer.state.{key}.{param_id(sh)}", data, data.dtype, rows, rows, (0,), None, rid, 0)
     numel = math.prod(sh.data.shape)
-    if piece.muon:  # whole TP shard on its owner: the model param's own (regular) sharding
-        if (piece.start, piece.end) != (0, numel):
-            raise RuntimeError(f"DMuon: Muon matrix {sh.key} is split across DP shards; the layout is not owner-aligned")
-        kwargs = dict(key=f"optimizer.state.{stored or key}.{sh.key}", data=data.view(sh.data.shape), replica_id=rid)
+    name = f"optimizer.state.{stored or key}.{sh.key}"
+    if piece.muon and (piece.start, piece.end) == (0, numel):  # a whole TP shard: the param's own sharding
+        kwargs = dict(key=name, data=data.view(sh.data.shape), replica_id=rid)
         if not isinstance(sh, ShardedTensorFactory):
             kwargs["dtype"] = data.dtype
         return replace(sh, **kwargs)
-    if isinstance(sh, ShardedTensorFactory):
+    if isinstance(sh, ShardedTensorFactory) and not piece.muon:
         raise NotImplementedError(
             f"DMuon checkpoint: element-wise param {sh.key} is saved by a ShardedTensorFactory; only "
             "Muon matrices may use factories (report this model)")
-    # Irregular shards go through DCP's chunk API, which ignores prepend_axis_num: the prepended
-    # axes (layer, expert) become real leading dims of size 1.
-    prepend = sh.prepend_axis_num
+    # an AdamW param's DP slice, or a Muon matrix's piece under the split layout: blocks in flat order
     blocks = []
-    for offset, shape, a, b in flat_blocks(sh.local_shape, piece.start, piece.end):
-        global_offset = tuple(sh.global_offset[:prepend]) + tuple(
-            g + o for g, o in zip(sh.global_offset[prepend:], offset))
-        local_shape = (1,) * prepend + tuple(shape)
-        blocks.append(ShardedTensor(
-            f"optimizer.state.{stored or key}.{sh.key}", data[a - piece.start:b - piece.start].view(local_shape), data.dtype,
-            local_shape, tuple(sh.global_shape), global_offset, None, rid, 0,
-            allow_shape_mismatch=sh.allow_shape_mismatch))
+    for part, lo, hi in _regular_parts(sh):
+        start, end = max(piece.start, lo), min(piece.end, hi)
+        if end > start:
+            blocks += _irregular_blocks(part, lo, start, end, data[start - piece.start:end - piece.start], name, rid)
     return blocks
 
 
@@ -212,6 +258,7 @@ def _sharded_param_state(opt, meta: dict, is_loading: bool, stored=None) -> dict
     """{param id: {state key: ShardedTensor or [ShardedTensor blocks]}} of one part's pieces.
     ``stored(piece, key)``: the key's name in the checkpoint (a load of another optimizer's)."""
     tp_rank = opt.optimizer.tp.rank
+    instance = getattr(opt, "distributed_optimizer_instance_id", 0)
     out = {}
     for piece in local_pieces(opt):
         sh = meta.get(piece.model_param)
@@ -222,7 +269,7 @@ def _sharded_param_state(opt, meta: dict, is_loading: bool, stored=None) -> dict
         entry = {}
         for key, t in piece.tensors.items():
             data = torch.empty_like(t.detach()) if is_loading else t.detach()
-            entry[key] = _sharded_entry(sh, piece, key, data, _replica_id(sh, piece, key, tp_rank),
+            entry[key] = _sharded_entry(sh, piece, key, data, _replica_id(sh, piece, key, tp_rank, instance),
                                         stored(piece, key) if stored else None)
         out[param_id(sh)] = entry
     return out

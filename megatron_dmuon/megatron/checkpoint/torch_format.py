@@ -47,8 +47,9 @@ def param_state_dp_zero(parts) -> Optional[dict]:
 
 
 def save_param_state_file(parts, filename: str) -> None:
+    """DP rank 0 of the first distributed-optimizer instance writes (every instance holds the same state)."""
     state = param_state_dp_zero(parts)
-    if state is not None:
+    if state is not None and all(getattr(p, "distributed_optimizer_instance_id", 0) == 0 for p in parts):
         torch.save(state, filename)
 
 
