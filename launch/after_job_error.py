@@ -11,11 +11,16 @@ checkpoint writer) inherits the stderr pipe, and one that outlived a SIGKILLed r
 open, so waiting for its end of file hung the launcher forever ([bad-input-4]). Once the command has
 exited, what is already in the pipe is passed on and the filter exits.
 
-Ctrl-C reaches torchrun (the terminal signals the whole foreground process group), which stops the
-ranks; the filter keeps reading until torchrun ends, drops what follows the interrupt (every rank's
-KeyboardInterrupt traceback, then torchrun's own), says in one line that the job was interrupted, and
-exits with torchrun's status; no traceback of its own. SIGTERM is passed on to torchrun. A closed stderr (``run_main.sh 2>&1 | head``) is not an
-error: the rest is read and dropped, the status is the job's.
+Signals sent to the runner reach the job, once each: torchrun runs in a process group of its own
+(so a terminal's Ctrl-C, which signals the foreground group, reaches the filter only, not torchrun a
+second time) and the filter passes SIGINT, SIGTERM, SIGHUP and SIGQUIT on to it; ``kill -INT`` of
+run_main.sh's pid (the filter, after its exec) was ignored before ([bad-input-5]). torchrun stops the
+ranks; the filter drops what follows (every rank's KeyboardInterrupt traceback, torchrun's
+SignalException traceback), says in one line what it saw (the signal, torchrun's status, whether every
+process of the job had closed its output) and exits 128 + the signal (130 for Ctrl-C). torchrun also
+dies with the filter (PR_SET_PDEATHSIG: SIGTERM), so a SIGKILLed run_main.sh stops the job too. A
+closed stderr (``run_main.sh 2>&1 | head``) is not an error: the rest is read and dropped, the status
+is the job's.
 """
 import os
 import select
@@ -61,21 +66,63 @@ class Filter:
             self.broken = True
 
 
+PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _start(cmd):
+    """``cmd`` with its stderr piped here, in a process group of its own, ending with this process."""
+    parent = os.getpid()
+
+    def in_child():
+        os.setpgid(0, 0)
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the filter died before the prctl
+                os._exit(1)
+
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE, preexec_fn=in_child)
+
+
+def _signal_line(name: str, signum: int, code: int, all_closed: bool) -> str:
+    """What the filter saw of a job it passed ``signum`` on to (nothing it did not see)."""
+    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped ({signal.Signals(signum).name})"
+    if code == 0:
+        return f"{what}: {signal.Signals(signum).name} passed on to {name}, which had finished: it exited with 0\n"
+    ends = "and every process of the job has closed its output" if all_closed else \
+        "but a process of the job still holds its output open"
+    return (f"{what}: {signal.Signals(signum).name} passed on to {name}; the job was stopped before its end: {name} "
+            f"exited with {code}, {ends}\n")
+
+
 def run(cmd) -> int:
     filt = Filter(sys.stderr.fileno())
+    name = os.path.basename(cmd[0])
+    started = []  # the command's Popen, once started
+    passed = []  # the signals passed on to the running command
 
-    def interrupt(*_):  # torchrun has it too (the terminal's process group): it stops the job
-        filt.interrupted = True
+    def pass_on(signum, _):
+        if started and started[0].returncode is not None:
+            return  # the command has ended: what is left is its output, not a job to stop
+        passed.append(signum)
+        filt.interrupted = True  # what follows (the tracebacks of the stop) is dropped
+        if started:
+            os.kill(started[0].pid, signum)
 
-    signal.signal(signal.SIGINT, interrupt)
+    for signum in PASSED_ON:
+        signal.signal(signum, pass_on)
     try:
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+        proc = _start(cmd)
     except OSError as e:
         filt.write(f"{os.path.basename(__file__)}: cannot run {cmd[0]}: {e.strerror}\n".encode())
         return 127
-    signal.signal(signal.SIGTERM, lambda *_: proc.poll() is None and proc.send_signal(signal.SIGTERM))
+    started.append(proc)
+    if passed:  # a signal came while it started
+        os.kill(proc.pid, passed[0])
     fd = proc.stderr.fileno()
     ended_at = None
+    all_closed = False
     while True:
         if ended_at is None and proc.poll() is not None:
             ended_at = time.monotonic()
@@ -90,6 +137,7 @@ def run(cmd) -> int:
             except BlockingIOError:
                 data = None
             if data == b"":
+                all_closed = True
                 break  # every writer closed the pipe
             if data:
                 filt.feed(data)
@@ -101,8 +149,13 @@ def run(cmd) -> int:
     proc.wait()
     code = proc.returncode
     code = 128 - code if code < 0 else code
-    if filt.interrupted:
-        filt.write(f"interrupted (Ctrl-C): torchrun stopped the ranks and exited with {code}\n".encode())
+    if passed:
+        filt.interrupted = False
+        filt.write(_signal_line(name, passed[0], code, all_closed).encode())
+        return code if code == 0 else 128 + passed[0]
+    if proc.returncode < 0:  # killed by a signal this filter did not pass on (kill -KILL of torchrun)
+        filt.write(f"{name} was killed by {signal.Signals(-proc.returncode).name} (not through this runner): exit "
+                   f"{code}\n".encode())
     return code
 
 

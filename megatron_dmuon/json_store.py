@@ -144,18 +144,22 @@ class JsonStore:
             raise ValueError(f"the {self.label} {self.path} {problem}: point {self.env} at {fix}")
 
     def _write_problem(self) -> tuple:
-        path = self.path
-        if path.is_dir():
-            return "is a directory", "a writable file path"
+        # the path save() writes: through every link (a HOME that is a dangling link passed this
+        # check and failed at the first save, after the model was built: [bad-input-5])
+        path = Path(os.path.realpath(self.path))
         try:
+            if path.is_dir():
+                return "is a directory", "a writable file path"
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a file of ours cut short is warned about where it is read
                 self._read_file()
+            base = path.parent
+            while not base.exists() and base != base.parent:
+                base = base.parent
         except ForeignCacheFile as exc:
             return exc.problem, FOREIGN_FIX
-        base = path.parent
-        while not base.exists() and base != base.parent:
-            base = base.parent
+        except OSError as exc:  # a folder on the way that cannot be searched (a HOME of mode 000)
+            return f"cannot be reached: {exc.strerror or exc} ({exc.filename})", "a writable file path"
         if not base.is_dir():
             return f"cannot be created: {base} is not a directory", "a writable file path"
         if not os.access(base, os.W_OK | os.X_OK):

@@ -489,8 +489,9 @@ def test_every_row_of_the_bad_input_table_names_existing_tests():
 
 
 @pytest.mark.parametrize("failure,reason", [
-    ("[enforce fail at inline_container.cc:603] . unexpected pos 4480 vs 4368", "the disk holding it is full"),
-    ("[Errno 28] No space left on device", "the disk holding it is full"),
+    ("[enforce fail at inline_container.cc:603] . unexpected pos 4480 vs 4368",
+     "no space left on device: the disk holding it is full"),
+    ("[Errno 28] No space left on device", "no space left on device: the disk holding it is full"),
     ("some other failure", "RuntimeError: some other failure"),
 ])
 def test_a_failed_save_names_the_directory_and_the_checkpoint_kept(tmp_path, capsys, monkeypatch, failure, reason):

@@ -148,12 +148,13 @@ def test_the_filter_ends_when_its_command_ends_whatever_its_children_do():
     """A child of the command keeps stderr open (a checkpoint writer that outlived its rank): the filter
     ended only at that child's end. Now it ends with the command, passes its lines on up to the job's
     error line, and exits with its status."""
+    marker = uuid.uuid4().hex
     proc = _filter('sleep 120 & echo "rank line" >&2; echo "dmuon-train: error: boom" >&2; '
-                   'echo "torchrun report" >&2; exit 3')
+                   'echo "torchrun report" >&2; exit 3', env=dict(os.environ, DMUON_TEST_MARK=marker))
     try:
         _, err = proc.communicate(timeout=30)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the sleep
+        kill_marked(marker)  # the sleep (in the command's own process group: [bad-input-5])
     assert proc.returncode == 3 and "rank line\ndmuon-train: error: boom\n" in err and "torchrun report" not in err, err
 
 

@@ -23,6 +23,12 @@ PR_SET_PDEATHSIG fires when the *thread* that started the child ends, so a child
 other than the main one watches its parent's pid instead (a daemon thread, every 0.5 s). The
 resource tracker is left as it is: it ends by itself once every process holding its pipe is gone
 (this process and the children above), after unlinking what they leaked.
+
+``die_with_torchrun()`` (called first by the main job's ranks and by the Megatron-LM hook) is the
+same guard one level up: torchrun starts every rank in a session of its own and signals them only
+while it lives, so a SIGKILLed torchrun (``kill -KILL``, the OOM killer) left its ranks training and
+writing checkpoints under pid 1 ([bad-input-5]). A rank under torchrun watches its parent's pid and
+exits within half a second of torchrun's end; its own children follow through ``install()``.
 """
 from __future__ import annotations
 
@@ -75,6 +81,24 @@ def die_with_parent(parent: int, main_thread: bool = True) -> None:
             os._exit(1)
 
         threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
+
+
+# what torchrun's agent sets in every worker's environment (and nothing else sets)
+TORCHRUN_WORKER_ENV = "TORCHELASTIC_RUN_ID"
+
+
+def die_with_torchrun() -> None:
+    """Under torchrun: this process (a rank) ends when torchrun does; elsewhere a no-op. Idempotent.
+    A watcher thread, not PR_SET_PDEATHSIG: that fires when the torchrun *thread* that started the
+    rank ends, and nothing promises that torchrun starts its ranks from its main thread."""
+    global _watching_torchrun
+    if _watching_torchrun or TORCHRUN_WORKER_ENV not in os.environ:
+        return
+    _watching_torchrun = True
+    die_with_parent(os.getppid(), main_thread=False)
+
+
+_watching_torchrun = False
 
 
 def _before_fork() -> None:

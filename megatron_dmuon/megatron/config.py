@@ -24,7 +24,8 @@ from ..runtime.row_update_step import tp_refusal
 from .config_checks import tensor_parallel_size
 from .modes import MODES, mode_traits, modes_training  # noqa: F401 (MODES: public API)
 from .megatron_lm_flags import (MUON_FP32_MATMUL_PREC, MUON_SCALAR_OPTIMIZERS, MUON_TP_MODES, megatron_muon_settings,
-                                muon_coefficients_for, refuse_unknown_muon_flags)
+                                muon_coefficients_for, refuse_disagreeing_coefficients,
+                                refuse_unknown_muon_flags)
 from .publish import PUBLISH_DTYPES
 from ..runtime.owner_step import MuonSettings
 
@@ -118,6 +119,7 @@ class DMuonConfig:
         ValueError naming the flag and the fix."""
         refuse_unknown_muon_flags(args)
         steps = args.muon_num_ns_steps
+        refuse_disagreeing_coefficients(args)
         coefficients = args.dmuon_coefficients or muon_coefficients_for(args.muon_coefficient_type, steps)
         if args.muon_fp32_matmul_prec not in MUON_FP32_MATMUL_PREC:
             raise ValueError(

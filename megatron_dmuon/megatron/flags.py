@@ -26,7 +26,7 @@ from .config_checks import check_dmuon_config
 from .config import DEFAULT_DION3_FRACTION, MOMENTUM_DTYPES, DMuonConfig, remember_config
 from .modes import MODE_TRAITS, MODES, mode_traits
 from .hierarchy import check_two_level_config
-from .megatron_lm_flags import UNKNOWN_MUON_FLAGS, MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING
+from .megatron_lm_flags import UNKNOWN_MUON_FLAGS, MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING, megatron_muon_fields
 from .publish import PUBLISH_DTYPES
 
 
@@ -260,11 +260,38 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
     if cfg.publish_dtype != "param" and getattr(args, "dmuon_ranks_per_node", 0):
         raise ValueError(f"--dmuon-publish-dtype {cfg.publish_dtype} is not implemented with the two-level publish: "
                          "drop --dmuon-ranks-per-node or use --dmuon-publish-dtype param")
+    refuse_flags_the_mode_does_not_read(args)
+    if mode_traits(cfg.mode).megatron_muon:  # Megatron's own Muon must have this rule's --muon-* fields
+        megatron_muon_fields(cfg)
     check_cache_paths(args)
     # the data-parallel size is known here under torchrun (WORLD_SIZE); else only at DDP build
     check_two_level_config(view, _data_parallel_size(args) or max(args.dmuon_ranks_per_node, 1),
                            args.dmuon_ranks_per_node)
     return cfg
+
+
+def _flag_defaults() -> argparse.Namespace:
+    """Every DMuon and Megatron Muon flag at its default (an empty command line)."""
+    saved = dict(UNKNOWN_MUON_FLAGS)  # (add_dmuon_args resets the table for its own parser)
+    try:
+        return add_dmuon_args(argparse.ArgumentParser(add_help=False), validate=False).parse_args([])
+    finally:
+        UNKNOWN_MUON_FLAGS.clear()
+        UNKNOWN_MUON_FLAGS.update(saved)
+
+
+def refuse_flags_the_mode_does_not_read(args) -> None:
+    """ValueError naming a --dmuon-* flag the chosen --dmuon-mode does not read (modes.py
+    ``dmuon_flags``) set to other than its default: the run would silently not do what it asks."""
+    traits = mode_traits(args.dmuon_mode)
+    if traits.dmuon_flags is None:
+        return
+    for dest, default in sorted(vars(_flag_defaults()).items()):
+        value = getattr(args, dest, default)
+        if dest.startswith("dmuon_") and dest not in traits.dmuon_flags and value != default:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag}{'' if isinstance(value, bool) else f' {value}'} has no effect under --dmuon-mode "
+                             f"{traits.name} ({traits.help}, which does not read it): drop it, or use --dmuon-mode dmuon")
 
 
 def dmuon_config_from_fields(optimizer_config, tensor_parallel_size: int = 1, **options) -> DMuonConfig:
@@ -277,12 +304,7 @@ def dmuon_config_from_fields(optimizer_config, tensor_parallel_size: int = 1, **
 
     from .megatron_lm_flags import megatron_flag_defaults
 
-    saved = dict(UNKNOWN_MUON_FLAGS)  # (add_dmuon_args resets the table for its own parser)
-    try:
-        args = add_dmuon_args(argparse.ArgumentParser(add_help=False), validate=False).parse_args([])
-    finally:
-        UNKNOWN_MUON_FLAGS.clear()
-        UNKNOWN_MUON_FLAGS.update(saved)
+    args = _flag_defaults()
     known = megatron_flag_defaults()
     for field in dataclasses.fields(optimizer_config):
         if not field.name.startswith("muon_"):
@@ -301,4 +323,6 @@ def dmuon_config_from_fields(optimizer_config, tensor_parallel_size: int = 1, **
         setattr(args, f"dmuon_{name}", value)
     args.optimizer, args.tensor_model_parallel_size = "dmuon", tensor_parallel_size
     check_muon_numbers(args)
-    return DMuonConfig.from_args(args)
+    cfg = DMuonConfig.from_args(args)
+    refuse_flags_the_mode_does_not_read(args)
+    return cfg

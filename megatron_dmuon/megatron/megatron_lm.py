@@ -112,9 +112,10 @@ def install() -> None:
     parses its arguments (patches/pretrain_gpt.patch does). Idempotent."""
     import megatron.training.arguments as arguments
 
-    from .child_processes import install as children_die_with_this_rank
+    from .child_processes import die_with_torchrun, install as children_die_with_this_rank
 
     children_die_with_this_rank()  # Megatron's checkpoint writers (its Manager, --async-save) end with the rank
+    die_with_torchrun()  # and the rank with torchrun, which cannot stop it once SIGKILLed
     if "add_megatron_arguments" in _ORIGINALS:
         return
     _ORIGINALS["add_megatron_arguments"] = arguments.add_megatron_arguments

@@ -91,6 +91,28 @@ def refuse_unknown_muon_flags(args) -> None:
                 f"it would be ignored: drop the flag, or train with --optimizer muon")
 
 
+def refuse_disagreeing_coefficients(args, type_given=None) -> None:
+    """--dmuon-coefficients and --muon-coefficient-type both set, naming other Newton-Schulz sets: the
+    DMuon flag would win without a word ([bad-input-5]: ``--muon-coefficient-type cans
+    --dmuon-coefficients keller`` ran keller); refused by name. Same sets under both names are fine.
+    ``type_given``: whether --muon-coefficient-type was on the command line (None: where it differs
+    from Megatron's default, which is all a parser's result tells)."""
+    ours, theirs, steps = args.dmuon_coefficients, args.muon_coefficient_type, args.muon_num_ns_steps
+    if type_given is None:
+        type_given = theirs != megatron_flag_defaults()["muon_coefficient_type"]
+    if ours is None or not type_given:
+        return
+    try:
+        same = ours != ADAPTIVE_SCHEDULE and get_coefficients(ours, steps) == get_coefficients(
+            muon_coefficients_for(theirs, steps), steps)
+    except ValueError:  # (a schedule that does not exist at these steps: its own check names it)
+        return
+    if not same:
+        raise ValueError(f"--dmuon-coefficients {ours} and --muon-coefficient-type {theirs} name different "
+                         f"Newton-Schulz coefficients at --muon-num-ns-steps {steps} (the first would be used without "
+                         "a word): drop one of the two")
+
+
 def megatron_flag_defaults() -> dict:
     """{dest: default} of Megatron's --muon-* flags, as the table registers them."""
     return {kw.get("dest", flag[2:].replace("-", "_")): kw.get("default") for flag, kw in MEGATRON_MUON_FLAGS}
@@ -121,12 +143,16 @@ def megatron_muon_fields(cfg, tp_mode: str = "duplicated") -> dict:
     m = cfg.muon
     coefficient_type = _megatron_coefficient_type(m.coefficients, m.ns_steps)
     precision = {dtype: name for name, dtype in MUON_FP32_MATMUL_PREC.items()}.get(m.ns_dtype)
-    if coefficient_type is None or precision is None or cfg.split_per_head or cfg.split_glu:
-        raise ValueError(
-            "--dmuon-mode megatron_layerwise runs Megatron's own Muon, which has no equivalent of "
-            f"coefficients={m.coefficients!r}, ns_dtype={m.ns_dtype}, --dmuon-split-heads or --dmuon-split-glu "
-            "(--dmuon-coefficients polar_express is DMuon's own variant; Megatron's is --muon-coefficient-type "
-            "polar_express)")
+    # (named one by one: the message speaks of what was asked, not of defaults the user never passed)
+    missing = [what for what, lacking in (
+        (f"the Newton-Schulz coefficients {m.coefficients!r} at {m.ns_steps} steps (--dmuon-coefficients "
+         "polar_express is DMuon's own variant; Megatron's is --muon-coefficient-type polar_express)",
+         coefficient_type is None),
+        (f"NS precision {m.ns_dtype} (--muon-fp32-matmul-prec medium or high)", precision is None),
+        ("--dmuon-split-heads", cfg.split_per_head), ("--dmuon-split-glu", cfg.split_glu)) if lacking]
+    if missing:
+        raise ValueError("--dmuon-mode megatron_layerwise runs Megatron's own Muon, which has no equivalent of "
+                         + "; ".join(missing) + ": drop it, or use --dmuon-mode dmuon")
     return dict(muon_momentum=m.momentum, muon_nesterov=m.nesterov, muon_split_qkv=cfg.split_qkv,
                 muon_scale_mode=m.scale_mode, muon_extra_scale_factor=m.extra_scale,
                 muon_coefficient_type=coefficient_type, muon_num_ns_steps=m.ns_steps,

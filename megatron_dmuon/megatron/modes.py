@@ -33,6 +33,10 @@ class ModeTraits:
     megatron_muon: bool
     # available through the Megatron-LM hook (megatron_lm.py); else the trainer and the Python API only
     megatron_lm_hook: bool
+    # the --dmuon-* flags it reads, by argparse dest (None: every one). Any other, set to other than its
+    # default, is refused by name at parse time (flags.refuse_flags_the_mode_does_not_read): it would
+    # run something other than what was asked ([bad-input-5]: --dmuon-ns-method gram ran Megatron's NS)
+    dmuon_flags: Optional[Tuple[str, ...]] = None
 
     @property
     def all_reduces(self) -> bool:
@@ -44,12 +48,20 @@ MODE_TRAITS = {t.name: t for t in (
     ModeTraits("dmuon", "owners (needs --use-distributed-optimizer)",
                distributed_optimizer=True, ddp="owners", owner_step=True, model_parallel=True, checkpoints=True,
                updates=None, megatron_muon=False, megatron_lm_hook=True),
+    # every rank steps every matrix with DMuon's Muon step after Megatron's all-reduce: the step's
+    # settings, no owner plan (balance, budget, two-level groups, megabatch, TP method: DP only)
     ModeTraits("gather_then_compute", "the all-reduce baseline",
                distributed_optimizer=False, ddp="megatron", owner_step=False, model_parallel=False,
-               checkpoints=False, updates=None, megatron_muon=False, megatron_lm_hook=True),
+               checkpoints=False, updates=None, megatron_muon=False, megatron_lm_hook=True,
+               dmuon_flags=("dmuon_mode", "dmuon_ns_method", "dmuon_coefficients", "dmuon_ns_launch", "dmuon_update",
+                            "dmuon_fraction", "dmuon_fraction_lr", "dmuon_normuon_beta2", "dmuon_split_heads",
+                            "dmuon_split_glu", "dmuon_autotune_cache", "dmuon_momentum_dtype",
+                            "dmuon_ns_check_interval", "dmuon_ns_check_bound", "dmuon_no_skip_nonfinite")),
+    # Megatron's own optimizer: the Muon rule as its --muon-* fields (megatron_lm_flags.megatron_muon_fields)
     ModeTraits("megatron_layerwise", "Megatron's own LayerWise Muon",
                distributed_optimizer=None, ddp="layerwise", owner_step=False, model_parallel=True,
-               checkpoints=False, updates=("muon",), megatron_muon=True, megatron_lm_hook=False),
+               checkpoints=False, updates=("muon",), megatron_muon=True, megatron_lm_hook=False,
+               dmuon_flags=("dmuon_mode", "dmuon_coefficients")),
 )}
 MODES = tuple(MODE_TRAITS)
 

@@ -2,11 +2,14 @@
 checkpoint, save one (Megatron-LM's torch_dist layout, through megatron/checkpoint/job.py)."""
 from __future__ import annotations
 
+import errno
+import logging
 import os
 
 import torch
 
-from .checks import job_error, model_config_of
+from .checks import model_config_of
+from .run_errors import job_error
 
 
 class SaveLock:
@@ -110,6 +113,60 @@ def consumed_samples_of(common: dict, iteration: int, global_batch_size: int) ->
 
 # what torch's writers say when the disk is full (its zip writer: "unexpected pos"; the OS: ENOSPC)
 DISK_FULL_SIGNS = ("No space left on device", "unexpected pos", "file write failed")
+NEARLY_FULL_BYTES = 1 << 20  # less free space than this after a failed write: the disk is full
+WRITER_LOGGER = "megatron.core.dist_checkpointing"
+
+
+class _WriterErrors(logging.Handler):
+    """The error lines megatron-core's checkpoint writers log: its async file writer logs a worker's
+    OSError and raises only ``Worker failure: ... <class 'RuntimeError'>`` (a full disk was never named)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _exception_texts(e: BaseException) -> list:
+    """``type: message`` of ``e``, of the failures a torch DCP CheckpointException wraps, and of their
+    causes; (text, errno) pairs."""
+    out, todo, seen = [], [e], set()
+    while todo:
+        exc = todo.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        out.append((f"{type(exc).__name__}: {exc}", getattr(exc, "errno", None)))
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [exc.__cause__, exc.__context__]
+    return out
+
+
+def _free_bytes(directory: str):
+    try:
+        st = os.statvfs(directory)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return None
+
+
+def save_failure_reason(e: BaseException, logged: list, directory: str) -> tuple:
+    """(one line saying why a save failed, whether the disk is full): the exception, what it wraps and
+    what the writers logged; a disk left with less than ``NEARLY_FULL_BYTES`` free is full whatever
+    the writer said."""
+    texts = _exception_texts(e)
+    said = [t for t, _ in texts] + list(logged)
+    free = _free_bytes(directory)
+    full = any(sign in t for sign in DISK_FULL_SIGNS for t in said) or any(n == errno.ENOSPC for _, n in texts) \
+        or (free is not None and free < NEARLY_FULL_BYTES)
+    if full:
+        return "no space left on device: the disk holding it is full", True
+    detail = next((t for t in logged), said[0])
+    return " ".join(detail.split())[:300], False
 
 
 def save(args, iteration, ddp, opt, sched, rank, consumed: int = None) -> None:
@@ -120,17 +177,20 @@ def save(args, iteration, ddp, opt, sched, rank, consumed: int = None) -> None:
     extra = {"opt_param_scheduler": sched.state_dict(), "model_config": model_config_of(args)}
     if consumed is not None:
         extra["consumed_samples"] = int(consumed)
+    writer_errors = _WriterErrors()
+    logging.getLogger(WRITER_LOGGER).addHandler(writer_errors)
     try:
         path = save_checkpoint(args.save, iteration, [ddp], opt, extra=extra)
     except BaseException as e:  # torch DCP's CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        full = any(sign in str(e) for sign in DISK_FULL_SIGNS)
-        reason = "the disk holding it is full" if full else f"{type(e).__name__}: {str(e)[:300]}"
+        reason, full = save_failure_reason(e, writer_errors.lines, args.save)
         latest = latest_iteration(args.save)
         kept = f"iteration {latest} is still the latest complete checkpoint there" if latest is not None else \
             "no earlier checkpoint is there"
         job_error(f"--save {args.save}: writing the checkpoint of iteration {iteration} failed ({reason}); {kept} "
                   "(the tracker was not moved)" + ("; free space there, or save elsewhere" if full else ""), 1)
+    finally:
+        logging.getLogger(WRITER_LOGGER).removeHandler(writer_errors)
     if rank == 0:
         print(f"> saved checkpoint {path}", flush=True)

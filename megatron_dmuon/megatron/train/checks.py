@@ -1,15 +1,14 @@
 """The main job's checks: every flag, the data, the file system and a memory bound before anything
-is built; and, while it runs, the ones that stop a run which cannot recover.
+is built (the ones that stop a run while it runs: run_errors.py).
 
 Start-up errors go through ``JobArgumentParser.error``: argparse's usage line and message, printed by
 rank 0 only (the other ranks exit silently), exit code 2. ``launch/run_main.sh`` runs these checks once
 in a single process before torchrun starts (``--parse-only``), so a usage error prints one block.
-Run-time errors go through ``job_error`` (rank 0 prints, every rank exits).
+Run-time errors go through ``run_errors.job_error`` (rank 0 prints, every rank exits).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import sys
@@ -193,6 +192,13 @@ def _refuse_unused_flags(p, args, given: dict) -> None:
             if typed.startswith(("--muon-", "--dmuon-")):
                 p.error(f"{typed} has no effect under --optimizer adam; drop it or use --optimizer dmuon")
         return
+    if "muon_coefficient_type" in given:  # (given at its default: the parser alone cannot tell)
+        from megatron_dmuon.megatron.megatron_lm_flags import refuse_disagreeing_coefficients
+
+        try:
+            refuse_disagreeing_coefficients(args, type_given=True)
+        except ValueError as e:
+            p.error(str(e))
     for dest, unused, why in (
             ("dmuon_plan_budget", args.dmuon_balance != "milp",
              "without --dmuon-balance milp (it bounds that balance's start-up profiling and MILP)"),
@@ -427,6 +433,10 @@ def muon_saver_of(common_optimizer):
     return None
 
 
+# what a save writes into --save beside its iter_NNNNNNN directories (checkpoint/job.py, checkpoints.py)
+SAVE_DIR_FILES = ("latest_checkpointed_iteration.txt", "latest_checkpointed_iteration.txt.tmp", ".dmuon_save.lock")
+
+
 def _check_checkpointing(p, args) -> None:
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         p.error("--save-interval needs --save DIR and must be >= 1")
@@ -436,8 +446,14 @@ def _check_checkpointing(p, args) -> None:
             p.error(f"--save {args.save}: {problem}")
         if os.path.isdir(os.path.join(args.save, ".dmuon_save.lock")):
             p.error(f"--save {args.save}: its lock file .dmuon_save.lock is a directory: remove it")
-        blocking = sorted(n for n in (os.listdir(args.save) if os.path.isdir(args.save) else ())
-                          if re.fullmatch(r"iter_\d{7}", n) and not os.path.isdir(os.path.join(args.save, n)))
+        written = sorted(n for n in (os.listdir(args.save) if os.path.isdir(args.save) else ())
+                         if re.fullmatch(r"iter_\d{7}", n) or n in SAVE_DIR_FILES)
+        linked = [n for n in written if os.path.islink(os.path.join(args.save, n))]
+        if linked:  # a save replaces (rmtree) or rewrites it: never through a link into another directory
+            target = os.readlink(os.path.join(args.save, linked[0]))
+            p.error(f"--save {args.save}: {linked[0]} is a symbolic link (to {target}) where the job writes its own "
+                    "file: remove the link, or save elsewhere")
+        blocking = [n for n in written if n.startswith("iter_") and not os.path.isdir(os.path.join(args.save, n))]
         if blocking:
             p.error(f"--save {args.save}: {blocking[0]} is a file where a checkpoint directory would be written: "
                     "remove it, or save elsewhere")
@@ -545,45 +561,3 @@ def _available_bytes():
         return psutil.virtual_memory().available // max(ranks, 1)
     except Exception:  # noqa: BLE001 - no bound rather than a wrong one
         return None
-
-
-# ------------------------------------------------------------------------------ while it runs
-def job_error(message: str, code: int) -> None:
-    """A run-time error every rank reached together: rank 0 prints it once, every rank exits.
-    The barrier keeps the other ranks from exiting first: torchrun stops every rank at the first
-    one that ends, which could kill rank 0 before its message was written."""
-    if torch.distributed.get_rank() == 0:
-        sys.stderr.write(f"{PROG}: error: {message}\n")
-        sys.stderr.flush()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    raise SystemExit(code)
-
-
-@torch.no_grad()
-def params_finite(opt) -> bool:
-    """Whether every parameter the optimizer holds (the main params: fp32 shards) is finite on
-    every rank (one all-reduce)."""
-    params = [p for group in opt.param_groups for p in group["params"]]
-    device = params[0].device if params else torch.device("cpu")
-    bad = torch.zeros(1, device=device)
-    for p in params:
-        if p.numel() and not bool(torch.isfinite(p).all()):
-            bad.fill_(1.0)
-            break
-    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-    return not bool(bad.item())
-
-
-def stop_if_not_learning(args, it, streak, loss, ok, opt) -> None:
-    """--exit-after-skipped-iterations: K consecutive iterations without a finite loss and an
-    applied update stop the run; an applied update after a non-finite loss (Megatron's AdamW does
-    not skip it) stops it at once if it made the parameters non-finite."""
-    limit = args.exit_after_skipped_iterations
-    if limit and streak >= limit:
-        job_error(f"{streak} consecutive iterations up to {it} had non-finite gradients or loss (the updates were "
-                  f"skipped): the run cannot recover; lower --lr, check the data, or raise "
-                  f"--exit-after-skipped-iterations", 1)
-    if ok and not math.isfinite(loss) and not params_finite(opt):
-        job_error(f"iteration {it} had a non-finite loss and its update made the parameters non-finite: the "
-                  f"run cannot recover (nothing saved after it); lower --lr or keep --clip-grad on", 1)

@@ -106,17 +106,27 @@ def stdlib_bytes() -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+DATA_FILE_LIMIT = 1 << 50  # a bound no real .bin reaches (the regular-file check is what matters here)
+
+
 def check_indexed_dataset(prefix: str) -> None:
     """The .bin/.idx pair exists, the index reads, and the .bin holds exactly the tokens the index lists."""
     if not prefix.strip():
         raise ValueError(f"--data-path {prefix!r} names no dataset: give the prefix of a Megatron indexed dataset "
                          "(PREFIX.bin and PREFIX.idx), or leave --data-path out for the default data")
+    from megatron_dmuon.files import check_regular_file
+
     for ext in (".bin", ".idx"):
-        if not os.path.isfile(prefix + ext):
+        if not os.path.lexists(prefix + ext):
             hint = ""
             if prefix.endswith((".bin", ".idx")) and os.path.isfile(prefix[:-4] + ".bin"):
                 hint = f": --data-path takes the prefix without the extension, --data-path {prefix[:-4]}"
             raise ValueError(f"--data-path {prefix}: {prefix + ext} does not exist{hint}")
+        # a FIFO, a device, a directory or an empty file named before Megatron's reader maps it (an empty
+        # .bin was reported as an unreadable .idx, then by a stray __del__ traceback: [bad-input-5])
+        if check_regular_file(prefix + ext, f"--data-path {prefix}:", limit=DATA_FILE_LIMIT) == 0:
+            raise ValueError(f"--data-path {prefix}: {prefix + ext} is empty (0 bytes): rebuild the pair with "
+                             "Megatron-LM's preprocess tool (tools/preprocess_data.py)")
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     class Checked(IndexedDataset):
@@ -124,10 +134,12 @@ def check_indexed_dataset(prefix: str) -> None:
             if hasattr(self, "index"):
                 super().__del__()
 
+    ds = Checked.__new__(Checked)
     try:
-        ds = Checked(prefix)
-    except Exception as e:  # noqa: BLE001 - any reader failure is an unreadable index
-        raise ValueError(f"--data-path {prefix}: cannot read {prefix}.idx ({type(e).__name__}: {e})") from None
+        ds.__init__(prefix)
+    except Exception as e:  # noqa: BLE001 - any reader failure: the file it was reading is unreadable
+        failed = f"{prefix}.bin" if hasattr(ds, "index") else f"{prefix}.idx"  # (the index is read first)
+        raise ValueError(f"--data-path {prefix}: cannot read {failed} ({type(e).__name__}: {e})") from None
     index = ds.index
     if not np.issubdtype(index.dtype, np.integer):
         raise ValueError(f"--data-path {prefix}: {prefix}.idx says its tokens are {np.dtype(index.dtype).name}, not "

@@ -20,7 +20,8 @@ from ...planning.overlap_mode import OverlapMode
 from ...runtime.overlap_step import model_priority_stream
 from .args import parse_args
 from .checkpoints import hold_save_lock
-from .checks import job_error, schedule_of
+from .checks import schedule_of
+from .run_errors import job_error
 from .data import TokenSource, token_source
 from .loop import train
 from .summary import print_start_line, report
@@ -46,6 +47,9 @@ class Job:
 
 
 def main(argv=None) -> None:
+    from ..child_processes import die_with_torchrun
+
+    die_with_torchrun()  # a SIGKILLed torchrun takes this rank with it (it cannot signal it any more)
     args = parse_args(argv)
     if args.parse_only:
         if os.environ.get("RANK", "0") == "0":

@@ -11,7 +11,7 @@ import time
 import torch
 
 from .checkpoints import load_if_requested, save
-from .checks import job_error, params_finite, stop_if_not_learning
+from .run_errors import job_error, params_finite, stop_if_not_learning
 
 
 class TimedOptimizer:
