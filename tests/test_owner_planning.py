@@ -226,11 +226,19 @@ def test_the_plan_cache_misses_then_hits_and_replans_a_damaged_entry(tmp_path, m
         return plan(*args, **kwargs)
 
     monkeypatch.setattr(owner_planning, "plan_owner_layout", counted)
-    first = plan_owners(buffers, None, options, FLOPS)
-    assert owners(first, buffers) == "010110110100" and len(runs) == 1
-    # the key build_plan wrote for this model before the move: cache files of older runs still hit
+    # whole matrices only: the key build_plan wrote for this model before the move (cache files of older
+    # runs still hit); where the split layout is a candidate (--dmuon-dp-layout auto, the default) the
+    # key also holds the DP layout and the node size
+    whole = plan_owners(buffers, None, dataclasses.replace(options, dp_layout="whole"), FLOPS)
     entries = json.load(open(path))["entries"]
     assert list(entries) == ["f4f2dc907590699f0f2d307a4bb6bf43e745820b46ab4a8d6c66d761af05f347"]
+    path = str(tmp_path / "auto_plans.json")
+    options = dataclasses.replace(options, plan_cache=path)
+    runs.clear()
+    first = plan_owners(buffers, None, options, FLOPS)
+    assert first == whole and owners(first, buffers) == "010110110100" and len(runs) == 1
+    entries = json.load(open(path))["entries"]
+    assert len(entries) == 1 and "f4f2dc907590699f0f2d307a4bb6bf43e745820b46ab4a8d6c66d761af05f347" not in entries
     assert entries[next(iter(entries))] == {DENSE: first.layouts[DENSE]}
     assert plan_owners(buffers, None, options, FLOPS) == first and len(runs) == 1  # a hit plans nothing
     # another DP size is another key: planned, and both entries kept

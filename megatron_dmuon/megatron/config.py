@@ -19,7 +19,8 @@ from typing import Callable, Optional
 import torch
 
 from ..planning.caches import default_plan_cache_path
-from ..planning.owner_layout import BALANCE
+from ..planning.owner_layout import BALANCE, DP_LAYOUTS
+from ..planning.overlap_mode import OverlapMode
 from ..runtime.row_update_step import tp_refusal
 from .config_checks import tensor_parallel_size
 from .modes import MODES, mode_traits, modes_training  # noqa: F401 (MODES: public API)
@@ -39,6 +40,9 @@ class LayoutOptions:
 
     ranks_per_node: int = 0  # > 0: two-level reduce/publish, node-striped owners (--dmuon-ranks-per-node)
     balance: str = "cost"  # owner placement (--dmuon-balance)
+    # how matrices lie in the DP shards (--dmuon-dp-layout): 'whole' (owner_layout.py), 'split'
+    # (split_layout.py), 'auto' (the planner's cost model, per buffer, among the schemes the run can take)
+    dp_layout: str = "auto"
     # one bucket per buffer even with --overlap-grad-reduce: every same-shape group is reduced and
     # published by the buffer's one collective (--dmuon-megabatch; docs/dion3.md)
     megabatch: bool = False
@@ -62,6 +66,11 @@ class LayoutOptions:
             raise ValueError(f"--dmuon-ranks-per-node must be >= 0, got {self.ranks_per_node}")
         if self.balance not in BALANCE:
             raise ValueError(f"--dmuon-balance {self.balance!r} unknown; valid: {', '.join(BALANCE)}")
+        if self.dp_layout not in DP_LAYOUTS:
+            raise ValueError(f"--dmuon-dp-layout {self.dp_layout!r} unknown; valid: {', '.join(DP_LAYOUTS)}")
+        if self.dp_layout == "split" and self.balance != "cost":
+            raise ValueError(f"--dmuon-dp-layout split places NS homes by its own greedy; --dmuon-balance "
+                             f"{self.balance} places whole matrices: drop one of the two flags")
 
 
 @dataclasses.dataclass
@@ -99,6 +108,26 @@ class DMuonConfig:
             why = " runs Megatron's own Muon" if traits.megatron_muon else f" trains {', '.join(traits.updates)} only"
             raise ValueError(f"--dmuon-mode {self.mode}{why}; --dmuon-update {self.muon.update} needs --dmuon-mode "
                              f"{first}" + (f" (or {', '.join(others)})" if others else ""))
+        refusal = self.split_layout_refusal()
+        if self.layout.dp_layout == "split" and refusal:
+            raise ValueError(f"--dmuon-dp-layout split {refusal}: drop one of the two flags (or pass "
+                             "--dmuon-dp-layout auto, which keeps whole matrices for such runs)")
+
+    def split_layout_refusal(self) -> Optional[str]:
+        """Why this config cannot run the split layout (planning/split_layout.py), naming the flag that
+        needs whole matrices on their owner (None: it can; 'auto' then weighs it)."""
+        m = self.muon
+        if m.update != "muon":
+            return f"does not run --dmuon-update {m.update} (its row statistics need each matrix whole on one rank)"
+        if OverlapMode(m.overlap_step).cuts_per_need_group:
+            return f"does not run --dmuon-overlap-step {m.overlap_step} (its stacks are cut per bucket group)"
+        if self.layout.ranks_per_node:
+            return "does not run --dmuon-ranks-per-node (the two-level shard order is not Megatron's)"
+        if self.publish_dtype != "param":
+            return f"does not run --dmuon-publish-dtype {self.publish_dtype} (the owner quantizes whole matrices)"
+        if not mode_traits(self.mode).owner_step:
+            return f"is the owner step's layout; --dmuon-mode {self.mode} has none"
+        return None
 
     def plan_summary(self) -> dict:
         """What a plan records of the config it was made from (plain data; ``plan_matches``)."""
@@ -107,7 +136,7 @@ class DMuonConfig:
                 "ns_method": m.ns_method, "tp_method": m.tp_method, "ns_steps": m.ns_steps,
                 "coefficients": m.coefficients if isinstance(m.coefficients, str) else [list(c) for c in m.coefficients],
                 "ranks_per_node": self.layout.ranks_per_node, "balance": self.layout.balance,
-                "megabatch": self.layout.megabatch}
+                "megabatch": self.layout.megabatch, "dp_layout": self.layout.dp_layout}
 
     def split_flags(self) -> dict:
         """``rule_for_megatron_param``'s split flags: how the optimizer cuts matrices before NS."""
@@ -212,6 +241,7 @@ def _layout_options_from_args(args) -> LayoutOptions:
     balance = args.dmuon_balance
     milp = balance == "milp"
     return LayoutOptions(ranks_per_node=args.dmuon_ranks_per_node, balance=balance,
+                         dp_layout=getattr(args, "dmuon_dp_layout", "auto"),
                          megabatch=args.dmuon_megabatch, profile=milp,
                          plan_budget_s=args.dmuon_plan_budget if milp else None,
                          plan_cache=default_plan_cache_path() if milp else None)

@@ -272,6 +272,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
         fp8_params = fp8_param_summary(self, config)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             print(f"> {plan.routing_summary()}", flush=True)  # (this stage's params; PP stages plan their own)
+            print(f"> {plan.layout_summary()}", flush=True)
             if fp8_params:
                 print(f"> DMuon FP8 params: {fp8_params}", flush=True)
         self._grads_reduced = False

@@ -16,7 +16,7 @@ from ..algorithms.coefficients import COEFFICIENT_SETS
 from ..algorithms.dion3 import FRACTION_LR_MODES
 from ..algorithms.flops import NS_METHODS
 from ..kernels.autotune import CACHE_ENV
-from ..planning.owner_layout import BALANCE
+from ..planning.owner_layout import BALANCE, DP_LAYOUTS
 from ..planning.startup_budget import STARTUP_BUDGET_S
 from ..planning.tp_cost import TP_METHODS
 from ..planning.overlap_mode import OVERLAP_STEP_MODES
@@ -82,6 +82,11 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
                    help="owner assignment: cost (greedy on predicted NS time), milp (the owner step profiled on this "
                         "GPU, then an MILP on that rank cost model; both cached), numel_lpt, megatron_lpt (max·min², Megatron main's layer-sharded "
                         "Muon) or round_robin (baselines)")
+    g.add_argument("--dmuon-dp-layout", default="auto", choices=DP_LAYOUTS,
+                   help="how Muon matrices lie in the DP shards: whole (each inside its owner's shard; pads the "
+                        "shards once DP nears the matrix count), split (Megatron's own equal shards cut matrices, "
+                        "each keeps its pieces' state and one NS home per matrix; AdamW's bytes at any DP), auto "
+                        "(the planner's cost model picks per buffer; docs/dmuon_dp.md)")
     g.add_argument("--dmuon-plan-budget", type=float, default=STARTUP_BUDGET_S, metavar="SECONDS",
                    help="--dmuon-balance milp: start-up seconds for the rank profile + the MILP on rank 0 "
                         "(the best plan found by then is used; cached plans cost nothing)")

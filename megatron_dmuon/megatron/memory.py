@@ -44,11 +44,14 @@ def optimizer_state_bytes(optimizer) -> Dict[str, int]:
 
 def megatron_adamw_state_bytes(model_chunks, dp_size: int) -> float:
     """Megatron's AdamW DistributedOptimizer on the same model, per rank: (fp32 master where the
-    param is narrower + 2 fp32 moments) per trainable element / DP."""
+    param is narrower + 2 fp32 moments) per trainable element / the ranks that shard it (DP, divided
+    by --num-distributed-optimizer-instances: each instance holds a whole copy)."""
     total = 0
+    instances = 1
     for chunk in model_chunks:
+        instances = getattr(getattr(chunk, "ddp_config", None), "num_distributed_optimizer_instances", 1) or 1
         for p in chunk.parameters():
             if p.requires_grad:
                 master = 4 if p.element_size() < 4 else 0
                 total += p.numel() * (master + 8)
-    return total / dp_size
+    return total / (dp_size // instances)

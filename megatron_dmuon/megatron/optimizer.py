@@ -20,6 +20,7 @@ from typing import List, Optional
 import torch
 
 from ..kernels.metrics import NONFINITE_METRICS
+from ..planning.split_layout import exchange_bytes_sent
 from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
 from .config_checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig  # noqa: F401 (MODES: public API)
@@ -252,6 +253,22 @@ OPTIMIZER_BUILDERS = {"dmuon": _chained(build_owner_parts),
                       "megatron_layerwise": build_megatron_layerwise}
 
 
+def _split_exchange_bytes(chunk) -> float:
+    """Bytes this rank sends per step in the split layout's exchange (planning/split_layout.py), over
+    its chunk's buffers (dense: its DP rank; expert: its expert-DP rank)."""
+    plan = getattr(chunk, "dmuon_plan", None)
+    if plan is None:
+        return 0.0
+    ranks = {kind: buffers[0].data_parallel_group.rank()
+             for kind, buffers in (("dense", chunk.buffers), ("expert", chunk.expert_parallel_buffers)) if buffers}
+    total = 0.0
+    for name, layout in plan.layouts.items():
+        rank = ranks.get(name.split("/")[0])
+        if rank is not None and layout.scheme == "split":
+            total += exchange_bytes_sent(layout)[rank]
+    return total
+
+
 def comm_bytes_per_step(model_chunks, all_reduce: bool = False) -> dict:
     """Bytes each rank sends per step for grad reduction and param publish (ring algorithms);
     ``all_reduce``: grads all-reduced (Megatron's plain DDP: the gather_then_compute baseline).
@@ -260,11 +277,13 @@ def comm_bytes_per_step(model_chunks, all_reduce: bool = False) -> dict:
     With two-level groups (N nodes x L ranks) the split is also reported: intra-node
     (L-1)/L * n and inter-node (N-1)/N * n/L per rank, for each direction.
     """
-    reduce_b = publish_b = inter_b = 0.0
+    reduce_b = publish_b = inter_b = instances_b = exchange_b = 0.0
     padded = unpadded = 0
     for chunk in model_chunks:
         topo = getattr(chunk, "node_topology", None)
         packed = publish_layouts(chunk)  # FP8 publish: bytes of the packed blocks
+        # --num-distributed-optimizer-instances N: each rank's reduced shard is all-reduced across the N
+        instances = getattr(chunk.ddp_config, "num_distributed_optimizer_instances", 1)
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             d = buffer.data_parallel_world_size
             for bucket in buffer.buckets:
@@ -276,6 +295,7 @@ def comm_bytes_per_step(model_chunks, all_reduce: bool = False) -> dict:
                     reduce_b += 2 * (d - 1) / d * n * gbytes
                     continue
                 pbytes = bucket.param_data.element_size() if bucket.param_data is not None else gbytes
+                instances_b += 2 * (instances - 1) / instances * n / d * gbytes
                 if topo is None:
                     reduce_b += (d - 1) / d * n * gbytes
                     layout = packed.get(id(bucket))
@@ -286,8 +306,12 @@ def comm_bytes_per_step(model_chunks, all_reduce: bool = False) -> dict:
                     reduce_b += (intra + inter) * gbytes
                     publish_b += (intra + inter) * pbytes
                     inter_b += inter * (gbytes + pbytes)
-    out = {"reduce_bytes": reduce_b, "publish_bytes": publish_b, "total_bytes": reduce_b + publish_b,
+        exchange_b += _split_exchange_bytes(chunk)
+    out = {"reduce_bytes": reduce_b + instances_b, "publish_bytes": publish_b,
+           "split_exchange_bytes": exchange_b, "total_bytes": reduce_b + instances_b + publish_b + exchange_b,
            "buffer_numel": padded, "buffer_numel_unpadded": unpadded}
+    if instances_b:
+        out["inter_instance_bytes"] = instances_b
     if any(getattr(c, "node_topology", None) is not None for c in model_chunks):
         out["inter_node_bytes"] = inter_b
     return out

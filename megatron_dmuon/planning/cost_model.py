@@ -42,8 +42,9 @@ RESTARTS = 1  # gram_newton_schulz's default restart_after=(2,) for 5 steps
 
 
 def load_config(path=None) -> dict:
-    with open(path or DEFAULT_CONFIG) as f:
-        return json.load(f)
+    from ..files import read_bounded_text
+
+    return json.loads(read_bounded_text(path or DEFAULT_CONFIG, "the cluster config"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +297,9 @@ def load_bench_kernels_profile(path, steps: int = 5) -> CostTable:
 
     Times measured at another step count (the adaptive schedule runs 6 steps on square shapes)
     are scaled to ``steps`` (NS time is linear in the step count)."""
-    data = json.loads(Path(path).read_text())
+    from ..files import read_bounded_text
+
+    data = json.loads(read_bounded_text(path, "the kernel benchmark JSON"))
     table = CostTable(meta={"device": data.get("device"), "torch": data.get("torch"), "triton": data.get("triton"),
                             "dtype": "float16", "steps": steps, "source": str(path)}, points={})
     for key, entry in data.get("autotune", {}).items():

@@ -45,7 +45,9 @@ class MatrixRecord:
     schedules: Tuple[dict, ...] = ()  # per piece: NS coefficients / steps / normalisation
     partition_dim: Optional[int] = None  # TP: 0 rows split, 1 cols split, None: whole on every TP rank
     partition_stride: int = 1
-    dp_owner: Optional[int] = None  # DP rank whose shard holds the whole matrix
+    # DP rank that runs its NS: under the 'whole' layout its shard holds the whole matrix, under the
+    # 'split' layout (planning/split_layout.py) it is the matrix's NS home
+    dp_owner: Optional[int] = None
     tp_owner: int = 0  # TP rank that orthogonalizes it
     tp_method: str = ""  # 'gather' or 'distributed_gram' (planning/tp_cost.py)
     cost: float = 0.0  # predicted NS cost of the full matrix (FLOPs, or ms when profiled)
@@ -191,6 +193,22 @@ class DMuonPlan:
                 detail = "; ".join(f"{len(v)} {why} ({sum(v):,} elements)" for why, v in rules)
                 parts.append(f"{total} params to {'Muon' if use_muon else 'AdamW'}: {detail}")
         return "DMuon routing: " + " | ".join(parts)
+
+    def layout_summary(self) -> str:
+        """One line: each buffer's DP layout (whole / split, planning/split_layout.py), with how many
+        matrices the split layout cuts and on how many ranks their NS homes are."""
+        parts = []
+        for key, layout in sorted(self.layouts.items()):
+            matrices = [n for n in layout.owners]
+            if layout.scheme == "split":
+                cut = sum(len(layout.pieces(n)) > 1 for n in matrices)
+                homes = len(set(layout.owners.values()))
+                parts.append(f"{key}: split over {layout.world_size} DP ranks ({cut} of {len(matrices)} matrices cut, "
+                             f"NS homes on {homes} ranks)")
+            else:
+                parts.append(f"{key}: whole matrices on {len(set(layout.owners.values()))} of {layout.world_size} "
+                             "DP ranks")
+        return "DMuon DP layout: " + "; ".join(parts)
 
     def describe(self) -> str:
         """One line per Muon matrix, then a summary: what ``dmuon-plan`` prints for a built model."""

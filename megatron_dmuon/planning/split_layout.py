@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
-__all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor"]
+__all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor", "exchange_bytes_sent"]
 
 
 def bucket_end_divisor(world_size: int) -> int:
@@ -109,3 +109,19 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
     layout = OwnerLayout(world_size, ranges, owners, buckets, list(rank_cost), tp_size, tp_owners, scheme="split")
     layout.validate(items)
     return layout
+
+
+def exchange_bytes_sent(layout: OwnerLayout, bytes_each_way: int = 4) -> List[float]:
+    """Bytes each DP rank sends per step in the split layout's exchange (runtime/dp_exchange.py): its
+    pieces of the updates of matrices homed elsewhere, and, as a home, the pieces of each direction
+    the other holders get back (``bytes_each_way`` per element: the masters' fp32). Zeros for a
+    whole-matrix layout."""
+    sent = [0.0] * layout.world_size
+    if layout.scheme != "split":
+        return sent
+    for name, home in layout.owners.items():
+        for r, lo, hi in layout.pieces(name):
+            if r != home:
+                sent[r] += (hi - lo) * bytes_each_way  # the update's piece to the home
+                sent[home] += (hi - lo) * bytes_each_way  # the direction's piece back
+    return sent

@@ -8,7 +8,7 @@ from .workers import DEFAULTS, _build, _finish_overlap, _report, _train, init_pa
 
 
 def dmuon_resume(rank, world_size, resume_at, tp=1, pp=1, ep=1, vpp=None, fmt="dist", save_dir=None, load_dir=None,
-                 resume_here=True, optimizer_only=False, data_dp=None, **kw):
+                 resume_here=True, optimizer_only=False, data_dp=None, instances=1, **kw):
     """Save/load through the optimizer's checkpoint entry points.
 
     * ``load_dir`` unset: train ``resume_at`` steps, save (``fmt``: 'dist' = dist_checkpointing
@@ -23,7 +23,8 @@ def dmuon_resume(rank, world_size, resume_at, tp=1, pp=1, ep=1, vpp=None, fmt="d
     import shutil
     import tempfile
 
-    init_parallel(tp, pp, ep, vpp)
+    init_parallel(tp, pp, ep, vpp, instances=instances)
+    kw["instances"] = instances
     steps = {**DEFAULTS, **kw}["steps"]
     out = {}
     if load_dir is None:

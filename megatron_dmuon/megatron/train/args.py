@@ -73,6 +73,9 @@ def parse_args(argv=None):
     a("--adam-beta2", type=float, default=0.95)
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--num-distributed-optimizer-instances", type=int, default=1,
+      help="Megatron-LM's partial distributed optimizer: the optimizer is sharded inside each of N instances of "
+           "DP / N ranks and the gradients all-reduced across them (docs/dmuon_dp.md)")
     a("--bf16", action="store_true")
     a("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
       help="the layers: Transformer Engine's (Megatron-LM's default; the default here where transformer_engine "

@@ -284,6 +284,13 @@ def _check_layout(p, args) -> None:
         p.error(f"--hidden-size / --num-attention-heads = {head_dim}, the head dimension, must be even: rotary "
                 "position embeddings rotate pairs of channels")
     dp = world // (tp * pp)
+    instances = args.num_distributed_optimizer_instances
+    if instances < 1 or dp % instances:
+        p.error(f"--num-distributed-optimizer-instances {instances} must be >= 1 and divide DP = {dp} (each instance "
+                "shards the optimizer over DP / instances ranks)")
+    if instances > 1 and args.optimizer == "dmuon" and mode_traits(args.dmuon_mode).all_reduces:
+        p.error(f"--num-distributed-optimizer-instances {instances} shards the distributed optimizer; "
+                f"--dmuon-mode {args.dmuon_mode} has none: drop the flag, or pass --dmuon-mode dmuon")
     if args.global_batch_size % (args.micro_batch_size * dp):
         p.error(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x DP = "
                 f"{args.micro_batch_size} x {dp}")

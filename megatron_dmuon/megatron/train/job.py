@@ -113,7 +113,8 @@ def build(args, rank, world, backend) -> Job:
     from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, wire_sync_funcs
     from megatron_dmuon.megatron.megatron_lm import ddp_class_for, optimizer_factory_for
 
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                             num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     torch.manual_seed(args.seed)  # CPU-side init (use_cpu_initialization), as Megatron's _set_random_seed
     model_parallel_cuda_manual_seed(args.seed)
