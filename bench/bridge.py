@@ -37,6 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import ROOT, Job, in_parallel  # noqa: E402  (bench/harness.py, the one runner; it puts ROOT on the path)
 import harness  # noqa: E402
+from cli_inputs import OneLineParser  # noqa: E402  (one-line usage errors, exit 2)
 
 if os.environ.get("BRIDGE_LITE"):  # an image without diffusers: megatron.bridge registered without its
     # __init__ (which imports every HF/diffusion model bridge); the training path imports as usual
@@ -281,7 +282,7 @@ def _write(args, results, lines) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run")
     r.add_argument("--optimizer", choices=("muon", "dmuon", "adam"), required=True)

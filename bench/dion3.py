@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import ROOT, Job, has_cuda, run  # noqa: E402
+from cli_inputs import OneLineParser  # noqa: E402  (one-line usage errors, exit 2)
 from megatron_dmuon.runtime.owner_step import MatrixInfo, OwnerMuonAdamW, with_ns_choices  # noqa: E402
 
 # (label, flags): the rules compared; Dion3 at f = 1/4 and 1/8 with NorDion2's lr (no f factor).
@@ -190,7 +191,7 @@ def loss(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="measure", required=True)
     s = sub.add_parser("step", help="the owner step's time per rule (one process, Qwen2.5-7B layer shapes)")
     s.add_argument("--layers", type=int, default=1)

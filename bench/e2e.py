@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Job, add_layer_args, command, job_layer_args, layers_of, progress_tail, run  # noqa: E402
+from cli_inputs import OneLineParser  # noqa: E402  (one-line usage errors, exit 2)
 
 PRESETS = {
     # Qwen2.5-7B-shaped layers (4 of them), as in the [megatron-dp] acceptance
@@ -84,7 +85,7 @@ def merge_rounds(runs: list) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser()
+    p = OneLineParser()
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--iters", type=int, default=12)

@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_dmuon.algorithms.fp8_products import (fp8_gemm, fp8_gram_newton_schulz,  # noqa: E402
                                                     fp8_newton_schulz, quantize_e4m3, scaled_fp8_matmul)
 from megatron_dmuon.algorithms.gram_newton_schulz import gram_applies  # noqa: E402
+from cli_inputs import OneLineParser, check_device  # noqa: E402
 from megatron_dmuon.algorithms.ns_dispatch import method_compute_dtype, orthogonalize  # noqa: E402
 from megatron_dmuon.runtime.muon_settings import MuonSettings  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import device_name, time_steps  # noqa: E402
@@ -301,7 +302,7 @@ def markdown(result):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="small shapes (smoke test; CPU emulates the FP8 products)")
     p.add_argument("--out", required=True, help="output prefix: writes PREFIX.json and PREFIX.md")
@@ -312,6 +313,7 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, nargs=3, default=(40.0, 60.0, 220.0), metavar=("PRODUCTS", "NUMERICS", "SPEED"),
                    help="time budget of each section in seconds")
     args = p.parse_args(argv)
+    check_device(p, args.device)  # (an AssertionError traceback without CUDA before)
     args.rounds = args.rounds or (2 if args.tiny else 15)
     device = torch.device(args.device)
     result = {"device": device_name(device), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

@@ -251,7 +251,9 @@ def layers_of(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Run the main job once (output streams through); exit with its status.")
+    from cli_inputs import OneLineParser  # (bench/, on the path when this runs as a script)
+
+    p = OneLineParser(description="Run the main job once (output streams through); exit with its status.")
     p.add_argument("--nproc", type=int, default=1, help="ranks under torchrun")
     p.add_argument("--single", action="store_true", help="one process with its own rendezvous port, no torchrun")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the main job's flags")

@@ -516,7 +516,9 @@ def markdown(report) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from cli_inputs import OneLineParser  # (bench/, on the path when this runs as a script)
+
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out-dir", default=str(ROOT / "docs" / "results" / "kernels"))
     parser.add_argument("--name", default="bench_kernels")
     parser.add_argument("--coefficients", default="polar_express")
@@ -528,6 +530,13 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU allowed (checks the script)")
     parser.add_argument("--sections", default="ceiling,accuracy,shapes,methods,layer,kv,breakdown")
     args = parser.parse_args(argv)
+    if args.cache:  # a file that is not the autotune cache is refused before any shape is tuned
+        from megatron_dmuon.kernels.autotune import AutotuneCache
+
+        try:
+            AutotuneCache(args.cache).check_writable()
+        except ValueError as e:
+            parser.error(f"--cache {args.cache}: {e}")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:

@@ -34,6 +34,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_lm_compare import loss_gap  # noqa: E402
+from cli_inputs import OneLineParser, read_json  # noqa: E402
 
 REFERENCE_RUNS = ("muon", "muon_fp32ns", "dmuon_fp32ns")
 CROSS_TREE_RUNS = ("muon", "muon_fp32ns")  # Megatron's code differs between trees; DMuon's does not
@@ -49,7 +50,7 @@ def read_curves(path: str) -> dict:
     record its seed: compare.py before 2026-12-03)."""
     path, _, given = path.partition("@")
     with open(path) as f:
-        doc = json.load(f)
+        doc = json.load(f)  # (main checked it: read_json)
     one_seed = given or doc["summary"].get("seed")
     curves = {}
     for key, rows in doc["iterations"].items():
@@ -120,7 +121,7 @@ def table(band: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", nargs="+", action="append", required=True, metavar=("NAME", "JSON"),
                    help="a tree's name and its compare.py JSON files (PATH@SEED for a one-seed file)")
     p.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
@@ -132,6 +133,14 @@ def main(argv=None) -> int:
         if not paths:
             p.error(f"--tree {name}: name at least one JSON file")
         for path in paths:
+            file, _, seed = path.partition("@")
+            doc = read_json(p, f"--tree {name}", file, "a JSON of bench/megatron_lm_compare.py",
+                            need=("summary", "iterations"))
+            if seed and not seed.isdigit():
+                p.error(f"--tree {name} {path}: the seed after '@' must be a whole number")
+            if not isinstance(doc["summary"], dict) or not isinstance(doc["iterations"], dict):
+                p.error(f"--tree {name} {file}: 'summary' and 'iterations' must be objects; give a JSON of "
+                        "bench/megatron_lm_compare.py")
             trees.setdefault(name, {}).update(read_curves(path))
     band = pooled_band(trees, args.candidates)
     text = table(band)

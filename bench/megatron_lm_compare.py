@@ -52,6 +52,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from cli_inputs import OneLineParser, patch_megatron_lm_tree  # noqa: E402  (one-line usage errors, exit 2)
 from harness import ROOT  # noqa: E402
 
 # A Qwen2.5-7B-shaped GPT cut to 4 layers (+32k vocab), as in docs/dmuon_dp.md's measurements
@@ -349,7 +350,7 @@ def table_rows(rows: dict, timed: bool, label: str = "") -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--megatron-lm", default=os.path.join(ROOT, ".mlm"), help="Megatron-LM checkout (core_v0.19.0)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (data-parallel ranks)")
     p.add_argument("--iters", type=int, default=30)
@@ -386,7 +387,7 @@ def main(argv=None) -> int:
         args.runs = DEFAULT_RUNS + ([SYRK_RUN] if no_syrk is None else [])
     elif SYRK_RUN in args.runs and no_syrk:
         p.error(f"--runs {SYRK_RUN}: {no_syrk}")
-    subprocess.run(["bash", os.path.join(ROOT, "patches", "apply.sh"), megatron_lm], check=True)
+    patch_megatron_lm_tree(p, "--megatron-lm", megatron_lm, subprocess.run)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     by_seed = run_all(args, megatron_lm)

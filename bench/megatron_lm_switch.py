@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_lm_compare import MODELS, ROOT, run  # noqa: E402
+from cli_inputs import OneLineParser, patch_megatron_lm_tree  # noqa: E402  (one-line usage errors, exit 2)
 
 SWITCH_FLAGS = ["--dist-ckpt-optim-fully-reshardable", "--ckpt-format", "torch_dist", "--muon-fp32-matmul-prec", "high"]
 NAMES = {"muon": "muon", "dmuon": "dmuon_standard"}  # megatron_lm_compare.RUNS keys
@@ -63,7 +64,7 @@ def compare_saved(a: str, b: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--megatron-lm", default=os.path.join(ROOT, ".mlm"))
     p.add_argument("--model", default="small", choices=sorted(MODELS))
     p.add_argument("--iters", type=int, default=20)
@@ -75,8 +76,11 @@ def main(argv=None) -> int:
                    help="only the state check: train to --switch-at, save, load with the other optimizer, save again")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args(argv)
+    for direction in args.directions:
+        if direction.count(":") != 1 or not all(name in NAMES for name in direction.split(":")):
+            p.error(f"--directions {direction}: give FIRST:THEN, each one of {', '.join(sorted(NAMES))}")
     megatron_lm = os.path.abspath(args.megatron_lm)
-    subprocess.run(["bash", os.path.join(ROOT, "patches", "apply.sh"), megatron_lm], check=True)
+    patch_megatron_lm_tree(p, "--megatron-lm", megatron_lm, subprocess.run)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="dmuon_switch_")

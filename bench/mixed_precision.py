@@ -24,6 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from e2e import PRESETS, add_ratios_to_adam, run_main_job  # noqa: E402
+from cli_inputs import OneLineParser  # noqa: E402  (one-line usage errors, exit 2)
 
 PRESETS = dict(PRESETS)
 # a small GPT (~0.3B with the 32k vocab): 12 layers of width 1024, seq 2048
@@ -121,7 +122,7 @@ def accuracy(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="measure", required=True)
     s = sub.add_parser("speed", help="step time, memory and optimizer state vs AdamW: the main job, one GPU")
     s.add_argument("--preset", default="gpt-small", choices=sorted(PRESETS))

@@ -19,12 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import main_job_module  # noqa: E402  (it puts the repository on the path too)
+from cli_inputs import OneLineParser, check_device, without_fix  # noqa: E402
+from megatron_dmuon.files import check_regular_file  # noqa: E402
 
 
 def _stack_label(plan, g) -> str:
@@ -123,12 +126,30 @@ def ns_paths(shape):
     return paths
 
 
+def _recorded_inputs(parser, path: str) -> dict:
+    """A file ``record`` wrote (``{"inputs": {label: tensor}}``); a usage error naming it otherwise."""
+    kind = "a file momentum_spectra.py record wrote (--out)"
+    try:
+        check_regular_file(path, "evaluate:", limit=1 << 36)
+        doc = torch.load(path, map_location="cpu", weights_only=True)  # data only, whoever wrote it
+    except ValueError as e:
+        parser.error(f"{without_fix(str(e))}; give {kind}")
+    except Exception as e:  # noqa: BLE001 - not a torch file, or one holding more than tensors
+        why = "it is no torch file, or holds objects other than tensors (never unpickled here)" \
+            if isinstance(e, pickle.UnpicklingError) else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        parser.error(f"evaluate: {path} does not load as a torch file of tensors ({why}); give {kind}")
+    inputs = doc.get("inputs") if isinstance(doc, dict) else None
+    if not isinstance(inputs, dict) or not inputs or not all(
+            isinstance(x, torch.Tensor) and x.dim() >= 2 for x in inputs.values()):
+        parser.error(f"evaluate: {path} holds no 'inputs' of matrices; give {kind}")
+    return doc
+
+
 def evaluate(args) -> None:
     from megatron_dmuon.algorithms.newton_schulz import msgn_svd
 
     rows = []
-    for path in args.files:
-        doc = torch.load(path, map_location="cpu", weights_only=True)  # data only, whoever wrote it
+    for path, doc in zip(args.files, args.docs):  # (read and checked by main)
         for label, x in doc["inputs"].items():
             x = x.to(args.device)
             polar = msgn_svd(x)
@@ -150,7 +171,7 @@ def main():
     job_argv = []
     if "--" in argv:
         argv, job_argv = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("record")
     r.add_argument("--out", required=True)
@@ -161,6 +182,9 @@ def main():
     e.add_argument("files", nargs="+")
     e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    if args.command == "evaluate":
+        check_device(p, args.device)
+        args.docs = [_recorded_inputs(p, path) for path in args.files]
     record(args, job_argv) if args.command == "record" else evaluate(args)
 
 

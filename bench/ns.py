@@ -38,12 +38,18 @@ QWEN25_7B_LAYER = "3584x3584x2,512x3584x2,18944x3584x2,3584x18944x1"
 TIME_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def dims(token: str, counts=(2, 3), form: str = "RxC or RxCxK") -> list[int]:
+    """The positive integers of ``token`` (``AxB[xC]``); ValueError naming it and ``form`` otherwise."""
+    parts = token.lower().strip().split("x")
+    if len(parts) not in counts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"bad shape {token!r}: use {form} with positive integers")
+    return [int(p) for p in parts]
+
+
 def parse_shapes(spec: str, scale: int) -> list[tuple[int, int, int]]:
     shapes = []
     for token in spec.split(","):
-        parts = [int(p) for p in token.lower().strip().split("x")]
-        if len(parts) not in (2, 3) or min(parts) < 1:
-            raise SystemExit(f"bad shape {token!r}: use RxC or RxCxK with positive ints")
+        parts = dims(token)
         rows, cols, count = (*parts, 1) if len(parts) == 2 else parts
         shapes.append((max(1, rows // scale), max(1, cols // scale), count))
     return shapes
@@ -424,7 +430,9 @@ def profile(args) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from cli_inputs import OneLineParser, check_device  # (bench/, on the path when this runs as a script)
+
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="measure", required=True)
     sub_kw = dict(formatter_class=argparse.RawDescriptionHelpFormatter)
     t = sub.add_parser("time", help="standard vs Gram Newton-Schulz timing per shape", description=inspect.cleandoc(time_shapes.__doc__),
@@ -456,6 +464,19 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", nargs="+", default=["2x3584x3584", "3x3584x18944"])
     p.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:  # the shapes, before any work
+        if args.measure == "time":
+            parse_shapes(args.shapes, 1)
+        for token in (args.heavy_tailed or []) if args.measure == "accuracy" else []:
+            dims(token, (2,), "ROWSxCOLS")
+        for token in args.shapes if args.measure == "profile" else []:
+            dims(token, (3,), "BATCHxROWSxCOLS")
+    except ValueError as e:
+        ap.error(f"{'--heavy-tailed' if args.measure == 'accuracy' else '--shapes'}: {e}")
+    if args.measure == "accuracy":
+        check_device(ap, args.device)
+    if args.measure == "profile" or (args.measure == "schedules" and args.gpu):
+        check_device(ap, "cuda")
     {"time": time_shapes, "accuracy": accuracy, "schedules": schedules, "profile": profile}[args.measure](args)
 
 

@@ -27,8 +27,11 @@ sys.path.insert(0, ROOT)
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="qwen2.5-7b")
+    from cli_inputs import OneLineParser  # (bench/, on the path when this runs as a script)
+    from megatron_dmuon.planning.models import PRESETS
+
+    p = OneLineParser()
+    p.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS))
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--cache-dir", required=True)
@@ -40,6 +43,8 @@ def main():
     p.add_argument("--coefficients", default="adaptive", help="the job's --dmuon-coefficients (default adaptive)")
     p.add_argument("--ns-launch", default="graph", help="the job's --dmuon-ns-launch (default graph)")
     args = p.parse_args()
+    if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+        p.error(f"--cache-dir {args.cache_dir} is not a directory: give a folder for the profile and plan caches")
     t_start = time.perf_counter()
 
     import torch

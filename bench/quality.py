@@ -29,6 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_inputs import OneLineParser, read_json  # noqa: E402
 from harness import Job, add_layer_args, has_cuda, in_parallel, job_layer_args, launch_for, layers_of, run  # noqa: E402
 
 # Model, batch and schedule of each preset (flags of the main job); iterations and eval cadence.
@@ -259,7 +260,7 @@ def build_doc(results, args, model, gpu, option_rows, dmuon_lr) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", choices=sorted(MODELS))
     p.add_argument("--iters", type=int, default=None, help="training iterations (default: the preset's)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -289,8 +290,8 @@ def main(argv=None):
     args.dmuon_lrs = args.dmuon_lrs or list(model["dmuon_lrs"])
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="quality_")
     if args.report:  # the tables again from the runs (any version of this script wrote them)
-        with open(args.out + ".json") as f:
-            old = json.load(f)
+        old = read_json(p, "--report: --out", args.out + ".json", "the PREFIX of a quality.py run (PREFIX.json)",
+                        need=("runs", "iters", "machine"))
         runs = old["runs"]
         args.iters, args.seeds = old["iters"], sorted({r["seed"] for r in runs})
         args.adam_lrs = sorted({r["lr"] for r in runs if r["row"] == "AdamW"})
@@ -305,8 +306,11 @@ def main(argv=None):
         args.rows is None or any(r[0] == w or (w.endswith("*") and r[0].startswith(w[:-1])) for w in args.rows))]
     results = []
     if args.resume:
-        with open(args.resume) as f:
-            results = [r for r in json.load(f)["runs"] if "error" not in r]
+        previous = read_json(p, "--resume", args.resume, "a previous quality.py run's PREFIX.json", need=("runs",))
+        if not isinstance(previous["runs"], list) or not all(isinstance(r, dict) for r in previous["runs"]):
+            p.error(f"--resume {args.resume}: its 'runs' must be a list of runs; give a previous quality.py run's "
+                    "PREFIX.json")
+        results = [r for r in previous["runs"] if "error" not in r]
 
     def spec(row, flags, lr, seed):
         key = f"{row}|{lr:g}|{seed}|{args.iters}"

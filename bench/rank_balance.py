@@ -56,6 +56,7 @@ from megatron_dmuon.planning.planners import split_rule_for, transformer_shape  
 from megatron_dmuon.planning.rank_cost import RankWork  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import time_owner_step  # noqa: E402
 from megatron_ranks import adamw_work, megatron_layerwise_work, time_adamw_rank, time_megatron_rank  # noqa: E402
+from cli_inputs import OneLineParser, check_device, read_json  # noqa: E402
 from rank_layouts import (ADAMW, BASELINES, MEGATRON, PLANS, describe, gpu_work, job_settings,  # noqa: E402
                           make_plans, parse_layout, pieces_of, signature, tp_cell_work)
 
@@ -462,8 +463,46 @@ def table(result):
     return "\n".join(lines)
 
 
+EMULATION_KIND = "the JSON of a rank_balance.py emulate run (--out STEM writes STEM.json)"
+MODEL_KIND = "a rank cost model JSON, a calibrate or startup run's JSON, or a start-up profile cache"
+# what each mode reads: without it a mode printed an empty table and exited 0 ([bad-input-5])
+NEEDS = {"report": ("emulation", "models"), "check": ("emulation", "models"), "scale": ("emulation",)}
+
+
+def check_inputs(parser, args) -> None:
+    """Every input file read and shaped as its flag says, before any work; a usage error names the
+    flag, the file and what to give."""
+    if args.mode in ("emulate", "calibrate", "startup"):
+        check_device(parser, args.device)
+    for dest in NEEDS.get(args.mode, ()):
+        if not getattr(args, dest):
+            kind = EMULATION_KIND if dest == "emulation" else "NAME=PATH pairs, PATH " + MODEL_KIND
+            parser.error(f"{args.mode} needs --{dest} ({kind})")
+    for flag, paths in (("--emulation", args.emulation), ("--refit-on", args.refit_on)):
+        for path in paths:
+            doc = read_json(parser, flag, path, EMULATION_KIND, need=("layouts",))
+            layouts = doc["layouts"]
+            if not isinstance(layouts, dict) or not layouts or not all(
+                    isinstance(lay, dict) and isinstance(lay.get("plans"), dict) and isinstance(lay.get("jobs"), dict)
+                    for lay in layouts.values()):
+                held = ("no layout" if not layouts else "a layout without them") if isinstance(layouts, dict) \
+                    else f"a JSON {type(layouts).__name__}"
+                parser.error(f"{flag} {path}: its 'layouts' must map each layout to its 'plans' and 'jobs' (it holds "
+                             f"{held}); give {EMULATION_KIND}")
+    for pair in args.models:
+        name, eq, path = pair.partition("=")
+        if not (name and eq and path):
+            parser.error(f"--models {pair}: give NAME=PATH (PATH: {MODEL_KIND})")
+        read_json(parser, "--models", path, MODEL_KIND, any_of=("stacks", "jobs", "entries", "models"))
+    for path in args.refit_points:
+        read_json(parser, "--refit-points", path, "a calibrate run's JSON or a start-up profile cache",
+                  any_of=("jobs", "entries"))
+    if args.rank_profile:
+        read_json(parser, "--rank-profile", args.rank_profile, MODEL_KIND, any_of=("stacks", "jobs", "entries", "models"))
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["emulate", "calibrate", "startup", "report", "scale", "check"])
     parser.add_argument("--cluster", default="h200", help="scale: planning/clusters.json's cluster for the modelled "
                                                            "communication")
@@ -494,6 +533,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    check_inputs(parser, args)
     flags = args.flags.split()
     cfg = job_settings(flags)
     out_log = open(args.out + ".log.jsonl", "a") if args.out else None
@@ -511,7 +551,10 @@ def main(argv=None):
     run = {"emulate": lambda: emulate(args, cfg, log), "calibrate": lambda: calibrate(args, cfg, log),
            "startup": lambda: startup(args, cfg, log), "report": lambda: report(args, log),
            "scale": lambda: scale(args, log), "check": lambda: check(args, log)}[args.mode]
-    result = head | run()
+    try:
+        result = head | run()
+    except ValueError as e:  # an input that reads but does not fit (a startup JSON without this layout's model)
+        parser.error(str(e))
     text = table(result)
     print(text)
     if args.out:

@@ -4,7 +4,6 @@ matrices with their split rules and its AdamW fragments; under TP its shards and
 modelled ms), named by the NS piece shapes the rank cost model counts."""
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 
@@ -27,8 +26,15 @@ BASELINES = (MEGATRON, ADAMW)
 
 
 def job_settings(flags):
-    parser = add_dmuon_args(argparse.ArgumentParser(), validate=False)
-    return DMuonConfig.from_args(parser.parse_args(flags))
+    """The DMuonConfig of the main job's dmuon ``flags`` (rank_balance.py's --flags); a bad one is a
+    one-line usage error naming --flags."""
+    from cli_inputs import OneLineParser
+
+    parser = add_dmuon_args(OneLineParser(prog="rank_balance.py: --flags", add_help=False), validate=False)
+    try:
+        return DMuonConfig.from_args(parser.parse_args(flags))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def parse_layout(spec: str):

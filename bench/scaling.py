@@ -26,6 +26,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402
+from cli_inputs import OneLineParser  # noqa: E402  (one-line usage errors, exit 2)
 from harness import ROOT, Job, run  # noqa: E402
 from megatron_dmuon.planning.cost_model import (CostModel, cluster_spec, device_spec,  # noqa: E402
                                                 load_bench_kernels_profile)
@@ -332,7 +333,7 @@ def simulate(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="how", required=True)
     m = sub.add_parser("measure", help="ms/iteration per GPU count on this machine (bench/e2e.py, dmuon-verify)")
     m.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -347,6 +348,13 @@ def main(argv=None):
     s.add_argument("--overlap", action="store_true",
                    help="the overlapped owner step's exposed NS instead (writes <out>.json/.md only)")
     args = p.parse_args(argv)
+    for name in getattr(args, "clusters", []):  # planning/clusters.json's
+        try:
+            cluster_spec(name)
+        except ValueError as e:
+            p.error(f"--clusters {name}: {e}")
+    if args.how == "measure" and args.preset not in e2e.PRESETS:
+        p.error(f"--preset {args.preset}: one of {', '.join(sorted(e2e.PRESETS))}")
     measure(args) if args.how == "measure" else simulate(args)
 
 

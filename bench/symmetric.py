@@ -259,7 +259,9 @@ def cutlass(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from cli_inputs import OneLineParser  # (bench/, on the path when this runs as a script)
+
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="backend", required=True)
     t = sub.add_parser("tiles", help="every Triton tile variant and cuBLAS on the Gram NS product shapes")
     t.add_argument("--out", default=None, help="path stem for .json and .md")

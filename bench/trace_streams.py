@@ -8,10 +8,13 @@ Times are ms from the trace's first event.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 from collections import defaultdict
+
+from cli_inputs import OneLineParser, without_fix  # (first: it puts the repository on the path)
+
+from megatron_dmuon.files import check_regular_file
 
 RANGES = ("Optimizer.step", "dmuon.ns_launch", "dmuon.finish_group")
 
@@ -45,12 +48,32 @@ def summary(events: list, min_sync_ms: float = 1.0) -> str:
     return "\n".join(lines)
 
 
+def checked_events(p, path: str) -> list:
+    """The trace's timed events; a usage error naming the file when it is no Chrome trace with any."""
+    kind = "a Chrome trace (JSON, or .json.gz) of the main job's --profile-out"
+    try:
+        check_regular_file(path, "trace", limit=1 << 34)
+        events = load(path)
+    except json.JSONDecodeError as e:
+        p.error(f"trace {path} is not JSON ({e}); give {kind}")
+    except ValueError as e:  # (not a regular file, too large)
+        p.error(f"{without_fix(str(e))}; give {kind}")
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # (a cut or garbage .gz)
+        p.error(f"trace {path} does not read ({type(e).__name__}: {e}); give {kind}")
+    except (KeyError, TypeError):
+        p.error(f"trace {path} holds no 'traceEvents'; give {kind}")
+    if not isinstance(events, list) or not any(isinstance(e, dict) and e.get("ph") == "X" and "ts" in e
+                                               for e in events):
+        p.error(f"trace {path} holds no timed events; give {kind}")
+    return events
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
     p.add_argument("--min-sync-ms", type=float, default=1.0, help="list host stream/device syncs at least this long")
     args = p.parse_args(argv)
-    print(summary(load(args.trace), args.min_sync_ms))
+    print(summary(checked_events(p, args.trace), args.min_sync_ms))
 
 
 if __name__ == "__main__":

@@ -423,7 +423,8 @@ def test_cli_flags_are_validated(capsys, cli, argv, message):
     # [bad-input-3]: raw tracebacks before
     (["--preset", "tiny", "--dp", "2", "--profile", "LIST"], "--profile LIST: not a CostTable, a one-entry profile"),
     (["--preset", "tiny", "--dp", "2", "--cluster", "nosuch"], "--cluster nosuch: cluster 'nosuch' not in the cluster"),
-    (["--preset", "tiny", "--dp", "2", "--config", "/dev/null"], "--config /dev/null: not a readable cluster config"),
+    (["--preset", "tiny", "--dp", "2", "--config", "/dev/null"], "--config /dev/null is not a regular file"),  # [bad-input-5]
+    (["--preset", "tiny", "--dp", "2", "--config", "LIST"], "--config LIST: not a readable cluster config"),
 ])
 def test_dmuon_plan_validates_its_arguments(capsys, tmp_path, argv, message):
     from megatron_dmuon.planning import plan_cli

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
 
 from ..algorithms.coefficients import COEFFICIENT_SETS
+from ..files import check_regular_file, read_bounded_text
 from .cost_model import CostModel, CostTable, cluster_spec, load_bench_kernels_profile, load_config
 from .milp import BACKENDS
 from .overlap_mode import OverlapMode
@@ -116,6 +118,8 @@ def show_plan(path: str, as_json: bool = False) -> str:
 
     what = "a plan JSON (DMuonPlan.to_json) or the main job's --timing-json of a --optimizer dmuon run"
     try:
+        if os.path.exists(path) and not os.path.isdir(path):  # (a missing file or a folder: the OSError below)
+            check_regular_file(path, "the plan")  # a device or FIFO is not read
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot be read ({getattr(exc, 'strerror', None) or exc}): give {what}") from None
@@ -147,7 +151,7 @@ def load_profile(path: str, steps: int = 5) -> CostTable:
     ValueError where it holds none of these, no points, or a point that is not a time."""
     import math
 
-    data = json.loads(Path(path).read_text())
+    data = json.loads(read_bounded_text(path, "the profile"))
     if not isinstance(data, dict):
         raise BadProfile(f"not a CostTable, a one-entry profile cache or a kernel benchmark JSON (it holds a JSON "
                          f"{type(data).__name__})")
@@ -187,7 +191,7 @@ def load_rank_model(spec: str, config: dict, device: str, steps: int = 5, ns_met
     spec_device = device_spec(device, config)
     if spec == "analytic":
         return RankCostModel.analytic(spec_device, steps, ns_method, config)
-    data = json.loads(Path(spec).read_text())
+    data = json.loads(read_bounded_text(spec, "the rank model"))
     if not isinstance(data, dict):
         raise ValueError(f"holds a JSON {type(data).__name__}; give {RANK_MODEL_KINDS}")
     if "stacks" not in data and "jobs" not in data:
@@ -455,9 +459,30 @@ def _cost_inputs(p, args):
     return config, cluster, table
 
 
+# the flags that name a file dmuon plan reads
+FILE_FLAGS = (("--show", "show"), ("--config", "config"), ("--profile", "profile"), ("--rank-model", "rank_model"))
+
+
+def _refuse_files_that_are_not_files(p, args) -> None:
+    """A device, FIFO or socket, or a file too large for what the flag takes, named before anything
+    reads it (``--rank-model /dev/zero`` was read until the OOM killer ended it: [bad-input-5]). A
+    missing path or a directory is named by the flag's own reader."""
+    from ..files import check_regular_file
+
+    for flag, dest in FILE_FLAGS:
+        path = getattr(args, dest, None)
+        if path and not (dest == "rank_model" and path == "analytic") and os.path.exists(path) \
+                and not os.path.isdir(path):
+            try:
+                check_regular_file(path, flag)
+            except ValueError as e:
+                p.error(str(e))
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _refuse_files_that_are_not_files(parser, args)
     if args.show:
         try:
             print(show_plan(args.show, args.json))

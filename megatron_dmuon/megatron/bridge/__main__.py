@@ -39,14 +39,35 @@ def split_argv(argv: list) -> tuple:
     return options, os.path.abspath(argv[script_at]), argv[script_at + 1:]
 
 
+def _check_bridge_imports() -> None:
+    """Megatron-Bridge must import before DMuon installs into it (without it: a ModuleNotFoundError
+    traceback from the adapter, [bad-input-5])."""
+    try:
+        import megatron.bridge  # noqa: F401
+    except ImportError as e:
+        missing = getattr(e, "name", None) or str(e)
+        if missing.startswith("megatron.bridge") or missing == "megatron":
+            raise SystemExit("megatron_dmuon.bridge: Megatron-Bridge is not installed (no module megatron.bridge): "
+                             "pip install megatron-bridge (docs/bridge.md), then run it again") from None
+        raise SystemExit(f"megatron_dmuon.bridge: Megatron-Bridge does not import: it needs {missing}, which is "
+                         f"missing ({e}): pip install {missing.split('.')[0]} (or reinstall megatron-bridge)") from None
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() if argv else USAGE, file=sys.stderr if not argv else sys.stdout)
         raise SystemExit(0 if argv else 2)
-    options, script, rest = split_argv(argv)
-    if not os.path.isfile(script):
-        raise SystemExit(f"megatron_dmuon.bridge: {script} does not exist; {USAGE}")
+    try:
+        options, script, rest = split_argv(argv)
+        if not os.path.isfile(script):
+            raise SystemExit(f"megatron_dmuon.bridge: {script} does not exist; {USAGE}")
+        _check_bridge_imports()
+    except SystemExit as e:  # a usage error: one line, exit 2 (as argparse)
+        if not isinstance(e.code, str):
+            raise
+        sys.stderr.write(e.code.replace("megatron_dmuon.bridge: ", "megatron_dmuon.bridge: error: ", 1) + "\n")
+        raise SystemExit(2) from None
     from . import install
 
     install(**options)
