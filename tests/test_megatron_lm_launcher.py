@@ -77,9 +77,9 @@ def _stand_in_tree(root, drop=None):
     return os.path.join(root, "pretrain_stand_in.py")
 
 
-def _run(cmd, cwd, extra_path=(), timeout=300):
+def _run(cmd, cwd, extra_path=(), timeout=300, world_size=1):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra_path, ROOT]), PYTHONWARNINGS="ignore",
-               WORLD_SIZE="1", RANK="0")
+               WORLD_SIZE=str(world_size), RANK="0")
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 
 
@@ -194,3 +194,14 @@ def test_real_unmodified_scripts_take_dmuon_through_the_launcher(tree, script, t
     assert "dmuon_overlap_step .............................. sync" in ok.stdout
     if ok.returncode != 0:
         assert "Megatron requires CUDA" in ok.stderr, ok.stderr[-2000:]
+    if script != "pretrain_gpt.py":
+        return
+    # Megatron's partial distributed optimizer and the split layout ([scale-past-matrices]), on 4 ranks' worth of DP
+    instances = _run([*LAUNCHER, path, *SMALL, "--global-batch-size", "8", "--optimizer", "dmuon",
+                      "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2", "--dmuon-dp-layout",
+                      "split"],
+                     cwd=str(tmp_path), extra_path=extra, world_size=4)
+    assert "--optimizer dmuon: the argument dump above" in instances.stdout, instances.stderr[-2000:]
+    assert "num_distributed_optimizer_instances ............. 2" in instances.stdout
+    assert "dmuon_dp_layout ................................. split" in instances.stdout
+    assert instances.returncode == 0 or "Megatron requires CUDA" in instances.stderr, instances.stderr[-2000:]

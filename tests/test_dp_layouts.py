@@ -1,0 +1,210 @@
+"""DMuon past the matrix count ([scale-past-matrices], docs/dmuon_dp.md): the split layout (Megatron's
+own equal shards cut matrices, one NS home per matrix) and Megatron's partial distributed optimizer
+(--num-distributed-optimizer-instances), on real megatron-core (gloo, CPU) against the single-process
+float64 reference, through saves at one layout and resumes at another; and the planning behind them."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
+from megatron_dmuon.planning.owner_layout import ParamItem, megatron_bucket_size
+from megatron_dmuon.planning.planners import buffer_items
+from megatron_dmuon.planning.split_layout import exchange_bytes_sent, megatron_buckets, plan_split_layout
+from megatron_dmuon.testing.compare import (full_optimizer_state, full_params, rel_diffs, run_dmuon, run_reference,
+                                            state_diffs)
+from megatron_dmuon.testing.multiproc import run_distributed
+
+TOL = 1e-10  # float64 (the acceptance's bound)
+RESUME = "megatron_dmuon.testing.checkpoint_workers:dmuon_resume"
+# one layer: 4 Muon matrices (QKV, proj, fc1, fc2) on 8 DP ranks, more ranks than matrices
+ONE_LAYER = dict(steps=4, grad_accum=1, shape_kw=dict(fp64=True, num_layers=1), ns_dtype="float64")
+
+
+# ------------------------------------------------------------------------------------- planning
+def _meta_params(items):
+    params = []
+    for it in items:
+        p = torch.nn.Parameter(torch.empty(it.numel, device="meta"))
+        if it.own_bucket:
+            p.shared_embedding = True
+        params.append(p)
+    return params
+
+
+@pytest.mark.parametrize("dp,bucket", [(8, None), (8, 40_000_000), (128, 128_000_000), (1024, 1_024_000_000)])
+def test_the_split_layout_is_megatrons_own_distributed_optimizer_layout(dp, bucket):
+    # the same params, alignment, buckets and bucket padding as DistributedOptimizer.compute_full_param_layout:
+    # so the reduce-scatter and the param all-gather move exactly AdamW's bytes
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    items = buffer_items(stage_params(PRESETS["qwen2.5-7b"], ParallelSpec(dp=dp))["dense"])
+    items[0] = dataclasses.replace(items[0], own_bucket=True)  # a shared embedding's bucket of its own, too
+    ranges, buckets = megatron_buckets(items, bucket, dp)
+    params = _meta_params(items)
+    theirs = DistributedOptimizer._compute_per_buffer_param_layout(
+        params, bucket, dp, SimpleNamespace(pad_buckets_for_high_nccl_busbw=False))
+    assert [ranges[it.name] for it in items] == [theirs.param_index_map[p] for p in params]
+    assert [(b.start, b.end) for b in buckets] == theirs.bucket_indices
+    assert [b.numel_unpadded for b in buckets] == theirs.per_bucket_numel_unpadded
+
+
+def _ns_bound(items, layout):
+    total = sum(it.cost for it in items if it.is_matrix)
+    return max(max(it.cost for it in items if it.is_matrix), total / layout.world_size)
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-7b", "qwen2.5-32b"])
+@pytest.mark.parametrize("dp", [128, 1024])
+def test_split_homes_balance_ns_past_the_matrix_count(preset, dp):
+    items = buffer_items(stage_params(PRESETS[preset], ParallelSpec(dp=dp))["dense"])
+    layout = plan_split_layout(items, dp, megatron_bucket_size(dp, True))
+    # every rank's NS within 1.5x of max(largest matrix, total / DP) (acceptance); here each at most one home
+    assert max(layout.rank_cost) <= 1.5 * _ns_bound(items, layout)
+    assert len(set(layout.owners.values())) == sum(it.is_matrix for it in items) or dp < 200
+    # nothing padded past Megatron's own layout
+    assert layout.numel == megatron_buckets(items, megatron_bucket_size(dp, True), dp)[1][-1].end
+
+
+def test_a_home_stays_where_its_matrix_is_unless_moving_pays():
+    # two matrices of equal cost, each whole in one rank's shard of four: with a moving cost their homes
+    # are their holders; without one the greedy may home them anywhere, and holders still win ties
+    items = [ParamItem("a", 1000, True, cost=10.0), ParamItem("b", 1000, True, cost=10.0),
+             ParamItem("c", 2000, False)]
+    costly = plan_split_layout(items, 4, None, move_cost=1.0)
+    for name in ("a", "b"):
+        held = dict((r, hi - lo) for r, lo, hi in costly.pieces(name))
+        assert costly.owners[name] == max(held, key=held.get)
+    sent = exchange_bytes_sent(costly)
+    moved = sum(hi - lo for n in ("a", "b") for r, lo, hi in costly.pieces(n) if r != costly.owners[n])
+    assert sum(sent) == 2 * 4 * moved  # each moved element: its update there and its direction back, fp32
+
+
+def test_auto_keeps_whole_matrices_where_they_fit_and_splits_past_the_matrix_count():
+    from megatron_dmuon.planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
+    from megatron_dmuon.planning.params import owner_ns_cost
+    from megatron_dmuon.planning.plan import MatrixRecord
+
+    def buffers(dp):
+        records = [MatrixRecord(name=p.name, buffer="dense", expert=False, numel=p.numel, local_shape=p.local_shape,
+                                full_shape=p.full_shape, use_muon=p.is_matrix, reason="test",
+                                pieces=(tuple(p.full_shape),) if p.is_matrix else ())
+                   for p in stage_params(PRESETS["qwen2.5-7b"], ParallelSpec(dp=dp))["dense"]]
+        return {"dense": BufferParams(tuple(records), dp)}
+
+    costs = CostSource(ns_cost=lambda shape: owner_ns_cost(shape), gpu_name="H200")
+    schemes = {dp: plan_owners(buffers(dp), megatron_bucket_size(dp, True), OwnerPlanningOptions(), costs)
+               .layout("dense").scheme for dp in (8, 256)}
+    assert schemes == {8: "whole", 256: "split"}
+    # an explicit flag wins
+    assert plan_owners(buffers(8), None, OwnerPlanningOptions(dp_layout="split"), costs).layout("dense").scheme == "split"
+    # a run that cannot take the split layout keeps whole matrices under auto
+    kept = plan_owners(buffers(256), None, OwnerPlanningOptions(split_allowed=False), costs)
+    assert kept.layout("dense").scheme == "whole"
+
+
+# ------------------------------------------------------------------------- runs against the reference
+def _check(results, kw, world, instances=1):
+    dp = world // (kw.get("tp", 1) * kw.get("pp", 1))
+    ref = run_reference(dp, **kw)
+    diffs = rel_diffs(full_params(results), ref["params"])
+    assert max(diffs.values()) <= TOL, sorted(diffs.items(), key=lambda x: -x[1])[:3]
+    assert results[0]["losses"] == pytest.approx(ref["losses"], rel=TOL)
+    # every matrix orthogonalized once per step in each distributed-optimizer instance
+    assert results[0]["ns_counts"] == [instances * ref["num_matrices"]] * kw["steps"]
+    # momentum where the plan puts it (the split layout: every holder of a piece)
+    assert [r["muon_states"] for r in results] == [r["owned"] for r in results]
+    return ref
+
+
+@pytest.mark.parametrize("name,world,extra", [
+    ("split_dp8", 8, dict(dp_layout="split")),
+    ("split_tp2_dp4", 8, dict(dp_layout="split", tp=2)),
+    ("whole_2x4_instances", 8, dict(dp_layout="whole", instances=2)),
+    ("split_2x4_instances", 8, dict(dp_layout="split", instances=2)),
+])
+def test_past_the_matrix_count_every_update_equals_the_reference(name, world, extra):
+    kw = {**ONE_LAYER, **extra}
+    results = run_dmuon(world, **kw)
+    _check(results, kw, world, extra.get("instances", 1))
+    layouts = {layout for r in results for layout in r["layouts"]}
+    split = extra["dp_layout"] == "split"
+    assert all(('"scheme": "split"' in text) == split for text in layouts)
+    if split:  # matrices really cut: several ranks hold pieces of one, pieces really travelled to their homes
+        assert sum(r["muon_states"] for r in results) > len(results[0]["ns_owned"] + results[-1]["ns_owned"])
+        assert sum(r["dp_bytes"] for r in results) > 0
+    # bytes: the split layout's buffers are Megatron's own (no padding past its bucket alignment)
+    bytes_ = results[0]["bytes"]
+    if split:
+        assert bytes_["buffer_numel"] - bytes_["buffer_numel_unpadded"] < 128 * 8 * len(results[0]["layouts"])
+    if extra.get("instances", 1) > 1:
+        assert bytes_["inter_instance_bytes"] > 0
+
+
+def test_split_layout_with_experts_equals_the_reference():
+    kw = {**ONE_LAYER, "ep": 2, "shape_kw": dict(fp64=True, num_layers=1, num_experts=4), "dp_layout": "split"}
+    _check(run_dmuon(4, **kw), kw, 4)
+
+
+@pytest.mark.parametrize("fmt", ["dist", "torch"])
+def test_saved_split_at_dp8_resumes_at_other_layouts_and_instance_counts(tmp_path, fmt):
+    common = dict(resume_at=2, steps=5, grad_accum=1, ns_dtype="float64", shape_kw=dict(fp64=True, num_layers=1),
+                  fmt=fmt)
+    saved = run_distributed(RESUME, 8, kwargs=dict(common, save_dir=str(tmp_path), dp_layout="split",
+                                                   resume_here=False))
+    uninterrupted = [r["uninterrupted"] for r in saved]
+    ref = run_reference(8, **{k: v for k, v in common.items() if k not in ("resume_at", "fmt")})
+    assert max(rel_diffs(full_params(uninterrupted), ref["params"]).values()) <= TOL
+    others = [(8, dict(dp_layout="whole", instances=2)), (8, dict(dp_layout="split", instances=4))]
+    if fmt == "dist":  # (the torch format reshards over DP the same way: one run of it is enough)
+        others.append((4, dict(dp_layout="whole", data_dp=8)))
+    for world, kw in others:
+        resumed = [r["resumed"] for r in run_distributed(RESUME, world, kwargs=dict(common, load_dir=str(tmp_path), **kw))]
+        params = rel_diffs(full_params(resumed), full_params(uninterrupted))
+        state = state_diffs(full_optimizer_state(resumed), full_optimizer_state(uninterrupted))
+        assert max(params.values()) <= TOL and max(state.values()) <= TOL, (world, kw)
+        assert max(rel_diffs(full_params(resumed), ref["params"]).values()) <= TOL
+        assert resumed[0]["layouts"] != uninterrupted[0]["layouts"]  # really another plan
+
+
+# ---------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("flags,named", [
+    (["--dmuon-dp-layout", "split", "--dmuon-overlap-step", "on", "--overlap-grad-reduce", "--overlap-param-gather"],
+     "--dmuon-dp-layout split does not run --dmuon-overlap-step on"),
+    (["--dmuon-dp-layout", "split", "--dmuon-ranks-per-node", "2"], "does not run --dmuon-ranks-per-node"),
+    (["--dmuon-dp-layout", "split", "--dmuon-update", "normuon"], "does not run --dmuon-update normuon"),
+    (["--dmuon-dp-layout", "split", "--bf16", "--dmuon-publish-dtype", "fp8_e4m3"],
+     "does not run --dmuon-publish-dtype fp8_e4m3"),
+    (["--dmuon-dp-layout", "split", "--dmuon-balance", "milp"], "places NS homes by its own greedy"),
+    (["--num-distributed-optimizer-instances", "3"], "--num-distributed-optimizer-instances 3 must be >= 1 and divide"),
+    (["--num-distributed-optimizer-instances", "2", "--dmuon-mode", "gather_then_compute"],
+     "--num-distributed-optimizer-instances 2 shards the distributed optimizer"),
+    (["--num-distributed-optimizer-instances", "2", "--dmuon-ranks-per-node", "2"],
+     "--num-distributed-optimizer-instances 1"),
+])
+def test_a_layout_the_run_cannot_take_is_refused_by_name_at_parse_time(flags, named, capsys, monkeypatch):
+    # the main job's start-up checks in this process, as launch/run_main.sh's --parse-only runs them on 4 ranks
+    from megatron_dmuon.megatron.train.args import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and named in err and err.count("error:") == 1, err[-1500:]
+
+
+def test_qk_clip_refuses_an_explicit_split_layout_before_any_buffer():
+    from megatron_dmuon.megatron.config import DMuonConfig, LayoutOptions
+    from megatron_dmuon.megatron.ddp import check_split_layout, split_layout_refusal
+    from types import SimpleNamespace
+
+    split = DMuonConfig(layout=LayoutOptions(dp_layout="split"))
+    with pytest.raises(ValueError, match="--dmuon-dp-layout split does not run --qk-clip"):
+        check_split_layout(split, SimpleNamespace(qk_clip=True))
+    check_split_layout(split, SimpleNamespace(qk_clip=False))
+    # auto: the split layout is no candidate for such a run
+    assert split_layout_refusal(DMuonConfig(), SimpleNamespace(qk_clip=True)) is not None
