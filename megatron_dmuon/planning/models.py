@@ -105,6 +105,8 @@ PRESETS: Dict[str, ModelSpec] = {
     "qwen2.5-7b": ModelSpec(28, 3584, 18944, 28, 4, 152064, qkv_bias=True, name="qwen2.5-7b"),
     # Qwen2.5-32B (config.json of Qwen/Qwen2.5-32B): 64 layers, 40 heads in 8 groups, untied, QKV bias
     "qwen2.5-32b": ModelSpec(64, 5120, 27648, 40, 8, 152064, qkv_bias=True, name="qwen2.5-32b"),
+    # Qwen2.5-72B (config.json of Qwen/Qwen2.5-72B): 80 layers, 64 heads in 8 groups, untied, QKV bias
+    "qwen2.5-72b": ModelSpec(80, 8192, 29568, 64, 8, 152064, qkv_bias=True, name="qwen2.5-72b"),
     # the 4-layer Qwen2.5-7B-shaped GPT of the H200 runs (bench/e2e.py --preset qwen7b-4l)
     "qwen7b-4l": ModelSpec(4, 3584, 18944, 28, 4, 32000, name="qwen7b-4l"),
     # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B): 128 experts of 768, top-8, head_dim 128, untied

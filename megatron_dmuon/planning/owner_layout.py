@@ -19,6 +19,7 @@ matrix and the heaviest cell is kept light.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -170,10 +171,13 @@ def split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world_
     def balanced(idx: List[int]) -> bool:
         total = sum(items[i].numel for i in idx)
         mats = sorted((items[i].numel for i in idx if items[i].is_matrix), reverse=True)
-        loads = [0] * world_size
+        # largest first onto the least-loaded rank, the lowest rank on ties (placement.least_loaded_cell's
+        # rule when every rank has room), kept in a heap: this runs for every param past bucket_size
+        loads = [(0, d) for d in range(min(world_size, len(mats)))]
         for m in mats:
-            loads[least_loaded_cell(range(world_size), 1, lambda d: True, loads.__getitem__, lambda d: 0)] += m
-        shard = max(math.ceil(total / world_size), max(loads) if mats else 0)
+            load, d = loads[0]
+            heapq.heapreplace(loads, (load + m, d))
+        shard = max(math.ceil(total / world_size), max(load for load, _ in loads) if mats else 0)
         return shard * world_size <= total * (1.0 + max_padding)
 
     for i in order:

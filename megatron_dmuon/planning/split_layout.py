@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
-__all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor", "exchange_bytes_sent"]
+__all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent"]
 
 
 def bucket_end_divisor(world_size: int) -> int:
@@ -111,17 +111,27 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
     return layout
 
 
-def exchange_bytes_sent(layout: OwnerLayout, bytes_each_way: int = 4) -> List[float]:
-    """Bytes each DP rank sends per step in the split layout's exchange (runtime/dp_exchange.py): its
-    pieces of the updates of matrices homed elsewhere, and, as a home, the pieces of each direction
-    the other holders get back (``bytes_each_way`` per element: the masters' fp32). Zeros for a
-    whole-matrix layout."""
+def exchange_bytes(layout: OwnerLayout, bytes_each_way: int = 4) -> Tuple[List[float], List[float]]:
+    """(sent, received): bytes each DP rank sends and receives per step in the split layout's exchange
+    (runtime/dp_exchange.py): a holder sends its pieces of the updates of matrices homed elsewhere and
+    receives their directions' pieces back; a home receives the other pieces of its matrices' updates
+    and sends their directions' pieces back (``bytes_each_way`` per element: the masters' fp32).
+    Zeros for a whole-matrix layout."""
     sent = [0.0] * layout.world_size
+    received = [0.0] * layout.world_size
     if layout.scheme != "split":
-        return sent
+        return sent, received
     for name, home in layout.owners.items():
         for r, lo, hi in layout.pieces(name):
             if r != home:
-                sent[r] += (hi - lo) * bytes_each_way  # the update's piece to the home
-                sent[home] += (hi - lo) * bytes_each_way  # the direction's piece back
-    return sent
+                moved = (hi - lo) * bytes_each_way
+                sent[r] += moved  # the update's piece to the home ...
+                received[home] += moved
+                sent[home] += moved  # ... and the direction's piece back
+                received[r] += moved
+    return sent, received
+
+
+def exchange_bytes_sent(layout: OwnerLayout, bytes_each_way: int = 4) -> List[float]:
+    """The bytes each DP rank sends per step in the split layout's exchange (``exchange_bytes``)."""
+    return exchange_bytes(layout, bytes_each_way)[0]
