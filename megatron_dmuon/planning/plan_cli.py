@@ -30,6 +30,7 @@ from .cost_model import CostModel, CostTable, cluster_spec, load_bench_kernels_p
 from .milp import BACKENDS
 from .overlap_mode import OverlapMode
 from .models import PRESETS, ModelSpec, ParallelSpec, parse_megatron_argv
+from .dp_schemes import compare_dp_layouts, dp_layout_lines
 from .planners import PLANNERS, compare_plans
 
 __all__ = ["main", "build_parser", "load_profile"]
@@ -90,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fp32 model params (their own masters); default: a --bf16 model with fp32 masters")
     mem.add_argument("--dmuon-momentum-dtype", default="fp32", choices=["fp32", "bf16"],
                      help="as the training flag: bf16 halves the Muon momentum")
+    lay = p.add_argument_group("DP layouts and instances (planning/dp_schemes.py; the dense buffer)")
+    lay.add_argument("--instances", type=int, nargs="+", default=None, metavar="N",
+                     help="distributed-optimizer instance counts to compare (default: the powers of two dividing DP, "
+                          "up to 64)")
+    lay.add_argument("--global-batch", type=int, default=1024,
+                     help="sequences per iteration, for the modelled iteration (default 1024: 4M tokens at 4096)")
+    lay.add_argument("--dp-layouts", action="store_true", help="also for a MoE model (its dense buffer only)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help='print {"plans": {...}, ...} as JSON')
     out.add_argument("--simulate", action="store_true", help="also predict the optimizer step on the cluster")
@@ -432,6 +440,12 @@ def _check(p, args, model: ModelSpec, par: ParallelSpec) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     if args.model_tflops is not None and not 0 < args.model_tflops < float("inf"):
         p.error(f"--model-tflops must be a finite number > 0 (got {args.model_tflops})")
+    if args.global_batch < 1:
+        p.error(f"--global-batch must be >= 1 (got {args.global_batch})")
+    for n in args.instances or ():
+        if n < 1 or dp % n:
+            p.error(f"--instances {n} must be >= 1 and divide DP = {dp} (each instance shards the optimizer over "
+                    "DP / instances ranks)")
     if OverlapMode(args.overlap_step).overlaps and model.num_experts:
         p.error("--overlap-step on: the compute model covers dense GPTs only (no --experts)")
 
@@ -547,6 +561,16 @@ def main(argv=None) -> int:
                 cost_fn=functools.partial(owner_ns_cost, coefficients=args.dmuon_coefficients, steps=args.ns_steps,
                                           ns_method=args.ns_method))
             report["owner_step"]["split"] = split
+        if not model.num_experts or args.dp_layouts:  # (the DP layouts cover dense buffers)
+            report["dp_layouts"] = compare_dp_layouts(
+                model, par, cost_model, cluster, config["optimizer"], instances=args.instances, stage=args.stage,
+                overlap_grad_reduce=True if extra["bucket_size"] is None else extra["overlap_grad_reduce"],
+                bucket_size=extra["bucket_size"], two_level=not args.flat,
+                param_bytes=4 if args.fp32_params else None,
+                momentum_bytes=2 if args.dmuon_momentum_dtype == "bf16" else 4, seq_length=args.seq_length,
+                global_batch=args.global_batch,
+                split=dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
+                           per_head=args.dmuon_split_heads))
     report["warnings"] = sorted({str(w.message) for w in caught})
     report["cost_model"] = {"device": cluster.device.name, "profile": args.profile, "ns_method": args.ns_method,
                             "steps": args.ns_steps, "tflops_for_unprofiled_shapes": cost_model.tflops}
@@ -556,6 +580,8 @@ def main(argv=None) -> int:
         print(_table(report))
         if "owner_step" in report:
             print("\n".join(_rank_lines(report["owner_step"])))
+        if "dp_layouts" in report:
+            print("\n".join(dp_layout_lines(report["dp_layouts"])))
         for w in report["warnings"]:
             print(f"warning: {w}", file=sys.stderr)
     return 0
