@@ -28,10 +28,15 @@ from megatron_dmuon.files import read_bounded_text  # noqa: E402
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (exit 2); ``-h`` still lists the flags. Subcommand
-    parsers are of the same class (argparse makes them of the parent's)."""
+    parsers are of the same class (argparse makes them of the parent's). ``about``: what the message is
+    about, written before it (a parser of one flag's value: ``about="--flags: "``)."""
+
+    def __init__(self, *args, about: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.about = about
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {self.about}{message}\n")
 
 
 def without_fix(message: str) -> str:

@@ -5,6 +5,8 @@ modelled ms), named by the NS piece shapes the rank cost model counts."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import time
 
 from megatron_dmuon.megatron.config import DMuonConfig
@@ -30,7 +32,8 @@ def job_settings(flags):
     one-line usage error naming --flags."""
     from cli_inputs import OneLineParser
 
-    parser = add_dmuon_args(OneLineParser(prog="rank_balance.py: --flags", add_help=False), validate=False)
+    parser = add_dmuon_args(OneLineParser(prog=os.path.basename(sys.argv[0]), about="--flags: ", add_help=False),
+                            validate=False)
     try:
         return DMuonConfig.from_args(parser.parse_args(flags))
     except ValueError as e:

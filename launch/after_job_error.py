@@ -89,7 +89,7 @@ def _signal_line(name: str, signum: int, code: int, all_closed: bool) -> str:
     """What the filter saw of a job it passed ``signum`` on to (nothing it did not see)."""
     what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped ({signal.Signals(signum).name})"
     if code == 0:
-        return f"{what}: {signal.Signals(signum).name} passed on to {name}, which had finished: it exited with 0\n"
+        return f"{what}: {signal.Signals(signum).name} passed on to {name}, which exited with 0 nonetheless\n"
     ends = "and every process of the job has closed its output" if all_closed else \
         "but a process of the job still holds its output open"
     return (f"{what}: {signal.Signals(signum).name} passed on to {name}; the job was stopped before its end: {name} "

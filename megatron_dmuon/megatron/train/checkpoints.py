@@ -131,15 +131,15 @@ class _WriterErrors(logging.Handler):
 
 def _exception_texts(e: BaseException) -> list:
     """``type: message`` of ``e``, of the failures a torch DCP CheckpointException wraps, and of their
-    causes; (text, errno) pairs."""
+    causes: (text, errno, whether it wraps failures) triples."""
     out, todo, seen = [], [e], set()
     while todo:
         exc = todo.pop(0)
         if exc is None or id(exc) in seen:
             continue
         seen.add(id(exc))
-        out.append((f"{type(exc).__name__}: {exc}", getattr(exc, "errno", None)))
         failures = getattr(exc, "failures", None)
+        out.append((f"{type(exc).__name__}: {exc}", getattr(exc, "errno", None), isinstance(failures, dict)))
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [exc.__cause__, exc.__context__]
@@ -159,13 +159,15 @@ def save_failure_reason(e: BaseException, logged: list, directory: str) -> tuple
     what the writers logged; a disk left with less than ``NEARLY_FULL_BYTES`` free is full whatever
     the writer said."""
     texts = _exception_texts(e)
-    said = [t for t, _ in texts] + list(logged)
+    said = [t for t, _, _ in texts] + list(logged)
     free = _free_bytes(directory)
-    full = any(sign in t for sign in DISK_FULL_SIGNS for t in said) or any(n == errno.ENOSPC for _, n in texts) \
+    full = any(sign in t for sign in DISK_FULL_SIGNS for t in said) or any(n == errno.ENOSPC for _, n, _ in texts) \
         or (free is not None and free < NEARLY_FULL_BYTES)
     if full:
         return "no space left on device: the disk holding it is full", True
-    detail = next((t for t in logged), said[0])
+    # what failed: a writer's logged error, else the first exception that wraps no other (DCP's own
+    # CheckpointException lists every rank's traceback)
+    detail = next(iter(logged), None) or next((t for t, _, wraps in texts if not wraps), said[0])
     return " ".join(detail.split())[:300], False
 
 
