@@ -45,7 +45,7 @@ DECENTRALIZED = f"{PACKAGE}.decentralized"
 DECENTRALIZED_MAY_IMPORT = (DECENTRALIZED, f"{PACKAGE}.algorithms")
 PLANNING = f"{PACKAGE}.planning"
 # json_store: the one on-disk store of the kernels' and the planner's caches (standard library only)
-PLANNING_MAY_IMPORT = (PLANNING, f"{PACKAGE}.algorithms", f"{PACKAGE}.json_store")
+PLANNING_MAY_IMPORT = (PLANNING, f"{PACKAGE}.algorithms", f"{PACKAGE}.json_store", f"{PACKAGE}.files")  # (stdlib only)
 PLANNING_THIRD_PARTY = ("torch", "numpy", "scipy", "mip")
 
 

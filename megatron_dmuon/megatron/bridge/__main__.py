@@ -43,7 +43,7 @@ def _check_bridge_imports() -> None:
     """Megatron-Bridge must import before DMuon installs into it (without it: a ModuleNotFoundError
     traceback from the adapter, [bad-input-5])."""
     try:
-        import megatron.bridge  # noqa: F401
+        from . import adapter  # noqa: F401 (the one module that imports megatron.bridge)
     except ImportError as e:
         missing = getattr(e, "name", None) or str(e)
         if missing.startswith("megatron.bridge") or missing == "megatron":
