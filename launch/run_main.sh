@@ -23,6 +23,7 @@ fi
 read -r NPROC ENTRY EXTRA <<< "${choice#run: }"
 # a run-time error of the job prints one block: torchrun's own report of the failed children is dropped
 # after it; the runner ends when torchrun ends (not when every process holding its stderr does) and
-# exits with torchrun's status (1 for any failed child); launch/after_job_error.py
+# exits with torchrun's status (1 for any failed child); a signal to it (Ctrl-C, kill -INT/-TERM/-HUP) is passed on
+# to torchrun, which stops the ranks: exit 128 + the signal; launch/after_job_error.py
 # shellcheck disable=SC2086
 exec python -u "$HERE/after_job_error.py" torchrun --standalone --nproc-per-node "$NPROC" -m "$ENTRY" $EXTRA "$@"

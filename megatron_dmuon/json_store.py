@@ -25,6 +25,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from .files import JSON_LIMIT
+
 __all__ = ["JsonStore", "ForeignCacheFile"]
 
 SIGNATURE_KEY = "dmuon_cache"
@@ -34,6 +36,7 @@ _SIGNED = re.compile(r'\A\s*\{\s*"dmuon_cache"\s*:\s*"([^"\\]*)("|\Z)')
 _UNSIGNED = re.compile(r'\A\s*\{\s*"entries"\s*:\s*\{')
 
 
+CACHE_LIMIT = JSON_LIMIT  # bytes: the largest cache of ours is a few MB
 FOREIGN_FIX = "a new file path (or delete the file if it is an old cache you no longer need)"
 
 
@@ -83,6 +86,8 @@ class JsonStore:
             return {}  # writable_problem names it (a directory is never replaced)
         if not stat.S_ISREG(info.st_mode):
             raise self._foreign("it is not a regular file")
+        if info.st_size > CACHE_LIMIT:  # no cache of ours grows to this: not read into memory
+            raise self._foreign(f"it holds {info.st_size} bytes, more than a cache holds ({CACHE_LIMIT})")
         try:
             raw = self.path.read_bytes()
         except OSError as exc:

@@ -119,7 +119,8 @@ def test_every_dmuon_flag_a_baseline_does_not_read_is_refused():
             if action.nargs == 0:
                 argv = [flag]
             else:
-                argv = [flag, other.get(dest) or next(c for c in action.choices if c != action.default)]
+                anyway = dict(traits.runs_as).get(dest, action.default)  # (accepted: what the mode runs)
+                argv = [flag, other.get(dest) or next(c for c in action.choices if c not in (action.default, anyway))]
             args = parser.parse_args(["--dmuon-mode", traits.name, *argv])
             args.optimizer, args.lr, args.min_lr = "dmuon", 1e-3, 1e-4
             if dest in traits.dmuon_flags:
@@ -128,6 +129,13 @@ def test_every_dmuon_flag_a_baseline_does_not_read_is_refused():
                 validate_dmuon_args(args)
             checked += 1
     assert checked >= 15, checked
+
+
+def test_a_flag_naming_what_the_mode_runs_anyway_is_accepted():
+    """Side-by-side runs pass every mode one set of flags: `--dmuon-ns-method standard` is what Megatron's own
+    Muon runs (tests/test_main_job.py compares DMuon with it so)."""
+    args = _parse(["--dmuon-mode", "megatron_layerwise", "--dmuon-ns-method", "standard", "--bf16"])
+    assert args.dmuon_ns_method == "standard"
 
 
 def test_bridge_options_a_mode_does_not_read_are_refused():
@@ -333,6 +341,22 @@ def test_a_device_named_as_an_input_file_is_refused_unread(case):
     proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           preexec_fn=_limited_memory, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 2 and proc.stderr == line + "\n", proc.stderr[-2000:]
+
+
+def test_a_cache_larger_than_any_of_ours_is_refused_unread(tmp_path, monkeypatch):
+    """The caches' reader took any regular file whole into memory; one past the bound is refused by name
+    and left as it is (the bound lowered here: a real one is 256 MiB)."""
+    from megatron_dmuon import json_store
+    from megatron_dmuon.planning.caches import PlanCache
+
+    path = tmp_path / "plans.json"
+    path.write_text('{"entries": {}, "version": 1, "pad": "' + "x" * 100 + '"}')
+    before = path.read_bytes()
+    monkeypatch.setattr(json_store, "CACHE_LIMIT", 64)
+    with pytest.raises(ValueError, match=f"the DMuon owner plan cache {path} is not a DMuon owner plan cache file "
+                                         rf"\(it holds {len(before)} bytes, more than a cache holds \(64\)"):
+        PlanCache(str(path)).check_writable()
+    assert path.read_bytes() == before
 
 
 # ------------------------------------------------------------------------------- bench/'s CLIs

@@ -287,13 +287,16 @@ def _flag_defaults() -> argparse.Namespace:
 
 def refuse_flags_the_mode_does_not_read(args) -> None:
     """ValueError naming a --dmuon-* flag the chosen --dmuon-mode does not read (modes.py
-    ``dmuon_flags``) set to other than its default: the run would silently not do what it asks."""
+    ``dmuon_flags``) set to other than its default, or than what the mode runs anyway (``runs_as``): the
+    run would silently not do what it asks."""
     traits = mode_traits(args.dmuon_mode)
     if traits.dmuon_flags is None:
         return
+    runs_as = dict(traits.runs_as)
     for dest, default in sorted(vars(_flag_defaults()).items()):
         value = getattr(args, dest, default)
-        if dest.startswith("dmuon_") and dest not in traits.dmuon_flags and value != default:
+        if dest.startswith("dmuon_") and dest not in traits.dmuon_flags \
+                and value not in (default, runs_as.get(dest, default)):
             flag = "--" + dest.replace("_", "-")
             raise ValueError(f"{flag}{'' if isinstance(value, bool) else f' {value}'} has no effect under --dmuon-mode "
                              f"{traits.name} ({traits.help}, which does not read it): drop it, or use --dmuon-mode dmuon")

@@ -37,6 +37,9 @@ class ModeTraits:
     # default, is refused by name at parse time (flags.refuse_flags_the_mode_does_not_read): it would
     # run something other than what was asked ([bad-input-5]: --dmuon-ns-method gram ran Megatron's NS)
     dmuon_flags: Optional[Tuple[str, ...]] = None
+    # (dest, value) of flags it does not read whose value names what it runs anyway: accepted, so that
+    # side-by-side runs can pass every mode one set of flags (Megatron's Muon runs the standard NS)
+    runs_as: Tuple[Tuple[str, object], ...] = ()
 
     @property
     def all_reduces(self) -> bool:
@@ -61,7 +64,7 @@ MODE_TRAITS = {t.name: t for t in (
     ModeTraits("megatron_layerwise", "Megatron's own LayerWise Muon",
                distributed_optimizer=None, ddp="layerwise", owner_step=False, model_parallel=True,
                checkpoints=False, updates=("muon",), megatron_muon=True, megatron_lm_hook=False,
-               dmuon_flags=("dmuon_mode", "dmuon_coefficients")),
+               dmuon_flags=("dmuon_mode", "dmuon_coefficients"), runs_as=(("dmuon_ns_method", "standard"),)),
 )}
 MODES = tuple(MODE_TRAITS)
 
