@@ -57,8 +57,10 @@ from megatron_dmuon.planning.rank_cost import RankWork  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import time_owner_step  # noqa: E402
 from megatron_ranks import adamw_work, megatron_layerwise_work, time_adamw_rank, time_megatron_rank  # noqa: E402
 from cli_inputs import OneLineParser, check_device, read_json  # noqa: E402
+from rank_scale import scale, scale_table  # noqa: E402
 from rank_layouts import (ADAMW, BASELINES, MEGATRON, PLANS, describe, gpu_work, job_settings,  # noqa: E402
-                          make_plans, parse_layout, pieces_of, signature, tp_cell_work)
+                          make_plans, parse_layout, pieces_of, shard_signature, signature, split_cell_work,
+                          tp_cell_work)
 
 
 def time_all(jobs, cfg, rounds, iters, warmup, device, log):
@@ -109,11 +111,12 @@ def emulate(args, cfg, log):
         sigs, jobs, per_plan = {}, {}, {}
         for name, plan in plans.items():
             ranks = []
-            cells = tp_cell_work(plan, par) if par.tp > 1 and name not in BASELINES else None
+            cells = (split_cell_work(plan, par) if name == "split" else
+                     tp_cell_work(plan, par) if par.tp > 1 and name not in BASELINES else None)
             for r, (mats, frags) in enumerate(work[name]):
                 shards, exchange_ms = cells[r] if cells else ([], 0.0)
                 runner = name if name in BASELINES else None
-                sig = (runner, tuple(sorted(shards))) + signature(mats, frags)
+                sig = (runner, shard_signature(shards)) + signature(mats, frags)
                 if sig not in sigs:
                     sigs[sig] = len(sigs)
                     jobs[sigs[sig]] = {"mats": mats, "frags": frags, "shards": shards, "runner": runner,
@@ -132,7 +135,7 @@ def emulate(args, cfg, log):
             row["slowest_rounds"] = slowest_rounds
             row["slowest_ms"] = statistics.median(slowest_rounds)
             row["spread_ms"] = max(x["ms"] for x in row["ranks"]) - min(x["ms"] for x in row["ranks"])
-            if par.tp > 1:  # compute measured per GPU, the TP exchange modelled (tp_cell_work)
+            if par.tp > 1 or name == "split":  # compute measured per GPU, the TP / split exchange modelled
                 row["slowest_with_exchange_ms"] = max(x["ms"] + x["tp_exchange_ms"] for x in row["ranks"])
         result["layouts"][spec] = {"plans": per_plan, "bucket_size": size, "dp": par.dp_size, "ep": par.ep, "tp": par.tp,
                                    "jobs": {k: describe(v["mats"], v["frags"]) | {
@@ -362,71 +365,6 @@ def check_table(result):
     return "\n".join(lines)
 
 
-def scale(args, log):
-    """The optimizer step at each emulated layout: the slowest GPU's compute as emulated (DMuon's
-    default planner and its best, Megatron's LayerWise Muon, Megatron's AdamW), plus the
-    communication planning/simulate.py models on ``--cluster`` for the same buffers (the param
-    all-gather that publishes the step, bf16; the grad reduce-scatter, fp32, which runs in the
-    backward and is listed apart). Compute measured per GPU on one GPU, communication modelled."""
-    from megatron_dmuon.planning.simulate import collective_ms
-
-    cluster = cluster_spec(args.cluster)
-    cfg = job_settings(args.flags.split())
-    rows = []
-    for path in args.emulation:
-        for spec, lay in json.loads(Path(path).read_text())["layouts"].items():
-            model, par, size = parse_layout(spec)
-            if par.tp > 1:
-                continue
-            plans = lay["plans"]
-            buffers = {}  # per plan: {kind: (elements, DP group)} of the buffers it reduces and gathers
-            for name, plan in make_plans(model, par, size, cfg, ["greedy", "megatron_lpt"]).items():
-                buffers[name] = {k: (l.numel, l.world_size) for k, l in plan["layouts"].items()}
-            whole = {k: (sum(p.numel for p in ps), par.dp_size if k == "dense" else par.expert_dp_size)
-                     for k, ps in stage_params(model, par).items() if ps}
-
-            def comm(bufs, nbytes):
-                return sum(collective_ms(cluster, d, 1, n * nbytes, two_level=True) for n, d in bufs.values())
-
-            row = {"layout": spec, "gpus": par.world, "cluster": args.cluster}
-            if "greedy" in plans:  # the default planner (--dmuon-balance cost), and the MILP beside it
-                row |= {"dmuon_ms": plans["greedy"]["slowest_ms"], "dmuon_publish_ms": comm(buffers["greedy"], 2),
-                        "dmuon_reduce_ms": comm(buffers["greedy"], 4)}
-            if "milp" in plans:
-                row["dmuon_milp_ms"] = plans["milp"]["slowest_ms"]
-            if MEGATRON in plans:
-                row |= {"megatron_ms": plans[MEGATRON]["slowest_ms"], "megatron_publish_ms": comm(buffers["megatron_lpt"], 2),
-                        "megatron_reduce_ms": comm(buffers["megatron_lpt"], 4)}
-            if ADAMW in plans:
-                row |= {"adamw_ms": plans[ADAMW]["slowest_ms"], "adamw_publish_ms": comm(whole, 2),
-                        "adamw_reduce_ms": comm(whole, 4)}
-            rows.append(row)
-    rows.sort(key=lambda r: (r["layout"].split("/")[0], r["gpus"], r["layout"]))
-    return {"scale_rows": rows, "cluster": args.cluster}
-
-
-def scale_table(result):
-    def cell(r, key):
-        if key + "_ms" not in r or r[key + "_ms"] is None:
-            return "— | —"
-        return f"{r[key + '_ms']:.1f} | {r[key + '_ms'] + r[key + '_publish_ms']:.1f}"
-
-    lines = [f"Compute measured per GPU on one GPU (the slowest GPU's inner optimizer step, median of rounds), "
-             f"communication modelled ({result['cluster']} links, two-level collectives, planning/simulate.py): step = "
-             "compute + the param all-gather of the plan's buffers (owner-aligned buffers pad each shard to the "
-             "matrices it holds); the grad reduce-scatter runs in the backward and is listed apart.", "",
-             "| layout | GPUs | DMuon compute ms (greedy, the default / MILP) | DMuon step ms | Megatron LayerWise "
-             "compute ms | Megatron LayerWise step ms | AdamW compute ms | AdamW step ms | reduce-scatter ms (DMuon / "
-             "LayerWise / AdamW) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in result["scale_rows"]:
-        milp = f" / {r['dmuon_milp_ms']:.1f}" if "dmuon_milp_ms" in r else ""
-        dm = f"{r['dmuon_ms']:.1f}{milp} | {r['dmuon_ms'] + r['dmuon_publish_ms']:.1f}" if "dmuon_ms" in r else "— | —"
-        red = " / ".join(f"{r[k]:.1f}" if k in r else "—" for k in ("dmuon_reduce_ms", "megatron_reduce_ms", "adamw_reduce_ms"))
-        lines.append(f"| {r['layout']} | {r['gpus']} | {dm} | {cell(r, 'megatron')} | {cell(r, 'adamw')} | {red} |")
-    return "\n".join(lines)
-
-
 def table(result):
     if "scale_rows" in result:
         return scale_table(result)
@@ -451,12 +389,14 @@ def table(result):
     for spec, lay in result.get("layouts", {}).items():
         lines += [f"## {spec} (bucket size {lay['bucket_size']})", "",
                   "| plan | slowest GPU ms (median of rounds) | rounds | spread ms | distinct ranks | plan s |"
-                  + (" slowest GPU + modelled TP exchange ms |" if lay.get("tp", 1) > 1 else ""),
-                  "|---|---:|---|---:|---:|---:|" + ("---:|" if lay.get("tp", 1) > 1 else "")]
+                  + (" slowest GPU + modelled TP or split exchange ms |" if lay.get("tp", 1) > 1 or "split" in lay["plans"]
+                     else ""),
+                  "|---|---:|---|---:|---:|---:|" + ("---:|" if lay.get("tp", 1) > 1 or "split" in lay["plans"] else "")]
         for name, row in lay["plans"].items():
             lines.append(f"| {name} | **{row['slowest_ms']:.2f}** | {', '.join(f'{x:.2f}' for x in row['slowest_rounds'])} "
                          f"| {row['spread_ms']:.2f} | {len({x['job'] for x in row['ranks']})} | {row['plan_s']:.1f} |"
-                         + (f" {row['slowest_with_exchange_ms']:.2f} |" if "slowest_with_exchange_ms" in row else ""))
+                         + (f" {row['slowest_with_exchange_ms']:.2f} |" if "slowest_with_exchange_ms" in row
+                            else " — |" if lay.get("tp", 1) > 1 or "split" in lay["plans"] else ""))
         lines.append("")
     if "jobs" in result:
         lines += ["| calibration rank | ms |", "|---|---:|"] + [f"| {k} | {v['ms']:.3f} |" for k, v in result["jobs"].items()]
@@ -506,6 +446,8 @@ def main(argv=None):
     parser.add_argument("mode", choices=["emulate", "calibrate", "startup", "report", "scale", "check"])
     parser.add_argument("--cluster", default="h200", help="scale: planning/clusters.json's cluster for the modelled "
                                                            "communication")
+    parser.add_argument("--global-batch", type=int, default=1024,
+                        help="scale: sequences (of 4096 tokens) per iteration for the modelled forward and backward")
     parser.add_argument("--cache-dir", default="/tmp/dmuon_rank_profile", help="startup: the profile cache's folder")
     parser.add_argument("--startup-budget", type=float, default=30.0, help="startup: --dmuon-plan-budget")
     parser.add_argument("--emulation", nargs="+", default=[], help="report, check: emulate runs' JSON")

@@ -17,9 +17,9 @@ from megatron_dmuon.planning.owner_layout import megatron_bucket_size
 from megatron_dmuon.planning.params import owner_ns_cost
 from megatron_dmuon.planning.planners import gpu_cells, plan_stage, split_rule_for, transformer_shape
 from megatron_dmuon.planning.rank_cost import piece_counts
-from megatron_dmuon.planning.simulate import adamw_fragments_in_shard
+from megatron_dmuon.planning.owner_layout import fragments_by_rank
 
-PLANS = ("greedy", "numel_lpt", "megatron_lpt", "milp")
+PLANS = ("greedy", "numel_lpt", "megatron_lpt", "milp", "split")  # split: --dmuon-dp-layout split's NS homes
 # Megatron-LM's own LayerWise Muon, each rank emulated with Megatron's own optimizer classes
 MEGATRON = "megatron_layerwise"
 # Megatron's DistributedOptimizer AdamW per GPU (every param sharded evenly): what Muon is to cost
@@ -61,7 +61,7 @@ def make_plans(model, par, bucket_size, cfg, planners, rank_profile=None, milp_o
     out = {}
     for name in planners:
         kw = dict(bucket_size=bucket_size, cost_fn=cost_fn, split=split)
-        if name in ("greedy", "milp"):  # the milp's greedy warm start is exactly the greedy plan
+        if name in ("greedy", "milp", "split"):  # the milp's greedy warm start is exactly the greedy plan
             kw["elementwise"] = elementwise_costs(device_spec("H200"))
         if name == "milp":
             if rank_profile is None:
@@ -77,17 +77,22 @@ def gpu_work(plan, model, par, split):
     """Per GPU of the stage: (owned matrices [(name, full shape, split rule)], AdamW fragment sizes)."""
     config = transformer_shape(model)
     gpus = par.dp_size * par.tp
+    fragments = {kind: fragments_by_rank(layout, plan["params"][kind]) for kind, layout in plan["layouts"].items()}
+    rules = {p.name: split_rule_for(p.name, p.full_shape, config, split) for ps in plan["params"].values()
+             for p in ps if p.is_matrix}
+    owned = {kind: {} for kind in plan["layouts"]}  # per kind: {(DP rank, TP rank): [its matrices]}
+    for kind, layout in plan["layouts"].items():
+        for p in plan["params"][kind]:
+            if p.is_matrix:
+                cell = (layout.owners[p.name], layout.tp_owners.get(p.name, 0))
+                owned[kind].setdefault(cell, []).append((p.name, tuple(p.full_shape), rules[p.name]))
     out = []
     for r in range(gpus):
         mats, frags = [], []
         for kind, layout in plan["layouts"].items():
-            params = plan["params"][kind]
-            cell = gpu_cells(par, r)[kind]
-            dp, tp = divmod(cell, layout.tp_size)
-            for p in params:
-                if p.is_matrix and layout.owners[p.name] == dp and layout.tp_owners.get(p.name, 0) == tp:
-                    mats.append((p.name, tuple(p.full_shape), split_rule_for(p.name, p.full_shape, config, split)))
-            frags += adamw_fragments_in_shard(layout, params, dp)
+            dp, tp = divmod(gpu_cells(par, r)[kind], layout.tp_size)
+            mats += owned[kind].get((dp, tp), [])
+            frags += fragments[kind][dp]
         out.append((mats, frags))
     return out
 
@@ -122,6 +127,45 @@ def tp_cell_work(plan, par, cluster="h200"):
         exchange_ms = 2 * link.alpha_us * 1e-3 + max(sent, received) / (link.gbytes_per_s * 1e6) if sent else 0.0
         out.append((shards, exchange_ms))
     return out
+
+
+def split_cell_work(plan, par, cluster="h200"):
+    """Per GPU of a split-layout plan (TP = 1): (the sizes of its pieces of matrices homed on other GPUs,
+    the exchange's modelled ms). The GPU runs those pieces' momentum and apply (``time_owner_step``'s
+    ``tp_shards``, the same passes) beside the NS of the matrices homed on it, which it steps whole
+    (its own pieces of them only, in the job: an upper bound here). The exchange (runtime/dp_exchange.py:
+    pieces to their homes, directions back, fp32, point to point) is modelled at the link the DP group
+    crosses (planning/clusters.json), its sends and receives in sequence, not timed: one GPU has no peer."""
+    from megatron_dmuon.planning.cost_model import dp_link
+    from megatron_dmuon.planning.split_layout import exchange_bytes
+
+    if par.tp > 1:
+        raise ValueError("the split layout is emulated at TP = 1 only")
+    link = dp_link(cluster_spec(cluster), par.dp_size, par.tp)
+    per_kind = {}
+    for kind, layout in plan["layouts"].items():
+        pieces = [[] for _ in range(layout.world_size)]  # per DP rank: its pieces of matrices homed elsewhere
+        for p in plan["params"][kind]:
+            if p.is_matrix:
+                for rank, lo, hi in layout.pieces(p.name):
+                    if rank != layout.owners[p.name]:
+                        pieces[rank].append(hi - lo)
+        per_kind[kind] = (pieces, *exchange_bytes(layout))
+    out = []
+    for r in range(par.dp_size):
+        shards, ms = [], 0.0
+        for kind, (pieces, sent, received) in per_kind.items():
+            dp = gpu_cells(par, r)[kind]
+            shards += pieces[dp]
+            if sent[dp] or received[dp]:
+                ms += 2 * link.alpha_us * 1e-3 + (sent[dp] + received[dp]) / (link.gbytes_per_s * 1e6)
+        out.append((shards, ms))
+    return out
+
+
+def shard_signature(shards):
+    """Ranks whose pieces or TP shards differ by under 1 M elements in all and not in count time alike."""
+    return round(sum(shards) / 1e6), len(shards)
 
 
 def pieces_of(mats):

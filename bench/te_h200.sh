@@ -14,6 +14,7 @@
 #   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
 #   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
+#   rb_scale  [scale-past-matrices] every GPU under the whole and split layouts, LayerWise and AdamW, then the scale table
 #   rb_cal, rb_startup, rb_emu  [balance-2, scale-emulation] bench/rank_balance.py: calibration grid, the start-up rank
 #           profile + MILP per layout, every GPU's owner step emulated under greedy / numel LPT / Megatron's LPT / MILP,
 #           and every GPU of Megatron-LM's LayerWise Muon and of its AdamW (TE not needed; carry .whl with megatron-core
@@ -134,6 +135,21 @@ PY
           --out "$R/emu_$name" > "$R/emu_$name.log" 2>&1
         echo "== emulate $spec rc=$?"; grep "^| [a-z_]* | \*\*" "$R/emu_$name.md" 2>/dev/null | cut -c1-120; grep -h "Error" "$R/emu_$name.log" | tail -2
       done
+      cp "$DMUON_AUTOTUNE_CACHE" "$R/rb_autotune.json" 2>/dev/null ;;
+    rb_scale)  # [scale-past-matrices] every GPU of RB_LAYOUTS emulated under the whole-matrix greedy and the split
+      # layout (RB_PLANS: also Megatron's LayerWise Muon and AdamW), one layout at a time, each layout's files kept as it
+      # ends, none started after RB_STOP seconds (default 480); then the scale table of what ran (bench/rank_scale.py)
+      local stop=$(( $(date +%s) + ${RB_STOP:-480} )) spec name
+      for spec in ${RB_LAYOUTS:-qwen2.5-7b/dp128/buckets qwen2.5-7b/dp1024/buckets qwen2.5-32b/dp1024/buckets}; do
+        [ "$(date +%s)" -ge "$stop" ] && { echo "== rb_scale: stopped before $spec"; break; }
+        name=${spec//\//_}
+        python3 bench/rank_balance.py emulate --layouts "$spec" --plans ${RB_PLANS:-greedy split megatron_layerwise megatron_adamw} \
+          --rounds ${RB_ROUNDS:-2} --iters ${RB_ITERS:-3} --warmup ${RB_WARMUP:-1} --out "$R/emu_$name" > "$R/emu_$name.log" 2>&1
+        echo "== emulate $spec rc=$? $(( $(date +%s) - t0 )) s"; grep "^| [a-z_]* | \*\*" "$R/emu_$name.md" 2>/dev/null | cut -c1-140
+        grep -h "Error" "$R/emu_$name.log" | tail -2
+      done
+      ls "$R"/emu_*.json >/dev/null 2>&1 && python3 bench/rank_balance.py scale --emulation "$R"/emu_*.json \
+        --out "$R/scale_h200_links" > "$R/scale.log" 2>&1; echo "== scale rc=$?"; cat "$R/scale_h200_links.md" 2>/dev/null
       cp "$DMUON_AUTOTUNE_CACHE" "$R/rb_autotune.json" 2>/dev/null ;;
     *) echo "unknown part $part" ;;
   esac

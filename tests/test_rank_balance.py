@@ -438,22 +438,30 @@ def test_scale_table_adds_the_modelled_collectives_to_the_emulated_compute(tmp_p
     import rank_balance as rb
 
     layouts = {}
-    for spec, ms in (("qwen2.5-7b/dp8/one", 20.0), ("qwen2.5-7b/dp64/one", 5.0)):
+    for spec, ms in (("qwen2.5-7b/dp8/one", 20.0), ("qwen2.5-7b/dp256/buckets", 5.0)):
         plans = {name: {"slowest_ms": ms * f} for name, f in (("greedy", 1.0), ("milp", 0.9),
                                                                 (rb.MEGATRON, 1.5), (rb.ADAMW, 0.5))}
+        plans["split"] = {"slowest_ms": ms, "slowest_with_exchange_ms": 1.2 * ms}  # the exchange to its NS homes
         layouts[spec] = {"plans": plans}
     path = tmp_path / "emu.json"
     path.write_text(json.dumps({"layouts": layouts}))
-    args = rb.argparse.Namespace(emulation=[str(path)], cluster="h200", flags="")
+    args = rb.argparse.Namespace(emulation=[str(path)], cluster="h200", flags="", global_batch=1024)
     rows = rb.scale(args, print)["scale_rows"]
-    assert [r["gpus"] for r in rows] == [8, 64]
+    assert [r["gpus"] for r in rows] == [8, 256]
     for r, ms in zip(rows, (20.0, 5.0)):
-        assert r["dmuon_milp_ms"] == 0.9 * ms and r["dmuon_ms"] == ms
+        assert r["dmuon_milp_ms"] == 0.9 * ms and r["dmuon_ms"] == ms and r["dmuon_split_ms"] == 1.2 * ms
         assert r["megatron_ms"] == 1.5 * ms and r["adamw_ms"] == 0.5 * ms
         assert r["dmuon_publish_ms"] > 0 and r["megatron_publish_ms"] > 0 and r["adamw_publish_ms"] > 0
         assert r["adamw_reduce_ms"] == pytest.approx(2 * r["adamw_publish_ms"], rel=0.05)  # fp32 vs bf16
-    assert rows[1]["adamw_publish_ms"] > rows[0]["adamw_publish_ms"]  # 8 nodes: the inter-node link
-    assert "| qwen2.5-7b/dp64/one | 64 |" in rb.table({"scale_rows": rows, "cluster": "h200"})
+        # the iteration: forward + backward of 1024 sequences over the GPUs, then the step
+        assert r["adamw_iteration_ms"] >= r["forward_backward_ms"] + r["adamw_ms"] + r["adamw_publish_ms"]
+        # the split layout's buffers are Megatron's own: AdamW's all-gather, not the padded one
+        assert r["dmuon_split_publish_ms"] == pytest.approx(r["adamw_publish_ms"], rel=0.01)
+    assert rows[1]["adamw_publish_ms"] > rows[0]["adamw_publish_ms"]  # more nodes: the inter-node link
+    assert rows[1]["dmuon_publish_ms"] > 3 * rows[1]["dmuon_split_publish_ms"]  # whole matrices padded at DP 256
+    assert [r["picked"] for r in rows] == ["whole", "split"]  # what --dmuon-dp-layout auto picks there
+    text = rb.table({"scale_rows": rows, "cluster": "h200", "global_batch": 1024})
+    assert "| qwen2.5-7b/dp256/buckets | 256 | split |" in text
 
 
 def test_the_milp_keeps_the_greedy_plan_when_the_profile_missed_a_shape_or_adamw(model):

@@ -351,6 +351,7 @@ def _table(report: dict) -> str:
             ("makespan / lower bound", "makespan_over_lower_bound", "{:.3f}"),
             ("GB reduced per rank", "reduce_bytes_per_rank", "{:.3f}"),
             ("GB published per rank", "publish_bytes_per_rank", "{:.3f}"),
+            ("GB exchanged per rank (split: pieces to NS homes and back)", "exchange_bytes_per_rank", "{:.3f}"),
             ("padding GB (grad + param buffers)", "padding_bytes", "{:.3f}"),
             ("optimizer state GB, largest rank", "max_state_bytes", "{:.3f}"),
             ("Megatron AdamW DistOpt state GB per rank", "adamw_distopt_state_bytes_per_rank", "{:.3f}"),

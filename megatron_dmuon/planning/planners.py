@@ -25,12 +25,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 from .cost_model import CostModel
 from .models import ModelSpec, ParallelSpec, ParamSpec, stage_params
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
+from .split_layout import exchange_bytes_sent, plan_split_layout
 from .params import ns_cost
 
 __all__ = ["PLANNERS", "buffer_items", "split_rule_for", "matrix_pieces", "transformer_shape", "split_pieces", "plan_stage",
            "predict_stage", "compare_plans"]
 
-PLANNERS = ("round_robin", "numel_lpt", "megatron_lpt", "greedy", "milp")
+# the whole-matrix planners (owner_layout.py), then the split layout's NS homes (split_layout.py)
+PLANNERS = ("round_robin", "numel_lpt", "megatron_lpt", "greedy", "milp", "split")
 _BALANCE = {"round_robin": "round_robin", "numel_lpt": "numel_lpt", "megatron_lpt": "megatron_lpt", "greedy": "cost",
             "milp": "milp"}
 
@@ -124,12 +126,25 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
 
             layouts[kind] = plan_rank_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, milp_options,
                                                    kinfo, elementwise, model=rank_model)
+        elif planner == "split":
+            layouts[kind] = plan_split_layout(items, dp, bucket_size, None, tp, elementwise,
+                                              _move_cost(cost_model, dp, tp))
         else:
             layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
                                               milp_options=milp_options, info=kinfo, elementwise=elementwise)
         if kinfo:
             info[kind] = kinfo
     return {"layouts": layouts, "params": params, "info": info, "seconds": time.perf_counter() - t0}
+
+
+def _move_cost(cost_model: Optional[CostModel], dp: int, tp: int) -> float:
+    """The split layout's cost of moving an element to its NS home and back, in the planner's units
+    (ms under a cost model, else NS FLOPs), over the link a DP group of ``dp`` ranks crosses on the
+    cost model's device's cluster (the cluster config's first device without one)."""
+    from .cost_model import cluster_for_device, device_spec_for, dp_link, exchange_costs
+
+    device = cost_model.device if cost_model is not None else device_spec_for("", warn=False)
+    return exchange_costs(device, dp_link(cluster_for_device(device), dp, tp), "ms" if cost_model else "flops")[0]
 
 
 def cell_ms(layout: OwnerLayout, params: Sequence[ParamSpec], cost_model: CostModel) -> List[float]:
@@ -167,6 +182,8 @@ def predict_stage(plan: dict, par: ParallelSpec, cost_model: CostModel, grad_byt
     rank_ms = [sum(per_cell[k][gpu_cells(par, r)[k]] for k in per_cell) for r in range(gpus)]
     reduce_b = sum(_buffer_bytes(l, grad_bytes) for l in layouts.values())
     publish_b = sum(_buffer_bytes(l, param_bytes) for l in layouts.values())
+    # the split layout's pieces to their NS homes and the directions back: the busiest rank's sends
+    exchange_b = sum(max(exchange_bytes_sent(l)) for l in layouts.values())
     pad = sum(b.end - b.start - b.numel_unpadded for l in layouts.values() for b in l.buckets)
     owned = [0] * gpus
     for k, layout in layouts.items():
@@ -188,8 +205,8 @@ def predict_stage(plan: dict, par: ParallelSpec, cost_model: CostModel, grad_byt
     return {"state_bytes_per_rank": state, "max_state_bytes": max(state),
             "adamw_distopt_state_bytes_per_rank": adamw_state,"makespan_ms": makespan, "mean_ms": mean, "makespan_over_mean": makespan / mean if mean else 1.0,
             "rank_ms": rank_ms, "owned_numel": owned,
-            "bytes_per_rank": reduce_b + publish_b, "reduce_bytes_per_rank": reduce_b,
-            "publish_bytes_per_rank": publish_b, "padding_elements": pad,
+            "bytes_per_rank": reduce_b + publish_b + exchange_b, "reduce_bytes_per_rank": reduce_b,
+            "publish_bytes_per_rank": publish_b, "exchange_bytes_per_rank": exchange_b, "padding_elements": pad,
             "padding_bytes": pad * (grad_bytes + param_bytes),
             "buckets": {k: len(l.buckets) for k, l in layouts.items()}}
 

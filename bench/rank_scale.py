@@ -1,0 +1,119 @@
+"""bench/rank_balance.py scale: the optimizer step and the iteration at each emulated layout.
+
+Compute is what ``emulate`` measured per GPU on one GPU (the slowest GPU's inner optimizer step,
+median of rounds): DMuon's whole-matrix layout (the greedy, --dmuon-balance cost), its split layout
+(--dmuon-dp-layout split; its exchange to the NS homes modelled: rank_layouts.split_cell_work), the
+one the run picks (--dmuon-dp-layout auto: planning/owner_planning.choose_scheme, as
+planning/dp_schemes.py asks it), Megatron-LM's LayerWise Muon and Megatron's AdamW. Communication is
+modelled (planning/simulate.py, ``--cluster`` links, two-level collectives) for each one's own buffers:
+the param all-gather that publishes the step (bf16) and the grad reduce-scatter (fp32), which runs in
+the backward. Step = compute + the all-gather (not overlapped); iteration = the forward and backward of
+``--global-batch`` sequences at the device's model rate (planning/compute_model.py) + the step + what
+of the reduce-scatter the backward (2/3 of the compute) cannot hide.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_dmuon.planning.cost_model import CostModel, cluster_spec, load_config
+from megatron_dmuon.planning.models import stage_params
+from rank_layouts import ADAMW, MEGATRON, job_settings, make_plans, parse_layout
+
+__all__ = ["scale", "scale_table"]
+
+
+def _forward_backward_ms(model, par, cluster, global_batch: int, seq_length: int = 4096) -> float:
+    from megatron_dmuon.planning.compute_model import iteration_flops, model_tflops
+
+    if model.num_experts:
+        return 0.0
+    per_gpu = max(global_batch // par.dp_size, 1)
+    return iteration_flops(model, par, seq_length=seq_length, micro_batches=per_gpu) / (
+        model_tflops(cluster.device.name) * 1e9)
+
+
+def _picked_scheme(model, par, size, cluster) -> str:
+    """The layout a run picks at one instance (--dmuon-dp-layout auto), as dmuon plan reports it."""
+    from megatron_dmuon.planning.dp_schemes import compare_dp_layouts
+
+    report = compare_dp_layouts(model, par, CostModel(cluster.device), cluster, load_config()["optimizer"],
+                                instances=[1], bucket_size=size, overlap_grad_reduce=size is not None, two_level=True)
+    return next(c["scheme"] for c in report["candidates"] if c.get("run_choice"))
+
+
+def scale(args, log):
+    from megatron_dmuon.planning.simulate import collective_ms
+
+    cluster = cluster_spec(args.cluster)
+    cfg = job_settings(args.flags.split())
+    rows = []
+    for path in args.emulation:
+        for spec, lay in json.loads(Path(path).read_text())["layouts"].items():
+            model, par, size = parse_layout(spec)
+            if par.tp > 1:
+                continue
+            plans = lay["plans"]
+            buffers = {}  # per plan: {kind: (elements, DP group)} of the buffers it reduces and gathers
+            wanted = [p for p in ("greedy", "split", "megatron_lpt") if p in plans or (p == "megatron_lpt" and MEGATRON in plans)]
+            for name, plan in make_plans(model, par, size, cfg, wanted).items():
+                buffers[name] = {k: (l.numel, l.world_size) for k, l in plan["layouts"].items()}
+            whole = {k: (sum(p.numel for p in ps), par.dp_size if k == "dense" else par.expert_dp_size)
+                     for k, ps in stage_params(model, par).items() if ps}
+
+            def comm(bufs, nbytes):
+                return sum(collective_ms(cluster, d, 1, n * nbytes, two_level=True) for n, d in bufs.values())
+
+            fwd_bwd = _forward_backward_ms(model, par, cluster, args.global_batch)
+            row = {"layout": spec, "gpus": par.world, "cluster": args.cluster, "forward_backward_ms": fwd_bwd}
+            for key, plan, compute_key, bufs in (("dmuon", "greedy", "slowest_ms", "greedy"),
+                                                 ("dmuon_split", "split", "slowest_with_exchange_ms", "split"),
+                                                 ("megatron", MEGATRON, "slowest_ms", "megatron_lpt"),
+                                                 ("adamw", ADAMW, "slowest_ms", None)):
+                if plan not in plans:
+                    continue
+                b = whole if bufs is None else buffers[bufs]
+                row |= {f"{key}_ms": plans[plan][compute_key], f"{key}_publish_ms": comm(b, 2),
+                        f"{key}_reduce_ms": comm(b, 4)}
+                step = row[f"{key}_ms"] + row[f"{key}_publish_ms"]
+                row[f"{key}_iteration_ms"] = fwd_bwd + step + max(0.0, row[f"{key}_reduce_ms"] - 2 / 3 * fwd_bwd)
+            if "milp" in plans:
+                row["dmuon_milp_ms"] = plans["milp"]["slowest_ms"]
+            if "dmuon_ms" in row and "dmuon_split_ms" in row:
+                row["picked"] = _picked_scheme(model, par, size, cluster)
+            rows.append(row)
+            log({"scale_row": spec})
+    rows.sort(key=lambda r: (r["layout"].split("/")[0], r["gpus"], r["layout"]))
+    return {"scale_rows": rows, "cluster": args.cluster, "global_batch": args.global_batch}
+
+
+def _step(r, key):
+    return r[key + "_ms"] + r[key + "_publish_ms"]
+
+
+def scale_table(result):
+    def cell(r, key):
+        if key + "_ms" not in r:
+            return "— | — | —"
+        return f"{r[key + '_ms']:.1f} | {_step(r, key):.1f} | {r[key + '_iteration_ms']:.0f}"
+
+    lines = [f"Compute measured per GPU on one GPU (the slowest GPU's inner optimizer step, median of rounds; the split "
+             f"layout's exchange to its NS homes modelled), communication modelled ({result['cluster']} links, two-level "
+             "collectives, planning/simulate.py): step = compute + the param all-gather of each one's buffers (whole-"
+             "matrix buffers pad each shard to the matrices it holds; the split layout's are Megatron's own); iteration "
+             f"= forward + backward of {result.get('global_batch', 1024)} sequences of 4096 tokens at the device's model "
+             "rate + step + the reduce-scatter the backward cannot hide. DMuon's pick is --dmuon-dp-layout auto's.", "",
+             "| layout | GPUs | DMuon pick | DMuon step ms (x AdamW) | DMuon iteration ms (x AdamW) | whole: compute / step / "
+             "iteration ms | split: compute / step / iteration ms | Megatron LayerWise: compute / step / iteration ms | "
+             "AdamW: compute / step / iteration ms |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["scale_rows"]:
+        pick = {"whole": "dmuon", "split": "dmuon_split"}.get(r.get("picked"), "dmuon" if "dmuon_ms" in r else "dmuon_split")
+        if pick + "_ms" in r and "adamw_ms" in r:
+            step = f"{_step(r, pick):.1f} ({_step(r, pick) / _step(r, 'adamw'):.2f})"
+            it = f"{r[pick + '_iteration_ms']:.0f} ({r[pick + '_iteration_ms'] / r['adamw_iteration_ms']:.3f})"
+        else:
+            step = it = "—"
+        lines.append(f"| {r['layout']} | {r['gpus']} | {r.get('picked', '—')} | {step} | {it} | {cell(r, 'dmuon')} | "
+                     f"{cell(r, 'dmuon_split')} | {cell(r, 'megatron')} | {cell(r, 'adamw')} |")
+    return "\n".join(lines)
