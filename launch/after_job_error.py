@@ -37,7 +37,7 @@ class Filter:
     def __init__(self, out_fd: int):
         self.out_fd = out_fd
         self.seen = False  # the job's error line has been written: drop the rest
-        self.interrupted = False  # Ctrl-C: drop the rest
+        self.interrupted = False  # a signal was passed on to the command: drop the rest (its tracebacks)
         self.broken = False  # our stderr is closed: read on, write nothing
         self.pending = b""
 
@@ -87,13 +87,13 @@ def _start(cmd):
 
 def _signal_line(name: str, signum: int, code: int, all_closed: bool) -> str:
     """What the filter saw of a job it passed ``signum`` on to (nothing it did not see)."""
-    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped ({signal.Signals(signum).name})"
+    sig = signal.Signals(signum).name
+    what = f"{'interrupted' if signum == signal.SIGINT else 'stopped'}: {sig} passed on to {name}"
     if code == 0:
-        return f"{what}: {signal.Signals(signum).name} passed on to {name}, which exited with 0 nonetheless\n"
+        return f"{what}, which exited with 0 nonetheless\n"
     ends = "and every process of the job has closed its output" if all_closed else \
         "but a process of the job still holds its output open"
-    return (f"{what}: {signal.Signals(signum).name} passed on to {name}; the job was stopped before its end: {name} "
-            f"exited with {code}, {ends}\n")
+    return f"{what}; the job was stopped before its end: {name} exited with {code}, {ends}\n"
 
 
 def run(cmd) -> int:

@@ -110,7 +110,7 @@ def test_sigint_to_run_main_stops_the_job_with_130_and_says_so(tmp_path):
         kill_marked(marker)
     text = err.read_text()
     assert code == 130, (code, text[-3000:])
-    assert text.count("interrupted (Ctrl-C): SIGINT passed on to torchrun; the job was stopped before its end: "
+    assert text.count("interrupted: SIGINT passed on to torchrun; the job was stopped before its end: "
                       "torchrun exited with 1, and every process of the job has closed its output") == 1, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert "> summary" not in out.read_text() and not left, left
@@ -142,7 +142,7 @@ def test_sigterm_to_the_runner_stops_torchrun_without_its_traceback(tmp_path):
     finally:
         kill_marked(marker)
     text = err.read_text()
-    assert code == 143 and "stopped (SIGTERM): SIGTERM passed on to python; the job was stopped before its end" \
+    assert code == 143 and "stopped: SIGTERM passed on to python; the job was stopped before its end" \
         in text, (code, text[-3000:])
     assert "SignalException" not in text and "Traceback" not in text and not left, (left, text[-3000:])
 
