@@ -135,13 +135,13 @@ def split_cell_work(plan, par, cluster="h200"):
     ``tp_shards``, the same passes) beside the NS of the matrices homed on it, which it steps whole
     (its own pieces of them only, in the job: an upper bound here). The exchange (runtime/dp_exchange.py:
     pieces to their homes, directions back, fp32, point to point) is modelled at the link the DP group
-    crosses (planning/clusters.json), its sends and receives in sequence, not timed: one GPU has no peer."""
-    from megatron_dmuon.planning.cost_model import dp_link
-    from megatron_dmuon.planning.split_layout import exchange_bytes
+    crosses (planning/clusters.json, its routes through the homes' node-mates: split_layout.exchange_ms), not
+    timed: one GPU has no peer."""
+    from megatron_dmuon.planning.split_layout import exchange_ms
 
     if par.tp > 1:
         raise ValueError("the split layout is emulated at TP = 1 only")
-    link = dp_link(cluster_spec(cluster), par.dp_size, par.tp)
+    spec = cluster_spec(cluster)
     per_kind = {}
     for kind, layout in plan["layouts"].items():
         pieces = [[] for _ in range(layout.world_size)]  # per DP rank: its pieces of matrices homed elsewhere
@@ -150,15 +150,14 @@ def split_cell_work(plan, par, cluster="h200"):
                 for rank, lo, hi in layout.pieces(p.name):
                     if rank != layout.owners[p.name]:
                         pieces[rank].append(hi - lo)
-        per_kind[kind] = (pieces, *exchange_bytes(layout))
+        per_kind[kind] = (pieces, exchange_ms(layout, spec.intra, spec.inter, spec.gpus_per_node // par.tp))
     out = []
     for r in range(par.dp_size):
         shards, ms = [], 0.0
-        for kind, (pieces, sent, received) in per_kind.items():
+        for kind, (pieces, times) in per_kind.items():
             dp = gpu_cells(par, r)[kind]
             shards += pieces[dp]
-            if sent[dp] or received[dp]:
-                ms += 2 * link.alpha_us * 1e-3 + (sent[dp] + received[dp]) / (link.gbytes_per_s * 1e6)
+            ms += times[dp]
         out.append((shards, ms))
     return out
 

@@ -306,7 +306,10 @@ def test_dmuon_plan_qwen_acceptance(capsys):
         assert main(["plan", "--preset", "qwen2.5-7b", "--dp", str(dp), "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
         plans = report["plans"]
-        assert set(plans) == {"round_robin", "numel_lpt", "megatron_lpt", "greedy", "milp"}
+        assert set(plans) == {"round_robin", "numel_lpt", "megatron_lpt", "greedy", "milp", "split"}
+        # the split layout: Megatron's own buffers (no padding), its exchange to the NS homes counted
+        assert plans["split"]["padding_bytes"] < 1e6 and plans["split"]["exchange_bytes_per_rank"] > 0
+        assert report["dp_layouts"]["candidates"][report["dp_layouts"]["picked"]]["scheme"] == "whole"  # (DP 8, 64)
         for p in plans.values():
             assert {"makespan_ms", "mean_ms", "bytes_per_rank", "padding_bytes"} <= set(p) and len(p["rank_ms"]) == dp
         m = plans["milp"]["makespan_ms"]

@@ -137,3 +137,17 @@ def test_json_inputs_holding_a_pickle_are_named_and_not_unpickled(tmp_path, flag
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and str(planted) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not marker.exists()
+
+
+def test_a_save_into_a_link_made_after_the_start_up_check_is_refused_on_every_rank(tmp_path):
+    # the start-up check refuses links where a save writes ([bad-input-5]); one made later must not be
+    # followed (rmtree of an 'incomplete' iteration through the link) and no rank may wait alone
+    from megatron_dmuon.testing.multiproc import run_distributed
+
+    target = tmp_path / "someone_elses"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    results = run_distributed("megatron_dmuon.testing.checkpoint_workers:save_into_a_link_errors", 2,
+                              kwargs=dict(root=str(tmp_path / "ckpt"), target=str(target)))
+    assert all(r.startswith("CheckpointMismatchError") and "symbolic link" in r for r in results), results
+    assert (target / "keep.txt").read_text() == "mine"

@@ -21,6 +21,7 @@ import torch
 
 from ..kernels.metrics import NONFINITE_METRICS
 from ..planning.split_layout import exchange_bytes_sent
+from ..runtime.dp_exchange import node_of_dp_ranks
 from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
 from .config_checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig  # noqa: F401 (MODES: public API)
@@ -259,13 +260,13 @@ def _split_exchange_bytes(chunk) -> float:
     plan = getattr(chunk, "dmuon_plan", None)
     if plan is None:
         return 0.0
-    ranks = {kind: buffers[0].data_parallel_group.rank()
-             for kind, buffers in (("dense", chunk.buffers), ("expert", chunk.expert_parallel_buffers)) if buffers}
+    groups = {kind: buffers[0].data_parallel_group
+              for kind, buffers in (("dense", chunk.buffers), ("expert", chunk.expert_parallel_buffers)) if buffers}
     total = 0.0
     for name, layout in plan.layouts.items():
-        rank = ranks.get(name.split("/")[0])
-        if rank is not None and layout.scheme == "split":
-            total += exchange_bytes_sent(layout)[rank]
+        group = groups.get(name.split("/")[0])
+        if group is not None and layout.scheme == "split":  # (the exchange's routes: runtime/dp_exchange.py)
+            total += exchange_bytes_sent(layout, node_of_dp_ranks(group))[group.rank()]
     return total
 
 

@@ -77,6 +77,7 @@ def register_split_layout(inner: OwnerMuonAdamW, opt, infos: dict) -> dict:
     for model, info in infos.items():
         if info.dp_split is not None and model not in held and info.dp_split.home == inner.dp.rank:
             inner.register_home(info)
+    inner.register_split_matrices([info for info in infos.values() if info.dp_split is not None])
     return infos
 
 

@@ -25,7 +25,7 @@ import json
 import math
 import warnings
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..algorithms.flops import ns_method_for
 from .params import ns_flops
@@ -33,7 +33,7 @@ from .params import ns_flops
 __all__ = [
     "DEFAULT_CONFIG", "DeviceSpec", "Link", "ClusterSpec", "ShapeCost", "CostTable", "CostModel",
     "load_config", "device_spec", "device_spec_for", "elementwise_costs", "cluster_spec", "fit_affine", "ns_kernel_count",
-    "SPLIT_EXCHANGE_BYTES", "cluster_for_device", "dp_link", "exchange_costs",
+    "SPLIT_EXCHANGE_BYTES", "cluster_for_device", "dp_link", "ExchangeCosts", "exchange_costs",
     "analytic_shape_cost", "load_bench_kernels_profile", "shape_key",
 ]
 
@@ -142,18 +142,38 @@ def dp_link(cluster: ClusterSpec, dp: int, tp: int) -> Link:
     return cluster.intra if dp * tp <= cluster.gpus_per_node else cluster.inter
 
 
-def exchange_costs(device: DeviceSpec, link: Link, unit: str = "flops",
-                   config: Optional[dict] = None) -> Tuple[float, float]:
-    """(move, collective) per element in the planner's units (``elementwise_costs``'s): ``move`` an
-    element of a split-layout matrix to its NS home and its direction back (``SPLIT_EXCHANGE_BYTES``
-    point to point at the link's rate), ``collective`` an element of a padded buffer through the grad
-    reduce-scatter and the param all-gather (the config's grad + param bytes at the ring's bus rate)."""
+class ExchangeCosts(NamedTuple):
+    """Per element, in the planner's units: ``move`` a split-layout matrix element into its NS home and
+    its direction back over the home's own links (NVLink: inside its node, or the forwarding hop of a
+    piece from another node); ``node_move`` the same element's way into the home's node from another
+    node, shared by that node's links (each piece's first hop goes to the home's node-mate on the
+    sender's rail, runtime/dp_exchange.py); ``collective`` an element of a padded buffer through the
+    param all-gather that publishes the step (the config's param bytes; two-level rings, as
+    planning/simulate.collective_ms: inside the node, then across nodes with 1/L of the bytes). The grad
+    reduce-scatter runs in the backward and is left out."""
+
+    move: float
+    node_move: float
+    collective: float  # per element of the whole (padded) buffer: the all-gather that publishes the step
+
+
+def exchange_costs(device: DeviceSpec, cluster: ClusterSpec, dp: int, tp: int, unit: str = "flops",
+                   config: Optional[dict] = None) -> ExchangeCosts:
+    """``ExchangeCosts`` for a DP group of ``dp`` ranks at TP ``tp`` on ``cluster`` (``SPLIT_EXCHANGE_BYTES``
+    per moved element; the config's grad + param bytes per buffer element)."""
     opt = (config or load_config())["optimizer"]
     scale = {"flops": device.ns_tflops * 1e12, "ms": 1e3}.get(unit)
     if scale is None:
         raise ValueError(f"unit must be 'flops' or 'ms', got {unit!r}")
-    per_byte = scale / (link.gbytes_per_s * 1e9)
-    return SPLIT_EXCHANGE_BYTES * per_byte, (opt["grad_bytes"] + opt["param_bytes"]) * per_byte
+    per_node = max(cluster.gpus_per_node // tp, 1)  # DP ranks a node
+    spans_nodes = dp > per_node
+    node_rate = per_node * cluster.inter.gbytes_per_s * 1e9
+    local, nodes = min(dp, per_node), -(-dp // per_node)
+    ring_per_byte = ((local - 1) / local / (cluster.intra.gbytes_per_s * 1e9)
+                     + ((nodes - 1) / nodes / local / (cluster.inter.gbytes_per_s * 1e9) if spans_nodes else 0.0))
+    return ExchangeCosts(SPLIT_EXCHANGE_BYTES * scale / (cluster.intra.gbytes_per_s * 1e9),
+                         SPLIT_EXCHANGE_BYTES * scale / node_rate if spans_nodes else 0.0,
+                         opt["param_bytes"] * scale * ring_per_byte)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,12 +30,12 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence
 
-from .cost_model import ClusterSpec, CostModel, dp_link, elementwise_costs, exchange_costs
+from .cost_model import ClusterSpec, CostModel, elementwise_costs, exchange_costs
 from .models import ModelSpec, ParallelSpec, stage_params
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
 from .owner_planning import choose_scheme
 from .planners import buffer_items, split_pieces
-from .split_layout import exchange_bytes, megatron_buckets, plan_split_layout
+from .split_layout import dp_nodes, exchange_bytes, exchange_ms, megatron_buckets, plan_split_layout
 
 __all__ = ["PICK_SLACK", "compare_dp_layouts", "instance_counts"]
 
@@ -118,23 +118,22 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
     for n in instances or instance_counts(dp):
         d = dp // n
         bucket = megatron_bucket_size(d, overlap_grad_reduce, bucket_size, stage)
-        move, _ = exchange_costs(cluster.device, dp_link(cluster, d, tp), "ms")
-        link = dp_link(cluster, d, tp)
+        exchange = exchange_costs(cluster.device, cluster, d, tp, "ms")
+        collective = exchange.collective
+        per_node = max(cluster.gpus_per_node // tp, 1)  # DP ranks a node (the exchange's routes)
         planned = {}
         for scheme in schemes:
             loads = [0.0] * (d * tp)
-            layout = (plan_split_layout(items, d, bucket, loads, tp, rates, move) if scheme == "split" else
+            layout = (plan_split_layout(items, d, bucket, loads, tp, rates, exchange.move, per_node,
+                                        exchange.node_move) if scheme == "split" else
                       plan_owner_layout(items, d, bucket, 0.02, loads, tp, "cost", elementwise=rates))
             planned[scheme] = (layout, loads)
         for scheme, (layout, _) in planned.items():
             ns = _ns_ms(layout, items, cost_model)
             elementwise = _elementwise_ms(layout, items, rates)
-            sent, received = exchange_bytes(layout)
-            # a home receives its matrices' pieces before their NS and sends the directions after it; a
-            # holder's sends and receives wait on its homes (counted here in sequence: an upper bound)
-            compute = [ns[c] + elementwise[c // tp] + (sent[c // tp] + received[c // tp]) / (link.gbytes_per_s * 1e6)
-                       for c in range(d * tp)]
-            exchange_b = sent
+            exchange_b = exchange_bytes(layout, dp_nodes(d, per_node))[0]
+            moving = exchange_ms(layout, cluster.intra, cluster.inter, per_node)  # (split: split_layout.exchange_ms)
+            compute = [ns[c] + elementwise[c // tp] + moving[c // tp] for c in range(d * tp)]
             numel = layout.numel
             publish = _collective_ms(cluster, d, tp, numel * param_b, two_level)
             reduce_ms = _collective_ms(cluster, d, tp, numel * grad_b, two_level) + (
@@ -154,7 +153,6 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
                 "iteration_ms": fwd_bwd + step + max(0.0, reduce_ms - 2 / 3 * fwd_bwd),
             })
         if len(planned) == 2:  # as a run chooses at this instance count
-            _, collective = exchange_costs(cluster.device, link, "ms")
             run_choice = choose_scheme(planned, collective)
             for c in candidates[-2:]:
                 c["run_choice"] = c["scheme"] == run_choice

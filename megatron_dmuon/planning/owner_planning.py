@@ -23,7 +23,7 @@ from collections import Counter
 from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from .caches import PlanCache, plan_key
-from .cost_model import DeviceSpec, cluster_for_device, device_spec_for, dp_link, elementwise_costs, exchange_costs
+from .cost_model import DeviceSpec, cluster_for_device, device_spec_for, elementwise_costs, exchange_costs
 from .owner_layout import OwnerLayout, ParamItem, plan_owner_layout
 from .plan import MatrixRecord
 from .rank_cost import RankCostModel
@@ -204,11 +204,11 @@ def _device(model, gpu_name: Optional[str]) -> DeviceSpec:
     return device if isinstance(device, DeviceSpec) else device_spec_for(gpu_name or "", warn=False)
 
 
-def _exchange_rates(device: DeviceSpec, b: "BufferParams", gpus_per_node: int, unit: str) -> Tuple[float, float]:
-    """(move, collective) per element for buffer ``b`` (cost_model.exchange_costs over the link its
-    DP group crosses)."""
+def _exchange_rates(device: DeviceSpec, b: "BufferParams", gpus_per_node: int, unit: str):
+    """(cost_model.ExchangeCosts, DP ranks a node) for buffer ``b`` on this device's cluster with
+    ``gpus_per_node`` GPUs a node."""
     cluster = dataclasses.replace(cluster_for_device(device), gpus_per_node=gpus_per_node)
-    return exchange_costs(device, dp_link(cluster, b.dp_size, b.tp_size), unit)
+    return exchange_costs(device, cluster, b.dp_size, b.tp_size, unit), max(gpus_per_node // b.tp_size, 1)
 
 
 # the split layout replaces the whole one only where it is predicted this much cheaper: within the
@@ -218,11 +218,11 @@ SPLIT_MIN_GAIN = 0.05
 
 
 def predicted_cost(layout: OwnerLayout, loads: Sequence[float], collective: float) -> float:
-    """A layout's predicted cost in the planner's units: the slowest cell's load after it (NS,
-    element-wise work and, split, the moves to NS homes) plus its buffers through the reduce-scatter
-    and the all-gather (``collective`` per element of the padded buffer; ring: (D-1)/D of it per rank)."""
-    d = layout.world_size
-    return max(loads) + collective * (d - 1) / d * layout.numel
+    """A layout's predicted step in the planner's units: the slowest cell's load after it (NS,
+    element-wise work and, split, the moves to NS homes) plus its buffers through the param all-gather
+    that publishes the step (``collective`` per element of the padded buffer: cost_model.ExchangeCosts),
+    as bench/rank_scale.py's step counts them."""
+    return max(loads) + collective * layout.numel
 
 
 def choose_scheme(candidates: Mapping[str, Tuple[OwnerLayout, List[float]]], collective: float) -> str:
@@ -239,19 +239,21 @@ def _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwis
     """Each buffer's OwnerLayout, the loads of the buffers planned before it carried along
     (dense and expert buffers apart: their owners are different cells). Under 'auto' both schemes
     are planned from the same loads and ``choose_scheme`` keeps one; ``rates(buffer)``: its
-    (move, collective) costs per element."""
+    (ExchangeCosts, DP ranks a node)."""
     rank_cost: Dict[bool, List[float]] = {}
     layouts = {}
     for key, b in buffers.items():
         cost = rank_cost.setdefault(b.expert, [0.0] * (b.dp_size * b.tp_size))
         schemes = _schemes(options, b)
         if "split" in schemes:
-            move, collective = rates(b)
+            exchange, per_node = rates(b)
+            collective = exchange.collective
             candidates = {}
             for scheme in schemes:
                 loads = list(cost)
                 candidates[scheme] = (plan_split_layout(items[key], b.dp_size, bucket_size, loads, b.tp_size,
-                                                        elementwise, move) if scheme == "split"
+                                                        elementwise, exchange.move, per_node, exchange.node_move)
+                                      if scheme == "split"
                                       else _plan_whole(items[key], b, bucket_size, options, milp_options, elementwise,
                                                        rank_model, loads, len(buffers)), loads)
             chosen = choose_scheme(candidates, collective)

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from .cost_model import CostModel
 from .models import ModelSpec, ParallelSpec, ParamSpec, stage_params
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
-from .split_layout import exchange_bytes_sent, plan_split_layout
+from .split_layout import dp_nodes, exchange_bytes_sent, plan_split_layout
 from .params import ns_cost
 
 __all__ = ["PLANNERS", "buffer_items", "split_rule_for", "matrix_pieces", "transformer_shape", "split_pieces", "plan_stage",
@@ -127,8 +127,9 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
             layouts[kind] = plan_rank_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, milp_options,
                                                    kinfo, elementwise, model=rank_model)
         elif planner == "split":
-            layouts[kind] = plan_split_layout(items, dp, bucket_size, None, tp, elementwise,
-                                              _move_cost(cost_model, dp, tp))
+            exchange, per_node = _exchange_costs(cost_model, dp, tp)
+            layouts[kind] = plan_split_layout(items, dp, bucket_size, None, tp, elementwise, exchange.move, per_node,
+                                              exchange.node_move)
         else:
             layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
                                               milp_options=milp_options, info=kinfo, elementwise=elementwise)
@@ -137,14 +138,16 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
     return {"layouts": layouts, "params": params, "info": info, "seconds": time.perf_counter() - t0}
 
 
-def _move_cost(cost_model: Optional[CostModel], dp: int, tp: int) -> float:
-    """The split layout's cost of moving an element to its NS home and back, in the planner's units
-    (ms under a cost model, else NS FLOPs), over the link a DP group of ``dp`` ranks crosses on the
-    cost model's device's cluster (the cluster config's first device without one)."""
-    from .cost_model import cluster_for_device, device_spec_for, dp_link, exchange_costs
+def _exchange_costs(cost_model: Optional[CostModel], dp: int, tp: int):
+    """(cost_model.ExchangeCosts, DP ranks a node) of the split layout in the planner's units (ms under
+    a cost model, else NS FLOPs) on the cost model's device's cluster (the cluster config's first
+    device without one)."""
+    from .cost_model import cluster_for_device, device_spec_for, exchange_costs
 
     device = cost_model.device if cost_model is not None else device_spec_for("", warn=False)
-    return exchange_costs(device, dp_link(cluster_for_device(device), dp, tp), "ms" if cost_model else "flops")[0]
+    cluster = cluster_for_device(device)
+    return (exchange_costs(device, cluster, dp, tp, "ms" if cost_model else "flops"),
+            max(cluster.gpus_per_node // tp, 1))
 
 
 def cell_ms(layout: OwnerLayout, params: Sequence[ParamSpec], cost_model: CostModel) -> List[float]:
@@ -183,7 +186,8 @@ def predict_stage(plan: dict, par: ParallelSpec, cost_model: CostModel, grad_byt
     reduce_b = sum(_buffer_bytes(l, grad_bytes) for l in layouts.values())
     publish_b = sum(_buffer_bytes(l, param_bytes) for l in layouts.values())
     # the split layout's pieces to their NS homes and the directions back: the busiest rank's sends
-    exchange_b = sum(max(exchange_bytes_sent(l)) for l in layouts.values())
+    exchange_b = sum(max(exchange_bytes_sent(l, dp_nodes(l.world_size, max(par.gpus_per_node // l.tp_size, 1))))
+                     for l in layouts.values())
     pad = sum(b.end - b.start - b.numel_unpadded for l in layouts.values() for b in l.buckets)
     owned = [0] * gpus
     for k, layout in layouts.items():

@@ -14,8 +14,9 @@ element-wise, the NS input is the whole matrix.
 
 Homes are chosen heaviest matrix first: the cell whose load after taking the matrix is least,
 where a cell's load is its NS cost so far plus, for a matrix it does not hold whole, the moving of
-the pieces it lacks (``move_cost`` per element, in the same units as the NS cost). A holder of the
-biggest piece wins ties, so a matrix stays where most of it is unless that rank is busy.
+the pieces it lacks (``move_cost`` per element, in the same units as the NS cost); the other holders
+are charged the moving of their pieces. A holder of the biggest piece wins ties, so a matrix stays
+where most of it is unless that rank is busy.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
-__all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent"]
+__all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+           "exchange_ms", "Routes", "dp_nodes", "to_home_transfers"]
 
 
 def bucket_end_divisor(world_size: int) -> int:
@@ -78,17 +80,22 @@ def _pieces(ranges, buckets, world_size, name) -> List[Tuple[int, int]]:
 
 def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: Optional[int] = None,
                       rank_cost: Optional[List[float]] = None, tp_size: int = 1,
-                      elementwise: Optional[Tuple[float, float]] = None, move_cost: float = 0.0) -> OwnerLayout:
+                      elementwise: Optional[Tuple[float, float]] = None, move_cost: float = 0.0,
+                      ranks_per_node: Optional[int] = None, node_move_cost: float = 0.0) -> OwnerLayout:
     """The split-scheme layout of one buffer: Megatron's own buckets and shards, and each matrix's
     NS home (``OwnerLayout.owners`` / ``tp_owners``, scheme 'split').
 
     ``rank_cost`` (one entry per DP x TP cell) carries the loads of buffers planned before and
     receives this one's; ``elementwise = (adamw, muon)``: the element-wise work per element of each
     optimizer, charged to every cell of the DP row whose shard holds the element (as the run steps
-    it); ``move_cost``: the cost of moving one matrix element to its home and its direction back, in
-    the NS cost's units (planning/cost_model.py: ``exchange_cost_per_element``)."""
+    it); ``move_cost``: moving one matrix element into its home and its direction back over the
+    home's own links, ``node_move_cost``: its way in from another node, shared by the node's links
+    (``ranks_per_node`` DP ranks a node, numbered node-major), both in the NS cost's units
+    (planning/cost_model.py ``exchange_costs``). A node's incoming pieces are charged to every cell of
+    the node (each forwards its share), so homes of large matrices spread over the nodes."""
     rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, "cost", elementwise)
     ranges, buckets = megatron_buckets(items, bucket_size, world_size)
+    nodes = dp_nodes(world_size, ranks_per_node)
     if elementwise:
         adamw, muon = elementwise
         for it in items:
@@ -97,41 +104,131 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
                     rank_cost[c] += (muon if it.is_matrix else adamw) * n
     owners: Dict[str, int] = {}
     tp_owners: Dict[str, int] = {}
+    node_in: Dict[int, float] = {}  # elements coming into each node from others
     for it in sorted((it for it in items if it.is_matrix), key=lambda it: (-it.cost, -it.numel, it.name)):
         held = dict(_pieces(ranges, buckets, world_size, it.name))
+        on_node: Dict[int, int] = {}
+        for r, n in held.items():
+            on_node[nodes[r]] = on_node.get(nodes[r], 0) + n
 
         def load_after(cell: int) -> float:
-            return rank_cost[cell] + it.cost + move_cost * (it.numel - held.get(cell // tp_size, 0))
+            dp = cell // tp_size
+            node = nodes[dp]
+            incoming = node_in.get(node, 0.0) + it.numel - on_node.get(node, 0)
+            return (rank_cost[cell] + it.cost + move_cost * (it.numel - held.get(dp, 0))
+                    + node_move_cost * incoming)
 
         cell = min(range(world_size * tp_size), key=lambda c: (load_after(c), -held.get(c // tp_size, 0), c))
-        rank_cost[cell] = load_after(cell)
-        owners[it.name], tp_owners[it.name] = divmod(cell, tp_size)
+        home, tp_owners[it.name] = divmod(cell, tp_size)
+        rank_cost[cell] += it.cost + move_cost * (it.numel - held.get(home, 0))
+        owners[it.name] = home
+        node_in[nodes[home]] = node_in.get(nodes[home], 0.0) + it.numel - on_node.get(nodes[home], 0)
+        for r, n in held.items():  # every other holder sends its piece and receives the direction's back
+            if r != home:
+                for c in range(r * tp_size, (r + 1) * tp_size):
+                    rank_cost[c] += move_cost * n
+    for r in range(world_size):  # each rank of a node carries its share of what comes into the node
+        for c in range(r * tp_size, (r + 1) * tp_size):
+            rank_cost[c] += node_move_cost * node_in.get(nodes[r], 0.0)
     layout = OwnerLayout(world_size, ranges, owners, buckets, list(rank_cost), tp_size, tp_owners, scheme="split")
     layout.validate(items)
     return layout
 
 
-def exchange_bytes(layout: OwnerLayout, bytes_each_way: int = 4) -> Tuple[List[float], List[float]]:
+class Routes:
+    """Where a piece bound for another node goes first (runtime/dp_exchange.py): to the node-mate of its
+    destination with the sender's local index, a rail-aligned hop, so that a home's incoming pieces
+    share its node's links; that rank forwards it over the node's own links. ``nodes``: the node of
+    each DP rank."""
+
+    def __init__(self, nodes: Sequence[int]):
+        self.nodes = list(nodes)
+        self.mates: Dict[int, List[int]] = {}
+        for r, node in enumerate(self.nodes):
+            self.mates.setdefault(node, []).append(r)
+        self.local_index = [self.mates[node].index(r) for r, node in enumerate(self.nodes)]
+
+    def proxy(self, src: int, dst: int) -> Optional[int]:
+        """The rank between ``src`` and ``dst`` (None: same node, or the rank would be ``dst`` itself)."""
+        if self.nodes[src] == self.nodes[dst]:
+            return None
+        mates = self.mates[self.nodes[dst]]
+        proxy = mates[self.local_index[src] % len(mates)]
+        return None if proxy == dst else proxy
+
+    def rounds(self, transfers):
+        """``transfers`` ((key, source, destination, lo, hi)) as rounds of hops (transfer, from, to): the
+        direct transfers and first hops, then the forwarding hops."""
+        first, second = [], []
+        for t in transfers:
+            proxy = self.proxy(t[1], t[2])
+            if proxy is None:
+                first.append((t, t[1], t[2]))
+            else:
+                first.append((t, t[1], proxy))
+                second.append((t, proxy, t[2]))
+        return [first, second] if second else [first]
+
+
+def dp_nodes(world_size: int, ranks_per_node: Optional[int]) -> List[int]:
+    """The node of each of ``world_size`` DP ranks numbered node-major, ``ranks_per_node`` DP ranks a
+    node (None or 0: one node)."""
+    return [r // ranks_per_node if ranks_per_node else 0 for r in range(world_size)]
+
+
+def to_home_transfers(layout: OwnerLayout) -> list:
+    """(matrix, holder, home, lo, hi) of every piece that is not on its home (the directions go back
+    the other way)."""
+    return [(name, r, home, lo, hi) for name, home in sorted(layout.owners.items())
+            for r, lo, hi in layout.pieces(name) if r != home]
+
+
+def exchange_ms(layout: OwnerLayout, intra, inter, ranks_per_node: Optional[int] = None,
+                bytes_each_way: int = 4) -> List[float]:
+    """Each DP rank's time in the split layout's exchange: the pieces of the updates to their homes,
+    then the directions back, each as the rounds ``Routes`` gives (direct and first hops, then the
+    forwarding hops inside the home's node). ``intra`` / ``inter``: the links inside a node and between
+    nodes (cost_model.Link: alpha_us, gbytes_per_s); a rank sends and receives at once (full duplex) and
+    uses both links at once, so a round takes, per link, the larger of what it sends and receives
+    there. The way back mirrors the way there: twice the rounds of the way there."""
+    nodes = dp_nodes(layout.world_size, ranks_per_node)
+    ms = [0.0] * layout.world_size
+    if layout.scheme != "split":
+        return ms
+    for hops in Routes(nodes).rounds(to_home_transfers(layout)):
+        moved = {}  # (rank, link is inter, sends) -> bytes
+        for (_, _, _, lo, hi), src, dst in hops:
+            far = nodes[src] != nodes[dst]
+            moved[(src, far, True)] = moved.get((src, far, True), 0.0) + (hi - lo) * bytes_each_way
+            moved[(dst, far, False)] = moved.get((dst, far, False), 0.0) + (hi - lo) * bytes_each_way
+        for r in range(layout.world_size):
+            times = [link.alpha_us * 1e-3 + max(moved.get((r, far, True), 0.0), moved.get((r, far, False), 0.0))
+                     / (link.gbytes_per_s * 1e6) for far, link in ((False, intra), (True, inter))
+                     if moved.get((r, far, True)) or moved.get((r, far, False))]
+            ms[r] += 2 * max(times, default=0.0)
+    return ms
+
+
+def exchange_bytes(layout: OwnerLayout, nodes: Optional[Sequence[int]] = None,
+                   bytes_each_way: int = 4) -> Tuple[List[float], List[float]]:
     """(sent, received): bytes each DP rank sends and receives per step in the split layout's exchange
-    (runtime/dp_exchange.py): a holder sends its pieces of the updates of matrices homed elsewhere and
-    receives their directions' pieces back; a home receives the other pieces of its matrices' updates
-    and sends their directions' pieces back (``bytes_each_way`` per element: the masters' fp32).
-    Zeros for a whole-matrix layout."""
+    (runtime/dp_exchange.py), both ways (the pieces of the updates to their homes, the directions' back)
+    along ``Routes(nodes)`` (a forwarding rank counts what it forwards; None: one node, no forwarding),
+    ``bytes_each_way`` per element (the masters' fp32). Zeros for a whole-matrix layout."""
     sent = [0.0] * layout.world_size
     received = [0.0] * layout.world_size
     if layout.scheme != "split":
         return sent, received
-    for name, home in layout.owners.items():
-        for r, lo, hi in layout.pieces(name):
-            if r != home:
-                moved = (hi - lo) * bytes_each_way
-                sent[r] += moved  # the update's piece to the home ...
-                received[home] += moved
-                sent[home] += moved  # ... and the direction's piece back
-                received[r] += moved
+    for hops in Routes(nodes or [0] * layout.world_size).rounds(to_home_transfers(layout)):
+        for (_, _, _, lo, hi), src, dst in hops:
+            moved = (hi - lo) * bytes_each_way
+            for rank in (src, dst):  # there, and back the same hop the other way
+                sent[rank] += moved
+                received[rank] += moved
     return sent, received
 
 
-def exchange_bytes_sent(layout: OwnerLayout, bytes_each_way: int = 4) -> List[float]:
+def exchange_bytes_sent(layout: OwnerLayout, nodes: Optional[Sequence[int]] = None,
+                        bytes_each_way: int = 4) -> List[float]:
     """The bytes each DP rank sends per step in the split layout's exchange (``exchange_bytes``)."""
-    return exchange_bytes(layout, bytes_each_way)[0]
+    return exchange_bytes(layout, nodes, bytes_each_way)[0]

@@ -4,19 +4,29 @@ Under the split scheme (planning/split_layout.py) Megatron's equal DP shards cut
 they fall; each rank holding a piece keeps that piece's master and momentum and computes its piece of
 the Nesterov update (element-wise, as a whole matrix's). ``to_homes`` sends every piece to the
 matrix's NS home, which assembles the whole (TP-local) update in its flattened order; after the NS
-``from_homes`` sends each holder its piece of the direction. Messages are point to point and only
-between ranks that share a matrix (one send per peer and direction, the pieces of several matrices
-concatenated in name order), so the cost does not grow with the DP size. Every rank derives the same
-pieces from the one plan, so message sizes are known on both sides without a handshake.
+``from_homes`` sends each holder its piece of the direction back. Messages are point to point and only
+between ranks that share a matrix (one message per peer and round, the pieces of several matrices
+concatenated in a fixed order), so the cost does not grow with the DP size. Every rank derives the same
+transfers from the one plan, so message sizes are known on both sides without a handshake.
+
+Across nodes a home would receive every piece of a large matrix through its own network link (the
+fc1 of Qwen2.5-7B is 543 MB of fp32 from up to 136 ranks at DP 1024). With ``ranks_per_node`` (torchrun's
+LOCAL_WORLD_SIZE), a piece bound for another node goes first to the rank of that node with the sender's
+local index (a rail-aligned hop: the node's links share the load), which forwards it to the home over
+the node's own links; directions come back the same way. Only the route changes: the bytes each home
+assembles are the same, so the result is bit-identical (tests/test_dp_layouts.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["SplitMatrix", "DPExchange"]
+from ..planning.split_layout import Routes
+
+__all__ = ["SplitMatrix", "DPExchange", "node_of_dp_ranks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,92 +43,119 @@ class SplitMatrix:
         return next(((lo, hi) for r, lo, hi in self.pieces if r == rank), None)
 
 
+Transfer = Tuple[str, int, int, int, int]  # (matrix key, source DP rank, destination DP rank, lo, hi)
+
+
+def node_of_dp_ranks(group, ranks_per_node: Optional[int] = None) -> List[int]:
+    """The node of each DP rank of ``group``: its global rank // the ranks per node (torchrun's
+    LOCAL_WORLD_SIZE when not given; one node when neither is known)."""
+    if group is None:
+        return [0]
+    if ranks_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        ranks_per_node = int(local) if local.isdigit() and int(local) > 0 else None
+    members = torch.distributed.get_process_group_ranks(group)
+    return [g // ranks_per_node if ranks_per_node else 0 for g in members]
+
+
 class DPExchange:
     """Moves update pieces to NS homes and direction pieces back over one DP group."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, nodes: Optional[Sequence[int]] = None):
         self.group = group
         self.size = 1 if group is None else torch.distributed.get_world_size(group)
         self.rank = 0 if group is None else torch.distributed.get_rank(group)
         self.bytes_sent = 0  # of the last step (reset by the owner step)
+        # the node of every DP rank (None: derived at the first exchange, node_of_dp_ranks)
+        self._nodes = list(nodes) if nodes is not None else None
+        self._plans: Dict[tuple, list] = {}
+        self._routes: Optional[Routes] = None
 
-    def _exchange(self, send: Dict[int, List[torch.Tensor]], recv_numel: Dict[int, int],
-                  like: torch.Tensor) -> Dict[int, torch.Tensor]:
-        """One message to each peer of ``send`` (its tensors concatenated) and one from each peer of
-        ``recv_numel``; returns the received flat tensors by peer."""
-        received = {peer: like.new_empty(n) for peer, n in recv_numel.items() if n}
-        ops = []
-        for peer, flat in received.items():
-            ops.append(torch.distributed.P2POp(torch.distributed.irecv, flat, group=self.group, group_peer=peer))
-        for peer, parts in send.items():
-            if not parts:
-                continue
-            flat = torch.cat([t.reshape(-1) for t in parts]).to(like.dtype)
-            self.bytes_sent += flat.numel() * flat.element_size()
-            ops.append(torch.distributed.P2POp(torch.distributed.isend, flat, group=self.group, group_peer=peer))
-        if ops:
-            for request in torch.distributed.batch_isend_irecv(ops):
-                request.wait()
-        return received
+    # ------------------------------------------------------------------------------- routing
+    @property
+    def nodes(self) -> List[int]:
+        if self._nodes is None:
+            self._nodes = node_of_dp_ranks(self.group) if self.size > 1 else [0]
+        return self._nodes
 
+    def _rounds(self, transfers: Sequence[Transfer]):
+        """The hops of ``transfers`` in rounds (planning/split_layout.Routes: the rule the planner's
+        model of the exchange uses too)."""
+        if self._routes is None:
+            self._routes = Routes(self.nodes)
+        return self._routes.rounds(transfers)
+
+    def _plan(self, key: tuple, transfers: Sequence[Transfer]):
+        """This rank's part of every round (sends and receives by peer, in a fixed order), once per
+        set of transfers: [([(peer, [transfer])] sent, [(peer, [transfer])] received)] per round."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = []
+            for hops in self._rounds(sorted(transfers)):
+                sends: Dict[int, list] = {}
+                recvs: Dict[int, list] = {}
+                for t, src, dst in hops:
+                    if src == self.rank:
+                        sends.setdefault(dst, []).append(t)
+                    if dst == self.rank:
+                        recvs.setdefault(src, []).append(t)
+                plan.append((sorted(sends.items()), sorted(recvs.items())))
+            self._plans[key] = plan
+        return plan
+
+    def _move(self, key: tuple, transfers: Sequence[Transfer], slice_of, like: torch.Tensor) -> Dict[Transfer, torch.Tensor]:
+        """Carry out ``transfers``; ``slice_of(transfer)``: this rank's data of a transfer it starts.
+        Returns the data of every transfer ending on this rank."""
+        held: Dict[Transfer, torch.Tensor] = {}  # arrived here (for this rank, or to forward)
+        for sends, recvs in self._plan(key, transfers):
+            ops, arriving = [], []
+            for peer, ts in recvs:
+                flat = like.new_empty(sum(t[4] - t[3] for t in ts))
+                arriving.append((flat, ts))
+                ops.append(torch.distributed.P2POp(torch.distributed.irecv, flat, group=self.group, group_peer=peer))
+            for peer, ts in sends:
+                flat = torch.cat([(held.pop(t) if t in held else slice_of(t)).reshape(-1) for t in ts]).to(like.dtype)
+                self.bytes_sent += flat.numel() * flat.element_size()
+                ops.append(torch.distributed.P2POp(torch.distributed.isend, flat, group=self.group, group_peer=peer))
+            if ops:
+                for request in torch.distributed.batch_isend_irecv(ops):
+                    request.wait()
+            for flat, ts in arriving:
+                for t, part in zip(ts, flat.split([t[4] - t[3] for t in ts])):
+                    held[t] = part
+        return held
+
+    # ------------------------------------------------------------------------------ exchange
     def to_homes(self, mats: Sequence[SplitMatrix], local: Dict[str, torch.Tensor],
                  like: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """The whole flattened update of every matrix of ``mats`` homed on this rank (``local``:
-        this rank's piece of every matrix it holds a piece of, flattened)."""
-        mats = sorted(mats, key=lambda m: m.key)
-        send: Dict[int, List[torch.Tensor]] = {}
-        recv: Dict[int, int] = {}
-        for m in mats:
-            mine = m.piece_of(self.rank)
-            if m.home != self.rank:
-                if mine is not None:
-                    send.setdefault(m.home, []).append(local[m.key])
-                continue
-            for r, lo, hi in m.pieces:
-                if r != self.rank:
-                    recv[r] = recv.get(r, 0) + hi - lo
-        received = self._exchange(send, recv, like)
-        cursor = {peer: 0 for peer in received}
+        """The whole flattened update of every matrix of ``mats`` homed on this rank (``local``: this
+        rank's piece of every matrix it holds a piece of, flattened). ``mats``: every split matrix of
+        the optimizer (a rank may forward pieces of matrices it neither holds nor homes)."""
+        transfers = [(m.key, r, m.home, lo, hi) for m in mats for r, lo, hi in m.pieces if r != m.home]
+        arrived = self._move(("to", tuple(sorted(m.key for m in mats))), transfers,
+                             lambda t: local[t[0]].reshape(-1), like)
         out = {}
         for m in mats:
             if m.home != self.rank:
                 continue
             full = like.new_empty(m.numel)
             for r, lo, hi in m.pieces:
-                if r == self.rank:
-                    full[lo:hi] = local[m.key].reshape(-1)
-                else:
-                    full[lo:hi] = received[r][cursor[r]:cursor[r] + hi - lo]
-                    cursor[r] += hi - lo
+                full[lo:hi] = local[m.key].reshape(-1) if r == self.rank else arrived[(m.key, r, m.home, lo, hi)]
             out[m.key] = full
         return out
 
     def from_homes(self, mats: Sequence[SplitMatrix], full: Dict[str, torch.Tensor],
                    like: torch.Tensor) -> Dict[str, torch.Tensor]:
         """This rank's piece of every matrix of ``mats`` it holds a piece of (``full``: the whole
-        flattened direction of every matrix homed here)."""
-        mats = sorted(mats, key=lambda m: m.key)
-        send: Dict[int, List[torch.Tensor]] = {}
-        recv: Dict[int, int] = {}
-        for m in mats:
-            mine = m.piece_of(self.rank)
-            if m.home == self.rank:
-                for r, lo, hi in m.pieces:
-                    if r != self.rank:
-                        send.setdefault(r, []).append(full[m.key].reshape(-1)[lo:hi])
-            elif mine is not None:
-                recv[m.home] = recv.get(m.home, 0) + mine[1] - mine[0]
-        received = self._exchange(send, recv, like)
-        cursor = {peer: 0 for peer in received}
+        flattened direction of every matrix homed here; ``mats`` as for ``to_homes``)."""
+        transfers = [(m.key, m.home, r, lo, hi) for m in mats for r, lo, hi in m.pieces if r != m.home]
+        arrived = self._move(("from", tuple(sorted(m.key for m in mats))), transfers,
+                             lambda t: full[t[0]].reshape(-1)[t[3]:t[4]], like)
         out = {}
         for m in mats:
             mine = m.piece_of(self.rank)
             if mine is None:
                 continue
             lo, hi = mine
-            if m.home == self.rank:
-                out[m.key] = full[m.key].reshape(-1)[lo:hi]
-            else:
-                out[m.key] = received[m.home][cursor[m.home]:cursor[m.home] + hi - lo]
-                cursor[m.home] += hi - lo
+            out[m.key] = full[m.key].reshape(-1)[lo:hi] if m.home == self.rank else arrived[(m.key, m.home, self.rank, lo, hi)]
         return out

@@ -159,8 +159,10 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self.ns_check = NSQualityCheck(self.muon, fp32_orthogonalizer(self.muon, method="standard"))
         self.tp = TPExchange(tp_group)
         self.dp = DPExchange(dp_group)  # the split layout's pieces and NS homes (runtime/dp_exchange.py)
-        # split layout: the matrices whose NS home is this rank but of which it holds no piece
+        # split layout: the matrices whose NS home is this rank but of which it holds no piece, and every
+        # split matrix of this optimizer (the exchange may route pieces of others through this rank)
         self.homed: Dict[str, MatrixInfo] = {}
+        self.split_matrices: Dict[str, MatrixInfo] = {}
         if self.muon.update != "muon" and self.tp.size > 1:
             raise ValueError(tp_refusal(self.muon.update))
         overlap = OverlapMode(self.muon.overlap_step)
@@ -217,6 +219,15 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         self._check_ns_choice(info)
         self.homed[info.name] = info
 
+    def register_split_matrices(self, infos: Sequence[MatrixInfo]) -> None:
+        """Every split-layout matrix of this optimizer, whoever holds it: the exchange's transfers are
+        derived from all of them on every rank (a piece bound for another node passes through a node-mate
+        of its home)."""
+        for info in infos:
+            if info.dp_split is None:
+                raise ValueError(f"DMuon: {info.name!r} is not a split-layout matrix")
+            self.split_matrices[info.name] = info
+
     @staticmethod
     def _check_ns_choice(info: MatrixInfo) -> None:
         if not info.ns:
@@ -227,7 +238,7 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     @property
     def splits_matrices(self) -> bool:
         """Whether the split layout cuts any matrix of this optimizer (the general exchange step runs)."""
-        return bool(self.homed) or any(i.dp_split is not None for i in self.matrix_info.values())
+        return bool(self.split_matrices or self.homed) or any(i.dp_split is not None for i in self.matrix_info.values())
 
     def _momentum_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The stored momentum's dtype: bf16 when asked, else the master's (fp32; float64 in the
@@ -371,7 +382,8 @@ class OwnerMuonAdamW(torch.optim.AdamW):
             updates = self._momentum_updates(entries)  # of what this rank holds (its piece, its TP shard)
         self.tp.bytes_sent = self.dp.bytes_sent = 0
         self.stats["ns_matrices"] = 0
-        split = {info.name: info for _, _, info in entries if info.dp_split is not None}
+        split = dict(self.split_matrices)  # every split matrix of this optimizer: held, homed or passing by
+        split.update({info.name: info for _, _, info in entries if info.dp_split is not None})
         split.update(self.homed)
         work = {info.name: info for _, _, info in entries if info.dp_split is None}
         work_updates = {n: u for n, u in updates.items() if n in work}

@@ -219,3 +219,21 @@ def load_param_state_file_errors(rank, world_size, filename):
     except Exception as e:  # noqa: BLE001 - the error is the result
         return f"{type(e).__name__}: {e}"
     return "loaded"
+
+
+def save_into_a_link_errors(rank, world_size, root, target):
+    """Each rank's error from a save whose iteration directory became a link (to ``target``) after the
+    start-up check: raised on every rank together, before anything is written."""
+    import os
+
+    from ..megatron.checkpoint.job import checkpoint_dir, save_checkpoint
+
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        os.symlink(target, checkpoint_dir(root, 2))
+    torch.distributed.barrier()
+    try:
+        save_checkpoint(root, 2, [], None)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return f"{type(e).__name__}: {e}"
+    return "saved"

@@ -42,6 +42,14 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, extra: O
 
     children_die_with_this_rank()  # the writer's Manager process must not outlive a SIGKILLed rank
     path = checkpoint_dir(root, iteration)
+    # a link where the save writes (made after the start-up check) is never followed into another directory:
+    # every rank raises together, before anything is written
+    link = [next((own for own in (path, os.path.join(root, TRACKER), os.path.join(root, TRACKER + ".tmp"))
+                  if os.path.islink(own)), None) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(link, src=0)
+    if link[0]:
+        raise CheckpointMismatchError(f"{link[0]} is a symbolic link where this run writes its checkpoint: remove it, "
+                                      "or save elsewhere")
     if torch.distributed.get_rank() == 0:
         if os.path.isdir(path):  # an incomplete save of a killed attempt
             shutil.rmtree(path)
