@@ -145,6 +145,18 @@ def test_past_the_matrix_count_every_update_equals_the_reference(name, world, ex
         assert bytes_["inter_instance_bytes"] > 0
 
 
+def test_routing_pieces_through_the_homes_node_mates_is_bit_identical():
+    # 8 ranks as 4 'nodes' of 2 (torchrun's LOCAL_WORLD_SIZE): pieces bound for another node go through the
+    # home's node-mate (runtime/dp_exchange.py); only the route changes, the parameters are the same bits
+    kw = {**ONE_LAYER, "steps": 3, "dp_layout": "split"}
+    target = "megatron_dmuon.testing.workers:dmuon_train"
+    direct = run_distributed(target, 8, kwargs=kw)
+    routed = run_distributed(target, 8, kwargs=kw, env={"LOCAL_WORLD_SIZE": "2"})
+    a, b = full_params(direct), full_params(routed)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert [r["dp_bytes"] for r in routed] != [r["dp_bytes"] for r in direct]  # forwarded: another route
+
+
 def test_split_layout_with_experts_equals_the_reference():
     kw = {**ONE_LAYER, "ep": 2, "shape_kw": dict(fp64=True, num_layers=1, num_experts=4), "dp_layout": "split"}
     _check(run_dmuon(4, **kw), kw, 4)
