@@ -380,6 +380,7 @@ def stand_in_megatron_training(monkeypatch):
     training.DDP, training.get_megatron_optimizer = object, lambda *a, **k: "megatron's"
     training.clip_qk = lambda *a, **k: "megatron's clip_qk"
     training.train = lambda *a, **k: "megatron's train"
+    training.training_log = lambda *a, **k: "megatron's training_log"
     training.load_checkpoint = lambda model, optimizer, *a, **k: ("megatron's load", model, optimizer)
     checkpointing = types.ModuleType("megatron.training.checkpointing")
     checkpointing._load_base_checkpoint = lambda load_dir, args, rank0=False, sharded_state_dict=None, **k: (

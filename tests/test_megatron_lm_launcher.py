@@ -46,7 +46,7 @@ STAND_IN = {
         """,
     "megatron/training/training.py": """
         DDP = object
-        get_megatron_optimizer = clip_qk = load_checkpoint = train = print
+        get_megatron_optimizer = clip_qk = load_checkpoint = train = training_log = print
         """,
     "megatron/training/checkpointing.py": "_load_base_checkpoint = print\n",
     "megatron/training/models/__init__.py": "",

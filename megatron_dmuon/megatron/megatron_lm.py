@@ -27,6 +27,10 @@ CUDA stream, so the owner's Newton-Schulz on its low-priority stream fills what 
 6. `megatron.training.training.clip_qk` (MuonClip, `--qk-clip`, run after every optimizer step) —
    becomes `megatron/qk_clip.clip_qk`, Megatron's own made to rescale DMuon's owner masters.
 
+9. `megatron.training.training.training_log` (`--optimizer dmuon` runs) — Megatron-LM's own log, then at
+   every `--log-interval` DMuon's metrics (megatron/metrics.py) into Megatron's TensorBoard and W&B
+   writers when `--tensorboard-dir` / `--wandb-project` ask for them.
+
 7. `megatron.training.training.load_checkpoint` and 8. `megatron.training.checkpointing._load_base_checkpoint`
    (every run, DMuon or not) — the optimizer switch inside Megatron-LM's loop: the common state
    Megatron-LM reads first is noted (`checkpoint_switch.note_megatron_lm_load`), so DMuon's
@@ -57,6 +61,7 @@ HOOK_POINTS = (("megatron.training.arguments", "add_megatron_arguments"),
                ("megatron.training.training", "clip_qk"),
                ("megatron.training.training", "load_checkpoint"),
                ("megatron.training.training", "train"),
+               ("megatron.training.training", "training_log"),
                ("megatron.training.checkpointing", "_load_base_checkpoint"),
                ("megatron.training.models.dist_utils", "DistributedDataParallel"))
 
@@ -102,9 +107,34 @@ def optimizer_factory_for(args, fallback: Callable) -> Callable:
             return fallback(config, model_chunks, *extra, **kwargs)
         from .optimizer import get_dmuon_optimizer
 
-        return get_dmuon_optimizer(dataclasses.replace(config, optimizer="adam"), model_chunks, config_of(args))
+        optimizer = get_dmuon_optimizer(dataclasses.replace(config, optimizer="adam"), model_chunks, config_of(args))
+        if getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None):
+            _RUN["metrics"] = optimizer.enable_metrics(model_chunks)  # written by training_log's route (9)
+        return optimizer
 
     return get_megatron_optimizer
+
+
+_RUN: dict = {}  # this process's DMuon run: its metrics (megatron/metrics.py), once the optimizer is built
+
+
+def _with_dmuon_metrics(training_log: Callable, args) -> Callable:
+    """Megatron-LM's ``training_log``, then at every ``--log-interval`` DMuon's metrics into Megatron's own
+    TensorBoard and W&B writers (``values`` gathers on every rank: training_log runs on every rank)."""
+
+    def training_log_with_dmuon_metrics(*a, **k):
+        out = training_log(*a, **k)
+        iteration = a[3] if len(a) > 3 else k.get("iteration")
+        metrics = _RUN.get("metrics")
+        if metrics is not None and iteration is not None and iteration % args.log_interval == 0:
+            from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+            from .metrics import write_values
+
+            write_values(iteration, metrics.values(), get_tensorboard_writer(), get_wandb_writer())
+        return out
+
+    return training_log_with_dmuon_metrics
 
 
 def install() -> None:
@@ -162,6 +192,9 @@ def _route(args) -> None:
     if ddp_class is not None:
         training.DDP = ddp_class
         dist_utils.DistributedDataParallel = ddp_class
+    if "training_log" not in _ORIGINALS:
+        _ORIGINALS["training_log"] = training.training_log
+    training.training_log = _with_dmuon_metrics(_ORIGINALS["training_log"], args)
     if "train" not in _ORIGINALS:
         _ORIGINALS["train"] = training.train
     overlapped = OverlapMode(args.dmuon_overlap_step).overlaps

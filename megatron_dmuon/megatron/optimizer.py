@@ -105,6 +105,16 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
         self.skip_nonfinite = skip_nonfinite
         self.skipped_iterations = 0
         self._folded_clip = []  # the parts whose clipping this step() hands to their owner step
+        self.metrics = None  # DMuon's metrics for TensorBoard / W&B (megatron/metrics.py), once enabled
+
+    def enable_metrics(self, model_chunks):
+        """Record what DMuon's metrics need from now on (megatron/metrics.py: no device value read inside
+        the step); returns the ``DMuonMetrics``, which reads and gathers them at each log interval."""
+        from .metrics import DMuonMetrics
+
+        if self.metrics is None:
+            self.metrics = DMuonMetrics(self, model_chunks)
+        return self.metrics
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -199,7 +209,11 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
             for part, config in configs:
                 part.config = copy.copy(config)  # (not dataclasses.replace: no __post_init__ checks again)
                 part.config.clip_grad = 0.0
+            if self.metrics is not None:
+                self.metrics.begin_step()
             out = super().step()
+            if self.metrics is not None:
+                self.metrics.end_step()
         finally:
             for part, config in configs:
                 part.config = config

@@ -536,3 +536,48 @@ def nan_vs_never_seen(rank, world_size, nan_at=(3, 1), **kw):
         _finish_overlap(run)
         out[name] = _report(run, rank, trained, [])
     return out
+
+
+def metrics_device_reads(rank, world_size, steps=3, **kw):
+    """Device values read back (``Tensor.item`` / ``tolist``, CUDA syncs) inside the optimizer steps of a DMuon run,
+    with DMuon's metrics off, then on (megatron/metrics.py must add none); the metrics' values at the end."""
+    from megatron_dmuon.megatron.gpt import train_step
+
+    init_parallel()
+    run = _build(**kw)
+    counts = {"item": 0, "tolist": 0, "synchronize": 0}
+    originals = {"item": torch.Tensor.item, "tolist": torch.Tensor.tolist, "synchronize": torch.cuda.synchronize}
+
+    def counted(name):
+        def wrapper(*a, **k):
+            counts[name] += 1
+            return originals[name](*a, **k)
+        return wrapper
+
+    class CountedStep:  # the optimizer as train_step sees it, its step() counted
+        def __init__(self, opt):
+            self.opt = opt
+
+        def __getattr__(self, name):
+            return getattr(self.opt, name)
+
+        def step(self):
+            torch.Tensor.item, torch.Tensor.tolist = counted("item"), counted("tolist")
+            torch.cuda.synchronize = counted("synchronize")
+            try:
+                return self.opt.step()
+            finally:
+                torch.Tensor.item, torch.Tensor.tolist = originals["item"], originals["tolist"]
+                torch.cuda.synchronize = originals["synchronize"]
+
+    def steps_counted(first):
+        before = dict(counts)
+        for step in range(first, first + steps):
+            micro = _micro_batches(run, step)
+            train_step(run.chunks, CountedStep(run.opt), micro, run.shape.seq_length, run.o["mbs"])
+        return {k: counts[k] - before[k] for k in counts}
+
+    off = steps_counted(0)
+    metrics = run.opt.enable_metrics(run.chunks)
+    on = steps_counted(steps)
+    return {"off": off, "on": on, "values": metrics.values()}

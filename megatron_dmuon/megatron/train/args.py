@@ -96,6 +96,11 @@ def parse_args(argv=None):
     a("--split", default="95,5", help="train,valid[,test] weights as Megatron-LM's, in that order over the data (the "
       "stdlib files in name order, or the dataset's documents): 95,5 validates on the last 5%%; a test share, the "
       "last, is never read")
+    a("--tensorboard-dir", default=None,
+      help="write DMuon's metrics (docs/metrics.md) and the lm loss there at every --log-interval, as Megatron-LM does")
+    a("--wandb-project", default=None, help="also log them to this W&B project (offline unless WANDB_API_KEY is set)")
+    a("--wandb-exp-name", default=None, help="the W&B run's name")
+    a("--wandb-save-dir", default=None, help="where W&B keeps its run files (default: --tensorboard-dir, else ./wandb)")
     a("--eval-interval", type=int, default=None,
       help="validation loss every N iterations (and after the last); default: after the last only")
     a("--eval-iters", type=int, default=4, help="validation batches (each --global-batch-size windows) per evaluation; 0: none")

@@ -3,6 +3,7 @@ run-time checks, saves, progress lines, validation), and what it leaves for the 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -99,6 +100,9 @@ class IntervalLog:
         else:
             self.nan += 1
 
+    def interval_loss(self) -> float:
+        return self.loss / self.finite if self.finite else float("nan")
+
     def line(self, it, lr, grad_norm, consumed_samples: int) -> str:
         a, ms = self.args, self.step_ms / self.n
         loss = self.loss / self.finite if self.finite else float("nan")
@@ -111,6 +115,40 @@ class IntervalLog:
                f"number of skipped iterations: {self.skipped:3d} | number of nan iterations: {self.nan:3d} |")
         self._reset()
         return out
+
+
+class Charts:
+    """--tensorboard-dir / --wandb-project: at each logged iteration DMuon's metrics (megatron/metrics.py,
+    gathered on every rank) and the lm loss and learning rate under Megatron-LM's names, written by rank 0;
+    rank 0 also prints the metrics' line (what the charts hold)."""
+
+    def __init__(self, args, rank: int, opt, chunks):
+        from megatron_dmuon.megatron.metrics import tensorboard_writer, wandb_run
+
+        self.rank = rank
+        wanted = bool(args.tensorboard_dir or args.wandb_project)
+        self.metrics = opt.enable_metrics(chunks) if wanted and hasattr(opt, "enable_metrics") else None
+        self.tensorboard = tensorboard_writer(args.tensorboard_dir) if args.tensorboard_dir and rank == 0 else None
+        self.wandb = wandb_run(args.wandb_project, args.wandb_exp_name, args.wandb_save_dir or args.tensorboard_dir,
+                               vars(args)) if args.wandb_project and rank == 0 else None
+
+    def write(self, iteration: int, loss: float, lr: float) -> None:
+        if self.metrics is None and self.tensorboard is None and self.wandb is None:
+            return
+        values = self.metrics.values() if self.metrics is not None else {}  # (a collective: every rank)
+        if self.rank != 0:
+            return
+        if values:
+            print(f"> dmuon metrics {json.dumps({'iteration': iteration, **values}, sort_keys=True)}", flush=True)
+        from megatron_dmuon.megatron.metrics import write_values
+
+        write_values(iteration, dict(values, **{"lm loss": loss, "learning-rate": lr}), self.tensorboard, self.wandb)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def validation_runner(args, data, dp_size, dp_rank, rank, loss_of):
@@ -165,6 +203,7 @@ def train(job) -> History:
         print(f"> the checkpoint is at iteration {run.start} and --train-iters is {args.train_iters}: nothing to train "
               "(raise --train-iters to continue, with --override-opt_param-scheduler for the longer schedule or "
               "--use-checkpoint-opt_param-scheduler to keep the saved one)", flush=True)
+    charts = Charts(args, rank, opt, [ddp])  # --tensorboard-dir / --wandb-project (megatron/metrics.py)
     streak = 0  # consecutive iterations without a finite loss and an applied update
     whole = None  # the --profile-iterations profile while it runs
     for it in range(run.start + 1, args.train_iters + 1):
@@ -204,11 +243,14 @@ def train(job) -> History:
         run.first_loss = loss if run.first_loss is None else run.first_loss
         run.last_loss = loss
         if it % args.log_interval == 0 or it == 1 or it == args.train_iters:
+            interval_loss = log.interval_loss()
             line = log.line(it, opt.param_groups[0]["lr"], grad_norm, run.consumed)
             if rank == 0:
                 print(line, flush=True)
+            charts.write(it, interval_loss, opt.param_groups[0]["lr"])
         if evaluate and (it == args.train_iters or (args.eval_interval and it % args.eval_interval == 0)):
             run.validation.append({"iteration": it, "loss": evaluate(it)})
     if evaluate and not run.timings:  # nothing trained: the loaded model's validation loss
         run.validation.append({"iteration": run.start, "loss": evaluate(run.start)})
+    charts.close()
     return run
