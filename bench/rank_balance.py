@@ -57,7 +57,7 @@ from megatron_dmuon.planning.rank_cost import RankWork  # noqa: E402
 from megatron_dmuon.runtime.ns_timing import time_owner_step  # noqa: E402
 from megatron_ranks import adamw_work, megatron_layerwise_work, time_adamw_rank, time_megatron_rank  # noqa: E402
 from cli_inputs import OneLineParser, check_device, read_json  # noqa: E402
-from rank_scale import scale, scale_table  # noqa: E402
+from rank_scale import scale, scale_plot, scale_table  # noqa: E402
 from rank_layouts import (ADAMW, BASELINES, MEGATRON, PLANS, describe, gpu_work, job_settings,  # noqa: E402
                           make_plans, parse_layout, pieces_of, shard_signature, signature, split_cell_work,
                           tp_cell_work)
@@ -502,6 +502,8 @@ def main(argv=None):
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(result, indent=1))
         Path(args.out + ".md").write_text(f"# {args.mode} on one {name} ({args.flags})\n\n" + text + "\n")
+        if args.mode == "scale" and result["scale_rows"]:
+            scale_plot(result, args.out + ".png")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from megatron_dmuon.planning.cost_model import CostModel, cluster_spec, load_con
 from megatron_dmuon.planning.models import stage_params
 from rank_layouts import ADAMW, MEGATRON, job_settings, make_plans, parse_layout
 
-__all__ = ["scale", "scale_table"]
+__all__ = ["scale", "scale_table", "scale_plot"]
 
 
 def _forward_backward_ms(model, par, cluster, global_batch: int, seq_length: int = 4096) -> float:
@@ -117,3 +117,36 @@ def scale_table(result):
         lines.append(f"| {r['layout']} | {r['gpus']} | {r.get('picked', '—')} | {step} | {it} | {cell(r, 'dmuon')} | "
                      f"{cell(r, 'dmuon_split')} | {cell(r, 'megatron')} | {cell(r, 'adamw')} |")
     return "\n".join(lines)
+
+
+def scale_plot(result, path: str) -> None:
+    """Step and iteration against the GPU count, per model: DMuon's pick, its whole and split layouts,
+    Megatron's LayerWise Muon and AdamW (the scale table's rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["layout"].split("/")[0] for r in result["scale_rows"]})
+    fig, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), squeeze=False)
+    series = (("dmuon", "DMuon whole", "C0", "--"), ("dmuon_split", "DMuon split", "C2", "--"),
+              ("megatron", "Megatron LayerWise", "C1", "-"), ("adamw", "AdamW", "k", "-"))
+    for col, model in enumerate(models):
+        rows = [r for r in result["scale_rows"] if r["layout"].startswith(model + "/")]
+        for row, (what, label) in enumerate((("step", "optimizer step ms"), ("iteration", "iteration ms"))):
+            ax = axes[row][col]
+            for key, name, color, style in series:
+                pts = [(r["gpus"], _step(r, key) if what == "step" else r[key + "_iteration_ms"])
+                       for r in rows if key + "_ms" in r]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=color, marker="o", ms=3, label=name)
+            picks = [(r["gpus"], _step(r, "dmuon" if r.get("picked") == "whole" else "dmuon_split") if what == "step"
+                      else r[("dmuon" if r.get("picked") == "whole" else "dmuon_split") + "_iteration_ms"])
+                     for r in rows if "picked" in r]
+            if picks:
+                ax.plot(*zip(*picks), "-", color="C3", lw=2.5, alpha=0.6, label="DMuon (the run's pick)")
+            ax.set(xscale="log", yscale="log", title=f"{model}: {label}", xlabel="GPUs (DP)", ylabel="ms")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -113,3 +113,12 @@ def test_a_missing_package_is_named():
         with pytest.raises(ValueError, match="pip install wandb"):
             metrics.wandb_run("p", None, None, {})
     assert [m.name for m in METRICS] == list(NAMES)
+
+
+def test_dmuon_plan_draws_its_plans(tmp_path):
+    # dmuon plan --plot: each GPU's predicted NS and bytes under each planner, the DP layouts' candidates
+    from megatron_dmuon.planning.plan_cli import main
+
+    path = tmp_path / "plan.png"
+    assert main(["--preset", "tiny", "--dp", "4", "--planners", "greedy", "split", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

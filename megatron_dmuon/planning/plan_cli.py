@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     ovl.add_argument("--micro-batches", type=int, default=4, help="micro-batches per GPU per iteration (default 4)")
     ovl.add_argument("--model-tflops", type=float, default=None,
                      help="achieved forward+backward TFLOP/s per GPU (default: the device's model_tflops in the config)")
+    out.add_argument("--plot", metavar="FILE.png", default=None,
+                     help="also draw each GPU's predicted NS and bytes under each planner and the DP layouts' "
+                          "candidates (matplotlib)")
     out.add_argument("--show", metavar="FILE", default=None,
                      help="print the DMuonPlan a run built (planning/plan.py) from a plan JSON or the main job's "
                           "--timing-json file, instead of planning a model")
@@ -575,6 +578,13 @@ def main(argv=None) -> int:
     report["warnings"] = sorted({str(w.message) for w in caught})
     report["cost_model"] = {"device": cluster.device.name, "profile": args.profile, "ns_method": args.ns_method,
                             "steps": args.ns_steps, "tflops_for_unprofiled_shapes": cost_model.tflops}
+    if args.plot:
+        from .plan_plot import plot_report
+
+        try:
+            plot_report(report, args.plot)
+        except (OSError, ValueError) as e:
+            parser.error(f"--plot {args.plot}: {getattr(e, 'strerror', None) or e}")
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:
