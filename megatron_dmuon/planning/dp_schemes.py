@@ -143,7 +143,7 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
             bytes_ = (d - 1) / d * numel * (grad_b + param_b) + 2 * (n - 1) / n * numel / d * grad_b + max(exchange_b)
             candidates.append({
                 "instances": n, "scheme": scheme, "instance_dp": d,
-                "bytes_per_rank": bytes_, "bytes_vs_adamw": bytes_ / adam_bytes,
+                "bytes_per_rank": bytes_, "bytes_vs_adamw": bytes_ / adam_bytes if adam_bytes else 1.0,  # (DP 1: none)
                 "padding_bytes": (numel - unpadded) * (grad_b + param_b),
                 "max_state_bytes": state, "adamw_state_bytes": (master + 8) * unpadded / d,
                 "state_vs_adamw": state / ((master + 8) * unpadded / d),
