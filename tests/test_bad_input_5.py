@@ -20,6 +20,8 @@ import sys
 import numpy as np
 import pytest
 
+from megatron_dmuon.testing.usage_errors import main_job_refusal
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 FILTER = os.path.join(ROOT, "launch", "after_job_error.py")
@@ -40,12 +42,7 @@ def _parse(argv):
     return parse_args([str(a) for a in argv])
 
 
-def _refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        _parse(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("error:") == 1, err
-    return err.split("error: ", 1)[1].strip()
+_refused = main_job_refusal
 
 
 # ---------------------------------------------------------------- two flags naming other coefficients
