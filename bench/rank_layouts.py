@@ -17,7 +17,7 @@ from megatron_dmuon.planning.owner_layout import megatron_bucket_size
 from megatron_dmuon.planning.params import owner_ns_cost
 from megatron_dmuon.planning.planners import gpu_cells, plan_stage, split_rule_for, transformer_shape
 from megatron_dmuon.planning.rank_cost import piece_counts
-from megatron_dmuon.planning.owner_layout import fragments_by_rank
+from megatron_dmuon.planning.layout_stats import fragments_by_rank
 
 PLANS = ("greedy", "numel_lpt", "megatron_lpt", "milp", "split")  # split: --dmuon-dp-layout split's NS homes
 # Megatron-LM's own LayerWise Muon, each rank emulated with Megatron's own optimizer classes

@@ -1,6 +1,7 @@
 """planning/dp_shards.py: the one DP-shard window arithmetic, and the planner code built on it."""
 from megatron_dmuon.planning.dp_shards import shard_overlap, shard_range
-from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout, state_bytes_per_rank
+from megatron_dmuon.planning.layout_stats import state_bytes_per_rank
+from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
 from megatron_dmuon.planning.fp8_blocks import plan_publish
 
 

@@ -46,7 +46,8 @@ DECENTRALIZED_MAY_IMPORT = (DECENTRALIZED, f"{PACKAGE}.algorithms")
 PLANNING = f"{PACKAGE}.planning"
 # json_store: the one on-disk store of the kernels' and the planner's caches (standard library only)
 PLANNING_MAY_IMPORT = (PLANNING, f"{PACKAGE}.algorithms", f"{PACKAGE}.json_store", f"{PACKAGE}.files")  # (stdlib only)
-PLANNING_THIRD_PARTY = ("torch", "numpy", "scipy", "mip")
+# (matplotlib: only planning/plan_plot.py, dmuon plan's --plot, imported when asked)
+PLANNING_THIRD_PARTY = ("torch", "numpy", "scipy", "mip", "matplotlib")
 
 
 @dataclasses.dataclass(frozen=True)

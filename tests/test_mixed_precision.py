@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_dmuon.algorithms.fp8 import FP8_DTYPES, dequantize, quantize_dequantize, quantize_per_tensor
-from megatron_dmuon.planning.owner_layout import OwnerLayout, state_bytes_per_rank
+from megatron_dmuon.planning.layout_stats import state_bytes_per_rank
+from megatron_dmuon.planning.owner_layout import OwnerLayout
 from megatron_dmuon.planning.params import is_muon_param, is_muon_matrix
 from megatron_dmuon.planning.fp8_blocks import plan_publish
 from megatron_dmuon.testing.compare import full_optimizer_state, full_params, rel_diffs, run_dmuon, run_reference

@@ -60,13 +60,11 @@ NAMES = tuple(m.name for m in METRICS)
 class DMuonMetrics:
     """Per log interval, the metrics of one DMuon optimizer (a ``DMuonChainedOptimizer``)."""
 
-    def __init__(self, chained, model_chunks):
-        from .optimizer import comm_bytes_per_step
-
+    def __init__(self, chained, bytes_per_step: dict):
+        """``bytes_per_step``: optimizer.comm_bytes_per_step of the model chunks (fixed by the plan)."""
         self.chained = chained
-        bytes_ = comm_bytes_per_step(model_chunks)
-        self._static = {"dmuon/publish_bytes": bytes_["publish_bytes"],
-                        "dmuon/split_exchange_bytes": bytes_["split_exchange_bytes"]}
+        self._static = {"dmuon/publish_bytes": bytes_per_step["publish_bytes"],
+                        "dmuon/split_exchange_bytes": bytes_per_step["split_exchange_bytes"]}
         self._events: List[tuple] = []  # (start, end) per step of the interval: CUDA events, or host seconds
         self._open = None
         self._counted = self._counters()

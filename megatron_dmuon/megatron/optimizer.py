@@ -113,7 +113,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
         from .metrics import DMuonMetrics
 
         if self.metrics is None:
-            self.metrics = DMuonMetrics(self, model_chunks)
+            self.metrics = DMuonMetrics(self, comm_bytes_per_step(model_chunks))
         return self.metrics
 
     @torch.no_grad()

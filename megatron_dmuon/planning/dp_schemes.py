@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Sequence
 
 from .cost_model import ClusterSpec, CostModel, elementwise_costs, exchange_costs
 from .models import ModelSpec, ParallelSpec, stage_params
-from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
+from .layout_stats import state_bytes_per_rank
+from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from .owner_planning import choose_scheme
 from .planners import buffer_items, split_pieces
 from .split_layout import dp_nodes, exchange_bytes, exchange_ms, megatron_buckets, plan_split_layout

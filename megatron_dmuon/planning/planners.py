@@ -24,7 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .cost_model import CostModel
 from .models import ModelSpec, ParallelSpec, ParamSpec, stage_params
-from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout, state_bytes_per_rank
+from .layout_stats import state_bytes_per_rank
+from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from .split_layout import dp_nodes, exchange_bytes_sent, plan_split_layout
 from .params import ns_cost
 

@@ -39,8 +39,9 @@ from collections import Counter, defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .milp import BACKENDS, LAUNCH_TIE, MilpFallbackWarning, MilpModel, NoSolution, SOLVERS, spread_counts
-from .owner_layout import (PARAM_ALIGN, align_up, assemble_layout, check_plan_inputs, fragments_by_rank, min_shard,
-                           own_bucket_items, plan_layout_once, split_buckets)
+from .layout_stats import fragments_by_rank
+from .owner_layout import (PARAM_ALIGN, align_up, assemble_layout, check_plan_inputs, min_shard, own_bucket_items,
+                           plan_layout_once, split_buckets)
 from .rank_cost import RankCostModel, RankWork, piece_counts
 
 # the least predicted gain over the greedy a rank-model plan must show: the same plan's slowest GPU

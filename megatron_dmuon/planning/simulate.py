@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 
 from .cost_model import ClusterSpec, CostModel, Link, load_config
 from .models import ModelSpec, ParallelSpec, stage_params
-from .owner_layout import fragments_by_rank, megatron_bucket_size
+from .layout_stats import fragments_by_rank
+from .owner_layout import megatron_bucket_size
 from .planners import gpu_cells, plan_stage, predict_stage
 from .tp_cost import choose_tp_method
 
@@ -65,7 +66,7 @@ def _tp_exchange_ms(link: Link, params, owners: Dict[str, int], dp_rank: int, tp
 
 def adamw_fragments_in_shard(layout, params, dp_rank: int) -> List[int]:
     """Sizes of the pieces of element-wise (AdamW) params inside DP rank ``dp_rank``'s shards of
-    the buckets (``owner_layout.fragments_by_rank``)."""
+    the buckets (``layout_stats.fragments_by_rank``)."""
     return fragments_by_rank(layout, params)[dp_rank]
 
 
