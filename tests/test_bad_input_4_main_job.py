@@ -8,13 +8,12 @@ Start-up refusals run in this process (the checks every rank runs before anythin
 only a run shows uses two real runs of the main job, shared by a module fixture."""
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
 import pytest
 
-from megatron_dmuon.testing.usage_errors import main_job_refusal
+from megatron_dmuon.testing.usage_errors import as_one_process, main_job_refusal
 
 from test_bad_input_runs import SMALL, job, losses, stop_at, summary  # (helpers only: that module's fixtures stay there)
 
@@ -43,11 +42,7 @@ def _dataset(prefix, docs=4, value=None):
 
 @pytest.fixture(autouse=True)
 def _one_process(monkeypatch, tmp_path):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("DMUON_PLAN_CACHE", str(tmp_path / "plans.json"))  # (not the user's caches)
-    monkeypatch.setenv("DMUON_PROFILE_CACHE", str(tmp_path / "profile.json"))
-    monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
+    as_one_process(monkeypatch, tmp_path)
 
 
 # ------------------------------------------------------------------- 1. outputs against inputs

@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_dmuon.testing.usage_errors import main_job_refusal
+from megatron_dmuon.testing.usage_errors import as_one_process, main_job_refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -29,11 +29,7 @@ FILTER = os.path.join(ROOT, "launch", "after_job_error.py")
 
 @pytest.fixture(autouse=True)
 def _one_process(monkeypatch, tmp_path):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("DMUON_PLAN_CACHE", str(tmp_path / "plans.json"))  # (not the user's caches)
-    monkeypatch.setenv("DMUON_PROFILE_CACHE", str(tmp_path / "profile.json"))
-    monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
+    as_one_process(monkeypatch, tmp_path)
 
 
 def _parse(argv):

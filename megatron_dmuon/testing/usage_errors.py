@@ -15,3 +15,13 @@ def main_job_refusal(argv, capsys) -> str:
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("error:") == 1, err
     return err.split("error: ", 1)[1].strip()
+
+
+def as_one_process(monkeypatch, tmp_path) -> None:
+    """The test process as a one-GPU job without torchrun's environment, its caches under ``tmp_path``
+    (never the user's)."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DMUON_PLAN_CACHE", str(tmp_path / "plans.json"))
+    monkeypatch.setenv("DMUON_PROFILE_CACHE", str(tmp_path / "profile.json"))
+    monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
