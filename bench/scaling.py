@@ -9,7 +9,8 @@ GPU count bench/e2e.py's measurement (global batch scaled with DP: 8 x GPUs; its
 
 ``simulate``: the DMuon optimizer step predicted by planning/simulate.py at 8-256 GPUs, next to the
 DMuon paper's published point, and validated against every optimizer step measured on the H200s
-lent here; writes <out>.json, <out>.md (tables) and <out>.png (plot; needs matplotlib).
+lent here; writes <out>.json, <out>.md (tables) and <out>.png (plot, with Megatron's AdamW step beside
+DMuon's; needs matplotlib). ``simulate --plot-only`` redraws <out>.png from an earlier <out>.json.
 ``simulate --overlap``: instead, the owner NS that ``--dmuon-overlap-step`` leaves exposed per iteration
 (planning/simulate_overlap.py: off / on / on with the start in the last backward, % of off's NS
 hidden, an eta sweep, the 1-H200 check) at ``--gpus``; writes <out>.json and <out>.md only:
@@ -26,7 +27,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e  # noqa: E402
-from cli_inputs import OneLineParser  # noqa: E402  (one-line usage errors, exit 2)
+from cli_inputs import OneLineParser, read_json  # noqa: E402  (one-line usage errors, exit 2)
 from harness import ROOT, Job, run  # noqa: E402
 from megatron_dmuon.planning.cost_model import (CostModel, cluster_spec, device_spec,  # noqa: E402
                                                 load_bench_kernels_profile)
@@ -199,12 +200,14 @@ def plot_simulated(rows, path):
                 label=f"{name.upper()}: + publish exposed, two-level")
         ax.plot(x, [r["step_ms"] for r in flat], "^:", color=color, alpha=0.4,
                 label=f"{name.upper()}: + publish exposed, flat")
+        ax.plot(x, [r["adamw_step_overlapped_ms"] for r in sub], "x-.", color=color, alpha=0.8,
+                label=f"{name.upper()}: Megatron's AdamW step, publish overlapped")
     ax.plot([PAPER["gpus"]], [PAPER["optimizer_step_ms"]], "k*", markersize=14, label="DMuon paper, 256 A800s")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("GPUs (DP)")
     ax.set_ylabel("optimizer step, ms")
-    ax.set_title("Qwen2.5-7B optimizer step, predicted (MILP plans)")
+    ax.set_title("Qwen2.5-7B optimizer step, predicted (MILP plans; AdamW for scale)")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -345,6 +348,8 @@ def main(argv=None):
     s.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "scaling", "simulate_scaling"))
     s.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     s.add_argument("--clusters", nargs="+", default=["h200", "a800"])
+    s.add_argument("--plot-only", action="store_true",
+                   help="redraw <out>.png from the <out>.json an earlier simulate wrote (no planning)")
     s.add_argument("--overlap", action="store_true",
                    help="the overlapped owner step's exposed NS instead (writes <out>.json/.md only)")
     args = p.parse_args(argv)
@@ -355,6 +360,12 @@ def main(argv=None):
             p.error(f"--clusters {name}: {e}")
     if args.how == "measure" and args.preset not in e2e.PRESETS:
         p.error(f"--preset {args.preset}: one of {', '.join(sorted(e2e.PRESETS))}")
+    if getattr(args, "plot_only", False):
+        if args.overlap:
+            p.error("--plot-only redraws simulate's scaling plot; simulate --overlap writes no plot: drop one of them")
+        report = read_json(p, "--out", args.out + ".json", "the OUT of an earlier `simulate --out OUT`",
+                           need=("scaling",))
+        return plot_simulated(report["scaling"], args.out + ".png")
     measure(args) if args.how == "measure" else simulate(args)
 
 

@@ -122,3 +122,21 @@ def test_dmuon_plan_draws_its_plans(tmp_path):
     path = tmp_path / "plan.png"
     assert main(["--preset", "tiny", "--dp", "4", "--planners", "greedy", "split", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_bench_scaling_redraws_its_plot_from_its_json(tmp_path):
+    # bench/scaling.py simulate --plot-only: the picture (DMuon's predicted step and Megatron's AdamW vs GPUs)
+    # from a written report, without planning again; a missing report is a one-line usage error
+    import shutil
+
+    src = os.path.join(ROOT, "docs", "results", "scaling", "simulate_scaling_cpu_2026-12-01.json")
+    shutil.copy(src, tmp_path / "s.json")
+    script = os.path.join(ROOT, "bench", "scaling.py")
+    env = dict(os.environ, MPLBACKEND="Agg")
+    done = subprocess.run([sys.executable, script, "simulate", "--plot-only", "--out", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = subprocess.run([sys.executable, script, "simulate", "--plot-only", "--out", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert missing.returncode == 2 and "--out" in missing.stderr and "Traceback" not in missing.stderr
