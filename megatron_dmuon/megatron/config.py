@@ -207,9 +207,6 @@ def _update_settings_from_args(args, tp_size: int) -> dict:
                 fraction_lr=args.dmuon_fraction_lr)
 
 
-_LEGACY_LAYOUT_NAMES = {"startup_budget_s": "plan_budget_s"}
-
-
 def with_overrides(cfg: Optional[DMuonConfig], overrides: dict) -> DMuonConfig:
     """``cfg`` (default ``DMuonConfig()``) with keyword overrides of the Python API applied: layout
     options by name (``ranks_per_node``, ``balance``, ``megabatch``, ``cost_fn``, ...),
@@ -221,7 +218,6 @@ def with_overrides(cfg: Optional[DMuonConfig], overrides: dict) -> DMuonConfig:
     layout_fields = {f.name for f in dataclasses.fields(LayoutOptions)}
     layout, top = {}, {}
     for name, value in overrides.items():
-        name = _LEGACY_LAYOUT_NAMES.get(name, name)
         if name in layout_fields:
             layout[name] = value
         elif name == "publish_dtype":

@@ -9,7 +9,8 @@ import torch
 from ..algorithms.tp_shards import tp_full_shape
 from ..planning.owner_layout import megatron_bucket_size
 from ..planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
-from ..planning.params import check_muon_matrix_shape, param_routing
+from ..planning.ns_choice import owner_ns_cost
+from ..planning.params import param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
 from ..planning.planners import split_rule_for
 from ..planning.tp_cost import choose_tp_method
@@ -98,18 +99,6 @@ def plan_records(module: torch.nn.Module, ddp_config, sizes, cfg, model_config=N
     return [r for recs in _records(named, buffers, sizes, cfg, model_config).values() for r in recs]
 
 
-def owner_cost_fn(muon):
-    """NS FLOPs of one piece as the owner step runs it under ``muon``: the run's own resolver
-    (``muon.ns_resolver``, on the GPU the plan is for: 'auto' takes this GPU's autotune
-    measurement where there is one, else the FLOP rule), so the planner costs what runs."""
-    resolver = muon.ns_resolver("cuda")
-
-    def cost(shape) -> float:
-        return resolver.flops(*check_muon_matrix_shape("matrix", shape))
-
-    return cost
-
-
 def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], bucket_size: Optional[int],
                cfg, model_config=None):
     """The DMuonPlan of `module` under the complete config `cfg` (dense buffers: DP x TP owners;
@@ -176,11 +165,14 @@ def _grid_sizes(groups: Dict[str, object]):
 
 def cost_source(cfg) -> CostSource:
     """Where rank 0's planning takes its costs from under `cfg`: ``cfg.layout.cost_fn`` (default
-    ``owner_cost_fn(cfg.muon)``, NS FLOPs) per piece; a cost model (``cfg.layout.cost_model_fn``)
+    ``owner_ns_cost`` under the run's own resolver, ``cfg.muon.ns_resolver('cuda')``: on the GPU the
+    plan is for, 'auto' takes this GPU's autotune measurement where there is one, else the FLOP rule,
+    so the planner costs what runs) per piece; a cost model (``cfg.layout.cost_model_fn``)
     or, with ``cfg.layout.profile`` (--dmuon-balance milp), the start-up profile of this GPU; this
     GPU's name for the cluster config's element-wise rates."""
     opts = cfg.layout
-    return CostSource(ns_cost=opts.cost_fn or owner_cost_fn(cfg.muon), cost_model_fn=opts.cost_model_fn,
+    ns_cost = opts.cost_fn or functools.partial(owner_ns_cost, resolver=cfg.muon.ns_resolver("cuda"))
+    return CostSource(ns_cost=ns_cost, cost_model_fn=opts.cost_model_fn,
                       rank_profile=functools.partial(_profiled_rank_model, settings=cfg.muon) if opts.profile else None,
                       gpu_name=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                       gpus_per_node=gpus_per_node())

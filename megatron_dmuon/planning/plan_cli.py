@@ -425,7 +425,7 @@ def main(argv=None) -> int:
 
             from .cost_model import elementwise_costs
             from .owner_layout import megatron_bucket_size
-            from .params import owner_ns_cost
+            from .ns_choice import NSResolver, owner_ns_cost
             from .planners import compare_rank_plans
 
             split = dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
@@ -435,8 +435,8 @@ def main(argv=None) -> int:
                 bucket_size=megatron_bucket_size(par.dp_size, extra["overlap_grad_reduce"], extra["bucket_size"],
                                                  pp_rank=args.stage),
                 elementwise=elementwise_costs(cluster.device, config=config),
-                cost_fn=functools.partial(owner_ns_cost, coefficients=args.dmuon_coefficients, steps=args.ns_steps,
-                                          ns_method=args.ns_method))
+                cost_fn=functools.partial(owner_ns_cost, resolver=NSResolver(
+                    args.ns_method, coefficients=args.dmuon_coefficients, steps=args.ns_steps)))
             report["owner_step"]["split"] = split
         if not model.num_experts or args.dp_layouts:  # (the DP layouts cover dense buffers)
             report["dp_layouts"] = compare_dp_layouts(

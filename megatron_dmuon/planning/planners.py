@@ -48,7 +48,7 @@ def buffer_items(params: Sequence[ParamSpec], cost_model: Optional[CostModel] = 
                  cost_fn: Callable[[Sequence[int]], float] = ns_cost) -> List[ParamItem]:
     """Planner items of one buffer: with ``cost_model``, cost = predicted ms per matrix and
     launch_cost = the batched call's fixed ms; without, cost = NS FLOPs (``cost_fn``: the
-    standard 5-step count by default; ``params.owner_ns_cost`` for the run's schedule).
+    standard 5-step count by default; ``ns_choice.owner_ns_cost`` for the run's NS).
     ``pieces(name, full_shape)``: the shapes the owner step orthogonalizes for a matrix (its
     split, ``split_pieces``); a matrix then costs the sum over them. None: the whole matrix."""
     items = []
