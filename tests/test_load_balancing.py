@@ -273,11 +273,11 @@ def test_plan_owner_layout_milp_and_numel_lpt_give_valid_layouts():
                   ParamItem(f"l{layer}.fc2", 64 * 128, True, 2.0, "64x128", launch_cost=0.5)]
     items.append(ParamItem("emb", 2345, False))
     for tp in (1, 2):
-        plans = {b: plan_owner_layout(items, 3, 40_000, tp_size=tp, balance=b) for b in ("cost", "numel_lpt", "milp")}
+        plans = {b: plan_owner_layout(items, 3, 40_000, tp_size=tp, balance=b) for b in ("cost", "numel_lpt", "matrix_milp")}
         for plan in plans.values():
             plan.validate(items)
-        milp_loads = _predicted_loads(plans["milp"], items)
-        assert plans["milp"].rank_cost == pytest.approx(milp_loads)  # the MILP's own prediction
+        milp_loads = _predicted_loads(plans["matrix_milp"], items)
+        assert plans["matrix_milp"].rank_cost == pytest.approx(milp_loads)  # the MILP's own prediction
         assert max(milp_loads) <= max(_predicted_loads(plans["cost"], items))
         assert max(milp_loads) <= max(_predicted_loads(plans["numel_lpt"], items))
 
@@ -544,7 +544,7 @@ def test_matrices_that_lower_their_rows_load_go_to_the_heaviest_rank_and_tp_rows
             expected[cell] += elementwise[1] * owned + elementwise[0] * steps
     assert plan_tp.rank_cost == pytest.approx(expected)
     # the MILP takes the per-bucket term as an adjusted (floored) per-matrix cost: a valid plan
-    plan_owner_layout(items, 2, None, 2.0, balance="milp", elementwise=elementwise).validate(items)
+    plan_owner_layout(items, 2, None, 2.0, balance="matrix_milp", elementwise=elementwise).validate(items)
 
 
 def test_elementwise_costs_follow_the_cluster_config():

@@ -1,8 +1,8 @@
 """Which Newton–Schulz each owner stack runs, and what it costs: one resolver for both.
 
 An owner orthogonalizes its matrices (or their split pieces) in one batched call per piece shape.
-``NSResolver`` turns what the config asks (``--dmuon-ns-method``, ``--muon-fp32-matmul-prec``,
-the coefficient schedule) into what runs on one [batch, rows, cols] stack (``NSChoice``: the
+``NSResolver`` turns what the config asks (``MuonSettings``' NS method, precision and coefficient
+schedule) into what runs on one [batch, rows, cols] stack (``NSChoice``: the
 method, its compute dtype and its schedule) and into the FLOPs of that run, which the planner's
 owner costs use; the rule itself is ``algorithms.flops.ns_method_for`` ('auto': the kernels'
 measured choice for this stack on this GPU, the autotune cache read through ``measured``, else
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
-from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Literal, Mapping, Optional, Sequence, Tuple, get_args
 
 import torch
 
@@ -28,9 +28,10 @@ from .params import check_muon_matrix_shape, ns_flops
 __all__ = ["ADAPTIVE_SCHEDULE", "NSChoice", "NSResolver", "choose_ns", "ns_schedule", "owner_ns_cost", "owner_stack_batches",
            "plan_ns_choices", "stack_ns_choices", "torch_path_method", "Measured"]
 
-# --dmuon-coefficients adaptive: per shape, the quartic normalisation with 4 designed steps for
-# wide/tall matrices (aspect >= 2) and 5 for the rest (algorithms.schedules.schedule_for_shape)
-ADAPTIVE_SCHEDULE = "adaptive"
+# the adaptive schedule: per shape, the quartic normalisation with 4 designed steps for wide/tall
+# matrices (aspect >= 2) and 5 for the rest (algorithms.schedules.schedule_for_shape)
+AdaptiveSchedule = Literal["adaptive"]
+ADAPTIVE_SCHEDULE: str = get_args(AdaptiveSchedule)[0]
 
 # (min(rows, cols), max(rows, cols), batch, requested dtype, steps) -> 'gram' | 'standard' | None
 Measured = Callable[[int, int, int, torch.dtype, int], Optional[str]]
@@ -71,8 +72,8 @@ def torch_path_method(requested: str) -> str:
 
 
 def ns_schedule(coefficients, steps: int, rows: int, cols: int) -> dict:
-    """The NS keyword arguments of a [rows, cols] matrix under ``--dmuon-coefficients`` /
-    ``--muon-num-ns-steps``: ``{'coefficients', 'steps'}`` (and ``'normalisation'`` for the
+    """The NS keyword arguments of a [rows, cols] matrix under the coefficients ``coefficients`` at
+    ``steps`` steps: ``{'coefficients', 'steps'}`` (and ``'normalisation'`` for the
     adaptive schedule)."""
     if coefficients == ADAPTIVE_SCHEDULE:
         return schedule_for_shape(rows, cols)
@@ -190,4 +191,4 @@ def plan_ns_choices(records: Sequence, resolver: NSResolver) -> Tuple[Tuple[NSCh
 
 def _check_requested(requested: str) -> None:
     if requested not in NS_METHODS:
-        raise ValueError(f"--dmuon-ns-method {requested!r} unknown; valid: {', '.join(NS_METHODS)}")
+        raise ValueError(f"NS method {requested!r} unknown; valid: {', '.join(NS_METHODS)}")

@@ -1,4 +1,4 @@
-"""The overlapped owner step (`--dmuon-overlap-step on`): each need group's Newton–Schulz runs
+"""The overlapped owner step (overlap step `on`): each need group's Newton–Schulz runs
 while the next forward computes the layers before it.
 
 `OverlappedStep` is owned by `OwnerMuonAdamW` (its ``overlapped``); the owner's step hands it the
