@@ -179,7 +179,6 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
     def __init__(self, *args, **kwargs):
         self.check_owner_aligned(kwargs["model_chunks"])  # before Megatron builds any state
         super().__init__(*args, **kwargs)
-        self._pending_load = None
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer, bucket_index: int):
