@@ -26,7 +26,7 @@ from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
 from .config_checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig  # noqa: F401 (MODES: public API)
 from .checkpoint import OwnerCheckpoints
-from .overlap_step import finish_parts
+from .overlap_hooks import finish_parts
 from .owner_optimizer import DMuonDistributedOptimizer, build_owner_parts
 from .publish import publish_layouts
 from .step_guards import found_nonfinite, report_ns_check
@@ -223,7 +223,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
             self.skipped_iterations += 1
             for part in self.chained_optimizers:  # --dmuon-overlap-step backward: undo what the backward started
                 if isinstance(part, DMuonDistributedOptimizer):
-                    part.optimizer.overlapped.cancel_early()
+                    part.optimizer.cancel_early()
         report_ns_check(self)
         return out
 
@@ -234,7 +234,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
         folded = {id(part) for part, _ in self._folded_clip}
         for part in self.chained_optimizers:
             if isinstance(part, DMuonDistributedOptimizer) and part.config.clip_grad > 0.0 and id(part) not in folded:
-                part.optimizer.overlapped.cancel_early_for_clipping()
+                part.optimizer.cancel_early_for_clipping()
 
     def finish_overlapped_step(self) -> None:
         """--dmuon-overlap-step: finish every group still in flight (masters applied and copied into

@@ -46,7 +46,7 @@ def report_ns_check(chained) -> None:
     chained._ns_reported = checks[0].steps
     for o in chained.chained_optimizers:  # --dmuon-overlap-step on: this step's checks run when its groups finish
         if isinstance(getattr(o, "optimizer", None), OwnerMuonAdamW):
-            o.optimizer.overlapped.finish_all()
+            o.optimizer.finish_overlapped()
     found = [c.last for c in checks if c.last]
     local = {"worst": max((f["worst"] for f in found), default=None),
              "checked": sum(f["checked"] for f in found), "recomputed": sum(f["recomputed"] for f in found),

@@ -35,7 +35,7 @@ def overlap_step_variants(rank, world_size, variants, tp=1, pp=1, ep=1, vpp=None
             trained = _train(run, range(steps), nan_at=nan_at)
             _finish_overlap(run)
             out[name] = _report(run, rank, trained, [])
-        out[name]["pending_after"] = sum(len(p.optimizer.pending.groups) for p in run.parts)
+        out[name]["pending_after"] = sum(len(p.optimizer.needs_in_flight()) for p in run.parts)
         out[name]["groups_left"] = sum(p.optimizer.stats["overlap_groups_left"] for p in run.parts)
         out[name]["groups_early"] = sum(p.optimizer.stats["overlap_groups_early"] for p in run.parts)
         out[name]["redos"] = sum(p.optimizer.stats["overlap_redos"] for p in run.parts)

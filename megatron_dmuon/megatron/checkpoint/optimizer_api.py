@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 
 from . import optimizer_state as ckpt
 from . import switch, torch_format
-from ..overlap_step import finish_parts
+from ..overlap_hooks import finish_parts
 
 
 class LoadRequest(NamedTuple):
