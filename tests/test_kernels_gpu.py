@@ -78,8 +78,9 @@ def test_gpu_autotune_writes_cache_and_reuses_it(tmp_path):
     assert _rel(again, out) < 1e-6
     entry = method_tuning.tune_method(128, 512, 2, torch.float16, x.device, cache_path=path)
     assert entry["method"] in ("gram", "standard") and max(entry["error_vs_torch"].values()) < 0.05
-    autotune.clear_memo()
-    assert autotune.cached_method(128, 512, 2, torch.float16, x.device, 5, path) == entry["method"]
+    reread = tmp_path / "reread.json"  # another file: read from disk, not this process's lookups
+    reread.write_bytes(path.read_bytes())
+    assert autotune.cached_method(128, 512, 2, torch.float16, x.device, 5, reread) == entry["method"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="TMA needs Hopper")
