@@ -106,6 +106,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
         self.skipped_iterations = 0
         self._folded_clip = []  # the parts whose clipping this step() hands to their owner step
         self.metrics = None  # DMuon's metrics for TensorBoard / W&B (megatron/metrics.py), once enabled
+        self.ns_check_reported_at = None  # the last step whose online NS check was reported (report_ns_check)
 
     def enable_metrics(self, model_chunks):
         """Record what DMuon's metrics need from now on (megatron/metrics.py: no device value read inside
@@ -224,7 +225,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
             for part in self.chained_optimizers:  # --dmuon-overlap-step backward: undo what the backward started
                 if isinstance(part, DMuonDistributedOptimizer):
                     part.optimizer.cancel_early()
-        report_ns_check(self)
+        self.ns_check_reported_at = report_ns_check(self, self.ns_check_reported_at)
         return out
 
     def _redo_early_groups_megatron_clips(self) -> None:
