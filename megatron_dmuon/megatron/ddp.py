@@ -51,7 +51,7 @@ def buffer_name(key) -> str:
 
 def split_rule(name: str, full_shape, model_config, cfg):
     """How the owner step cuts the full matrix ``name`` (TP shards merged) under ``cfg``'s split
-    flags: ``planning.plans.split_rule_for``."""
+    flags: ``planning.planners.split_rule_for``."""
     return split_rule_for(name, full_shape, model_config, cfg.split_flags())
 
 
