@@ -75,15 +75,11 @@ SPEED_VARIANTS = ("torch16", "fp8_row_std[A,BX]k1_gram[R]", "fp8_row_std[BX]k1_g
 
 
 def default_choice(stack):
-    """The NSChoice the owner step makes for this stack under SETTINGS (``ns_resolver(device).choice``;
-    ``choose_ns`` in trees from before the resolver: planning/ns_choice.py is being changed). Off
-    CUDA 'auto' is standard NS; there the method is the one CUDA's FLOP rule picks (Gram where it
+    """The NSChoice the owner step makes for this stack under SETTINGS (``ns_resolver(device).choice``).
+    Off CUDA 'auto' is standard NS; there the method is the one CUDA's FLOP rule picks (Gram where it
     applies), so CPU rows show the numerics of the GPU's methods."""
     rows, cols, batch = stack.size(-2), stack.size(-1), stack.size(0)
-    if hasattr(SETTINGS, "ns_resolver"):
-        choice = SETTINGS.ns_resolver(stack.device).choice(rows, cols, batch)
-    else:
-        choice = SETTINGS.choose_ns(rows, cols, batch, stack.device)
+    choice = SETTINGS.ns_resolver(stack.device).choice(rows, cols, batch)
     if stack.device.type != "cuda":
         method = "gram" if gram_applies(rows, cols) else "standard"
         choice = dataclasses.replace(choice, method=method, compute_dtype=method_compute_dtype(method, SETTINGS.ns_dtype))

@@ -24,6 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_inputs import OneLineParser, read_json  # noqa: E402  (one-line usage errors, exit 2)
+from harness import main_job as main_job_program  # noqa: E402  (the one place bench/ names the main job)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-layers", "2",
@@ -65,7 +66,7 @@ def _env():
 
 def main_job(options, timing, iters=ITERS):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", str(iters), "--timing-json", timing,
+           *main_job_program(gpu=False), "--train-iters", str(iters), "--timing-json", timing,
            *SMALL, *options]
     done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900, cwd=ROOT)
     if done.returncode != 0:

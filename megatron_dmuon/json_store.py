@@ -80,10 +80,10 @@ class JsonStore:
         is not this cache."""
         try:
             info = os.stat(self.path)
-        except OSError:  # no file there (or no way to it: writable_problem names the folder)
+        except OSError:  # no file there (or no way to it: check_writable names the folder)
             return {}
         if stat.S_ISDIR(info.st_mode):
-            return {}  # writable_problem names it (a directory is never replaced)
+            return {}  # check_writable names it (a directory is never replaced)
         if not stat.S_ISREG(info.st_mode):
             raise self._foreign("it is not a regular file")
         if info.st_size > CACHE_LIMIT:  # no cache of ours grows to this: not read into memory
@@ -136,14 +136,10 @@ class JsonStore:
         if save:
             self.save()
 
-    def writable_problem(self) -> str | None:
-        """Why this file cannot be written (or None): a directory in its place, a folder that cannot
-        be created, or a file that is not this cache (refused, never replaced)."""
-        return self._write_problem()[0]
-
     def check_writable(self) -> None:
-        """A ValueError naming the file, the problem and the fix where ``writable_problem`` finds one
-        (what a job checks at start-up, before anything is built)."""
+        """A ValueError naming the file, the problem and the fix where it cannot be written: a
+        directory in its place, a folder that cannot be created, or a file that is not this cache
+        (refused, never replaced). What a job checks at start-up, before anything is built."""
         problem, fix = self._write_problem()
         if problem:
             raise ValueError(f"the {self.label} {self.path} {problem}: point {self.env} at {fix}")

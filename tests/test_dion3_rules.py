@@ -7,12 +7,12 @@ import torch
 from megatron_dmuon.algorithms.dion3 import (
     normuon_normalize,
     piece_rows,
-    row_step_,
     select_rows_,
     selected_row_count,
 )
 from megatron_dmuon.algorithms.ns_dispatch import orthogonalize
 from megatron_dmuon.algorithms.splitting import SplitRule
+from megatron_dmuon.testing.reference import row_step_
 
 F64 = torch.float64
 

@@ -78,8 +78,9 @@ def test_gpu_autotune_writes_cache_and_reuses_it(tmp_path):
     assert _rel(again, out) < 1e-6
     entry = method_tuning.tune_method(128, 512, 2, torch.float16, x.device, cache_path=path)
     assert entry["method"] in ("gram", "standard") and max(entry["error_vs_torch"].values()) < 0.05
-    autotune.clear_memo()
-    assert autotune.cached_method(128, 512, 2, torch.float16, x.device, 5, path) == entry["method"]
+    reread = tmp_path / "reread.json"  # another file: read from disk, not this process's lookups
+    reread.write_bytes(path.read_bytes())
+    assert autotune.cached_method(128, 512, 2, torch.float16, x.device, 5, reread) == entry["method"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="TMA needs Hopper")
@@ -182,7 +183,6 @@ def test_gpu_overlapped_owner_step_is_bit_identical_to_its_sync_twin(tmp_path, m
     and finished later, in need order, while other work (a stand-in forward: GEMMs on the current
     stream) runs, gives bit for bit the params of the same per-group stacks run inside step()
     ('sync'), with the kernels' auto NS (Gram and standard, Triton) under each launch mode."""
-    from megatron_dmuon.runtime.overlap_step import finish
     from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW, with_ns_choices
 
     monkeypatch.setenv("DMUON_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
@@ -205,10 +205,10 @@ def test_gpu_overlapped_owner_step_is_bit_identical_to_its_sync_twin(tmp_path, m
                 q.grad = torch.randn_like(q)
             opt.step()
             for need in range(3):  # the next forward: each group finished just before its layers run
-                finish(opt, need)
+                opt.finish_need_group(need)
                 work = torch.tanh(work @ work) * 0.5
         torch.cuda.synchronize()
-        assert not opt.pending and len(applied) == 4 * 3 and opt.stats["overlap_groups_left"] == 0
+        assert not opt.needs_in_flight() and len(applied) == 4 * 3 and opt.stats["overlap_groups_left"] == 0
         finals[mode] = [q.detach().clone() for q in params]
     for a, b in zip(finals["sync"], finals["on"]):
         assert torch.equal(a, b)

@@ -15,6 +15,8 @@ too, relative ones resolved to module names.
     standard library, torch, numpy, scipy and mip (python-mip);
 (g) no module imports or calls another module's private ``_names`` (KNOWN_PRIVATE_REACHES lists
     those still reached, each with why);
+(g') no module writes a private attribute of an object other than its own ``self`` / ``cls``
+    (KNOWN_PRIVATE_WRITES lists those still written, each with why);
 (h) the ``--dmuon-overlap-step`` mode names are compared only in planning/overlap_mode.py;
 (i) the ``--dmuon-mode`` names are compared nowhere: production code asks megatron/modes.py's traits;
 (j) the update rule's names are compared only in algorithms/update_rule.py, the balance's only in
@@ -440,6 +442,124 @@ def test_no_module_reaches_into_another_modules_private_names():
 def test_known_private_reaches_are_still_in_the_code():
     stale = sorted(set(KNOWN_PRIVATE_REACHES) - set(all_private_reaches()))
     assert not stale, f"KNOWN_PRIVATE_REACHES entries no longer in the code, remove them: {stale}"
+
+
+# --- a private attribute is written only by its own object ----------------------------------------
+# ``obj._name = ...`` (or ``+=``, an annotated assignment, ``del``, ``setattr`` / ``delattr`` with a
+# constant name) is a hidden channel between modules unless ``obj`` is the ``self`` / ``cls`` of the
+# method it is written in: the first parameter of a function defined in a class body (a function
+# nested in that method shares it). Dunders (``__name__``) are not private. A ``setattr`` whose name is
+# computed is not judged here. (module, written target) -> why it is still written from outside; an
+# entry no longer in the code fails test_known_private_writes_are_still_in_the_code.
+KNOWN_PRIVATE_WRITES: dict[tuple[str, str], str] = {
+    (f"{PACKAGE}.megatron.checkpoint.switch", "base_owner._load_base_checkpoint"):
+        "the optimizer switch inside Megatron-LM's / Megatron-Bridge's own checkpoint load: their read of the "
+        "common state has no public seam (route_checkpoint_loads, idempotent, documented in docs/megatron_lm.md)",
+    (f"{PACKAGE}.megatron.checkpoint.switch", "cls._set_main_param_and_optimizer_states"):
+        "megatron-core 0.19's DistributedOptimizer without Apex/TE fails a load (megatron_torch_adam_load: "
+        "replaced for that one load, restored after it)",
+    (f"{PACKAGE}.testing.cpu_shim", "mp_random._set_cuda_rng_state"):
+        "the tests' CPU shim: megatron-core's CUDA RNG helpers have no CPU path and no seam",
+    (f"{PACKAGE}.testing.cpu_shim", "mp_random._get_cuda_rng_state"):
+        "the tests' CPU shim: megatron-core's CUDA RNG helpers have no CPU path and no seam",
+}
+
+
+def private_writes(source: str) -> list[tuple[str, int]]:
+    """(written target, line) of every write of a private attribute on anything but the ``self`` /
+    ``cls`` of the method the write is in."""
+    found = []
+
+    def target_of(node, own) -> str | None:
+        if isinstance(node, ast.Attribute) and _is_private(node.attr) and not (
+                isinstance(node.value, ast.Name) and node.value.id in own):
+            return ast.unparse(node)
+        return None
+
+    def visit(node, own: frozenset, in_class: bool) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            params = node.args.posonlyargs + node.args.args
+            static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in getattr(node, "decorator_list", ()))
+            if in_class and params and not static:
+                own = own | {params[0].arg}
+            for child in ast.iter_child_nodes(node):
+                visit(child, own, False)
+            return
+        if isinstance(node, ast.ClassDef):
+            for child in ast.iter_child_nodes(node):
+                visit(child, own, True)
+            return
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        while any(isinstance(t, (ast.Tuple, ast.List, ast.Starred)) for t in targets):
+            targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else
+                                                    [t.value] if isinstance(t, ast.Starred) else [t])]
+        found.extend((t, node.lineno) for t in (target_of(t, own) for t in targets) if t)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _is_private(node.args[1].value) and not (
+                    isinstance(node.args[0], ast.Name) and node.args[0].id in own):
+            found.append((f"{ast.unparse(node.args[0])}.{node.args[1].value}", node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, own, in_class)
+
+    visit(ast.parse(source), frozenset(), False)
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def all_private_writes() -> dict[tuple[str, str], list[int]]:
+    found: dict[tuple[str, str], list[int]] = {}
+    for name, path in package_modules().items():
+        for target, line in private_writes(path.read_text()):
+            found.setdefault((name, target), []).append(line)
+    return found
+
+
+def test_private_write_finder_sees_writes_outside_their_object():
+    source = (
+        "class A:\n"
+        "    def f(self, other):\n"
+        "        self._mine = 1\n"
+        "        other._theirs = 2\n"
+        "        def nested():\n"
+        "            self._still_mine = 3\n"
+        "        self.part._deep = 4\n"
+        "    @classmethod\n"
+        "    def g(cls):\n"
+        "        cls._registry = {}\n"
+        "    @staticmethod\n"
+        "    def h(self):\n"
+        "        self._not_an_instance = 5\n"
+        "def patch(module, cls):\n"
+        "    module._hook = None\n"
+        "    cls._method = None\n"
+        "    setattr(module, '_flag', True)\n"
+        "    a, module._pair = 1, 2\n"
+        "    module.__name__ = 'x'\n"
+        "    module._count += 1\n"
+        "    del module._gone\n"
+    )
+    assert private_writes(source) == [
+        ("other._theirs", 4), ("self.part._deep", 7), ("self._not_an_instance", 13), ("module._hook", 15),
+        ("cls._method", 16), ("module._flag", 17), ("module._pair", 18), ("module._count", 20), ("module._gone", 21)]
+
+
+def test_no_module_writes_another_objects_private_attributes():
+    bad = {k: v for k, v in all_private_writes().items() if k not in KNOWN_PRIVATE_WRITES}
+    assert not bad, "a private attribute written from outside its object (pass an explicit object, or make it a " \
+                    "method of the object that owns it):\n" + \
+        "\n".join(f"  {m}: {t} (lines {v})" for (m, t), v in sorted(bad.items()))
+
+
+def test_known_private_writes_are_still_in_the_code():
+    stale = sorted(set(KNOWN_PRIVATE_WRITES) - set(all_private_writes()))
+    assert not stale, f"KNOWN_PRIVATE_WRITES entries no longer in the code, remove them: {stale}"
 
 
 # --- a flag's value names are compared only where the flag's meaning lives --------------------------

@@ -108,7 +108,8 @@ def train_from_argv(rank, world_size, argv, iters=6):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, transformer_config, virtual_stages, wire_sync_funcs
+    from megatron_dmuon.megatron.gpt import GPTShape, build_gpt, train_step, transformer_config, wire_sync_funcs
+    from megatron_dmuon.testing.workers import virtual_stages
     from megatron_dmuon.megatron.megatron_lm import ddp_class_for, optimizer_factory_for
 
     from megatron_dmuon.megatron.config import DMuonConfig

@@ -44,7 +44,6 @@ __all__ = [
     "select_rows_",
     "normuon_normalize",
     "row_direction",
-    "row_step_",
 ]
 
 # the row rules of this module ('muon' is algorithms/muon.py's rule; algorithms/update_rule.py says which is which)
@@ -156,22 +155,3 @@ def row_direction(orthogonalized: Sequence[Tensor], selections: Sequence[RowSele
         scale = muon_lr_scale(sel.piece_shape[-2], sel.piece_shape[-1], scale_mode, extra)
         direction.index_copy_(0, flat, (normalized * scale).reshape(-1, direction.size(-1)))
     return (direction if dtype is None else direction.to(dtype)), 1.0
-
-
-def row_step_(param: Tensor, grad: Tensor, momentum: Tensor, variance: Tensor, *, rule: str, lr: float,
-              beta: float, beta2: float = 0.95, fraction: float = 1.0, weight_decay: float = 0.0, split=None,
-              nesterov: bool = False, scale_mode: str = "shape_scaling", extra_scale: float = 1.0,
-              fraction_lr: str = "none", orthogonalize_fn=None) -> None:
-    """One NorMuon / Dion3 step of one matrix, one NS call per piece (a per-head stack: per head).
-    ``orthogonalize_fn`` maps one ``[k, n]`` matrix to its NS output (default: standard NS)."""
-    from .muon import muon_apply_
-    from .ns_dispatch import orthogonalize
-
-    orth = orthogonalize_fn or (lambda m: orthogonalize(m, method="standard"))
-    selections = select_rows_(momentum, grad, piece_rows(split, param.size(-2), param.device), rule=rule,
-                              beta=beta, nesterov=nesterov, fraction=fraction)
-    outs = [orth(s.values) if s.values.dim() == 2 else torch.stack([orth(h) for h in s.values]) for s in selections]
-    direction, scale = row_direction(outs, selections, variance, shape=param.shape, beta2=beta2,
-                                     scale_mode=scale_mode, extra_scale=extra_scale, fraction=fraction,
-                                     fraction_lr=fraction_lr, dtype=param.dtype)
-    muon_apply_(param, direction, lr, weight_decay, scale)

@@ -39,9 +39,3 @@ def quantize_per_tensor(master: torch.Tensor, dtype: torch.dtype) -> Tuple[torch
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values every rank's forward uses: ``q·scale_inv`` in float32, then the model's dtype."""
     return (q.float() * scale_inv.float()).to(dtype)
-
-
-def quantize_dequantize(master: torch.Tensor, fp8: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    """What an FP8 publish of ``master`` leaves in a ``dtype`` model param (references, tests)."""
-    q, scale_inv = quantize_per_tensor(master, fp8)
-    return dequantize(q, scale_inv, dtype)

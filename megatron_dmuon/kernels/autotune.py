@@ -118,12 +118,6 @@ def get_cache(path: str | os.PathLike | None = None) -> AutotuneCache:
     return cache
 
 
-def clear_memo() -> None:
-    """Forget in-process lookups (e.g. after editing the cache file)."""
-    _MEMO.clear()
-    _CACHES.clear()
-
-
 def device_key(device: torch.device) -> str:
     """GPU name, compute capability and the compiling software, e.g.
     'NVIDIA H200|sm90|torch2.11.0|triton3.6.0'; 'cpu|torch...|triton...' for CPU tensors."""

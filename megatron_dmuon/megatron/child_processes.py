@@ -10,7 +10,7 @@ the process groups of ranks still alive. The Manager lived on, and with it the r
 holds open, and both held the job's stderr pipe: ``torchrun ... | tee`` and launch/run_main.sh never
 ended ([bad-input-4]).
 
-``install()`` (called before a save: ``checkpoint_io.save_checkpoint``, and by the Megatron-LM hook)
+``install()`` (called before a save: ``checkpoint.save_checkpoint``, and by the Megatron-LM hook)
 makes every multiprocessing child this process starts from then on die with it:
 
 * spawned and forkserver children (``multiprocessing.util.spawnv_passfds``: a fresh ``python -c

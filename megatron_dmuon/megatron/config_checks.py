@@ -120,7 +120,7 @@ def _one_hardware_queue() -> bool:
 
 
 def check_overlap_step(ddp_config, cfg, model_config=None, config=None) -> None:
-    """Start-up checks of --dmuon-overlap-step (megatron/overlap_step.py), before any state exists
+    """Start-up checks of --dmuon-overlap-step (megatron/overlap_hooks.py), before any state exists
     (``config``: the OptimizerConfig, where known)."""
     overlap = OverlapMode(cfg.muon.overlap_step)
     if not overlap.cuts_per_need_group:

@@ -69,15 +69,6 @@ def _parallel_sizes():
     )
 
 
-def virtual_stages() -> List[Optional[int]]:
-    """The vp_stage of every model chunk this rank builds: [None] without the interleaved
-    schedule, else 0 .. VPP-1 (Megatron-LM's get_model builds one chunk per virtual stage)."""
-    from megatron.core import parallel_state as ps
-
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else None
-    return [None] if vpp is None else list(range(vpp))
-
-
 def transformer_config(shape: GPTShape, **overrides):
     """The model's TransformerConfig; parallel sizes come from Megatron's initialized parallel state."""
     from megatron.core.transformer.transformer_config import TransformerConfig

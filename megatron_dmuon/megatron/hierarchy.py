@@ -69,21 +69,20 @@ class HandleGroup:
             h.wait()
 
 
-def _side_stream(bucket_group):
-    """The second stage waits for the first on a side stream, so neither the CPU nor the
-    compute stream blocks (overlap)."""
-    if not (torch.cuda.is_available() and bucket_group.buckets[0].grad_data.is_cuda):
-        return contextlib.nullcontext()
-    stream = getattr(bucket_group, "_second_stage_stream", None)
-    if stream is None:
-        stream = bucket_group._second_stage_stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    return torch.cuda.stream(stream)
-
-
 class _TwoLevelBucketGroup:
     state_name = "two_level"
     two_level: NodeTopology
+
+    def _two_level_stream(self):
+        """The second stage waits for the first on a side stream, so neither the CPU nor the
+        compute stream blocks (overlap)."""
+        if not (torch.cuda.is_available() and self.buckets[0].grad_data.is_cuda):
+            return contextlib.nullcontext()
+        stream = getattr(self, "_two_level_side_stream", None)
+        if stream is None:
+            stream = self._two_level_side_stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
 
     def start_grad_sync(self, force_all_reduce=False):
         if force_all_reduce:
@@ -96,7 +95,7 @@ class _TwoLevelBucketGroup:
               else torch.distributed.ReduceOp.SUM)
         async_op = self.ddp_config.overlap_grad_reduce
         first = self.grad_reduce_handle
-        with _side_stream(self) if async_op else contextlib.nullcontext():
+        with self._two_level_stream() if async_op else contextlib.nullcontext():
             if first is not None:
                 first.wait()
             second = []
@@ -111,7 +110,7 @@ class _TwoLevelBucketGroup:
             return super().start_param_sync(force_sync=True)  # waits for the pending publish
         topo = self.two_level
         async_op = self.ddp_config.overlap_param_gather and not force_sync
-        with _side_stream(self) if async_op else contextlib.nullcontext():
+        with self._two_level_stream() if async_op else contextlib.nullcontext():
             first = []
             for bucket in self.buckets:  # inter-node stage: sub-chunks -> this rank's chunk
                 chunk, sub = chunk_views(bucket.param_data, topo)

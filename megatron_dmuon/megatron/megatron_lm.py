@@ -202,9 +202,9 @@ def _route(args) -> None:
 
 
 def _prioritized(train: Callable) -> Callable:
-    """Megatron-LM's training loop on a high-priority stream (runtime/overlap_step.model_priority_stream):
+    """Megatron-LM's training loop on a high-priority stream (runtime/overlapped_step.model_priority_stream):
     the overlapped step's NS then fills what the model's kernels leave of the GPU."""
-    from ..runtime.overlap_step import model_priority_stream
+    from ..runtime.overlapped_step import model_priority_stream
 
     def prioritized_train(*args, **kwargs):
         with model_priority_stream():

@@ -169,10 +169,3 @@ def wandb_run(project: str, name: Optional[str], save_dir: Optional[str], config
         raise ValueError(f"--wandb-project needs the wandb package ({e}): pip install wandb") from None
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=mode)
-
-
-def metrics_table() -> str:
-    """The markdown table of every metric (docs/metrics.md)."""
-    lines = ["| name | unit | rank | what |", "|---|---|---|---|"]
-    lines += [f"| `{m.name}` | {m.unit} | {m.rank} | {m.what} |" for m in METRICS]
-    return "\n".join(lines)

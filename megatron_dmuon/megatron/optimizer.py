@@ -26,7 +26,7 @@ from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
 from .config_checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
 from .config import MODES, DMuonConfig  # noqa: F401 (MODES: public API)
 from .checkpoint import OwnerCheckpoints
-from .overlap_step import finish_parts
+from .overlap_hooks import finish_parts
 from .owner_optimizer import DMuonDistributedOptimizer, build_owner_parts
 from .publish import publish_layouts
 from .step_guards import found_nonfinite, report_ns_check
@@ -106,6 +106,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
         self.skipped_iterations = 0
         self._folded_clip = []  # the parts whose clipping this step() hands to their owner step
         self.metrics = None  # DMuon's metrics for TensorBoard / W&B (megatron/metrics.py), once enabled
+        self.ns_check_reported_at = None  # the last step whose online NS check was reported (report_ns_check)
 
     def enable_metrics(self, model_chunks):
         """Record what DMuon's metrics need from now on (megatron/metrics.py: no device value read inside
@@ -223,8 +224,8 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
             self.skipped_iterations += 1
             for part in self.chained_optimizers:  # --dmuon-overlap-step backward: undo what the backward started
                 if isinstance(part, DMuonDistributedOptimizer):
-                    part.optimizer.overlapped.cancel_early()
-        report_ns_check(self)
+                    part.optimizer.cancel_early()
+        self.ns_check_reported_at = report_ns_check(self, self.ns_check_reported_at)
         return out
 
     def _redo_early_groups_megatron_clips(self) -> None:
@@ -234,7 +235,7 @@ class DMuonChainedOptimizer(OwnerCheckpoints, _import_chained_optimizer()):
         folded = {id(part) for part, _ in self._folded_clip}
         for part in self.chained_optimizers:
             if isinstance(part, DMuonDistributedOptimizer) and part.config.clip_grad > 0.0 and id(part) not in folded:
-                part.optimizer.overlapped.cancel_early_for_clipping()
+                part.optimizer.cancel_early_for_clipping()
 
     def finish_overlapped_step(self) -> None:
         """--dmuon-overlap-step: finish every group still in flight (masters applied and copied into

@@ -19,7 +19,7 @@ from ..planning.overlap_mode import OverlapMode
 from ..runtime.dp_exchange import SplitMatrix
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .checkpoint import OwnerCheckpoints
-from .overlap_step import install_overlap_step, need_order
+from .overlap_hooks import install_overlap_step, need_order
 from .publish import register_masters
 
 
@@ -43,7 +43,7 @@ def _matrix_infos(model_chunks, muon) -> dict:
     """{model param: MatrixInfo} for every Muon matrix of the chunks: the views of their plans'
     records, with the NS each piece's stack runs (``planning.ns_choice.plan_ns_choices`` over
     every chunk's records: one optimizer stacks them together) and, under --dmuon-overlap-step,
-    when the next forward needs it (``overlap_step.need_order``). Names are unique across chunks
+    when the next forward needs it (``overlap_hooks.need_order``). Names are unique across chunks
     (virtual pipeline)."""
     params = [(idx, param, name, chunk.dmuon_plan.record(name)) for idx, chunk in enumerate(model_chunks)
               for param, name in chunk.param_names().items()]
@@ -179,7 +179,6 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
     def __init__(self, *args, **kwargs):
         self.check_owner_aligned(kwargs["model_chunks"])  # before Megatron builds any state
         super().__init__(*args, **kwargs)
-        self._pending_load = None
 
     @classmethod
     def _build_model_gbuf_range(cls, param_and_grad_buffer, bucket_index: int):
@@ -216,7 +215,7 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
     def _copy_main_params_to_model_params(self):
         """Megatron's copy, of the masters not in flight (--dmuon-overlap-step: those are copied by
         ``copy_applied_masters`` when their group is finished)."""
-        in_flight = self.optimizer.pending.main_params()
+        in_flight = self.optimizer.masters_in_flight()
         if not in_flight:
             return super()._copy_main_params_to_model_params()
         self._copy_masters(lambda main: main not in in_flight)
@@ -227,20 +226,21 @@ class DMuonDistributedOptimizer(OwnerCheckpoints, _import_distributed_optimizer(
         bucket group's grad reduce during the backward. Its main grads are set as Megatron's step
         sets them (``_copy_model_grads_to_main_grads``: the grad buffer's shard, in the master's dtype)
         once the reduce is done; on CUDA all of it runs on the NS side stream, which waits for the
-        reduce, so the backward goes on meanwhile."""
+        reduce, so the backward goes on meanwhile. A group started already is left alone (Megatron
+        may start its grad reduce again, as a no-op, at the step)."""
         members = self._early_members().get(need)
-        if not members:
+        if not members or self.optimizer.started_early(need):
             return
         inner = self.optimizer
         device = members[0][1].device
-        side = inner.overlapped.momentum_stream(device) if device.type == "cuda" else None
+        side = inner.early_momentum_stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if reduce_handle is not None:
                 reduce_handle.wait()  # on CUDA: the side stream waits for the reduce, not the host
             for model, main, shard, _ in members:
                 # Megatron's .float() (a view of fp32 grads): in the master's dtype, as its step gets it
                 main.grad = model.main_grad.view(-1)[shard.start:shard.end].to(main.dtype)
-            inner.overlapped.launch_early([(main, group, inner.matrix_info[main]) for _, main, _, group in members])
+            inner.launch_early([(main, group, inner.matrix_info[main]) for _, main, _, group in members])
 
     def _early_members(self) -> dict:
         """{need: [(model param, main param, its shard range, its param group)]} of the Muon

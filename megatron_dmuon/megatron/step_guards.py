@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -35,18 +35,23 @@ def found_nonfinite(grads: List[torch.Tensor], group) -> bool:
     return bool(flag.item() > 0)
 
 
-def report_ns_check(chained) -> None:
+def report_ns_check(chained, reported_at: Optional[int] = None) -> Optional[int]:
     """After a step of the online NS check (runtime/ns_check.py): every rank's findings are
     gathered (the same steps on every rank) and rank 0 logs the worst output and the repairs,
-    with a warning the first time an output was recomputed."""
+    with a warning the first time an output was recomputed. Once per step: ``reported_at`` is the
+    step reported last; returns the step reported now (else ``reported_at``)."""
     checks = [o.optimizer.ns_check for o in chained.chained_optimizers
               if isinstance(getattr(o, "optimizer", None), OwnerMuonAdamW)]
-    if not checks or not checks[0].due() or getattr(chained, "_ns_reported", None) == checks[0].steps:
-        return
-    chained._ns_reported = checks[0].steps
+    if not checks or not checks[0].due() or reported_at == checks[0].steps:
+        return reported_at
+    _report_ns_check(chained, checks)
+    return checks[0].steps
+
+
+def _report_ns_check(chained, checks) -> None:
     for o in chained.chained_optimizers:  # --dmuon-overlap-step on: this step's checks run when its groups finish
         if isinstance(getattr(o, "optimizer", None), OwnerMuonAdamW):
-            o.optimizer.overlapped.finish_all()
+            o.optimizer.finish_overlapped()
     found = [c.last for c in checks if c.last]
     local = {"worst": max((f["worst"] for f in found), default=None),
              "checked": sum(f["checked"] for f in found), "recomputed": sum(f["recomputed"] for f in found),

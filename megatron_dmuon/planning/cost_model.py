@@ -33,7 +33,7 @@ from .params import ns_flops
 __all__ = [
     "DEFAULT_CONFIG", "DeviceSpec", "Link", "ClusterSpec", "ShapeCost", "CostTable", "CostModel",
     "load_config", "device_spec", "device_spec_for", "elementwise_costs", "cluster_spec", "fit_affine", "ns_kernel_count",
-    "SPLIT_EXCHANGE_BYTES", "cluster_for_device", "dp_link", "ExchangeCosts", "exchange_costs",
+    "SPLIT_EXCHANGE_BYTES", "cluster_for_device", "ExchangeCosts", "exchange_costs",
     "analytic_shape_cost", "load_bench_kernels_profile", "shape_key",
 ]
 
@@ -134,12 +134,6 @@ def cluster_for_device(device: DeviceSpec, config: Optional[dict] = None) -> Clu
     config = config or load_config()
     name = next((k for k, c in config["clusters"].items() if c["device"] == device.name), next(iter(config["clusters"])))
     return cluster_spec(name, config)
-
-
-def dp_link(cluster: ClusterSpec, dp: int, tp: int) -> Link:
-    """The link a DP group's traffic crosses: NVLink while the group fits in one node, else the
-    per-GPU InfiniBand (Megatron's rank order: TP fastest, then DP)."""
-    return cluster.intra if dp * tp <= cluster.gpus_per_node else cluster.inter
 
 
 class ExchangeCosts(NamedTuple):

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 # 'off': the owner step as ever, one batched NS per stack shape inside optimizer.step();
 # 'on': the Muon work cut per need group (MatrixInfo.need), each group's NS launched by the step and
-#   finished when the next forward first needs its params (runtime/overlap_step.OverlappedStep);
+#   finished when the next forward first needs its params (runtime/overlapped_step.OverlappedStep);
 # 'sync': the same cut stacks and arithmetic, finished inside the step (for checking 'on' bit for bit);
 # 'backward': 'on', and each group's momentum and NS launched during the last micro-batch's backward,
 #   as soon as its grads are reduced, unclipped: a step whose clipping fires redoes them

@@ -166,12 +166,6 @@ class OwnerLayout:
     def numel_unpadded(self) -> int:
         return sum(b.numel_unpadded for b in self.buckets)
 
-    def owned_by(self, rank: int, tp_rank: Optional[int] = None) -> List[str]:
-        """Matrices whose shards sit in DP rank ``rank``'s shard (and, with ``tp_rank``, that
-        this TP rank orthogonalizes)."""
-        return [n for n, r in self.owners.items()
-                if r == rank and (tp_rank is None or self.tp_owners.get(n, 0) == tp_rank)]
-
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 

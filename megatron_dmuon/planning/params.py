@@ -14,7 +14,7 @@ import torch
 from ..algorithms.flops import newton_schulz_flops, ns_method_for
 from ..algorithms.gram_newton_schulz import default_restarts
 
-__all__ = ["muon_routing", "param_routing", "is_muon_param", "is_muon_matrix", "check_muon_matrix_shape", "ns_flops", "ns_cost"]
+__all__ = ["muon_routing", "param_routing", "is_muon_matrix", "check_muon_matrix_shape", "ns_flops", "ns_cost"]
 
 
 def muon_routing(name: str, shape: Sequence[int], embedding_or_output: bool = False,
@@ -42,13 +42,8 @@ def param_routing(name: str, param: torch.Tensor) -> tuple[bool, str]:
     return muon_routing(name, param.shape, bool(marked), getattr(param, "use_muon", None))
 
 
-def is_muon_param(name: str, param: torch.Tensor) -> bool:
-    """True for the hidden weight matrices (see the module docstring)."""
-    return param_routing(name, param)[0]
-
-
 def is_muon_matrix(name: str, shape: Sequence[int]) -> bool:
-    """The rule of ``is_muon_param`` on a name and a shape (no tensor needed)."""
+    """The rule of ``param_routing`` on a name and a shape (no tensor needed)."""
     return muon_routing(name, shape)[0]
 
 

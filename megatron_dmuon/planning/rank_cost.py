@@ -41,7 +41,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .cost_model import CostModel, DeviceSpec, ShapeCost, device_spec, fit_affine, load_config, shape_key
 
-__all__ = ["RankWork", "RankCostModel", "piece_counts", "analytic_rank_model", "multi_name", "multi_counts", "FORMAT"]
+__all__ = ["RankWork", "RankCostModel", "piece_counts", "multi_name", "multi_counts", "FORMAT"]
 
 FORMAT = 2  # 2: shape_shared; format 1 files load as shape_shared = shared_ms
 READABLE_FORMATS = (1, 2)
@@ -370,7 +370,3 @@ def multi_counts(name: str) -> Dict[Key, int]:
 def _key(text: str) -> Key:
     m, n = (int(v) for v in text.split("x"))
     return shape_key((m, n))
-
-
-def analytic_rank_model(device_name: str = "H200", steps: int = 5, ns_method: str = "auto") -> RankCostModel:
-    return RankCostModel.analytic(device_spec(device_name), steps, ns_method)

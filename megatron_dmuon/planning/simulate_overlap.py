@@ -53,7 +53,7 @@ MODES = ("none", "off", "on", "on_backward_start")
 def need_groups(plan: dict) -> tuple:
     """([{'need', 'kind', 'bucket', 'numel', 'next'}], {param name: need}): one group per bucket
     (Megatron's default bucket groups), each buffer's buckets last to first (its all-gather chain;
-    ``megatron/overlap_step.need_order``), dense then expert."""
+    ``megatron/overlap_hooks.need_order``), dense then expert."""
     groups, param_need = [], {}
     for kind, layout in plan["layouts"].items():
         first = len(groups)

@@ -23,18 +23,20 @@ from ..planning.overlap_mode import OverlapMode
 from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
-from .overlap_step import OverlappedStep
+from .overlapped_step import OverlappedStep, OwnerOverlap
 from .row_update_step import row_update_step
 from .dp_exchange import DPExchange
 from .matrix_info import MatrixInfo, with_ns_choices  # noqa: F401 (the owner step's public names)
 from .ns_run import default_orthogonalizer, fp32_orthogonalizer, run_ns  # noqa: F401 (ditto)
 from .tp_exchange import TPExchange
 
-class OwnerMuonAdamW(torch.optim.AdamW):
+class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
     """Param groups with ``use_muon=True`` get Muon; the others get torch's AdamW.
 
     With ``tp_group`` (tensor parallelism) every Muon param is this rank's shard of a matrix;
-    updates go to each matrix's TP owner and directions come back (``runtime.tp_exchange``)."""
+    updates go to each matrix's TP owner and directions come back (``runtime.tp_exchange``).
+    Under ``--dmuon-overlap-step`` the Muon work is cut per need group and finished apart from
+    ``step()`` (runtime/overlapped_step.py: ``OwnerOverlap``'s methods)."""
 
     def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
                  muon: Optional[MuonSettings] = None, orthogonalizer=None, tp_group=None, dp_group=None,
@@ -61,14 +63,14 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         # split matrix of this optimizer (the exchange may route pieces of others through this rank)
         self.homed: Dict[str, MatrixInfo] = {}
         self.split_matrices: Dict[str, MatrixInfo] = {}
-        overlap = OverlapMode(self.muon.overlap_step)
-        if self.tp.size > 1 and (self.muon.rule.by_rows or overlap.cuts_per_need_group):  # (refused at start-up)
+        self.overlap_mode = OverlapMode(self.muon.overlap_step)
+        if self.tp.size > 1 and (self.muon.rule.by_rows or self.overlap_mode.cuts_per_need_group):  # (refused at start-up)
             raise ValueError(f"DMuon: update={self.muon.update!r} with overlap_step={self.muon.overlap_step!r} needs "
                              f"each matrix whole on its owner, not a TP group of {self.tp.size}")
-        # the overlapped step (runtime/overlap_step.py): its launched, unfinished need groups, and
-        # what it calls with each group's fp32 masters once applied (the DistributedOptimizer's copy
-        # to the model params; None: nothing to copy)
-        self.overlapped = OverlappedStep(self, overlap)
+        # the overlapped step (runtime/overlapped_step.py): the runtime of its need groups in flight,
+        # and what each group's fp32 masters are handed to once applied (the DistributedOptimizer's
+        # copy to the model params; None: nothing to copy)
+        self._overlapped = OverlappedStep(self.overlap_mode)
         self.on_applied: Optional[Callable[[list], None]] = None
         self._graphs: Dict[tuple, object] = {}  # ns_launch='graph': one GraphedGroups per stack-shape set
         self.matrix_info: Dict[torch.Tensor, MatrixInfo] = {}
@@ -81,11 +83,6 @@ class OwnerMuonAdamW(torch.optim.AdamW):
         # every grad by it first, as Megatron's clip would (same roundings), but inside the Muon
         # momentum pass instead of a pass of its own; consumed by that step
         self.grad_scale: Optional[float] = None
-
-    @property
-    def pending(self):
-        """The need groups in flight (``OverlappedStep.pending``): empty unless the step overlaps."""
-        return self.overlapped.pending
 
     def register_matrix(self, main_param: torch.Tensor, info: MatrixInfo) -> None:
         held = info.held_shape
@@ -184,15 +181,8 @@ class OwnerMuonAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        # the overlapped step's groups the last forward did not need (counted: each one is NS the
-        # forward did not hide)
-        # ('backward': this step's own groups, launched during its backward, stay in flight)
-        self.stats["overlap_groups_left"] += len(self.pending.groups) - len(self.pending.early)
-        self.overlapped.finish_all(keep_early=True)
         grad_scale, self.grad_scale = self.grad_scale, None
-        if grad_scale is not None:  # clipping fired: the backward started its groups unclipped (redone below)
-            self.overlapped.cancel_early_for_clipping()
-        self.overlapped.commit_early()
+        self._begin_overlapped_step(grad_scale)  # what the last forward left in flight, finished
         self.ns_check.begin_step()
         all_groups = self.param_groups
         adam_groups = [g for g in all_groups if not g.get("use_muon", False)]
@@ -250,16 +240,16 @@ class OwnerMuonAdamW(torch.optim.AdamW):
                 if p.grad is not None or self.tp.size > 1 or info.dp_split is not None:
                     entries.append((p, group, info))
         entries.sort(key=lambda e: e[2].name)  # the same order on every TP rank
-        if self.pending.early:  # 'backward': launched during the backward; the step launches the rest
-            entries = self.overlapped.take_early(entries)
+        if self._overlapped.started_early():  # 'backward': launched during the backward; the step launches the rest
+            entries = self._overlapped.take_early(entries)
             if not entries:
                 self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
                 return None
         else:
             self.stats["ns_calls"] = self.stats["ns_fp32_retries"] = self.stats["ns_matrices"] = 0
         if not s.rule.by_rows and self.tp.size == 1 and not self.splits_matrices:
-            if self.overlapped.mode.cuts_per_need_group:
-                return self.overlapped.launch(entries, grad_scale)
+            if self.overlap_mode.cuts_per_need_group:
+                return self._launch_overlapped(entries, grad_scale)
             return self._local_step(entries, grad_scale)  # clipping folded into the momentum pass
         if grad_scale is not None:
             torch._foreach_mul_([p.grad for p, _, _ in entries if p.grad is not None], grad_scale)

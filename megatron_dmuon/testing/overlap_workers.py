@@ -35,11 +35,11 @@ def overlap_step_variants(rank, world_size, variants, tp=1, pp=1, ep=1, vpp=None
             trained = _train(run, range(steps), nan_at=nan_at)
             _finish_overlap(run)
             out[name] = _report(run, rank, trained, [])
-        out[name]["pending_after"] = sum(len(p.optimizer.pending.groups) for p in run.parts)
+        out[name]["pending_after"] = sum(len(p.optimizer.needs_in_flight()) for p in run.parts)
         out[name]["groups_left"] = sum(p.optimizer.stats["overlap_groups_left"] for p in run.parts)
         out[name]["groups_early"] = sum(p.optimizer.stats["overlap_groups_early"] for p in run.parts)
         out[name]["redos"] = sum(p.optimizer.stats["overlap_redos"] for p in run.parts)
-        out[name]["ns_checked"] = getattr(run.opt, "_ns_reported", 0)  # the last step whose NS check was reported
+        out[name]["ns_checked"] = run.opt.ns_check_reported_at or 0  # the last step whose NS check was reported
         out[name]["needs"] = sorted({i.need for p in run.parts for i in p.optimizer.matrix_info.values()})
         torch.distributed.barrier()
     return out

@@ -10,13 +10,13 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..algorithms.adamw import adamw_step_
-from ..algorithms.dion3 import row_step_
+from ..algorithms.dion3 import piece_rows, row_direction, select_rows_
 from ..algorithms.muon import muon_apply_, muon_direction, muon_momentum_
 from ..algorithms.ns_dispatch import method_compute_dtype, orthogonalize
 from ..algorithms.update_rule import UpdateRule
 from ..planning.ns_choice import torch_path_method
 from ..megatron.gpt import causal_batch
-from ..planning.params import is_muon_param
+from ..planning.params import param_routing
 
 
 def _grad_dtype(param: torch.Tensor) -> torch.dtype:
@@ -29,6 +29,28 @@ def orthogonalize_one(matrix: torch.Tensor, settings) -> torch.Tensor:
     method = torch_path_method(settings.ns_method)
     return orthogonalize(matrix, method=method, **settings.ns_schedule(*matrix.shape[-2:]),
                          compute_dtype=method_compute_dtype(method, settings.ns_dtype), check_finite=False)
+
+
+def is_muon_param(name: str, param: torch.Tensor) -> bool:
+    """Whether Muon takes this model parameter (``planning.params.param_routing``, the package's one rule)."""
+    return param_routing(name, param)[0]
+
+
+def row_step_(param: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor, *, rule: str,
+              lr: float, beta: float, beta2: float = 0.95, fraction: float = 1.0, weight_decay: float = 0.0, split=None,
+              nesterov: bool = False, scale_mode: str = "shape_scaling", extra_scale: float = 1.0,
+              fraction_lr: str = "none", orthogonalize_fn=None) -> None:
+    """One NorMuon / Dion3 step of one matrix, one NS call per piece (a per-head stack: per head).
+    ``orthogonalize_fn`` maps one ``[k, n]`` matrix to its NS output (default: standard NS). The
+    rule's three stages (algorithms/dion3.py) composed for one matrix, as the reference runs them."""
+    orth = orthogonalize_fn or (lambda m: orthogonalize(m, method="standard"))
+    selections = select_rows_(momentum, grad, piece_rows(split, param.size(-2), param.device), rule=rule,
+                              beta=beta, nesterov=nesterov, fraction=fraction)
+    outs = [orth(s.values) if s.values.dim() == 2 else torch.stack([orth(h) for h in s.values]) for s in selections]
+    direction, scale = row_direction(outs, selections, variance, shape=param.shape, beta2=beta2,
+                                     scale_mode=scale_mode, extra_scale=extra_scale, fraction=fraction,
+                                     fraction_lr=fraction_lr, dtype=param.dtype)
+    muon_apply_(param, direction, lr, weight_decay, scale)
 
 
 def param_weight_decay(name: str, param: torch.Tensor, wd: float) -> float:

@@ -1,7 +1,18 @@
 """Functions run on each gloo rank by the multi-process tests (imported in child processes)."""
 from __future__ import annotations
 
+from typing import List, Optional
+
 import torch
+
+
+def virtual_stages() -> List[Optional[int]]:
+    """The vp_stage of every model chunk this rank builds: [None] without the interleaved
+    schedule, else 0 .. VPP-1 (Megatron-LM's get_model builds one chunk per virtual stage)."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else None
+    return [None] if vpp is None else list(range(vpp))
 
 
 def init_parallel(tp=1, pp=1, ep=1, vpp=None, seed=1234, instances=1):
@@ -117,7 +128,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_dmuon.megatron.gpt import build_gpt, transformer_config, virtual_stages, wire_sync_funcs
+    from megatron_dmuon.megatron.gpt import build_gpt, transformer_config, wire_sync_funcs
     from megatron_dmuon.megatron.ddp import build_dmuon_ddp
     from megatron_dmuon.megatron.config import LayoutOptions
     from megatron_dmuon.megatron.optimizer import DMuonConfig, get_dmuon_optimizer
@@ -459,9 +470,8 @@ def reference(rank, world_size, dp, shape_kw=None, ns_dtype="float32", layouts=N
     ``qk_clip``: {'threshold', 'alpha'}: after each step the reference's own QK-clip
     (testing/qk_clip_reference.py) with the max logits the distributed run's ranks were given."""
     from megatron_dmuon.megatron.gpt import build_gpt
-    from megatron_dmuon.planning.params import is_muon_param
     from megatron_dmuon.testing.global_params import init_params_by_name
-    from megatron_dmuon.testing.reference import reference_train
+    from megatron_dmuon.testing.reference import is_muon_param, reference_train
 
     assert world_size == 1
     o = {**DEFAULTS, **{k: v for k, v in kw.items() if k not in RUN_ONLY}}

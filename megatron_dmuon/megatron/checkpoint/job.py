@@ -189,7 +189,7 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
         meta = model_sharded_metadata(model_state(model_chunks_of(parts)))
         from .switch import prepare_load
 
-        if not prepare_load(path, parts, saved, meta):  # Megatron's own Muon: checked there
+        if not prepare_load(path, parts, optimizer.checkpoint_load, saved, meta):  # Megatron's own Muon: checked there
             agree_or_raise(check_record(saved.get("dmuon") if isinstance(saved, dict) else None,
                                         gather_record(parts, meta)))
     switch = False
@@ -204,7 +204,8 @@ def load_checkpoint(path: str, model_chunks, optimizer, load_optimizer: bool = T
         with contextlib.nullcontext() if dmuon or not load_optimizer else megatron_torch_adam_load(parts):
             return _load(path, model_chunks, optimizer, load_optimizer, metadata, switch)
     finally:
-        parts[0]._load_source = None  # (a failed read must not leave Megatron's names for the next load)
+        if dmuon:  # (a failed read must not leave Megatron's names for the next load)
+            optimizer.checkpoint_load.reset()
 
 
 def _load(path, model_chunks, optimizer, load_optimizer, metadata, switch=False) -> dict:

@@ -432,10 +432,11 @@ def optimizer_state_dict(parts) -> dict:
 
 
 def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=False, metadata=None,
-                            sharding_type=None) -> dict:
+                            sharding_type=None, load=None) -> dict:
     """dist_checkpointing state of the whole optimizer (collective): one structure whatever the
-    number of chained parts (dense/expert), so a load may split the params differently."""
-    source = getattr(parts[0], "_load_source", None) if is_loading else None
+    number of chained parts (dense/expert), so a load may split the params differently. ``load``
+    (``is_loading``): the ``CheckpointLoad`` in progress, which notes what the request was built from."""
+    source = load.megatron_source if is_loading else None
     if source is None:  # (a load of Megatron's own Muon checkpoint asks for its sharding type)
         _check_sharding_type(metadata, sharding_type)
     if model_sharded_state_dict is None:
@@ -452,8 +453,7 @@ def sharded_optimizer_state(parts, model_sharded_state_dict=None, is_loading=Fal
         state["param_state"].update(_sharded_param_state(opt, meta, is_loading, stored))
     state["param_state_sharding_type"] = SHARDING_TYPE
     if is_loading:  # the loaded dict carries the checkpoint's record: keep the current one
-        parts[0]._pending_load = (state["dmuon"], {p: param_id(sh) for p, sh in meta.items()})
-        parts[0]._pending_source = source
+        load.note_request(state["dmuon"], {p: param_id(sh) for p, sh in meta.items()})
     return state
 
 
@@ -470,19 +470,19 @@ def megatron_name(piece, key: str, adam_master: str = "param") -> str:
     return MEGATRON_MASTER if piece.muon else adam_master
 
 
-def load_optimizer_state(parts, state_dict) -> None:
+def load_optimizer_state(parts, state_dict, request=None) -> None:
     """Load what ``optimizer_state_dict`` (torch format: then ``load_param_state_file``) or
-    ``sharded_optimizer_state`` (dist) saved. Every check runs on every rank before any state
-    changes; a dist load ends with the publish."""
+    ``sharded_optimizer_state`` (dist) saved; ``request``: the ``LoadRequest`` it was read by (None:
+    this run's record is gathered now). Every check runs on every rank before any state changes; a
+    dist load ends with the publish."""
     info = state_dict.get("dmuon") if isinstance(state_dict, dict) else None
     param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
-    pending = getattr(parts[0], "_pending_load", None)
-    parts[0]._pending_load = parts[0]._pending_source = parts[0]._load_source = None
     if param_state is not None:  # dist_checkpointing: every rank is here
-        if pending is None:
+        if request is None:
             meta = model_sharded_metadata(model_state(model_chunks_of(parts)))
-            pending = (gather_record(parts, meta), {p: param_id(sh) for p, sh in meta.items()})
-        current, ids = pending
+            current, ids = gather_record(parts, meta), {p: param_id(sh) for p, sh in meta.items()}
+        else:
+            current, ids = request.record, request.param_ids
         error = check_record(info, current)
         if error is None and state_dict.get("param_state_sharding_type") != SHARDING_TYPE:
             error = f"optimizer state of sharding type {state_dict.get('param_state_sharding_type')!r}"

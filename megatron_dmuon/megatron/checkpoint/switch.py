@@ -52,16 +52,14 @@ from .optimizer_state import (global_shape, agree_or_raise, check_pieces, flat, 
                          local_pieces, megatron_name, mismatch_message, publish)
 
 
-def load_optimizer_state(parts, state_dict) -> None:
-    """``checkpoint.load_optimizer_state``, or, where ``prepare_load`` found a Megatron Muon
-    checkpoint at this load, its tensors into DMuon's pieces (``load_megatron_state``)."""
-    pending = getattr(parts[0], "_pending_load", None)
-    source = getattr(parts[0], "_pending_source", None)
+def load_optimizer_state(parts, request, state_dict) -> None:
+    """``checkpoint.load_optimizer_state``, or, where the load's request (``request``, a
+    ``LoadRequest`` or None) asked for a Megatron Muon checkpoint's names (``prepare_load``), its
+    tensors into DMuon's pieces (``load_megatron_state``)."""
     param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
-    if source is not None and param_state is not None and pending is not None:
-        parts[0]._pending_load = parts[0]._pending_source = parts[0]._load_source = None
-        return load_megatron_state(parts, param_state, source, pending[1])
-    return ckpt.load_optimizer_state(parts, state_dict)
+    if request is not None and request.megatron_source is not None and param_state is not None:
+        return load_megatron_state(parts, param_state, request.megatron_source, request.param_ids)
+    return ckpt.load_optimizer_state(parts, state_dict, request)
 
 
 def megatron_source(common_optimizer) -> Optional[dict]:
@@ -159,10 +157,11 @@ def check_tensors(parts, meta: dict, saved: dict, adam_master: str = "param") ->
     return mismatch_message("it does not fit this model", problems)
 
 
-def prepare_load(path: str, parts, common_optimizer, meta: dict) -> bool:
+def prepare_load(path: str, parts, load, common_optimizer, meta: dict) -> bool:
     """Before a load of ``path``: if it is a Megatron Muon checkpoint, check it (raising on every
-    rank, before anything is read) and make the next ``sharded_state_dict(is_loading=True)`` ask
-    for Megatron's names. False: not one of Megatron's (DMuon's own record check applies)."""
+    rank, before anything is read) and note it in ``load`` (the ``CheckpointLoad`` in progress), so
+    that its request asks for Megatron's names. False: not one of Megatron's (DMuon's own record
+    check applies)."""
     from megatron.core import dist_checkpointing
 
 
@@ -173,7 +172,7 @@ def prepare_load(path: str, parts, common_optimizer, meta: dict) -> bool:
     if error is None:
         error = check_tensors(parts, meta, dist_checkpointing.load_tensors_metadata(path), source["adam_master"])
     agree_or_raise(error and f"{path} was written by Megatron's own optimizer; {error}")
-    parts[0]._load_source = source
+    load.megatron_source = source
     return True
 
 
@@ -211,16 +210,17 @@ def take_noted_load() -> Optional[Tuple[str, dict]]:
     return out
 
 
-def prepare_noted_load(parts, model_sharded_state_dict=None) -> None:
+def prepare_noted_load(parts, load, model_sharded_state_dict=None) -> None:
     """DMuon's ``sharded_state_dict(is_loading=True)`` inside Megatron-LM's loop: if the noted
-    checkpoint is one of Megatron's own Muon, check it and ask for Megatron's names (``prepare_load``)."""
+    checkpoint is one of Megatron's own Muon, check it and ask for Megatron's names (``prepare_load``
+    into ``load``, the ``CheckpointLoad`` in progress; one prepared already, by job.py, stays)."""
     noted = take_noted_load()
-    if noted is None or getattr(parts[0], "_load_source", None) is not None:
+    if noted is None or load.megatron_source is not None:
         return
     path, common = noted
     if model_sharded_state_dict is None:
         model_sharded_state_dict = ckpt.model_state(ckpt.model_chunks_of(parts))
-    prepare_load(path, parts, common.get("optimizer") if isinstance(common, dict) else None,
+    prepare_load(path, parts, load, common.get("optimizer") if isinstance(common, dict) else None,
                  ckpt.model_sharded_metadata(model_sharded_state_dict))
 
 

@@ -17,7 +17,7 @@ import torch
 from megatron_dmuon.logs import log_to
 
 from ...planning.overlap_mode import OverlapMode
-from ...runtime.overlap_step import model_priority_stream
+from ...runtime.overlapped_step import model_priority_stream
 from .args import parse_args
 from .checkpoints import hold_save_lock
 from .checks import schedule_of

@@ -1,10 +1,12 @@
-"""`--dmuon-overlap-step`: the owner's Newton–Schulz of each DDP bucket group finishes when the
-next forward first needs that group's params, not inside ``optimizer.step()``.
+"""`--dmuon-overlap-step`, Megatron's side: the hooks in Megatron's DDP bucket groups that finish
+the owner's Newton–Schulz of each group when the next forward first needs that group's params (and,
+under 'backward', start it behind the group's grad reduce). The step itself, cut per need group, is
+runtime/overlapped_step.py.
 
 The order the forward needs params in is the order of Megatron's param all-gather chain: a chunk's
 bucket groups last to first (buckets are built in backward order), chunk by chunk. Every Muon
 matrix gets its group's place (``MatrixInfo.need``), so the owner step cuts its stacks per group
-and launches them in that order (runtime/overlap_step.py). The bucket group's
+and launches them in that order (runtime/overlapped_step.py). The bucket group's
 ``start_param_sync`` (called by the forward pre-hook under ``--overlap-param-gather``, by the
 optimizer step without it, and with ``force_sync`` whenever Megatron needs every param: hooks
 disabled for evaluation or a checkpoint) first finishes the group on every owner part: wait for its
@@ -49,7 +51,7 @@ class _OverlapStepBucketGroup:
 
     def start_param_sync(self, force_sync: bool = False):
         for inner, need in self.owner_step.waits:
-            inner.overlapped.finish(need)
+            inner.finish_need_group(need)
         return super().start_param_sync(force_sync=force_sync)
 
     def start_grad_sync(self, force_all_reduce=False):
@@ -57,8 +59,7 @@ class _OverlapStepBucketGroup:
         backward, once all its grads are ready); the owners start its Muon work behind it."""
         out = super().start_grad_sync(force_all_reduce=force_all_reduce)
         for part, need in self.owner_step.starts:
-            if need not in part.optimizer.pending.early:  # (Megatron may call it again, as a no-op, at the step)
-                part.launch_early(need, self.grad_reduce_handle)
+            part.launch_early(need, self.grad_reduce_handle)
         return out
 
 
@@ -67,7 +68,7 @@ def install_overlap_step(model_chunks, parts, infos: dict) -> None:
     finishes them; the part copies the masters of a finished group into the model's params."""
     for chunk in model_chunks:
         extend_bucket_groups(chunk, _OverlapStepBucketGroup, lambda group: _OverlapStepState())
-    if any(part.optimizer.overlapped.mode.starts_in_backward for part in parts) and any(
+    if any(part.optimizer.overlap_mode.starts_in_backward for part in parts) and any(
             getattr(bucket, "params_with_extra_main_grads", None) for chunk in model_chunks
             for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups for bucket in group.buckets):
         raise ValueError("--dmuon-overlap-step backward reads each group's reduced grads in the grad buffer; params "
@@ -84,11 +85,11 @@ def install_overlap_step(model_chunks, parts, infos: dict) -> None:
             state = chunk.param_to_bucket_group[model_param].owner_step
             if (inner, info.need) not in state.waits:
                 state.waits.append((inner, info.need))
-            if inner.overlapped.mode.starts_in_backward and (part, info.need) not in state.starts:
+            if inner.overlap_mode.starts_in_backward and (part, info.need) not in state.starts:
                 state.starts.append((part, info.need))
 
 
 def finish_parts(parts) -> None:
     """Every part's groups in flight, finished (before anything reads the masters or params)."""
     for part in parts:
-        part.optimizer.overlapped.finish_all()
+        part.optimizer.finish_overlapped()
