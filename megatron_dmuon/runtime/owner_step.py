@@ -30,12 +30,13 @@ from .matrix_info import MatrixInfo, with_ns_choices  # noqa: F401 (the owner st
 from .ns_run import default_orthogonalizer, fp32_orthogonalizer, run_ns  # noqa: F401 (ditto)
 from .tp_exchange import TPExchange
 
+
 class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
     """Param groups with ``use_muon=True`` get Muon; the others get torch's AdamW.
 
     With ``tp_group`` (tensor parallelism) every Muon param is this rank's shard of a matrix;
     updates go to each matrix's TP owner and directions come back (``runtime.tp_exchange``).
-    Under ``--dmuon-overlap-step`` the Muon work is cut per need group and finished apart from
+    With overlap step 'on' (``MuonSettings.overlap_step``) the Muon work is cut per need group and finished apart from
     ``step()`` (runtime/overlapped_step.py: ``OwnerOverlap``'s methods)."""
 
     def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
