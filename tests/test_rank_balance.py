@@ -473,8 +473,13 @@ def test_the_milp_keeps_the_greedy_plan_when_the_profile_missed_a_shape_or_adamw
     cut = RankCostModel({(512, 3584): [(1, 2.6)], (3584, 3584): [(1, 2.8)]}, [], meta={"source": "measured"})
     assert cut.unmeasured([(512, 3584), (3584, 18944)], adamw=True) == ["3584x18944", "AdamW"]
     assert RankCostModel.analytic(device_spec("H200")).unmeasured([(3584, 18944)], adamw=True) == []
-    with pytest.warns(MilpFallbackWarning, match="--dmuon-plan-budget.*greedy"):
+    with pytest.warns(MilpFallbackWarning, match="`layout.plan_budget_s`.*greedy") as said:
         plan, _ = _plan("qwen7b-4l", 4, 40_000_000, "milp", rank_model=cut, milp_options={"time_limit_s": 2.0})
+    # the DDP (megatron/ddp.py) says it again in the flags' words
+    from megatron_dmuon.megatron.config import in_flag_words
+
+    worded = in_flag_words(str(said[0].message))
+    assert "ran out of --dmuon-plan-budget" in worded and "kept the greedy plan (--dmuon-balance cost)" in worded
     info = plan["info"]["dense"]
     assert info["chosen"] == "cost" and info["status"] == "unmeasured"
     greedy, _ = _plan("qwen7b-4l", 4, 40_000_000, "greedy")

@@ -25,6 +25,7 @@ What each ``--dmuon-mode`` needs: modes.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Optional
 
 import torch
@@ -280,6 +281,27 @@ def unread_flags(cfg: DMuonConfig) -> dict:
     if not m.ns_check_interval:
         out["dmuon_ns_check_bound"] = "with --dmuon-ns-check-interval 0 (the check is off)"
     return out
+
+
+
+# fields ``from_args`` sets from a flag itself (the flag's row has no path)
+BUILT_FIELDS = {"layout.plan_budget_s": "--dmuon-plan-budget", "muon.coefficients": "--dmuon-coefficients"}
+FIELD_IN_TEXT = re.compile(r"`((?:muon|layout)\.\w+|\w+)(?:=([\w.-]+))?`")
+
+
+def in_flag_words(text: str) -> str:
+    """``text`` from a layer below megatron/ (which names config fields, in backticks: `layout.balance`,
+    `layout.balance=cost`) in the words of the flags that set them (``--dmuon-balance cost``), for a
+    user of the command line; a field no flag sets is left as written."""
+    flags = {**{row.path: row.name for row in DMUON_FLAGS if row.path}, **NUMBER_FIELDS, **BUILT_FIELDS}
+
+    def word(match):
+        flag = flags.get(match.group(1))
+        if flag is None:
+            return match.group(0)
+        return flag if match.group(2) is None else f"{flag} {match.group(2)}"
+
+    return FIELD_IN_TEXT.sub(word, text)
 
 
 # --------------------------------------------------------------------------- the one check

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -14,6 +15,7 @@ from ..planning.params import param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
 from ..planning.planners import split_rule_for
 from ..planning.tp_cost import choose_tp_method
+from .config import in_flag_words
 
 
 def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = False, pp_rank: int = 0):
@@ -124,7 +126,11 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
         to_plan = {key: BufferParams(tuple(records[key]), *sizes(key), expert=key.is_expert_parallel)
                    for key in buffers}
         options = opts.planning_options(split_allowed=split_layout_refusal(cfg, model_config) is None)
-        payload = [plan_owners(to_plan, bucket_size, options, cost_source(cfg))]
+        with warnings.catch_warnings(record=True) as said:  # (re-said below in the flags' words)
+            warnings.simplefilter("always")
+            payload = [plan_owners(to_plan, bucket_size, options, cost_source(cfg))]
+        for w in said:
+            warnings.warn_explicit(in_flag_words(str(w.message)), w.category, w.filename, w.lineno)
     if stage.size() > 1:
         torch.distributed.broadcast_object_list(payload, src=torch.distributed.get_global_rank(stage, 0), group=stage)
     planned = payload[0]

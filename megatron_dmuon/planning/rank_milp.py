@@ -139,7 +139,7 @@ def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optio
                             adamw=any(not it.is_matrix for it in items))
     if gaps:  # a cut start-up profile: unmeasured shapes predicted at the small ones' rate were 2.7x off (measured)
         note = (f"the rank cost model measured nothing for {', '.join(gaps)} (the start-up profile ran out of "
-                "its plan budget); kept the greedy plan (balance 'cost')")
+                "`layout.plan_budget_s`); kept the greedy plan (`layout.balance=cost`)")
         warnings.warn(f"DMuon owner MILP: {note}", MilpFallbackWarning)
         layout = layouts["cost"]
         rank_cost[:] = loads["cost"]
