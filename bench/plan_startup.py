@@ -53,7 +53,7 @@ def main():
     from megatron_dmuon.planning.caches import PlanCache, plan_key
     from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs
     from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
-    from megatron_dmuon.planning.params import owner_ns_cost
+    from megatron_dmuon.planning.ns_choice import NSResolver, owner_ns_cost
     from megatron_dmuon.planning.planners import buffer_items, split_pieces
     from megatron_dmuon.planning.rank_cost import piece_counts
     from megatron_dmuon.planning.rank_milp import plan_rank_owner_layout
@@ -80,8 +80,8 @@ def main():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        cost_fn = functools.partial(owner_ns_cost, coefficients=settings.coefficients, steps=settings.ns_steps,
-                                    ns_method=settings.ns_method)
+        cost_fn = functools.partial(owner_ns_cost, resolver=NSResolver(
+            settings.ns_method, coefficients=settings.coefficients, steps=settings.ns_steps))
         items = buffer_items(params, None, pieces, cost_fn)
         elementwise = elementwise_costs(device_spec(model.device.name if model.device else "H200"))
         # the same split as megatron/ddp.py: the MILP gets what profiling left of the budget

@@ -14,7 +14,7 @@ from megatron_dmuon.megatron.flags import add_dmuon_args
 from megatron_dmuon.planning.cost_model import cluster_spec, device_spec, elementwise_costs
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size
-from megatron_dmuon.planning.params import owner_ns_cost
+from megatron_dmuon.planning.ns_choice import NSResolver, owner_ns_cost
 from megatron_dmuon.planning.planners import gpu_cells, plan_stage, split_rule_for, transformer_shape
 from megatron_dmuon.planning.rank_cost import piece_counts
 from megatron_dmuon.planning.layout_stats import fragments_by_rank
@@ -55,8 +55,8 @@ def parse_layout(spec: str):
 
 def make_plans(model, par, bucket_size, cfg, planners, rank_profile=None, milp_options=None):
     muon = cfg.muon
-    cost_fn = functools.partial(owner_ns_cost, coefficients=muon.coefficients, steps=muon.ns_steps,
-                                ns_method=muon.ns_method)
+    cost_fn = functools.partial(owner_ns_cost, resolver=NSResolver(
+        muon.ns_method, coefficients=muon.coefficients, steps=muon.ns_steps))
     split = cfg.split_flags()
     out = {}
     for name in planners:

@@ -35,7 +35,7 @@ def test_gather_then_compute_with_distributed_optimizer_is_rejected():
 @pytest.mark.parametrize("muon,match", [
     (MuonSettings(momentum=1.0), "momentum"),
     (MuonSettings(ns_method="svd"), "--dmuon-ns-method"),
-    (MuonSettings(ns_steps=0), "ns_steps"),
+    (MuonSettings(ns_steps=0), "--muon-num-ns-steps 0 must be an integer >= 1"),
     (MuonSettings(coefficients="nope"), "nope"),
     (MuonSettings(scale_mode="bogus"), "bogus"),
 ])
@@ -75,7 +75,7 @@ def test_adaptive_schedule_settings():
     from megatron_dmuon.runtime.owner_step import MuonSettings, default_orthogonalizer
 
     settings = MuonSettings(coefficients="adaptive", ns_dtype=torch.float32)
-    settings.validate()
+    DMuonConfig(muon=settings)  # (a config checks its settings as it is built)
     assert settings.ns_schedule(64, 64) == {"coefficients": QUARTIC_SQUARE_5, "steps": 5, "normalisation": "quartic"}
     assert settings.ns_schedule(64, 256) == {"coefficients": QUARTIC_WIDE_4, "steps": 4, "normalisation": "quartic"}
     orth = default_orthogonalizer(settings)
@@ -86,9 +86,9 @@ def test_adaptive_schedule_settings():
     assert torch.equal(orth(wide), newton_schulz(wide, QUARTIC_WIDE_4, steps=4, compute_dtype=torch.float32,
                                                  normalisation="quartic"))
     with pytest.raises(ValueError, match="leave --muon-num-ns-steps at 5"):
-        MuonSettings(coefficients="adaptive", ns_steps=7).validate()
+        DMuonConfig(muon=MuonSettings(coefficients="adaptive", ns_steps=7))
     with pytest.raises(ValueError, match="unknown Newton-Schulz coefficient set"):
-        MuonSettings(coefficients="adaptve").validate()
+        DMuonConfig(muon=MuonSettings(coefficients="adaptve"))
 
 
 def test_ns_launch_settings():
@@ -97,7 +97,7 @@ def test_ns_launch_settings():
     from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 
     with pytest.raises(ValueError, match="--dmuon-ns-launch"):
-        MuonSettings(ns_launch="graphs").validate()
+        DMuonConfig(muon=MuonSettings(ns_launch="graphs"))
     p = torch.nn.Parameter(torch.randn(8, 12))
     with pytest.raises(ValueError, match="pass ns_launch='eager' with it"):
         OwnerMuonAdamW([{"params": [p], "use_muon": True}], lr=0.1, weight_decay=0.0,
@@ -180,4 +180,4 @@ def test_every_mode_has_its_traits_and_one_builder():
     with pytest.raises(ValueError, match=r"--dmuon-mode megatron_layerwise runs Megatron's own Muon; --dmuon-update "
                                          r"dion3 needs --dmuon-mode dmuon \(or gather_then_compute\)"):
         DMuonConfig(mode="megatron_layerwise", muon=dataclasses.replace(DMuonConfig().muon, update="dion3",
-                                                                         fraction=0.25)).validate()
+                                                                         fraction=0.25))

@@ -86,7 +86,7 @@ def test_a_home_stays_where_its_matrix_is_unless_moving_pays():
 
 def test_auto_keeps_whole_matrices_where_they_fit_and_splits_past_the_matrix_count():
     from megatron_dmuon.planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
-    from megatron_dmuon.planning.params import owner_ns_cost
+    from megatron_dmuon.planning.ns_choice import owner_ns_cost
     from megatron_dmuon.planning.plan import MatrixRecord
 
     def buffers(dp):

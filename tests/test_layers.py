@@ -18,7 +18,11 @@ too, relative ones resolved to module names.
 (g') no module writes a private attribute of an object other than its own ``self`` / ``cls``
     (KNOWN_PRIVATE_WRITES lists those still written, each with why);
 (h) the ``--dmuon-overlap-step`` mode names are compared only in planning/overlap_mode.py;
-(i) the ``--dmuon-mode`` names are compared nowhere: production code asks megatron/modes.py's traits.
+(i) the ``--dmuon-mode`` names are compared nowhere: production code asks megatron/modes.py's traits;
+(j) the update rule's names are compared only in algorithms/update_rule.py, the balance's only in
+    planning/owner_layout.py;
+(k) below megatron/ (algorithms, kernels, planning, runtime) nothing names a ``--dmuon-*`` / ``--muon-*``
+    flag but the modules that are command lines (planning/plan_cli.py).
 """
 from __future__ import annotations
 
@@ -645,4 +649,65 @@ def test_dmuon_mode_names_are_compared_nowhere():
              if not name.startswith(f"{PACKAGE}.testing")}
     bad = {name: lines for name, lines in found.items() if lines}
     assert not bad, "--dmuon-mode names compared (ask megatron/modes.py's mode_traits):\n" + \
+        "\n".join(f"  {name}: lines {lines}" for name, lines in sorted(bad.items()))
+
+
+# --- the update rule's and the balance's names are compared where their meaning lives ----------------
+UPDATE_RULE_MODULE = f"{PACKAGE}.algorithms.update_rule"
+UPDATE_RULE_NAMES = ("muon", "normuon", "dion3")
+ROW_RULE_NAMES = ("normuon", "dion3")  # no other setting is spelled so ('muon' is also the optimizer's name)
+BALANCE_MODULE = f"{PACKAGE}.planning.owner_layout"
+BALANCE_NAMES = ("cost", "round_robin", "numel_lpt", "megatron_lpt", "milp", "matrix_milp")
+BALANCE_ONLY_NAMES = ("round_robin", "numel_lpt", "megatron_lpt", "matrix_milp")  # ('milp' is also a planner's)
+
+
+def update_rule_comparisons(source: str) -> list[int]:
+    """The update rule's names compared: with something named ``*update*``, or a row rule's name anywhere."""
+    return name_comparisons(source, UPDATE_RULE_NAMES, ROW_RULE_NAMES, "update")
+
+
+def balance_comparisons(source: str) -> list[int]:
+    """The balance's names compared: with something named ``*balance*``, or a name only it spells."""
+    return name_comparisons(source, BALANCE_NAMES, BALANCE_ONLY_NAMES, "balance")
+
+
+def test_update_rule_and_balance_comparison_finders():
+    source = (
+        "a = s.update != 'muon'\n"
+        "b = rule == 'dion3'\n"
+        "c = config.optimizer == 'muon'\n"  # the optimizer's name: not this setting
+        "d = s.rule.by_rows\n"
+        "e = options.balance == 'milp'\n"
+        "f = planner == 'milp'\n"  # dmuon plan's planner: not this setting
+        "g = name in ('numel_lpt', 'x')\n"
+    )
+    assert update_rule_comparisons(source) == [1, 2]
+    assert balance_comparisons(source) == [5, 7]
+
+
+def test_update_rule_and_balance_names_are_compared_in_one_module_each():
+    """--dmuon-update's meaning lives in algorithms/update_rule.py (UpdateRule), --dmuon-balance's in
+    planning/owner_layout.py (BalanceMethod); everything else asks them."""
+    for finder, home, fix in ((update_rule_comparisons, UPDATE_RULE_MODULE, "UpdateRule"),
+                              (balance_comparisons, BALANCE_MODULE, "BalanceMethod")):
+        found = {name: finder(path.read_text()) for name, path in package_modules().items()}
+        bad = {name: lines for name, lines in found.items() if lines and name != home}
+        assert not bad, f"names compared outside {home} (ask {fix}):\n" + \
+            "\n".join(f"  {name}: lines {lines}" for name, lines in sorted(bad.items()))
+        assert found[home], f"the finder no longer sees {fix}'s own comparisons"
+
+
+# --- below megatron/, nothing names a command-line flag but the modules that are command lines -----
+LOWER_LAYERS = tuple(f"{PACKAGE}.{layer}" for layer in ("algorithms", "kernels", "planning", "runtime"))
+COMMAND_LINES = (f"{PACKAGE}.planning.plan_cli",)  # `dmuon plan`: its own flags mirror the job's
+
+
+def test_no_flag_names_below_the_command_line():
+    """The lower layers take the config's values, never the flags that set them: their errors name a
+    field (megatron/config.py checks what users give, in the flags' words, once)."""
+    bad = {name: [i for i, line in enumerate(path.read_text().splitlines(), 1) if "--dmuon-" in line or "--muon-" in line]
+           for name, path in package_modules().items()
+           if within_any(name, LOWER_LAYERS) and name not in COMMAND_LINES}
+    bad = {name: lines for name, lines in bad.items() if lines}
+    assert not bad, "flag names below megatron/ (name the config field; the flag's words belong to megatron/):\n" + \
         "\n".join(f"  {name}: lines {lines}" for name, lines in sorted(bad.items()))

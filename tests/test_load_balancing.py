@@ -273,11 +273,11 @@ def test_plan_owner_layout_milp_and_numel_lpt_give_valid_layouts():
                   ParamItem(f"l{layer}.fc2", 64 * 128, True, 2.0, "64x128", launch_cost=0.5)]
     items.append(ParamItem("emb", 2345, False))
     for tp in (1, 2):
-        plans = {b: plan_owner_layout(items, 3, 40_000, tp_size=tp, balance=b) for b in ("cost", "numel_lpt", "milp")}
+        plans = {b: plan_owner_layout(items, 3, 40_000, tp_size=tp, balance=b) for b in ("cost", "numel_lpt", "matrix_milp")}
         for plan in plans.values():
             plan.validate(items)
-        milp_loads = _predicted_loads(plans["milp"], items)
-        assert plans["milp"].rank_cost == pytest.approx(milp_loads)  # the MILP's own prediction
+        milp_loads = _predicted_loads(plans["matrix_milp"], items)
+        assert plans["matrix_milp"].rank_cost == pytest.approx(milp_loads)  # the MILP's own prediction
         assert max(milp_loads) <= max(_predicted_loads(plans["cost"], items))
         assert max(milp_loads) <= max(_predicted_loads(plans["numel_lpt"], items))
 
@@ -439,14 +439,19 @@ def test_balance_milp_flag_profiles_and_caches_with_the_budget(monkeypatch, tmp_
     assert plain.split_flags() == DMuonConfig().split_flags() == dict(split_qkv=True, split_glu=False, per_head=False)
     # owners are balanced by what the run's NS costs: the adaptive schedule makes the wide
     # matrices far cheaper relative to square ones than the standard 5-step count says
-    from megatron_dmuon.megatron.ddp import owner_cost_fn
-    from megatron_dmuon.planning.params import ns_cost, owner_ns_cost
+    from megatron_dmuon.megatron.ddp import cost_source
+    from megatron_dmuon.planning.ns_choice import NSResolver, owner_ns_cost
+    from megatron_dmuon.planning.params import ns_cost
 
-    adaptive = owner_cost_fn(DMuonConfig.from_args(parser.parse_args(["--dmuon-coefficients", "adaptive"])).muon)
+    adaptive = cost_source(DMuonConfig.from_args(parser.parse_args(["--dmuon-coefficients", "adaptive"]))).ns_cost
     ratio = adaptive((3584, 18944)) / adaptive((3584, 3584))
-    assert ratio == pytest.approx(owner_ns_cost((18944, 3584), "adaptive") / owner_ns_cost((3584, 3584), "adaptive"))
+    adaptive_resolver = NSResolver(coefficients="adaptive")
+    assert ratio == pytest.approx(owner_ns_cost((18944, 3584), adaptive_resolver)
+                                  / owner_ns_cost((3584, 3584), adaptive_resolver))
     assert 1.9 < ratio < 2.3 and ns_cost((3584, 18944)) / ns_cost((3584, 3584)) > 3.5  # adaptive, Gram restart
-    assert owner_cost_fn(plain.muon)((512, 3584)) == owner_ns_cost((512, 3584), "you", 5, "auto")
+    # the run's cost and the default one are the same function under the same defaults (DMuonConfig()'s NS)
+    assert cost_source(plain).ns_cost((512, 3584)) == owner_ns_cost((512, 3584)) \
+        == owner_ns_cost((512, 3584), NSResolver("auto", coefficients="you", steps=5))
 
 
 # ----------------------------------------------------------------------------- element-wise work
@@ -539,7 +544,7 @@ def test_matrices_that_lower_their_rows_load_go_to_the_heaviest_rank_and_tp_rows
             expected[cell] += elementwise[1] * owned + elementwise[0] * steps
     assert plan_tp.rank_cost == pytest.approx(expected)
     # the MILP takes the per-bucket term as an adjusted (floored) per-matrix cost: a valid plan
-    plan_owner_layout(items, 2, None, 2.0, balance="milp", elementwise=elementwise).validate(items)
+    plan_owner_layout(items, 2, None, 2.0, balance="matrix_milp", elementwise=elementwise).validate(items)
 
 
 def test_elementwise_costs_follow_the_cluster_config():
@@ -554,9 +559,9 @@ def test_elementwise_costs_follow_the_cluster_config():
     adamw_f, muon_f = elementwise_costs(h200)
     assert adamw_f == pytest.approx(opt["adamw_bytes_per_param"] * per_byte_s * h200.ns_tflops * 1e12)
     # a 3584 x 18944 matrix's adaptive NS: the AdamW work it displaces is a large fraction of it
-    from megatron_dmuon.planning.params import owner_ns_cost
+    from megatron_dmuon.planning.ns_choice import NSResolver, owner_ns_cost
 
-    wide = owner_ns_cost((18944, 3584), "adaptive")
+    wide = owner_ns_cost((18944, 3584), NSResolver(coefficients="adaptive"))
     assert 0.2 < (adamw_f - muon_f) * 18944 * 3584 / wide < 0.8
     with pytest.raises(ValueError, match="unit"):
         elementwise_costs(h200, "s")

@@ -116,7 +116,7 @@ def train_from_argv(rank, world_size, argv, iters=6):
 
     parses = []
     from_args = DMuonConfig.from_args.__func__
-    DMuonConfig.from_args = classmethod(lambda cls, a: parses.append(1) or from_args(cls, a))  # counted
+    DMuonConfig.from_args = classmethod(lambda cls, a, *more: parses.append(1) or from_args(cls, a, *more))  # counted
     args = parse(argv)
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                              virtual_pipeline_model_parallel_size=virtual_stages_of(args))
@@ -495,7 +495,7 @@ def test_dmuon_parse_errors_print_on_rank_0_only(capsys, monkeypatch):
 def test_every_muon_flag_dmuon_registers_has_a_stated_handling():
     from megatron_dmuon.megatron.megatron_lm_flags import MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING
 
-    assert {flag for flag, _ in MEGATRON_MUON_FLAGS} == set(MUON_FLAG_HANDLING)
+    assert {row.name for row in MEGATRON_MUON_FLAGS} == set(MUON_FLAG_HANDLING)
 
 
 def test_a_muon_flag_dmuon_does_not_know_is_refused_when_set(capsys):

@@ -107,10 +107,12 @@ def test_schedule_peaks():
 
 
 def test_bad_check_settings_name_the_flag():
+    from megatron_dmuon.megatron.config import DMuonConfig
+
     with pytest.raises(ValueError, match="--dmuon-ns-check-interval"):
-        MuonSettings(ns_check_interval=-1).validate()
+        DMuonConfig(muon=MuonSettings(ns_check_interval=-1))
     with pytest.raises(ValueError, match="--dmuon-ns-check-bound"):
-        MuonSettings(ns_check_bound=float("nan")).validate()
+        DMuonConfig(muon=MuonSettings(ns_check_bound=float("nan")))
 
 
 # ------------------------------------------------------------- through Megatron-LM's flags, 2 ranks

@@ -139,7 +139,7 @@ def test_the_start_up_profile_plans_on_the_rank_milp():
         calls.append((dict(counts), cells, budget_s))
         return analytic_profile(counts, cells, budget_s)
 
-    planned = plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", plan_budget_s=20.0),
+    planned = plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", plan_budget_s=20.0, profile=True),
                           dataclasses.replace(FLOPS, rank_profile=profile))
     assert owners(planned, buffers) == "001000100010"
     assert planned.layout(DENSE).rank_cost == pytest.approx([2.4762403926157015, 0.8563127858574002], rel=1e-12)
@@ -187,7 +187,7 @@ def test_expert_and_dense_buffers_are_planned_on_their_own_cells():
     assert planned.layout(DENSE).rank_cost == pytest.approx([428441256.76190484, 383702779.8095238], rel=1e-12)
     assert planned.layout(EXPERT).rank_cost == pytest.approx([756084150.8571429], rel=1e-12)
     # the rank profile on both: the budget split between the two buffers' MILPs
-    profiled = plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", plan_budget_s=20.0),
+    profiled = plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", plan_budget_s=20.0, profile=True),
                            dataclasses.replace(FLOPS, rank_profile=analytic_profile))
     assert owners(profiled, buffers) == "010010010"
     assert profiled.layout(EXPERT).rank_cost == pytest.approx([1.6213623137853281], rel=1e-12)
@@ -278,14 +278,14 @@ def test_the_budget_bounds_the_profile_and_the_milps_together(monkeypatch):
 
     monkeypatch.setattr(owner_planning, "plan_rank_owner_layout", captured)
     costs = dataclasses.replace(FLOPS, rank_profile=analytic_profile)
-    plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", plan_budget_s=20.0), costs)
+    plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", plan_budget_s=20.0, profile=True), costs)
     # what profiling left of the 20 s, shared by the two buffers' MILPs
     assert [set(o) for o in limits] == [{"time_limit_s"}] * 2
     assert all(9.0 < o["time_limit_s"] <= 10.0 for o in limits)
     limits.clear()
-    plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", plan_budget_s=20.0,
+    plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", plan_budget_s=20.0, profile=True,
                                                     milp_options={"time_limit_s": 3.0, "backend": "cbc"}), costs)
     assert limits == [{"time_limit_s": 1.5, "backend": "cbc"}] * 2  # a requested limit holds, then shared
     limits.clear()
-    plan_owners(buffers, None, OwnerPlanningOptions(balance="milp"), costs)
+    plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", profile=True), costs)
     assert limits == [{}] * 2  # no budget: the MILP's own defaults

@@ -160,7 +160,7 @@ def test_the_ns_of_every_piece_is_chosen_from_the_records_for_its_owners_stack()
     assert choices[5][0].runs == "standard"  # a 64 x 64 Gram request runs standard NS inside the NS entry points
     off_cuda = plan_ns_choices(records, NSResolver("auto", torch.bfloat16, on_cuda=False, measured=measured))
     assert {c.method for cs in off_cuda[:5] for c in cs} == {"standard"}
-    with pytest.raises(ValueError, match="--dmuon-ns-method 'svd' unknown"):
+    with pytest.raises(ValueError, match="NS method 'svd' unknown"):  # (the flag's words: the config's check)
         plan_ns_choices([_muon_record("x", [(8, 8)], owner=0, requested="svd")], NSResolver(on_cuda=False))
 
 

@@ -17,7 +17,7 @@ import pytest
 from megatron_dmuon.planning.cost_model import device_spec, elementwise_costs, shape_key
 from megatron_dmuon.planning.dp_shards import shard_overlap
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec, stage_params
-from megatron_dmuon.planning.params import owner_ns_cost
+from megatron_dmuon.planning.ns_choice import NSResolver, owner_ns_cost
 from megatron_dmuon.planning.planners import buffer_items, plan_stage, predict_rank_ms, split_pieces
 from megatron_dmuon.planning.rank_cost import RankCostModel, RankWork, multi_counts, piece_counts
 from megatron_dmuon.planning.rank_milp import CANDIDATES, layout_loads, layout_work, plan_rank_owner_layout
@@ -25,7 +25,7 @@ from megatron_dmuon.runtime.rank_profile import profile_counts, profile_jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
-COST_FN = functools.partial(owner_ns_cost, coefficients="adaptive", steps=5, ns_method="auto")
+COST_FN = functools.partial(owner_ns_cost, resolver=NSResolver("auto", coefficients="adaptive", steps=5))
 
 # a made-up device whose steps are NOT what the analytic model says: per shape a launch, a per-matrix
 # part and a wave step every 4 matrices, in a step of its own; a step of several shapes pays STEP_PART
@@ -473,8 +473,13 @@ def test_the_milp_keeps_the_greedy_plan_when_the_profile_missed_a_shape_or_adamw
     cut = RankCostModel({(512, 3584): [(1, 2.6)], (3584, 3584): [(1, 2.8)]}, [], meta={"source": "measured"})
     assert cut.unmeasured([(512, 3584), (3584, 18944)], adamw=True) == ["3584x18944", "AdamW"]
     assert RankCostModel.analytic(device_spec("H200")).unmeasured([(3584, 18944)], adamw=True) == []
-    with pytest.warns(MilpFallbackWarning, match="--dmuon-plan-budget.*greedy"):
+    with pytest.warns(MilpFallbackWarning, match="`layout.plan_budget_s`.*greedy") as said:
         plan, _ = _plan("qwen7b-4l", 4, 40_000_000, "milp", rank_model=cut, milp_options={"time_limit_s": 2.0})
+    # the DDP (megatron/ddp.py) says it again in the flags' words
+    from megatron_dmuon.megatron.config import in_flag_words
+
+    worded = in_flag_words(str(said[0].message))
+    assert "ran out of --dmuon-plan-budget" in worded and "kept the greedy plan (--dmuon-balance cost)" in worded
     info = plan["info"]["dense"]
     assert info["chosen"] == "cost" and info["status"] == "unmeasured"
     greedy, _ = _plan("qwen7b-4l", 4, 40_000_000, "greedy")

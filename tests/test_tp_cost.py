@@ -28,5 +28,5 @@ def test_choice_follows_bytes():
     assert choose_tp_method(FC2, 1, 1, None, "gram", setting="distributed_gram") == "gather"  # no TP
     costs = tp_method_costs(FC2, 2)
     assert costs["distributed_gram"] < costs["gather"]
-    with pytest.raises(ValueError, match="--dmuon-tp-method"):
+    with pytest.raises(ValueError, match="TP method 'scatter' unknown"):  # (the flag's words: the config's check)
         choose_tp_method(FC2, 2, 1, None, "gram", setting="scatter")

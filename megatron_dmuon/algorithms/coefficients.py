@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 Coefficients = tuple[float, float, float]
 
@@ -49,7 +50,8 @@ YOU: tuple[Coefficients, ...] = (
     (2.8366, -3.0525, 1.2012),
 )
 
-COEFFICIENT_SETS: tuple[str, ...] = ("keller", "polar_express", "you")
+CoefficientSet = Literal["keller", "polar_express", "you"]
+COEFFICIENT_SETS: tuple[str, ...] = get_args(CoefficientSet)
 
 CoefficientSpec = str | Coefficients | Sequence[Coefficients]
 

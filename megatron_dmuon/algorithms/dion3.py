@@ -26,11 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from .muon import muon_lr_scale, muon_momentum_
+from .update_rule import UPDATE_RULES, UpdateRule
 
 __all__ = [
     "ROW_UPDATE_RULES",
@@ -44,11 +46,12 @@ __all__ = [
     "row_direction",
 ]
 
-# 'muon' is algorithms/muon.py's rule; these two are the row rules of this module
-ROW_UPDATE_RULES: tuple[str, ...] = ("normuon", "dion3")
+# the row rules of this module ('muon' is algorithms/muon.py's rule; algorithms/update_rule.py says which is which)
+ROW_UPDATE_RULES: tuple[str, ...] = tuple(r for r in UPDATE_RULES if UpdateRule(r).by_rows)
 # 'none': Muon's lr scale of the full shape (microsoft/dion's NorDion2); 'inverse_sqrt': times
 # 1/sqrt(f), so the update's Frobenius norm matches the full-fraction update's
-FRACTION_LR_MODES: tuple[str, ...] = ("none", "inverse_sqrt")
+FractionLR = Literal["none", "inverse_sqrt"]
+FRACTION_LR_MODES: tuple[str, ...] = get_args(FractionLR)
 NORMALIZE_EPS = 1e-8
 
 
@@ -102,11 +105,11 @@ def select_rows_(momentum: Tensor, grad: Tensor, pieces: Sequence[Tensor], *, ru
     if momentum.shape != grad.shape or momentum.dim() != 2:
         raise ValueError(f"momentum {tuple(momentum.shape)} and grad {tuple(grad.shape)} must be one matrix")
     cols = momentum.size(-1)
-    if rule == "normuon":
+    if rule not in ROW_UPDATE_RULES:
+        raise ValueError(f"unknown row update rule {rule!r}; valid: {', '.join(ROW_UPDATE_RULES)}")
+    if not UpdateRule(rule).selects_fraction:  # NorMuon: every row
         update = muon_momentum_(momentum, grad, beta, nesterov)
         return [RowSelection(r, _gather_rows(update, r), (*r.shape, cols)) for r in pieces]
-    if rule != "dion3":
-        raise ValueError(f"unknown row update rule {rule!r}; valid: {', '.join(ROW_UPDATE_RULES)}")
     if nesterov:
         raise ValueError("Dion3 has no Nesterov form (its momentum is M + G with error feedback)")
     if not 0.0 <= beta <= 1.0:

@@ -1,7 +1,7 @@
-"""Emerging-Optimizers' Newton–Schulz coefficient types (Megatron-LM's `--muon-coefficient-type`),
+"""Emerging-Optimizers' Newton–Schulz coefficient types (Megatron-LM's `muon_coefficient_type`),
 as explicit per-step schedules DMuon's NS runs step for step.
 
-Megatron-LM's own Muon hands `--muon-coefficient-type` and `--muon-num-ns-steps` to
+Megatron-LM's own Muon hands `muon_coefficient_type` and `muon_num_ns_steps` to
 Emerging-Optimizers' `newton_schulz` (NVIDIA-NeMo/Emerging-Optimizers,
 `emerging_optimizers/orthogonalized_optimizers/muon_utils.py`, tags v0.3.0 and v0.4.0). There a
 type is a table of (a, b, c) sets (`_COEFFICIENT_SETS`) walked for `steps` iterations in one of
@@ -9,12 +9,13 @@ two ways past its end: `polar_express`, `cans` and `deepseekv4` repeat their las
 other type starts over from its first. The tables below are those of v0.4.0 (v0.3.0's are the
 same, without `cubic5`), as they are printed there, rounding included: EO's `polar_express` is
 Polar Express (arXiv 2505.16932) with its 1.01 safety damping folded into every set, rounded to 4
-decimals, and 8 sets long. It is not DMuon's own `--dmuon-coefficients polar_express`
+decimals, and 8 sets long. It is not DMuon's own coefficient set `polar_express`
 (algorithms/coefficients.py: the published 5 sets at full precision, the fifth undamped), which
 stays as it is under that name. `cubic5` has c = 0 (a cubic step, no A² product) and is a fixed
 5-step schedule: Emerging-Optimizers refuses any other step count. `custom` takes sets from
 `newton_schulz(custom_coefficient_sets=...)`, which Megatron-LM never passes (it has no flag for
-them), so no rule exists to follow: DMuon refuses it by name.
+them), so no rule exists to follow: DMuon refuses it by name (megatron/megatron_lm_flags.py, where
+the flag is read).
 
 tests/test_eo_coefficients.py runs Emerging-Optimizers' own `newton_schulz` (the installed 0.3.x,
 and 0.4.0 where $DMUON_EO040 points to it) against DMuon's on the same inputs.
@@ -63,7 +64,7 @@ EO_TABLES: dict[str, tuple[Coefficients, ...]] = {
 }
 # the types whose table repeats its last set past its end (the rest cycle from the first set)
 REPEAT_LAST = ("polar_express", "cans", "deepseekv4")
-# types whose step count is fixed: Emerging-Optimizers raises for any other --muon-num-ns-steps
+# types whose step count is fixed: Emerging-Optimizers raises for any other step count
 FIXED_STEPS = {"cubic5": 5}
 # every type of Emerging-Optimizers 0.4.0's NSCoeffT; 'custom' has no sets under Megatron-LM
 EO_COEFFICIENT_TYPES: tuple[str, ...] = tuple(EO_TABLES)
@@ -76,18 +77,10 @@ UNRUNNABLE_TYPES = {
 
 def eo_schedule(coefficient_type: str, steps: int) -> tuple[Coefficients, ...]:
     """The ``steps`` (a, b, c) sets Emerging-Optimizers' ``newton_schulz`` applies for
-    ``coefficient_type``; ValueError naming the flags where it has none."""
-    if coefficient_type in UNRUNNABLE_TYPES:
-        raise ValueError(f"--muon-coefficient-type {coefficient_type}: {UNRUNNABLE_TYPES[coefficient_type]}; pass "
-                         f"one of {', '.join(EO_COEFFICIENT_TYPES)}")
-    if coefficient_type not in EO_TABLES:
-        raise ValueError(f"--muon-coefficient-type {coefficient_type!r} is not an Emerging-Optimizers coefficient "
-                         f"type; valid: {', '.join(EO_COEFFICIENT_TYPES)}")
-    fixed = FIXED_STEPS.get(coefficient_type)
-    if fixed is not None and steps != fixed:
-        raise ValueError(f"--muon-coefficient-type {coefficient_type} is a fixed {fixed}-step schedule (Emerging-"
-                         f"Optimizers refuses --muon-num-ns-steps {steps} at the first step): pass "
-                         f"--muon-num-ns-steps {fixed}")
+    ``coefficient_type`` (one of ``EO_TABLES`` at a step count it takes: ``FIXED_STEPS``)."""
+    if coefficient_type not in EO_TABLES or FIXED_STEPS.get(coefficient_type, steps) != steps:
+        raise ValueError(f"Emerging-Optimizers has no schedule for coefficient type {coefficient_type!r} at {steps} "
+                         "steps")
     table = EO_TABLES[coefficient_type]
     walk = chain(table, repeat(table[-1])) if coefficient_type in REPEAT_LAST else cycle(table)
     return tuple(islice(walk, steps))

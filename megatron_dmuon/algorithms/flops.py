@@ -27,13 +27,15 @@ measures for ``newton_schulz`` / ``gram_newton_schulz`` (tested).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal, get_args
 
 from .gram_newton_schulz import GRAM_MIN_ASPECT_RATIO, default_restarts, gram_applies, restart_points
 
 __all__ = ["newton_schulz_flops", "ns_method_for", "FLOP_METHODS", "NS_METHODS"]
 
 FLOP_METHODS: tuple[str, ...] = ("standard", "gram")
-NS_METHODS: tuple[str, ...] = ("standard", "gram", "auto")  # what a caller may ask for (--dmuon-ns-method)
+NSMethod = Literal["standard", "gram", "auto"]  # what a caller may ask for ('auto': ns_method_for decides)
+NS_METHODS: tuple[str, ...] = get_args(NSMethod)
 
 
 def _check_dim(name: str, value: int) -> int:

@@ -12,7 +12,7 @@ from typing import Tuple
 
 import torch
 
-# --dmuon-publish-dtype names -> torch dtypes (e4m3: more mantissa, TE's weight format; e5m2: range)
+# the FP8 publish dtypes' names (DMuonConfig.publish_dtype) -> torch dtypes (e4m3: more mantissa, TE's weight format; e5m2: range)
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 

@@ -13,7 +13,7 @@ distributed owner step and the single-process reference all call them, and only 
 between differs (batched by shape on owners, one matrix at a time in the reference).
 
 ``scale`` comes from ``muon_lr_scale``, whose mode names are Megatron-core's / Emerging-Optimizers'
-(``--muon-scale-mode``) where they exist: ``'spectral'`` = sqrt(max(rows, cols)),
+(Megatron-LM's ``muon_scale_mode``) where they exist: ``'spectral'`` = sqrt(max(rows, cols)),
 ``'shape_scaling'`` = sqrt(max(1, rows/cols)) (Keller; torch's ``adjust_lr_fn='original'``),
 ``'unit_rms_norm'`` = sqrt(rows/cols); plus torch's ``'match_rms_adamw'`` = 0.2·sqrt(max(rows,
 cols)) (Moonlight) and ``'none'`` = 1. Weight decay is decoupled and uses the *base* lr.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -42,8 +43,11 @@ __all__ = [
     "LR_SCALE_MODES",
 ]
 
-# The first three are Megatron's --muon-scale-mode choices with Megatron's meaning (rows = fan-out).
-LR_SCALE_MODES: tuple[str, ...] = ("spectral", "shape_scaling", "unit_rms_norm", "match_rms_adamw", "none")
+# The first three are Megatron's muon_scale_mode choices with Megatron's meaning (rows = fan-out).
+LRScaleMode = Literal["spectral", "shape_scaling", "unit_rms_norm", "match_rms_adamw", "none"]
+LR_SCALE_MODES: tuple[str, ...] = get_args(LRScaleMode)
+# the dtypes the Muon momentum may be kept in, by name (bf16 halves the Muon state; the update runs in fp32)
+MOMENTUM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # torch.optim.Muon's name for 'shape_scaling'
 _LR_SCALE_ALIASES = {"original": "shape_scaling"}
 

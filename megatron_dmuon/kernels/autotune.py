@@ -76,7 +76,7 @@ class ShapePlan:
     square: OpChoice
 
 
-_RUN_CACHE_PATH: "Path | None" = None  # this run's --dmuon-autotune-cache (use_cache_file)
+_RUN_CACHE_PATH: "Path | None" = None  # this run's DMuonConfig.autotune_cache (use_cache_file)
 
 
 def use_cache_file(path) -> None:
@@ -102,7 +102,7 @@ class AutotuneCache(JsonStore):
 
     version = CACHE_VERSION
     label = "autotune cache"
-    env = f"${CACHE_ENV} (or --dmuon-autotune-cache)"  # where a user points it
+    env = f"${CACHE_ENV} (or DMuonConfig.autotune_cache)"  # where a user points it (the flag: megatron/flags.py)
     default_path = staticmethod(default_cache_path)
 
 

@@ -51,10 +51,15 @@ def check_qk_clip_config(get) -> None:
 
 
 def check_dmuon_config(config, ddp_config, cfg, model_config=None) -> None:
-    """Start-up checks of (OptimizerConfig, DistributedDataParallelConfig, DMuonConfig[, model config])."""
-    cfg.validate()
+    """Start-up checks of (OptimizerConfig, DistributedDataParallelConfig, DMuonConfig[, model config]):
+    what the run needs of the rest (the DMuonConfig itself was checked when it was built)."""
     if model_config is not None:
         check_model_parallel_config(model_config, cfg.mode)
+        tp = tensor_parallel_size(model_config)
+        if cfg.muon.rule.by_rows and tp > 1:
+            raise ValueError(f"--dmuon-update {cfg.muon.update} selects and normalizes whole rows of each matrix, which "
+                             "the TP exchange does not deliver yet: use --tensor-model-parallel-size 1 (and "
+                             "--expert-tensor-parallel-size 1), or --dmuon-update muon")
     check_overlap_step(ddp_config, cfg, model_config, config)
     if getattr(config, "overlap_param_gather_with_optimizer_step", False):
         raise ValueError("--optimizer dmuon does not support --overlap-param-gather-with-optimizer-step; drop the flag")

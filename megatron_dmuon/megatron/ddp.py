@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..algorithms.tp_shards import tp_full_shape
 from ..planning.owner_layout import megatron_bucket_size
-from ..planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
-from ..planning.params import check_muon_matrix_shape, param_routing
+from ..planning.owner_planning import BufferParams, CostSource, plan_owners
+from ..planning.ns_choice import owner_ns_cost
+from ..planning.params import param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
 from ..planning.planners import split_rule_for
 from ..planning.tp_cost import choose_tp_method
+from .config import in_flag_words
 
 
 def default_bucket_size(ddp_config, dp_size: int, disable_bucketing: bool = False, pp_rank: int = 0):
@@ -98,18 +101,6 @@ def plan_records(module: torch.nn.Module, ddp_config, sizes, cfg, model_config=N
     return [r for recs in _records(named, buffers, sizes, cfg, model_config).values() for r in recs]
 
 
-def owner_cost_fn(muon):
-    """NS FLOPs of one piece as the owner step runs it under ``muon``: the run's own resolver
-    (``muon.ns_resolver``, on the GPU the plan is for: 'auto' takes this GPU's autotune
-    measurement where there is one, else the FLOP rule), so the planner costs what runs."""
-    resolver = muon.ns_resolver("cuda")
-
-    def cost(shape) -> float:
-        return resolver.flops(*check_muon_matrix_shape("matrix", shape))
-
-    return cost
-
-
 def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], bucket_size: Optional[int],
                cfg, model_config=None):
     """The DMuonPlan of `module` under the complete config `cfg` (dense buffers: DP x TP owners;
@@ -134,11 +125,12 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
     if stage.rank() == 0:  # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
         to_plan = {key: BufferParams(tuple(records[key]), *sizes(key), expert=key.is_expert_parallel)
                    for key in buffers}
-        options = OwnerPlanningOptions(balance=opts.balance, max_bucket_padding=opts.max_bucket_padding,
-                                       milp_options=opts.milp_options, elementwise=opts.elementwise,
-                                       plan_cache=opts.plan_cache, plan_budget_s=opts.plan_budget_s,
-                                       dp_layout=opts.dp_layout, split_allowed=split_layout_refusal(cfg, model_config) is None)
-        payload = [plan_owners(to_plan, bucket_size, options, cost_source(cfg))]
+        options = opts.planning_options(split_allowed=split_layout_refusal(cfg, model_config) is None)
+        with warnings.catch_warnings(record=True) as said:  # (re-said below in the flags' words)
+            warnings.simplefilter("always")
+            payload = [plan_owners(to_plan, bucket_size, options, cost_source(cfg))]
+        for w in said:
+            warnings.warn_explicit(in_flag_words(str(w.message)), w.category, w.filename, w.lineno)
     if stage.size() > 1:
         torch.distributed.broadcast_object_list(payload, src=torch.distributed.get_global_rank(stage, 0), group=stage)
     planned = payload[0]
@@ -176,12 +168,15 @@ def _grid_sizes(groups: Dict[str, object]):
 
 def cost_source(cfg) -> CostSource:
     """Where rank 0's planning takes its costs from under `cfg`: ``cfg.layout.cost_fn`` (default
-    ``owner_cost_fn(cfg.muon)``, NS FLOPs) per piece; a cost model (``cfg.layout.cost_model_fn``)
-    or, with ``cfg.layout.profile`` (--dmuon-balance milp), the start-up profile of this GPU; this
-    GPU's name for the cluster config's element-wise rates."""
+    ``owner_ns_cost`` under the run's own resolver, ``cfg.muon.ns_resolver('cuda')``: on the GPU the
+    plan is for, 'auto' takes this GPU's autotune measurement where there is one, else the FLOP rule,
+    so the planner costs what runs) per piece; a cost model (``cfg.layout.cost_model_fn``) or the
+    start-up profile of this GPU (taken where the planning options ask for it); this GPU's name for
+    the cluster config's element-wise rates."""
     opts = cfg.layout
-    return CostSource(ns_cost=opts.cost_fn or owner_cost_fn(cfg.muon), cost_model_fn=opts.cost_model_fn,
-                      rank_profile=functools.partial(_profiled_rank_model, settings=cfg.muon) if opts.profile else None,
+    ns_cost = opts.cost_fn or functools.partial(owner_ns_cost, resolver=cfg.muon.ns_resolver("cuda"))
+    return CostSource(ns_cost=ns_cost, cost_model_fn=opts.cost_model_fn,
+                      rank_profile=functools.partial(_profiled_rank_model, settings=cfg.muon),
                       gpu_name=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                       gpus_per_node=gpus_per_node())
 
@@ -253,7 +248,7 @@ class DMuonDDP(_import_distributed_data_parallel()):
         opts = cfg.layout
         check_model_parallel_config(config)  # unsupported layouts fail here, before any buffer exists
         check_split_layout(cfg, config)
-        check_publish_config(cfg.publish_dtype, module.parameters(), opts.ranks_per_node)
+        check_publish_config(cfg.publish_dtype, module.parameters())
         # megabatch: one bucket per buffer even with --overlap-grad-reduce, so every same-shape group
         # is reduced and published by the buffer's one collective, however many layers (docs/dion3.md)
         disable_bucketing = disable_bucketing or opts.megabatch

@@ -1,33 +1,25 @@
 """DMuon's command-line flags and their parse-time checks.
 
-`add_dmuon_args(parser)` registers the `--dmuon-*` flags (and Megatron's `--muon-*` ones where the
-parser lacks them, megatron_lm_flags.py) on any argparse parser (the trainer's, or Megatron-LM's
-through `megatron_dmuon.megatron.install()`); with `validate`, parsing itself rejects every
-combination DMuon cannot run (`validate_dmuon_args`), naming the flag and the fix.
+`add_dmuon_args(parser)` registers the schema's flags (megatron/config.py ``DMUON_FLAGS``, and
+Megatron's `--muon-*` ones of megatron_lm_flags.py where the parser lacks them) on any argparse parser
+(the trainer's, Megatron-LM's through `megatron_dmuon.megatron.install()`, the Bridge launcher's);
+with `validate`, parsing itself rejects every combination DMuon cannot run (`validate_dmuon_args`:
+the config is built, which checks it, then what it needs of the rest of the run), naming the flag
+and the fix.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from typing import Optional
 
-from ..algorithms.coefficients import COEFFICIENT_SETS
-from ..algorithms.dion3 import FRACTION_LR_MODES
-from ..algorithms.flops import NS_METHODS
-from ..kernels.autotune import CACHE_ENV
-from ..planning.owner_layout import BALANCE, DP_LAYOUTS
-from ..planning.startup_budget import STARTUP_BUDGET_S
-from ..planning.tp_cost import TP_METHODS
-from ..planning.overlap_mode import OVERLAP_STEP_MODES
-from ..runtime.owner_step import ADAPTIVE_SCHEDULE, NS_LAUNCH_MODES
-from ..runtime.row_update_step import UPDATE_RULES
+from ..kernels.autotune import CACHE_ENV, AutotuneCache
+from .config import DMUON_FLAGS, DMuonConfig, remember_config
 from .config_checks import check_dmuon_config
-from .config import DEFAULT_DION3_FRACTION, MOMENTUM_DTYPES, DMuonConfig, remember_config
-from .modes import MODE_TRAITS, MODES, mode_traits
+from .flag_rows import Bounds, argparse_kwargs
 from .hierarchy import check_two_level_config
-from .megatron_lm_flags import UNKNOWN_MUON_FLAGS, MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING, megatron_muon_fields
-from .publish import PUBLISH_DTYPES
+from .megatron_lm_flags import MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING, UNKNOWN_MUON_FLAGS, megatron_muon_fields
+from .modes import mode_traits
 
 
 def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
@@ -50,80 +42,15 @@ def add_dmuon_args(parser: argparse.ArgumentParser, validate: bool = True) -> ar
     UNKNOWN_MUON_FLAGS.update({action.dest: (flag, action.default)
                                 for flag, action in parser._option_string_actions.items()
                                 if flag.startswith("--muon-") and flag not in MUON_FLAG_HANDLING})
-    missing = [(flag, kw) for flag, kw in MEGATRON_MUON_FLAGS if not _has(parser, flag)]
+    defaults = DMuonConfig()
+    missing = [row for row in MEGATRON_MUON_FLAGS if not _has(parser, row.name)]
     if missing:
         group = parser.add_argument_group("Muon (Megatron-LM's flags; same meaning under --optimizer dmuon)")
-        for flag, kw in missing:
-            group.add_argument(flag, **kw)
+        for row in missing:
+            group.add_argument(row.name, **argparse_kwargs(row, defaults))
     g = parser.add_argument_group("DMuon (owner-centric distributed Muon; docs/megatron_lm.md)")
-    g.add_argument("--dmuon-mode", default="dmuon", choices=MODES,
-                   help="; ".join(f"{t.name}: {t.help}" for t in MODE_TRAITS.values()))
-    g.add_argument("--dmuon-ns-method", default="auto", choices=NS_METHODS,
-                   help="Newton-Schulz variant: standard, gram (in the small Gram space; a 16-bit "
-                        "--muon-fp32-matmul-prec runs it in fp16, where it is stable, not bf16), auto (the "
-                        "kernels' measured fastest per shape; standard off CUDA)")
-    g.add_argument("--dmuon-coefficients", default=None, choices=COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,),
-                   help="DMuon's NS schedule instead of --muon-coefficient-type (adaptive: per shape, "
-                        "the tighter ||(XX^T)^2||^(1/4) normalisation with 4 designed steps for aspect >= 2, "
-                        "5 for nearer-square matrices; polar_express: DMuon's own, the published sets at full "
-                        "precision, not Megatron's --muon-coefficient-type polar_express)")
-    g.add_argument("--dmuon-ns-launch", default="eager", choices=NS_LAUNCH_MODES,
-                   help="GPU: the owner's per-shape NS calls one by one, on concurrent streams, or as one CUDA graph")
-    g.add_argument("--dmuon-overlap-step", default="off", choices=OVERLAP_STEP_MODES,
-                   help="on: each bucket group's Newton-Schulz runs on a side stream after optimizer.step() returns "
-                        "and finishes when the next forward first needs its params (needs --overlap-param-gather); "
-                        "sync: the same per-bucket-group stacks inside the step (bit-identical to on, for checking); "
-                        "backward: on, and each group's momentum and NS start in the last backward when its grad "
-                        "reduce is launched, redone in the step when clipping fires (needs --overlap-grad-reduce; "
-                        "CPU-verified only)")
-    g.add_argument("--dmuon-tp-method", default="auto", choices=TP_METHODS,
-                   help="TP-sharded matrices: gather to the TP owner, distributed Gram NS, or auto (cost model)")
-    g.add_argument("--dmuon-balance", default="cost", choices=BALANCE,
-                   help="owner assignment: cost (greedy on predicted NS time), milp (the owner step profiled on this "
-                        "GPU, then an MILP on that rank cost model; both cached), numel_lpt, megatron_lpt (max·min², Megatron main's layer-sharded "
-                        "Muon) or round_robin (baselines)")
-    g.add_argument("--dmuon-dp-layout", default="auto", choices=DP_LAYOUTS,
-                   help="how Muon matrices lie in the DP shards: whole (each inside its owner's shard; pads the "
-                        "shards once DP nears the matrix count), split (Megatron's own equal shards cut matrices, "
-                        "each keeps its pieces' state and one NS home per matrix; AdamW's bytes at any DP), auto "
-                        "(the planner's cost model picks per buffer; docs/dmuon_dp.md)")
-    g.add_argument("--dmuon-plan-budget", type=float, default=STARTUP_BUDGET_S, metavar="SECONDS",
-                   help="--dmuon-balance milp: start-up seconds for the rank profile + the MILP on rank 0 "
-                        "(the best plan found by then is used; cached plans cost nothing)")
-    g.add_argument("--dmuon-ranks-per-node", type=int, default=0,
-                   help="> 0: two-level (intra-node, then inter-node) grad reduce / param publish with "
-                        "this many ranks per node (pass the GPUs per node)")
-    g.add_argument("--dmuon-update", default="muon", choices=UPDATE_RULES,
-                   help="the owners' update rule: muon; normuon (row-normalized Muon); dion3 (top "
-                        "--dmuon-fraction rows by L1 norm, error feedback, NorMuon normalization); docs/dion3.md")
-    g.add_argument("--dmuon-fraction", type=float, default=None, metavar="F",
-                   help=f"--dmuon-update dion3: share of each matrix's rows orthogonalized per step, in (0, 1] "
-                        f"(default {DEFAULT_DION3_FRACTION}; 1 = NorMuon)")
-    g.add_argument("--dmuon-fraction-lr", default="none", choices=FRACTION_LR_MODES,
-                   help="dion3: lr factor for the fraction: none (NorDion2's) or inverse_sqrt (1/sqrt(F))")
-    g.add_argument("--dmuon-normuon-beta2", type=float, default=0.95,
-                   help="normuon/dion3: decay of the per-row second moment")
-    g.add_argument("--dmuon-megabatch", action="store_true",
-                   help="one grad reduce-scatter and one param all-gather per buffer per step whatever the layer "
-                        "count (no per-bucket overlap with backward); owners run one batched NS per shape")
-    g.add_argument("--dmuon-split-heads", action="store_true", help="orthogonalize every attention head apart")
-    g.add_argument("--dmuon-split-glu", action="store_true", help="orthogonalize SwiGLU gate and up apart")
-    g.add_argument("--dmuon-autotune-cache", default=None, metavar="PATH",
-                   help=f"the kernels' autotune cache file (default ${CACHE_ENV}, else ~/.cache/megatron_dmuon/autotune.json)")
-    g.add_argument("--dmuon-publish-dtype", default="param", choices=PUBLISH_DTYPES,
-                   help="param all-gather of Muon matrices: the model's dtype, or FP8 bytes the owner quantizes "
-                        "from its fp32 master with a per-tensor scale (needs --bf16; docs/mixed_precision.md)")
-    g.add_argument("--dmuon-momentum-dtype", default="fp32", choices=tuple(MOMENTUM_DTYPES),
-                   help="dtype of the owners' Muon momentum (bf16 halves it; accuracy cost in docs/mixed_precision.md)")
-    g.add_argument("--dmuon-ns-check-interval", type=int, default=100, metavar="STEPS",
-                   help="online NS quality: every STEPS optimizer steps each owner estimates top-eig(O^T O - I) of its "
-                        "NS outputs (random probes), recomputes those above --dmuon-ns-check-bound exactly (fp32) "
-                        "and logs the worst; 0: off")
-    g.add_argument("--dmuon-ns-check-bound", type=float, default=None, metavar="B",
-                   help="the check's bound on top-eig(O^T O - I) (default: (1.25 x the largest singular value the "
-                        "NS schedule gives in exact arithmetic)^2 - 1, e.g. 1.05 for Megatron's quintic)")
-    g.add_argument("--dmuon-no-skip-nonfinite", action="store_true",
-                   help="do not skip a step whose gradients hold NaN/Inf (skipped on every rank by default)")
+    for row in DMUON_FLAGS:
+        g.add_argument(row.name, **argparse_kwargs(row, defaults))
     if validate:
         _validate_on_parse(parser)
     return parser
@@ -146,58 +73,38 @@ def _validate_on_parse(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------------- checks
-def _number_check(args, name: str, low: float, high: float = math.inf, low_open: bool = False,
-                  high_open: bool = False, fix: str = "") -> None:
-    """ValueError naming ``--name`` if the parsed value is NaN, infinite or outside its range (a
-    flag the parser does not have, or left at None, is not checked)."""
-    value = getattr(args, name, None)
-    if value is None or isinstance(value, bool):
-        return
-    above = value > low if low_open else value >= low
-    below = value < high if high_open else value <= high
-    if math.isfinite(value) and above and below:
-        return
-    if isinstance(value, int) and not math.isfinite(high):
-        raise ValueError(f"--{name.replace('_', '-')} {value} must be an integer >= {low}" + (f"; {fix}" if fix else ""))
-    interval = ("(" if low_open else "[") + f"{low:g}, " + (f"{high:g}" if math.isfinite(high) else "inf") + \
-        (")" if high_open or not math.isfinite(high) else "]")
-    raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number in {interval}" + (f"; {fix}" if fix else ""))
+# Megatron-LM's optimizer numbers every run reads (the schema's own are checked where the config is built)
+TRAINING_NUMBERS = (
+    ("lr", Bounds(0.0, low_open=True, fix="the peak learning rate, e.g. 3e-4")),
+    ("min_lr", Bounds(0.0, fix="0 decays to zero")),
+    ("weight_decay", Bounds(0.0, fix="0 turns weight decay off")),
+    ("clip_grad", Bounds(0.0, fix="0 turns clipping off")),
+    ("adam_beta1", Bounds(0.0, 1.0, high_open=True)),
+    ("adam_beta2", Bounds(0.0, 1.0, high_open=True)),
+    ("adam_eps", Bounds(0.0, low_open=True, fix="e.g. 1e-8")),
+    ("decoupled_lr", Bounds(0.0, low_open=True, fix="the peak lr of the embedding and output layer; leave it unset "
+                                                    "for --lr")),
+    ("decoupled_min_lr", Bounds(0.0, fix="0 decays to zero")),
+)
 
 
 def check_training_numbers(args) -> None:
     """The optimizer numbers every run reads (Megatron-LM's flags, our example's): finite and in
-    range, so that nothing is accepted that would silently ruin or disable a run."""
-    _number_check(args, "lr", 0.0, low_open=True, fix="the peak learning rate, e.g. 3e-4")
-    _number_check(args, "min_lr", 0.0, fix="0 decays to zero")
-    lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
-    if lr is not None and min_lr is not None and min_lr > lr:
-        raise ValueError(f"--min-lr ({min_lr}) must not exceed --lr ({lr})")
-    _number_check(args, "weight_decay", 0.0, fix="0 turns weight decay off")
-    _number_check(args, "clip_grad", 0.0, fix="0 turns clipping off")
-    for beta in ("adam_beta1", "adam_beta2"):
-        _number_check(args, beta, 0.0, 1.0, high_open=True)
-    _number_check(args, "adam_eps", 0.0, low_open=True, fix="e.g. 1e-8")
-    _number_check(args, "decoupled_lr", 0.0, low_open=True,
-                  fix="the peak lr of the embedding and output layer; leave it unset for --lr")
-    _number_check(args, "decoupled_min_lr", 0.0, fix="0 decays to zero")
+    range, so that nothing is accepted that would silently ruin or disable a run (a flag the parser
+    does not have, or left at None, is not checked)."""
+    for name, bounds in TRAINING_NUMBERS:
+        bounds.check(f"--{name.replace('_', '-')}", getattr(args, name, None))
+        if name == "min_lr":
+            lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
+            if lr is not None and min_lr is not None and min_lr > lr:
+                raise ValueError(f"--min-lr ({min_lr}) must not exceed --lr ({lr})")
     dlr, dmin = getattr(args, "decoupled_lr", None), getattr(args, "decoupled_min_lr", None)
     if dlr is not None and dmin is not None and dmin > dlr:
         raise ValueError(f"--decoupled-min-lr ({dmin}) must not exceed --decoupled-lr ({dlr})")
 
 
-def check_muon_numbers(args) -> None:
-    """Every --muon-* / --dmuon-* number of ``--optimizer dmuon``, in the flag's words."""
-    _number_check(args, "muon_momentum", 0.0, 1.0, high_open=True, fix="0.95 with --muon-nesterov is the usual choice")
-    _number_check(args, "muon_extra_scale_factor", 0.0, low_open=True,
-                  fix="0 would freeze every Muon matrix and a negative factor ascends the loss; 0.2 with "
-                      "--muon-scale-mode spectral matches AdamW's update size")
-    _number_check(args, "muon_num_ns_steps", 1, fix="Megatron's default is 5")
-    _number_check(args, "dmuon_plan_budget", 0.0, low_open=True, fix=f"default {STARTUP_BUDGET_S:g} s")
-    _number_check(args, "dmuon_fraction", 0.0, 1.0, low_open=True, fix="the share of rows Dion3 orthogonalizes")
-    _number_check(args, "dmuon_normuon_beta2", 0.0, 1.0, high_open=True)
-    _number_check(args, "dmuon_ranks_per_node", 0, fix="0 turns the two-level reduce/publish off")
-    _number_check(args, "dmuon_ns_check_interval", 0, fix="0 turns the check off")
-    _number_check(args, "dmuon_ns_check_bound", 0.0, low_open=True, fix="leave it unset for the per-schedule bound")
+class _FlagAutotuneCache(AutotuneCache):
+    env = f"${CACHE_ENV} (or --dmuon-autotune-cache)"  # where a user of the flags points it
 
 
 def check_cache_paths(args) -> None:
@@ -205,10 +112,9 @@ def check_cache_paths(args) -> None:
     own: a directory, an uncreatable path or a file that is not that cache (json_store: refused and
     left untouched) fails now, naming the cache and where it is set, instead of at the first write
     in the middle of start-up."""
-    from ..kernels.autotune import AutotuneCache
     from ..planning.caches import PlanCache, ProfileCache, default_plan_cache_path, default_profile_cache_path
 
-    caches = [AutotuneCache(getattr(args, "dmuon_autotune_cache", None)), PlanCache(default_plan_cache_path()),
+    caches = [_FlagAutotuneCache(getattr(args, "dmuon_autotune_cache", None)), PlanCache(default_plan_cache_path()),
               ProfileCache(default_profile_cache_path())]
     for cache in caches:
         cache.check_writable()
@@ -245,15 +151,15 @@ def _data_parallel_size(args) -> Optional[int]:
     return world // model if world and world % model == 0 else None
 
 
-def validate_dmuon_args(args) -> Optional[DMuonConfig]:
+def validate_dmuon_args(args, given: Optional[dict] = None) -> Optional[DMuonConfig]:
     """Parse-time checks of `--optimizer dmuon` (nothing for other optimizers): the flags map onto
-    a valid DMuonConfig and the parallel / precision / optimizer combination is one DMuon runs.
+    a valid DMuonConfig (checked as it is built) and the parallel / precision / optimizer combination
+    is one DMuon runs. ``given``: the flags on the command line, where known (``DMuonConfig.from_args``).
     Returns the config; raises ValueError naming the flag and the fix."""
     if getattr(args, "optimizer", "dmuon") != "dmuon":
         return None
     check_training_numbers(args)
-    check_muon_numbers(args)
-    cfg = remember_config(args, DMuonConfig.from_args(args))  # the one parse of the run (config_of)
+    cfg = remember_config(args, DMuonConfig.from_args(args, given))  # the one parse of the run (config_of)
     view = _ArgsView(args, cfg)
     check_dmuon_config(view, view, cfg, model_config=view)
     for flag in ("use_torch_fsdp2", "use_megatron_fsdp", "use_mup"):
@@ -262,16 +168,13 @@ def validate_dmuon_args(args) -> Optional[DMuonConfig]:
     if cfg.publish_dtype != "param" and not getattr(args, "bf16", False):
         raise ValueError(f"--dmuon-publish-dtype {cfg.publish_dtype} needs --bf16: an fp32 param is its own optimizer "
                          "master, which the FP8 decode would overwrite; add --bf16 or drop the flag")
-    if cfg.publish_dtype != "param" and getattr(args, "dmuon_ranks_per_node", 0):
-        raise ValueError(f"--dmuon-publish-dtype {cfg.publish_dtype} is not implemented with the two-level publish: "
-                         "drop --dmuon-ranks-per-node or use --dmuon-publish-dtype param")
     refuse_flags_the_mode_does_not_read(args)
     if mode_traits(cfg.mode).megatron_muon:  # Megatron's own Muon must have this rule's --muon-* fields
         megatron_muon_fields(cfg)
     check_cache_paths(args)
     # the data-parallel size is known here under torchrun (WORLD_SIZE); else only at DDP build
-    check_two_level_config(view, _data_parallel_size(args) or max(args.dmuon_ranks_per_node, 1),
-                           args.dmuon_ranks_per_node)
+    check_two_level_config(view, _data_parallel_size(args) or max(cfg.layout.ranks_per_node, 1),
+                           cfg.layout.ranks_per_node)
     return cfg
 
 
@@ -310,10 +213,8 @@ def dmuon_config_from_fields(optimizer_config, tensor_parallel_size: int = 1, **
     A ``muon_*`` field DMuon does not know, set to other than its default, is refused by name."""
     import dataclasses
 
-    from .megatron_lm_flags import megatron_flag_defaults
-
     args = _flag_defaults()
-    known = megatron_flag_defaults()
+    known = {row.dest for row in MEGATRON_MUON_FLAGS}
     for field in dataclasses.fields(optimizer_config):
         if not field.name.startswith("muon_"):
             continue
@@ -330,7 +231,6 @@ def dmuon_config_from_fields(optimizer_config, tensor_parallel_size: int = 1, **
             raise TypeError(f"unknown DMuon option {name!r}; valid: {', '.join(valid)}")
         setattr(args, f"dmuon_{name}", value)
     args.optimizer, args.tensor_model_parallel_size = "dmuon", tensor_parallel_size
-    check_muon_numbers(args)
     cfg = DMuonConfig.from_args(args)
     refuse_flags_the_mode_does_not_read(args)
     return cfg

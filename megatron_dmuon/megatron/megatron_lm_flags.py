@@ -1,7 +1,8 @@
-"""Megatron-LM's own Muon flags (core_v0.19.0 and main, `--muon-*`) under `--optimizer dmuon`: the
-table with Megatron's defaults (registered where a parser lacks them), how DMuon treats each flag,
-Megatron's defaults as MuonSettings, and the mapping both ways (flags -> our schedule and NS
-precision; a DMuonConfig -> the OptimizerConfig fields Megatron's own Muon runs it with).
+"""Megatron-LM's own Muon flags (core_v0.19.0 and main, `--muon-*`) under `--optimizer dmuon`: their
+rows (``MEGATRON_MUON_FLAGS``, Megatron's defaults, registered where a parser lacks them), how DMuon
+treats each flag, and the mapping both ways: the flags -> ``MuonSettings`` fields, our schedule and NS
+precision (``muon_settings_from_flags``, every refusal by the flag's name); a DMuonConfig -> the
+OptimizerConfig fields Megatron's own Muon runs it with (``megatron_muon_fields``).
 
 A launch that switches `--optimizer muon` to `--optimizer dmuon` gets the same update rule
 (`docs/megatron_lm.md` has the flag-by-flag table).
@@ -11,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..algorithms.coefficients import YOU, get_coefficients
-from ..algorithms.eo_coefficients import EO_COEFFICIENT_TYPES, eo_schedule
-from ..algorithms.muon import LR_SCALE_MODES
+from ..algorithms.eo_coefficients import EO_COEFFICIENT_TYPES, FIXED_STEPS, UNRUNNABLE_TYPES, eo_schedule
 from ..runtime.owner_step import ADAPTIVE_SCHEDULE, MuonSettings
+from .flag_rows import Bounds, Flag
 from .modes import mode_traits
 
 # --muon-coefficient-type -> our schedule: every type Emerging-Optimizers 0.4.0 offers (NSCoeffT),
@@ -24,33 +25,36 @@ MUON_COEFFICIENT_TYPES = EO_COEFFICIENT_TYPES
 MUON_FP32_MATMUL_PREC = {"medium": torch.bfloat16, "high": torch.float32}
 MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 MUON_SCALAR_OPTIMIZERS = ("adam",)
-# (flag, argparse kwargs) with Megatron's defaults; registered only where a parser lacks them.
+# Megatron's --muon-* flags with Megatron's defaults (the MuonSettings fields' own, where a row sets
+# one); registered only where a parser lacks them. A row without a field is read by
+# ``muon_settings_from_flags``.
 MEGATRON_MUON_FLAGS = (
-    ("--muon-momentum", dict(type=float, default=0.9, help="Muon momentum (Megatron's flag)")),
-    ("--muon-no-split-qkv", dict(action="store_false", default=True, dest="muon_split_qkv",
-                                 help="orthogonalize the fused QKV weight as one matrix (default: Q, K, V apart)")),
-    ("--muon-nesterov", dict(action="store_true", help="Nesterov momentum")),
-    ("--muon-scale-mode", dict(type=str, default="spectral", choices=LR_SCALE_MODES,
-                               help="per-matrix lr scale: spectral sqrt(max(r,c)), shape_scaling "
-                                    "sqrt(max(1,r/c)), unit_rms_norm sqrt(r/c), match_rms_adamw, none")),
-    ("--muon-fp32-matmul-prec", dict(type=str, default="medium", choices=tuple(MUON_FP32_MATMUL_PREC),
-                                     help="NS precision: medium = bf16, high = fp32")),
-    ("--muon-coefficient-type", dict(type=str, default="quintic", choices=MUON_COEFFICIENT_TYPES,
-                                     help="Newton-Schulz coefficients (Emerging-Optimizers' types, its sets "
-                                          "and step order)")),
-    ("--muon-num-ns-steps", dict(type=int, default=5, help="Newton-Schulz steps")),
+    Flag("--muon-momentum", "muon.momentum", "Muon momentum (Megatron's flag)",
+         bounds=Bounds(0.0, 1.0, high_open=True, fix="0.95 with --muon-nesterov is the usual choice")),
+    Flag("--muon-no-split-qkv", "split_qkv", "orthogonalize the fused QKV weight as one matrix (default: Q, K, V apart)",
+         action="store_false", dest_name="muon_split_qkv"),
+    Flag("--muon-nesterov", "muon.nesterov", "Nesterov momentum"),
+    Flag("--muon-scale-mode", "muon.scale_mode", "per-matrix lr scale: spectral sqrt(max(r,c)), shape_scaling "
+                                                 "sqrt(max(1,r/c)), unit_rms_norm sqrt(r/c), match_rms_adamw, none",
+         type=str),
+    Flag("--muon-fp32-matmul-prec", "muon.ns_dtype", "NS precision: medium = bf16, high = fp32",
+         words=MUON_FP32_MATMUL_PREC, type=str),
+    Flag("--muon-coefficient-type", None, "Newton-Schulz coefficients (Emerging-Optimizers' types, its sets and step "
+                                          "order)", default="quintic", choices=MUON_COEFFICIENT_TYPES, type=str),
+    Flag("--muon-num-ns-steps", "muon.ns_steps", "Newton-Schulz steps", bounds=Bounds(1, fix="Megatron's default is 5")),
     # Megatron-LM main's default (core_v0.19.0's is blockwise, which DMuon refuses under TP > 1)
-    ("--muon-tp-mode", dict(type=str, default="duplicated", choices=MUON_TP_MODES,
-                            help="TP-sharded matrices: DMuon always orthogonalizes the whole matrix "
+    Flag("--muon-tp-mode", None, "TP-sharded matrices: DMuon always orthogonalizes the whole matrix "
                                  "(duplicated/distributed); blockwise is refused under TP > 1 except for "
-                                 "--dmuon-mode megatron_layerwise, which hands it to Megatron's own Muon")),
-    ("--muon-use-syrk", dict(action="store_true",
-                             help="Megatron's Triton SYRK kernel for the symmetric products of its NS (same "
-                                  "math); DMuon's NS kernels compute their symmetric products as such already, "
-                                  "so under --optimizer dmuon it changes nothing")),
-    ("--muon-extra-scale-factor", dict(type=float, default=1.0, help="extra factor on the Muon update")),
-    ("--muon-scalar-optimizer", dict(type=str, default="adam", choices=MUON_SCALAR_OPTIMIZERS,
-                                     help="optimizer of embeddings, output layer, norms, biases")),
+                                 "--dmuon-mode megatron_layerwise, which hands it to Megatron's own Muon",
+         default="duplicated", choices=MUON_TP_MODES, type=str),
+    Flag("--muon-use-syrk", None, "Megatron's Triton SYRK kernel for the symmetric products of its NS (same math); "
+                                  "DMuon's NS kernels compute their symmetric products as such already, so under "
+                                  "--optimizer dmuon it changes nothing", action="store_true"),
+    Flag("--muon-extra-scale-factor", "muon.extra_scale", "extra factor on the Muon update",
+         bounds=Bounds(0.0, low_open=True, fix="0 would freeze every Muon matrix and a negative factor ascends the "
+                                               "loss; 0.2 with --muon-scale-mode spectral matches AdamW's update size")),
+    Flag("--muon-scalar-optimizer", None, "optimizer of embeddings, output layer, norms, biases", default="adam",
+         choices=MUON_SCALAR_OPTIMIZERS, type=str),
 )
 
 # How --optimizer dmuon treats every --muon-* flag of Megatron-LM's arguments.py (core_v0.19.0 and
@@ -91,15 +95,43 @@ def refuse_unknown_muon_flags(args) -> None:
                 f"it would be ignored: drop the flag, or train with --optimizer muon")
 
 
-def refuse_disagreeing_coefficients(args, type_given=None) -> None:
+def muon_settings_from_flags(args, tensor_parallel: int, given=None) -> dict:
+    """The ``MuonSettings`` fields of Megatron's --muon-* flags (and of --dmuon-coefficients, DMuon's NS
+    schedule instead of --muon-coefficient-type); a value DMuon cannot honour raises a ValueError
+    naming the flag and the fix. ``given``: the dests on the command line where known (the main job;
+    None: a flag at other than its default counts as given)."""
+    refuse_unknown_muon_flags(args)
+    refuse_disagreeing_coefficients(args, given)
+    coefficients = args.dmuon_coefficients or muon_coefficients_for(args.muon_coefficient_type, args.muon_num_ns_steps)
+    if args.muon_fp32_matmul_prec not in MUON_FP32_MATMUL_PREC:
+        raise ValueError(
+            f"--muon-fp32-matmul-prec {args.muon_fp32_matmul_prec!r} is not a torch matmul precision "
+            "(torch ignores it); pass medium (bf16 Newton-Schulz, the default) or high (fp32)")
+    if args.muon_scalar_optimizer not in MUON_SCALAR_OPTIMIZERS:
+        raise ValueError(
+            f"--muon-scalar-optimizer {args.muon_scalar_optimizer} is not supported by --optimizer dmuon "
+            "(its element-wise params take AdamW on their owner shard); drop the flag or pass adam")
+    if args.muon_tp_mode not in MUON_TP_MODES:
+        raise ValueError(f"--muon-tp-mode {args.muon_tp_mode!r} unknown; valid: {', '.join(MUON_TP_MODES)}")
+    if args.muon_tp_mode == "blockwise" and tensor_parallel > 1 and not mode_traits(args.dmuon_mode).megatron_muon:
+        raise ValueError(
+            "--muon-tp-mode blockwise (core_v0.19.0's default) orthogonalizes every TP shard on its own, so "
+            "the update depends on the TP size (it is not Muon); --optimizer dmuon orthogonalizes whole "
+            "matrices: pass --muon-tp-mode duplicated (same math as Megatron's duplicated/distributed)")
+    fields = {row.path.split(".", 1)[1]: row.field_value(getattr(args, row.dest)) for row in MEGATRON_MUON_FLAGS
+              if row.path and row.path.startswith("muon.")}
+    return dict(fields, coefficients=coefficients)
+
+
+def refuse_disagreeing_coefficients(args, given=None) -> None:
     """--dmuon-coefficients and --muon-coefficient-type both set, naming other Newton-Schulz sets: the
     DMuon flag would win without a word ([bad-input-5]: ``--muon-coefficient-type cans
     --dmuon-coefficients keller`` ran keller); refused by name. Same sets under both names are fine.
-    ``type_given``: whether --muon-coefficient-type was on the command line (None: where it differs
-    from Megatron's default, which is all a parser's result tells)."""
+    ``given``: the dests on the command line (None: --muon-coefficient-type counts as given where it
+    differs from Megatron's default, which is all a parser's result tells)."""
     ours, theirs, steps = args.dmuon_coefficients, args.muon_coefficient_type, args.muon_num_ns_steps
-    if type_given is None:
-        type_given = theirs != megatron_flag_defaults()["muon_coefficient_type"]
+    row = next(r for r in MEGATRON_MUON_FLAGS if r.dest == "muon_coefficient_type")
+    type_given = row.dest in given if given is not None else theirs != row.default
     if ours is None or not type_given:
         return
     try:
@@ -113,22 +145,29 @@ def refuse_disagreeing_coefficients(args, type_given=None) -> None:
                          "a word): drop one of the two")
 
 
-def megatron_flag_defaults() -> dict:
-    """{dest: default} of Megatron's --muon-* flags, as the table registers them."""
-    return {kw.get("dest", flag[2:].replace("-", "_")): kw.get("default") for flag, kw in MEGATRON_MUON_FLAGS}
-
-
 def megatron_muon_settings(**overrides) -> MuonSettings:
-    """MuonSettings of Megatron-LM's `--optimizer muon` defaults (MuonSettings' own, which are the
-    table's: tests/test_megatron_lm_hook.py pins them together) and DMuon's `--dmuon-ns-method auto`,
+    """MuonSettings of Megatron-LM's `--optimizer muon` defaults (MuonSettings' own, which the table
+    registers: tests/test_megatron_lm_hook.py pins them together) and DMuon's `--dmuon-ns-method auto`,
     then ``overrides``."""
     return MuonSettings(**{"ns_method": "auto", **overrides})
 
 
 def muon_coefficients_for(coefficient_type: str, steps: int):
     """Our schedule for Megatron's --muon-coefficient-type at --muon-num-ns-steps: the sets
-    Emerging-Optimizers' newton_schulz applies, step for step (names where ours are the same)."""
-    schedule = eo_schedule(coefficient_type, steps)  # refuses 'custom' and cubic5 at other step counts
+    Emerging-Optimizers' newton_schulz applies, step for step (names where ours are the same).
+    A type with no rule to match is refused by the flag's name ('custom'; cubic5 at other step counts)."""
+    if coefficient_type in UNRUNNABLE_TYPES:
+        raise ValueError(f"--muon-coefficient-type {coefficient_type}: {UNRUNNABLE_TYPES[coefficient_type]}; pass "
+                         f"one of {', '.join(EO_COEFFICIENT_TYPES)}")
+    if coefficient_type not in EO_COEFFICIENT_TYPES:
+        raise ValueError(f"--muon-coefficient-type {coefficient_type!r} is not an Emerging-Optimizers coefficient "
+                         f"type; valid: {', '.join(EO_COEFFICIENT_TYPES)}")
+    fixed = FIXED_STEPS.get(coefficient_type)
+    if fixed is not None and steps != fixed:
+        raise ValueError(f"--muon-coefficient-type {coefficient_type} is a fixed {fixed}-step schedule (Emerging-"
+                         f"Optimizers refuses --muon-num-ns-steps {steps} at the first step): pass "
+                         f"--muon-num-ns-steps {fixed}")
+    schedule = eo_schedule(coefficient_type, steps)
     if coefficient_type == "simple":
         return "keller"
     if coefficient_type == "quintic" and steps <= len(YOU):

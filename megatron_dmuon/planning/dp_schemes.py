@@ -43,7 +43,7 @@ __all__ = ["PICK_SLACK", "compare_dp_layouts", "instance_counts"]
 # fewer instances (less optimizer memory per GPU, fewer bytes) win among the candidates whose modelled
 # iteration is within 3% of the best: about the model's own error (docs/load_balancing.md)
 PICK_SLACK = 0.03
-DEFAULT_SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)  # Megatron's --muon-split-qkv default
+DEFAULT_SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)  # Megatron's default split (QKV apart)
 
 
 def instance_counts(dp: int, most: int = 64) -> List[int]:

@@ -1,7 +1,7 @@
 """Byte layout of one bucket's FP8 publish (pure data, the same on every rank).
 
 Megatron's param all-gather sends each rank's shard of a bucket in the model's dtype. With
-``--dmuon-publish-dtype fp8_*`` every rank instead sends one packed byte block per bucket:
+an FP8 publish dtype (``DMuonConfig.publish_dtype`` fp8_*) every rank instead sends one packed byte block per bucket:
 
     [ float32 scale_inv of each FP8 matrix in its shard | raw model-dtype bytes | FP8 bytes ]
 

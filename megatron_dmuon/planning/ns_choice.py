@@ -1,8 +1,8 @@
 """Which Newton–Schulz each owner stack runs, and what it costs: one resolver for both.
 
 An owner orthogonalizes its matrices (or their split pieces) in one batched call per piece shape.
-``NSResolver`` turns what the config asks (``--dmuon-ns-method``, ``--muon-fp32-matmul-prec``,
-the coefficient schedule) into what runs on one [batch, rows, cols] stack (``NSChoice``: the
+``NSResolver`` turns what the config asks (``MuonSettings``' NS method, precision and coefficient
+schedule) into what runs on one [batch, rows, cols] stack (``NSChoice``: the
 method, its compute dtype and its schedule) and into the FLOPs of that run, which the planner's
 owner costs use; the rule itself is ``algorithms.flops.ns_method_for`` ('auto': the kernels'
 measured choice for this stack on this GPU, the autotune cache read through ``measured``, else
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
-from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Literal, Mapping, Optional, Sequence, Tuple, get_args
 
 import torch
 
@@ -23,14 +23,15 @@ from ..algorithms.flops import NS_METHODS, ns_method_for
 from ..algorithms.gram_newton_schulz import GRAM_MIN_ASPECT_RATIO, gram_applies
 from ..algorithms.ns_dispatch import method_compute_dtype
 from ..algorithms.schedules import schedule_for_shape
-from .params import ns_flops
+from .params import check_muon_matrix_shape, ns_flops
 
-__all__ = ["ADAPTIVE_SCHEDULE", "NSChoice", "NSResolver", "choose_ns", "ns_schedule", "owner_stack_batches",
+__all__ = ["ADAPTIVE_SCHEDULE", "NSChoice", "NSResolver", "choose_ns", "ns_schedule", "owner_ns_cost", "owner_stack_batches",
            "plan_ns_choices", "stack_ns_choices", "torch_path_method", "Measured"]
 
-# --dmuon-coefficients adaptive: per shape, the quartic normalisation with 4 designed steps for
-# wide/tall matrices (aspect >= 2) and 5 for the rest (algorithms.schedules.schedule_for_shape)
-ADAPTIVE_SCHEDULE = "adaptive"
+# the adaptive schedule: per shape, the quartic normalisation with 4 designed steps for wide/tall
+# matrices (aspect >= 2) and 5 for the rest (algorithms.schedules.schedule_for_shape)
+AdaptiveSchedule = Literal["adaptive"]
+ADAPTIVE_SCHEDULE: str = get_args(AdaptiveSchedule)[0]
 
 # (min(rows, cols), max(rows, cols), batch, requested dtype, steps) -> 'gram' | 'standard' | None
 Measured = Callable[[int, int, int, torch.dtype, int], Optional[str]]
@@ -71,8 +72,8 @@ def torch_path_method(requested: str) -> str:
 
 
 def ns_schedule(coefficients, steps: int, rows: int, cols: int) -> dict:
-    """The NS keyword arguments of a [rows, cols] matrix under ``--dmuon-coefficients`` /
-    ``--muon-num-ns-steps``: ``{'coefficients', 'steps'}`` (and ``'normalisation'`` for the
+    """The NS keyword arguments of a [rows, cols] matrix under the coefficients ``coefficients`` at
+    ``steps`` steps: ``{'coefficients', 'steps'}`` (and ``'normalisation'`` for the
     adaptive schedule)."""
     if coefficients == ADAPTIVE_SCHEDULE:
         return schedule_for_shape(rows, cols)
@@ -103,7 +104,7 @@ class NSResolver:
     the kernels run it (the planner's resolver always is: it plans for the GPU); ``measured``:
     the autotune cache's lookup on that GPU (None: the FLOP rule decides 'auto')."""
 
-    requested: str = "standard"
+    requested: str = "auto"
     precision: torch.dtype = torch.bfloat16
     coefficients: object = "you"
     steps: int = 5
@@ -126,6 +127,19 @@ class NSResolver:
         schedule = choice.schedule
         return ns_flops(rows, cols, schedule.get("steps", self.steps), choice.runs,
                         normalisation=schedule.get("normalisation", "frobenius"))
+
+
+def owner_ns_cost(shape: Sequence[int], resolver: NSResolver = NSResolver()) -> float:
+    """The planner's cost of one NS piece: FLOPs of the NS the owner step runs on one ``shape``
+    matrix under ``resolver`` (``NSResolver.flops``: the method it resolves, Gram with its restart,
+    the per-shape adaptive schedule's 4 or 5 steps, symmetric products at half cost). The one owner
+    cost of the package: the run's (``MuonSettings.ns_resolver('cuda')``, with this GPU's autotune
+    measurements), ``dmuon plan``'s and the benches' (a resolver of their flags, no measurement).
+    The default resolver is DMuonConfig()'s NS: 'auto', Megatron's quintic ('you') at 5 steps (the
+    coefficients set only matters for 'adaptive', whose step count differs per shape). Under the
+    adaptive schedule a 3584 x 18944 matrix costs 2.09 times a 3584² one with the restart, 1.44
+    without; ``params.ns_cost``'s standard 5-step count says 3.86."""
+    return resolver.flops(*check_muon_matrix_shape("matrix", shape))
 
 
 def owner_stack_batches(pieces: Iterable[Tuple[int, ...]]) -> Counter:
@@ -177,4 +191,4 @@ def plan_ns_choices(records: Sequence, resolver: NSResolver) -> Tuple[Tuple[NSCh
 
 def _check_requested(requested: str) -> None:
     if requested not in NS_METHODS:
-        raise ValueError(f"--dmuon-ns-method {requested!r} unknown; valid: {', '.join(NS_METHODS)}")
+        raise ValueError(f"NS method {requested!r} unknown; valid: {', '.join(NS_METHODS)}")

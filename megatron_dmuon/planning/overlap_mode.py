@@ -1,4 +1,5 @@
-"""What each `--dmuon-overlap-step` mode means, in the one place that compares its names.
+"""What each overlapped-step mode (``MuonSettings.overlap_step``) means, in the one place that compares
+its names.
 
 Every other module asks an `OverlapMode` (``OverlapMode(settings.overlap_step).overlaps``) instead
 of comparing the strings, so a mode's meaning cannot drift between the owner step, the Megatron
@@ -8,6 +9,7 @@ in planning/ because ``dmuon plan --overlap-step`` asks it too, and planning/ im
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
 # 'off': the owner step as ever, one batched NS per stack shape inside optimizer.step();
 # 'on': the Muon work cut per need group (MatrixInfo.need), each group's NS launched by the step and
@@ -15,7 +17,8 @@ import dataclasses
 # 'sync': the same cut stacks and arithmetic, finished inside the step (for checking 'on' bit for bit);
 # 'backward': 'on', and each group's momentum and NS launched during the last micro-batch's backward,
 #   as soon as its grads are reduced, unclipped: a step whose clipping fires redoes them
-OVERLAP_STEP_MODES = ("off", "on", "sync", "backward")
+OverlapStep = Literal["off", "on", "sync", "backward"]
+OVERLAP_STEP_MODES: tuple = get_args(OverlapStep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +27,7 @@ class OverlapMode:
 
     def __post_init__(self):
         if self.name not in OVERLAP_STEP_MODES:
-            raise ValueError(f"--dmuon-overlap-step {self.name!r} unknown; valid: {', '.join(OVERLAP_STEP_MODES)}")
+            raise ValueError(f"overlap step mode {self.name!r} unknown; valid: {', '.join(OVERLAP_STEP_MODES)}")
 
     @property
     def cuts_per_need_group(self) -> bool:

@@ -15,21 +15,104 @@ same shapes), so one plan serves the whole TP group. A matrix gets a DP owner (w
 sit in the reduce-scatter) and a TP owner (which TP rank at that DP index runs NS on the merged
 full matrix); cost is balanced over all DP x TP cells, so no two ranks orthogonalize the same
 matrix and the heaviest cell is kept light.
+
+How owners are placed (``LayoutOptions.balance``): what each method runs, here, in the one place
+that compares their names (``BalanceMethod``; as planning/overlap_mode.py for the overlapped step).
+
+* 'cost' (the default): the greedy on predicted cost, heaviest matrix first to the least-loaded
+  cell, element-wise work counted;
+* 'numel_lpt' (Megatron 0.19 LayerWise's rule: largest numel first to the cell with the least
+  numel), 'megatron_lpt' (Megatron-LM main's layer-sharded Muon, PR #6379: LPT on
+  max(m, n) * min(m, n)^2 of each matrix) and 'round_robin' (buffer order, cells in turn): baselines;
+* 'milp': an MILP on who owns what, one of two, named apart:
+  - the *rank MILP* (planning/rank_milp.py ``plan_rank_owner_layout``) on a rank cost model of the
+    whole owner step (``RankCostModel``: NS pieces and AdamW shards), warm-started by the greedy plans.
+    A run whose costs are a rank cost model takes it: the main job's and the hook's ``milp`` (the
+    start-up rank profile, ``LayoutOptions.profile``), or a ``cost_model_fn`` returning one;
+  - the *matrix MILP* (planning/milp.py ``solve_owner_milp``; ``plan_owner_layout``'s rule
+    'matrix_milp') on per-matrix costs (NS FLOPs, or a per-matrix cost model's ms with batched-launch
+    costs), globally over the buckets: 'milp' without a rank cost model, and ``dmuon plan``'s
+    ``milp`` planner.
 """
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import json
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Literal, Optional, Sequence, Tuple, get_args
 
+from .buckets import megatron_bucket_size, split_buckets  # noqa: F401 (megatron_bucket_size: public here too)
 from .dp_shards import shard_overlap, shard_range
 from .placement import least_loaded_cell
 
 SCHEMES = ("whole", "split")  # OwnerLayout.scheme
-DP_LAYOUTS = ("auto",) + SCHEMES  # --dmuon-dp-layout: a scheme, or the planner's choice per buffer
+# LayoutOptions.dp_layout: a scheme, or the planner's choice per buffer
+DpLayout = Literal["auto", "whole", "split"]
+DP_LAYOUTS: tuple = get_args(DpLayout)
 PARAM_ALIGN = 64  # Megatron aligns param starts to 64 elements; keeps matrix views GEMM-friendly.
+
+# the config's methods (the order of the flag's choices)
+Balance = Literal["cost", "round_robin", "numel_lpt", "megatron_lpt", "milp"]
+BALANCE: tuple = get_args(Balance)
+DEFAULT_BALANCE: str = BALANCE[0]
+# plan_owner_layout's rules: the config's, its MILP being the matrix MILP
+LayoutRule = Literal["cost", "round_robin", "numel_lpt", "megatron_lpt", "matrix_milp"]
+LAYOUT_RULES: tuple = get_args(LayoutRule)
+
+
+def _max_min_squared(item) -> float:
+    """Megatron's layer-sharded Muon's cost of a matrix: max(m, n) * min(m, n)^2 of its shape."""
+    dims = [int(d) for d in item.shape_key.split("x")] if item.shape_key else []
+    if len(dims) != 2:
+        return float(item.numel)
+    m, n = dims
+    return float(max(m, n) * min(m, n) ** 2)
+
+
+# the baselines' LPT costs: (item) -> the cost their rule balances (loads start at zero: no element-wise work)
+_LPT_COSTS = {"numel_lpt": lambda item: float(item.numel), "megatron_lpt": _max_min_squared}
+
+
+@dataclasses.dataclass(frozen=True)
+class BalanceMethod:
+    name: str = "cost"
+
+    def __post_init__(self):
+        if self.name not in BALANCE + LAYOUT_RULES:
+            raise ValueError(f"balance {self.name!r} unknown; valid: {', '.join(dict.fromkeys(BALANCE + LAYOUT_RULES))}")
+
+    @property
+    def solves_milp(self) -> bool:
+        """An MILP places the owners (the rank MILP or the matrix MILP: ``layout_rule``)."""
+        return self.name in ("milp", "matrix_milp")
+
+    def layout_rule(self, rank_model: bool) -> Optional[str]:
+        """The ``plan_owner_layout`` rule that places the owners; None where the rank MILP does
+        ('milp' on a rank cost model: ``rank_model``)."""
+        if self.name == "milp":
+            return None if rank_model else "matrix_milp"
+        return self.name
+
+    @property
+    def profiles(self) -> bool:
+        """'milp' as the flags set it: the rank MILP, on the rank cost model the start-up profile of this
+        GPU gives (``LayoutOptions.profile``, with the plan budget and cache)."""
+        return self.name == "milp"
+
+    @property
+    def lpt_cost(self) -> Optional[Callable]:
+        """A baseline LPT rule's cost of an item (its loads start at zero, no element-wise work)."""
+        return _LPT_COSTS.get(self.name)
+
+    @property
+    def counts_elementwise(self) -> bool:
+        """The greedy on predicted cost: element-wise work counted in its loads."""
+        return self.name == "cost"
+
+    @property
+    def in_turn(self) -> bool:
+        """Matrices in buffer order to the cells in turn (round robin)."""
+        return self.name == "round_robin"
 
 
 def align_up(x: int, a: int = PARAM_ALIGN) -> int:
@@ -141,73 +224,6 @@ class OwnerLayout:
                     f"bucket [{bucket.start}, {bucket.end}) is not {self.world_size} shards of {bucket.shard_size}")
 
 
-def megatron_bucket_size(dp_size: int, overlap_grad_reduce: bool, bucket_size: Optional[int] = None,
-                         pp_rank: int = 0, disable_bucketing: bool = False) -> Optional[int]:
-    """The bucket size Megatron's DDP uses (None: one bucket per buffer)."""
-    if disable_bucketing or pp_rank > 0 or not overlap_grad_reduce:
-        return None
-    if bucket_size is not None:
-        return bucket_size
-    return max(40_000_000, 1_000_000 * dp_size)
-
-
-def split_buckets(items: Sequence[ParamItem], bucket_size: Optional[int], world_size: int,
-                   max_padding: float) -> List[List[int]]:
-    """Group param indices (in reverse order, i.e. backprop order, as Megatron does) into buckets.
-
-    A bucket closes once it reaches `bucket_size` *and* its matrices can be spread over the DP
-    ranks with at most `max_padding` extra elements; so buckets grow with D instead of padding.
-    """
-    order = list(range(len(items)))[::-1]
-    buckets: List[List[int]] = []
-    cur: List[int] = []
-
-    def balanced(idx: List[int]) -> bool:
-        total = sum(items[i].numel for i in idx)
-        mats = sorted((items[i].numel for i in idx if items[i].is_matrix), reverse=True)
-        # largest first onto the least-loaded rank, the lowest rank on ties (placement.least_loaded_cell's
-        # rule when every rank has room), kept in a heap: this runs for every param past bucket_size
-        loads = [(0, d) for d in range(min(world_size, len(mats)))]
-        for m in mats:
-            load, d = loads[0]
-            heapq.heapreplace(loads, (load + m, d))
-        shard = max(math.ceil(total / world_size), max(load for load, _ in loads) if mats else 0)
-        return shard * world_size <= total * (1.0 + max_padding)
-
-    for i in order:
-        if items[i].own_bucket and cur:
-            buckets.append(cur)
-            cur = []
-        cur.append(i)
-        size = sum(items[j].numel for j in cur)
-        if items[i].own_bucket or (bucket_size is not None and size >= bucket_size and balanced(cur)):
-            buckets.append(cur)
-            cur = []
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-# cost: greedy by predicted cost (default); milp: planning/milp.py (makespan with batched-launch
-# costs, globally over the buckets); round_robin, numel_lpt (Megatron 0.19 LayerWise's rule:
-# largest numel first to the rank with the least numel) and megatron_lpt (Megatron-LM main's
-# layer-sharded Muon, PR #6379: LPT on max(m, n) * min(m, n)^2 of each matrix): baselines
-BALANCE = ("cost", "round_robin", "numel_lpt", "megatron_lpt", "milp")
-
-
-def _max_min_squared(item) -> float:
-    """Megatron's layer-sharded Muon's cost of a matrix: max(m, n) * min(m, n)^2 of its shape."""
-    dims = [int(d) for d in item.shape_key.split("x")] if item.shape_key else []
-    if len(dims) != 2:
-        return float(item.numel)
-    m, n = dims
-    return float(max(m, n) * min(m, n) ** 2)
-
-
-# the baselines' LPT costs: (item) -> the cost their rule balances (loads start at zero: no element-wise work)
-_LPT_RULES = {"numel_lpt": lambda item: float(item.numel), "megatron_lpt": _max_min_squared}
-
-
 def min_shard(items, members, world_size) -> int:
     """A bucket's smallest shard: 1/D of its elements, and at least its biggest matrix."""
     total = sum(items[i].numel for i in members)
@@ -231,11 +247,11 @@ def _elementwise_term(items, bucket_members, world_size, elementwise) -> float:
     return muon - phi * adamw
 
 
-def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, balance="cost", assigned=0,
+def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, in_turn=False, assigned=0,
                    elementwise=None):
     """Cost-aware greedy: heaviest matrix first to the least-loaded DP x TP cell whose DP
-    shard still fits it. 'round_robin': matrices in buffer order to the cells in turn (the
-    turn continues from the ``assigned`` matrices of earlier buckets).
+    shard still fits it. ``in_turn`` (round robin): matrices in buffer order to the cells in turn
+    (the turn continues from the ``assigned`` matrices of earlier buckets).
 
     ``elementwise = (adamw, muon)``: element-wise cost per element of each optimizer, in the
     costs' units. Owning a matrix changes its DP row's element-wise work by
@@ -243,7 +259,7 @@ def _assign_owners(items, bucket_members, world_size, rank_cost, tp_size=1, bala
     the NS cell pays ``cost``. Matrices that lower their row's load (cheap NS, much AdamW
     displaced) go to the most loaded DP row that fits them.
     Returns ({name: dp rank}, {name: tp rank})."""
-    if balance == "round_robin":
+    if in_turn:
         owners, tp_owners = {}, {}
         for k, i in enumerate(i for i in bucket_members if items[i].is_matrix):
             c = (assigned + k) % (world_size * tp_size)
@@ -423,7 +439,7 @@ def plan_owner_layout(
     max_bucket_padding: float = 0.02,
     rank_cost: Optional[List[float]] = None,
     tp_size: int = 1,
-    balance: str = "cost",
+    balance: str = "cost",  # planning/balance.py LAYOUT_RULES
     milp_options: Optional[dict] = None,
     info: Optional[dict] = None,
     elementwise: Optional[Tuple[float, float]] = None,
@@ -439,10 +455,13 @@ def plan_owner_layout(
     less (``_oversized_fillers``). `elementwise = (adamw, muon)`: element-wise optimizer work per
     parameter element of each, in `cost`'s units (None: NS cost only;
     ``planning.cost_model.elementwise_costs``); the greedy's loads in `rank_cost` then include
-    every rank's element-wise work as its layout holds it (``_bucket_loads``). (The MILP on the
-    rank cost model is planning/rank_milp.py's ``plan_rank_owner_layout``.)
+    every rank's element-wise work as its layout holds it (``_bucket_loads``). `balance`: one of
+    planning/balance.py's ``LAYOUT_RULES`` ('matrix_milp': the matrix MILP, planning/milp.py; the
+    rank MILP is planning/rank_milp.py's ``plan_rank_owner_layout``).
     """
-    rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, balance, elementwise)
+    if balance not in LAYOUT_RULES:
+        raise ValueError(f"balance {balance!r} unknown; valid: {', '.join(LAYOUT_RULES)}")
+    rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, elementwise)
     args = (world_size, bucket_size, max_bucket_padding, tp_size, balance, milp_options, elementwise)
     carried = list(rank_cost)
     layout = plan_layout_once(items, rank_cost, info, *args)
@@ -463,7 +482,7 @@ def plan_owner_layout(
     return layout
 
 
-def check_plan_inputs(items, world_size, tp_size, rank_cost, balance, elementwise) -> List[float]:
+def check_plan_inputs(items, world_size, tp_size, rank_cost, elementwise) -> List[float]:
     """Refuse what no plan can be made of; returns ``rank_cost`` (zeros per cell when None)."""
     if elementwise is not None and (len(elementwise) != 2 or min(elementwise) < 0):
         raise ValueError(f"elementwise must be (adamw, muon) costs per element, both >= 0; got {elementwise}")
@@ -471,8 +490,6 @@ def check_plan_inputs(items, world_size, tp_size, rank_cost, balance, elementwis
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    if balance not in BALANCE:
-        raise ValueError(f"balance {balance!r} unknown; valid: {', '.join(BALANCE)}")
     names = [it.name for it in items]
     if len(set(names)) != len(names):
         raise ValueError("parameter names in a buffer must be unique")
@@ -520,19 +537,20 @@ def plan_layout_once(items, rank_cost, info, world_size, bucket_size, max_bucket
     tp_owners: Dict[str, int] = {}
     buckets_members = split_buckets(items, bucket_size, world_size, max_bucket_padding)
     placed: Dict[int, tuple] = {}  # bucket -> (placement, shard) already made while planning
-    if balance == "milp":
+    method = BalanceMethod(balance)
+    if method.solves_milp:  # the matrix MILP (planning/balance.py)
         owners, tp_owners = _milp_owners(items, buckets_members, world_size, rank_cost, tp_size, max_bucket_padding,
                                          milp_options, info, elementwise)
     else:
-        rule = _LPT_RULES.get(balance)
+        rule = method.lpt_cost
         assign_items = [dataclasses.replace(it, cost=rule(it)) for it in items] if rule else items
         load = [0.0] * len(rank_cost) if rule else rank_cost
-        counted = elementwise if balance == "cost" else None
+        counted = elementwise if method.counts_elementwise else None
         offset = 0
         for b, members in enumerate(buckets_members):
             base = list(load)
             bucket_owners, bucket_tp_owners = _assign_owners(
-                assign_items, members, world_size, load, tp_size, "cost" if rule else balance,
+                assign_items, members, world_size, load, tp_size, method.in_turn,
                 assigned=len(owners), elementwise=counted)
             if counted:  # the loads this bucket's layout really gives, for the next buckets
                 loads, pos, shard = _bucket_loads(items, members, bucket_owners, bucket_tp_owners, world_size, tp_size,

@@ -12,7 +12,7 @@ the DMuonPlan and Megatron's FullParamLayout from it.
     cost        = per matrix, summed over its pieces: ms under a per-matrix model, else costs.ns_cost
     elementwise = options.elementwise, or 'auto': the cluster config's rates in the same units
     layouts     = the plan cache's entry for (items, sizes, options, costs), if it is sound
-                | per buffer: plan_rank_owner_layout (milp on a rank model) or plan_owner_layout
+                | per buffer: plan_rank_owner_layout (the rank MILP) or plan_owner_layout
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, 
 
 from .caches import PlanCache, plan_key
 from .cost_model import DeviceSpec, cluster_for_device, device_spec_for, elementwise_costs, exchange_costs
-from .owner_layout import OwnerLayout, ParamItem, plan_owner_layout
+from .owner_layout import BalanceMethod, OwnerLayout, ParamItem, plan_owner_layout
 from .plan import MatrixRecord
 from .rank_cost import RankCostModel
 from .rank_milp import plan_rank_owner_layout
@@ -60,6 +60,8 @@ class OwnerPlanningOptions:
     elementwise: object = "auto"  # (AdamW, Muon) work per element, 'auto' (cluster config) or None
     plan_cache: Optional[str] = None  # a PlanCache file: a plan made for the same inputs is reused
     plan_budget_s: Optional[float] = None  # bounds profiling + MILP together
+    # profile the owner step on this GPU first (``CostSource.rank_profile``): the rank MILP's cost model
+    profile: bool = False
     # how matrices lie in the DP shards: 'whole', 'split' or 'auto' (the cheaper under the cost model,
     # per buffer: ``choose_scheme``); ``split_allowed`` False keeps 'auto' to 'whole' (a run whose
     # features need whole matrices: DMuonConfig.split_layout_refusal)
@@ -72,7 +74,8 @@ class CostSource:
     """Where rank 0's costs come from. ``ns_cost(piece shape)``: one NS piece's cost (FLOPs),
     used unless a per-matrix model gives ms. ``cost_model_fn(shapes, max batch)``: a model with
     ``per_matrix_ms`` / ``launch_ms`` (planning.cost_model.CostModel) or a RankCostModel.
-    ``rank_profile(shape counts, owner cells, budget_s)``: the start-up profile's RankCostModel
+    ``rank_profile(shape counts, owner cells, budget_s)``: the start-up profile's RankCostModel, taken
+    where the options ask for it (``OwnerPlanningOptions.profile``)
     (measured by the caller's runtime; ``cost_model_fn`` wins when both are given). ``gpu_name``:
     this GPU, whose cluster-config rates price the element-wise work (None off CUDA: the first
     device, quietly)."""
@@ -106,18 +109,18 @@ class PlannedOwners:
 def plan_owners(buffers: Mapping[Hashable, BufferParams], bucket_size: Optional[int],
                 options: OwnerPlanningOptions, costs: CostSource) -> PlannedOwners:
     """The owners and owner-aligned layout of every buffer (keyed as ``buffers``; a key's ``str``
-    names it in the plan cache). A matrix costs the sum over its NS pieces. With a rank cost model
-    and ``balance='milp'`` each buffer is the rank MILP's (the buffers share its time limit);
-    otherwise ``plan_owner_layout`` under ``options.balance``. ``options.plan_budget_s`` bounds
+    names it in the plan cache). A matrix costs the sum over its NS pieces. Each buffer's owners are
+    placed by ``options.balance`` (planning/balance.py: 'milp' is the rank MILP on a rank cost model,
+    the buffers sharing its time limit, else the matrix MILP of ``plan_owner_layout``). ``options.plan_budget_s`` bounds
     the profile and the MILP together; ``options.plan_cache`` reuses a plan made for the same
     items, sizes, options and costs."""
     started = time.perf_counter()
     model = _cost_model(buffers, options, costs)
     rank_model = model if isinstance(model, RankCostModel) else None
-    if rank_model is not None:  # the greedy warm start plans on NS FLOPs, as --dmuon-balance cost
+    if rank_model is not None:  # the greedy warm start plans on NS FLOPs, as balance 'cost' does
         model = None
     milp_options = options.milp_options
-    if options.plan_budget_s is not None and options.balance == "milp":
+    if options.plan_budget_s is not None and BalanceMethod(options.balance).solves_milp:
         limit = milp_time_limit(options.plan_budget_s, time.perf_counter() - started,
                                 (milp_options or {}).get("time_limit_s"))
         milp_options = dict(milp_options or {}, time_limit_s=limit)
@@ -152,7 +155,7 @@ def plan_owners(buffers: Mapping[Hashable, BufferParams], bucket_size: Optional[
 
 def _cost_model(buffers, options, costs):
     """The cost model of the shapes the owner step will orthogonalize (None: NS FLOPs)."""
-    if costs.cost_model_fn is None and costs.rank_profile is None:
+    if costs.cost_model_fn is None and not (options.profile and costs.rank_profile is not None):
         return None
     counts = Counter()
     for r in (r for b in buffers.values() for r in b.records):
@@ -282,7 +285,8 @@ def _schemes(options: OwnerPlanningOptions, b: BufferParams) -> Tuple[str, ...]:
 def _plan_whole(items, b, bucket_size, options, milp_options, elementwise, rank_model, cost,
                 buffer_count) -> OwnerLayout:
     """One buffer's whole-matrix layout (owner_layout.py, or the rank MILP's), ``cost`` updated."""
-    if rank_model is not None and options.balance == "milp":
+    rule = BalanceMethod(options.balance).layout_rule(rank_model is not None)
+    if rule is None:
         # the rank MILP uses all of its limit (local search included): buffers share it
         shared = dict(milp_options or {})
         if "time_limit_s" in shared:
@@ -290,7 +294,7 @@ def _plan_whole(items, b, bucket_size, options, milp_options, elementwise, rank_
         return plan_rank_owner_layout(items, b.dp_size, bucket_size, options.max_bucket_padding, cost, b.tp_size,
                                       milp_options=shared, elementwise=elementwise, model=rank_model)
     return plan_owner_layout(items, b.dp_size, bucket_size, options.max_bucket_padding, cost, b.tp_size,
-                             options.balance, milp_options=milp_options, elementwise=elementwise)
+                             rule, milp_options=milp_options, elementwise=elementwise)
 
 
 def _cached_plan_problem(cached, buffers, items) -> Optional[str]:

@@ -13,9 +13,8 @@ import torch
 
 from ..algorithms.flops import newton_schulz_flops, ns_method_for
 from ..algorithms.gram_newton_schulz import default_restarts
-from ..algorithms.schedules import schedule_for_shape
 
-__all__ = ["muon_routing", "param_routing", "is_muon_matrix", "check_muon_matrix_shape", "ns_flops", "ns_cost", "owner_ns_cost"]
+__all__ = ["muon_routing", "param_routing", "is_muon_matrix", "check_muon_matrix_shape", "ns_flops", "ns_cost"]
 
 
 def muon_routing(name: str, shape: Sequence[int], embedding_or_output: bool = False,
@@ -75,18 +74,3 @@ def ns_cost(shape: Sequence[int], steps: int = 5) -> float:
     """Predicted NS cost of one full matrix: FLOPs of the standard iteration (planner's unit)."""
     rows, cols = check_muon_matrix_shape("matrix", shape)
     return ns_flops(rows, cols, steps, "standard", symmetric=False)
-
-
-def owner_ns_cost(shape: Sequence[int], coefficients: str = "keller", steps: int = 5, ns_method: str = "auto") -> float:
-    """FLOPs of the NS the owner step runs on one ``shape`` matrix under ``--dmuon-coefficients`` /
-    ``--muon-num-ns-steps`` / ``--dmuon-ns-method`` (``ns_flops``): the per-shape adaptive schedule
-    (4 or 5 steps) or ``steps``, Gram NS with its restart after step 2; ``'auto'`` is
-    the FLOP-cheaper method (the kernels' choice for an unmeasured shape); symmetric products at
-    half cost, as the kernels compute them. (Under the adaptive schedule a 3584 x 18944 matrix
-    costs 2.09 times a 3584² one with the restart, 1.44 without; ``ns_cost``'s standard 5-step count says 3.86.)"""
-    rows, cols = check_muon_matrix_shape("matrix", shape)
-    normalisation = "frobenius"
-    if coefficients == "adaptive":
-        schedule = schedule_for_shape(rows, cols)
-        steps, normalisation = schedule["steps"], schedule["normalisation"]
-    return ns_flops(rows, cols, steps, ns_method, normalisation=normalisation)

@@ -24,10 +24,13 @@ import sys
 import warnings
 
 from ..algorithms.coefficients import COEFFICIENT_SETS
+from ..algorithms.flops import NS_METHODS
+from ..algorithms.muon import MOMENTUM_DTYPES
 from .cost_model import CostModel, cluster_spec, load_config
 from .milp import BACKENDS
 from .overlap_mode import OverlapMode
 from .models import PRESETS, ModelSpec, ParallelSpec, parse_megatron_argv
+from .ns_choice import ADAPTIVE_SCHEDULE
 from .dp_schemes import compare_dp_layouts, dp_layout_lines
 from .plan_inputs import RANK_MODEL_KINDS, BadProfile, load_profile, load_rank_model, show_plan  # noqa: F401
 from .planners import PLANNERS, compare_plans
@@ -68,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--profile", help="measured NS times: a profile cache entry / CostTable JSON, or the "
                                         "kernel benchmark's JSON "
                                         "(docs/results/kernels/bench_kernels_h200_2026-11-30.json)")
-    cost.add_argument("--ns-method", default="auto", choices=["auto", "gram", "standard"])
+    cost.add_argument("--ns-method", default="auto", choices=NS_METHODS)
     cost.add_argument("--ns-steps", type=int, default=5)
     cost.add_argument("--backend", default="auto", choices=BACKENDS)
     cost.add_argument("--time-limit", type=float, default=10.0, help="MILP seconds (default 10)")
@@ -83,12 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="as the job flag: orthogonalize QKV whole (default: q, k, v apart)")
     rank.add_argument("--dmuon-split-glu", action="store_true", help="as the job flag: gate and up apart")
     rank.add_argument("--dmuon-split-heads", action="store_true", help="as the job flag: every head apart")
-    rank.add_argument("--dmuon-coefficients", default="you", choices=COEFFICIENT_SETS + ("adaptive",), help="the job's NS schedule (the greedy's FLOP costs; "
+    rank.add_argument("--dmuon-coefficients", default="you", choices=COEFFICIENT_SETS + (ADAPTIVE_SCHEDULE,), help="the job's NS schedule (the greedy's FLOP costs; "
                                                                    "default Megatron's 'you', e.g. adaptive)")
     mem = p.add_argument_group("optimizer state (bytes per rank, next to Megatron AdamW DistributedOptimizer's)")
     mem.add_argument("--fp32-params", action="store_true",
                      help="fp32 model params (their own masters); default: a --bf16 model with fp32 masters")
-    mem.add_argument("--dmuon-momentum-dtype", default="fp32", choices=["fp32", "bf16"],
+    mem.add_argument("--dmuon-momentum-dtype", default="fp32", choices=tuple(MOMENTUM_DTYPES),
                      help="as the training flag: bf16 halves the Muon momentum")
     lay = p.add_argument_group("DP layouts and instances (planning/dp_schemes.py; the dense buffer)")
     lay.add_argument("--instances", type=int, nargs="+", default=None, metavar="N",
@@ -404,7 +407,7 @@ def main(argv=None) -> int:
                                overlap_grad_reduce=extra["overlap_grad_reduce"], bucket_size=extra["bucket_size"],
                                milp_options=milp_options, grad_bytes=config["optimizer"]["grad_bytes"],
                                param_bytes=4 if args.fp32_params else config["optimizer"]["param_bytes"],
-                               momentum_bytes=2 if args.dmuon_momentum_dtype == "bf16" else 4, plans_out=plans)
+                               momentum_bytes=MOMENTUM_DTYPES[args.dmuon_momentum_dtype].itemsize, plans_out=plans)
         if args.simulate:
             from .simulate import predict_optimizer_step
 
@@ -425,7 +428,7 @@ def main(argv=None) -> int:
 
             from .cost_model import elementwise_costs
             from .owner_layout import megatron_bucket_size
-            from .params import owner_ns_cost
+            from .ns_choice import NSResolver, owner_ns_cost
             from .planners import compare_rank_plans
 
             split = dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
@@ -435,8 +438,8 @@ def main(argv=None) -> int:
                 bucket_size=megatron_bucket_size(par.dp_size, extra["overlap_grad_reduce"], extra["bucket_size"],
                                                  pp_rank=args.stage),
                 elementwise=elementwise_costs(cluster.device, config=config),
-                cost_fn=functools.partial(owner_ns_cost, coefficients=args.dmuon_coefficients, steps=args.ns_steps,
-                                          ns_method=args.ns_method))
+                cost_fn=functools.partial(owner_ns_cost, resolver=NSResolver(
+                    args.ns_method, coefficients=args.dmuon_coefficients, steps=args.ns_steps)))
             report["owner_step"]["split"] = split
         if not model.num_experts or args.dp_layouts:  # (the DP layouts cover dense buffers)
             report["dp_layouts"] = compare_dp_layouts(
@@ -444,7 +447,7 @@ def main(argv=None) -> int:
                 overlap_grad_reduce=True if extra["bucket_size"] is None else extra["overlap_grad_reduce"],
                 bucket_size=extra["bucket_size"], two_level=not args.flat,
                 param_bytes=4 if args.fp32_params else None,
-                momentum_bytes=2 if args.dmuon_momentum_dtype == "bf16" else 4, seq_length=args.seq_length,
+                momentum_bytes=MOMENTUM_DTYPES[args.dmuon_momentum_dtype].itemsize, seq_length=args.seq_length,
                 global_batch=args.global_batch,
                 split=dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
                            per_head=args.dmuon_split_heads))

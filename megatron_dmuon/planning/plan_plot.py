@@ -18,7 +18,7 @@ def plot_report(report: dict, path: str) -> None:
     plans = report["plans"]
     layouts = report.get("dp_layouts")
     picked = layouts["candidates"][layouts["picked"]]["scheme"] if layouts else "whole"
-    # what the job runs: the split layout where the DP layouts' pick is split, else its --dmuon-balance (cost)
+    # what the job runs: the split layout where the DP layouts' pick is split, else its balance (cost)
     chosen = next((p for p in (("split",) if picked == "split" else ("greedy", "milp")) if p in plans), list(plans)[-1])
     fig, axes = plt.subplots(1, 3 if layouts else 2, figsize=(16 if layouts else 11, 4.2))
     ns_ax, bytes_ax = axes[0], axes[1]

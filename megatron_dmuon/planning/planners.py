@@ -34,8 +34,9 @@ __all__ = ["PLANNERS", "buffer_items", "split_rule_for", "matrix_pieces", "trans
 
 # the whole-matrix planners (owner_layout.py), then the split layout's NS homes (split_layout.py)
 PLANNERS = ("round_robin", "numel_lpt", "megatron_lpt", "greedy", "milp", "split")
-_BALANCE = {"round_robin": "round_robin", "numel_lpt": "numel_lpt", "megatron_lpt": "megatron_lpt", "greedy": "cost",
-            "milp": "milp"}
+# their plan_owner_layout rules (planning/balance.py; milp: the matrix MILP, or the rank MILP on a rank model)
+_LAYOUT_RULE = {"round_robin": "round_robin", "numel_lpt": "numel_lpt", "megatron_lpt": "megatron_lpt", "greedy": "cost",
+                "milp": "matrix_milp"}
 
 
 def shape_group(shape: Sequence[int]) -> str:
@@ -48,7 +49,7 @@ def buffer_items(params: Sequence[ParamSpec], cost_model: Optional[CostModel] = 
                  cost_fn: Callable[[Sequence[int]], float] = ns_cost) -> List[ParamItem]:
     """Planner items of one buffer: with ``cost_model``, cost = predicted ms per matrix and
     launch_cost = the batched call's fixed ms; without, cost = NS FLOPs (``cost_fn``: the
-    standard 5-step count by default; ``params.owner_ns_cost`` for the run's schedule).
+    standard 5-step count by default; ``ns_choice.owner_ns_cost`` for the run's NS).
     ``pieces(name, full_shape)``: the shapes the owner step orthogonalizes for a matrix (its
     split, ``split_pieces``); a matrix then costs the sum over them. None: the whole matrix."""
     items = []
@@ -132,7 +133,7 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
             layouts[kind] = plan_split_layout(items, dp, bucket_size, None, tp, elementwise, exchange.move, per_node,
                                               exchange.node_move)
         else:
-            layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _BALANCE[planner],
+            layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _LAYOUT_RULE[planner],
                                               milp_options=milp_options, info=kinfo, elementwise=elementwise)
         if kinfo:
             info[kind] = kinfo
@@ -292,8 +293,8 @@ def compare_rank_plans(model: ModelSpec, par: ParallelSpec, rank_model, *, split
                        planners: Sequence[str] = RANK_PLANNERS, plans_out: Optional[dict] = None) -> dict:
     """The four planners a job can run, each predicted per GPU by the rank cost model (the whole
     owner step: the pieces under ``split``, the AdamW fragments of its shards): ``greedy``
-    (``--dmuon-balance cost``: ``cost_fn`` FLOPs and ``elementwise``), Megatron's two LPT rules, and
-    ``milp`` on ``rank_model`` (``--dmuon-balance milp``). {'plans': {planner: {'rank_ms',
+    (balance 'cost': ``cost_fn`` FLOPs and ``elementwise``), Megatron's two LPT rules, and
+    ``milp`` on ``rank_model`` (balance 'milp', the rank MILP). {'plans': {planner: {'rank_ms',
     'makespan_ms', 'mean_ms', 'plan_seconds', 'solver'}}}."""
     out = {"plans": {}, "rank_model": dict(rank_model.meta)}
     for planner in planners:

@@ -1,5 +1,5 @@
 """Owner assignment that minimises the slowest rank's predicted owner step under the rank cost
-model (planning/rank_cost.py): ``--dmuon-balance milp``.
+model (planning/rank_cost.py): the *rank MILP* of balance 'milp' (planning/balance.py).
 
 Every plan here is scored the same way, exactly: its owner-aligned layout is built (placement
 included, so each rank's AdamW fragments are the ones it will step), each cell's ``RankWork`` is
@@ -20,7 +20,7 @@ layer-sharded LPT; numel LPT). The MILP solves a linear view of the same model:
 The MILP's plan is then scored exactly like the warm starts, and the best of all is returned: the
 result is never predicted slower than any warm start (ties keep the warm start). A solver that is
 missing, fails or runs out of time falls back to that best warm start with a warning that says why.
-A plan that beats the greedy (``cost``, what ``--dmuon-balance cost`` runs) by less than the model's
+A plan that beats the greedy (``cost``, what balance 'cost' runs) by less than the model's
 own error (``min_gain``, default: its worst miss on the profile's steps of several shapes, in sample
 ``meta['multi_error']`` or on each step left out of the fit ``meta['multi_holdout_error']``, and at
 least ``MIN_GAIN``) is not taken: on the H100 a plan predicted 2.3% faster than the greedy emulated
@@ -51,7 +51,7 @@ MIN_GAIN = 0.02
 
 __all__ = ["CANDIDATES", "item_pieces", "layout_work", "layout_loads", "plan_rank_owner_layout", "rank_milp_layout"]
 
-# the warm starts, in the order that breaks ties: the greedy as --dmuon-balance cost plans (the
+# the warm starts, in the order that breaks ties: the greedy as balance 'cost' plans (the
 # caller's costs and element-wise rates), the greedy on the model's ms, Megatron-LM's
 # layer-sharded LPT, numel LPT
 CANDIDATES = ("cost", "cost_ms", "megatron_lpt", "numel_lpt")
@@ -98,12 +98,12 @@ def plan_rank_owner_layout(items, world_size: int, bucket_size: Optional[int] = 
                            rank_cost: Optional[List[float]] = None, tp_size: int = 1,
                            milp_options: Optional[dict] = None, info: Optional[dict] = None, elementwise=None, *,
                            model: RankCostModel):
-    """``plan_owner_layout(balance='milp')`` on the rank cost model: the owner layout of one buffer
+    """The rank MILP (balance 'milp' on a rank cost model): the owner layout of one buffer
     that minimises its slowest cell's predicted owner step (module docstring). `rank_cost` (per
     cell, ms of earlier buffers) becomes the chosen plan's predicted loads; `elementwise` is the
-    greedy warm start's, as ``--dmuon-balance cost`` plans; `milp_options`: backend, time_limit_s
+    greedy warm start's, as balance 'cost' plans; `milp_options`: backend, time_limit_s
     (everything included), max_variables, polish_share, min_gain (module docstring)."""
-    rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, "milp", elementwise)
+    rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, elementwise)
     items = own_bucket_items(items, world_size, bucket_size, max_bucket_padding, tp_size, rank_cost, elementwise)
     buckets_members = split_buckets(items, bucket_size, world_size, max_bucket_padding)
     return rank_milp_layout(items, buckets_members, rank_cost, info, world_size, bucket_size, max_bucket_padding,
@@ -130,16 +130,16 @@ def rank_milp_layout(items, buckets_members, rank_cost: List[float], info: Optio
     ms_items = [dataclasses.replace(it, cost=_matrix_ms(model, it)) if it.is_matrix else it for it in items]
     layouts, loads = {}, {}
     for name in CANDIDATES:
-        greedy_items, balance, rates = {"cost": (items, "cost", elementwise),
-                                        "cost_ms": (ms_items, "cost", (adamw_ms, muon_ms))}.get(name, (items, name, None))
+        greedy_items, rule, rates = {"cost": (items, "cost", elementwise),
+                                     "cost_ms": (ms_items, "cost", (adamw_ms, muon_ms))}.get(name, (items, name, None))
         layouts[name] = plan_layout_once(greedy_items, list(base), None, world_size, bucket_size, max_bucket_padding, tp_size,
-                              balance, None, rates)
+                                         rule, None, rates)
         loads[name] = layout_loads(items, layouts[name], model, base)
     gaps = model.unmeasured({s for it in items if it.is_matrix for s in piece_counts(item_pieces(it))},
                             adamw=any(not it.is_matrix for it in items))
     if gaps:  # a cut start-up profile: unmeasured shapes predicted at the small ones' rate were 2.7x off (measured)
         note = (f"the rank cost model measured nothing for {', '.join(gaps)} (the start-up profile ran out of "
-                "--dmuon-plan-budget); kept the greedy plan (--dmuon-balance cost)")
+                "`layout.plan_budget_s`); kept the greedy plan (`layout.balance=cost`)")
         warnings.warn(f"DMuon owner MILP: {note}", MilpFallbackWarning)
         layout = layouts["cost"]
         rank_cost[:] = loads["cost"]

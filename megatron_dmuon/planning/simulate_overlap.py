@@ -1,4 +1,4 @@
-"""How much owner NS the overlapped step (``--dmuon-overlap-step on``) hides: an event model per GPU.
+"""How much owner NS the overlapped step (overlap step ``on``) hides: an event model per GPU.
 
 The window (docs/overlap_step.md): from the start of the last micro-batch's backward to the end of
 the next iteration's first forward. Per GPU of one stage, with the forward/backward time of each
@@ -226,10 +226,10 @@ def simulate_overlap(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec, 
                      planner: str = "milp", two_level: bool = True, plan: Optional[dict] = None,
                      config: Optional[dict] = None, tflops: Optional[float] = None,
                      milp_options: Optional[dict] = None, stage: int = 0, prefetch_waits: bool = True) -> dict:
-    """Exposed owner NS per iteration under ``--dmuon-overlap-step off`` / ``on`` / ``on`` with the
-    start during the last backward (``--clip-grad 0``), and the fraction of ``off``'s NS hidden.
-    ``plan``: a ``plan_stage`` result (Megatron's buckets under ``--overlap-grad-reduce``, which
-    ``--overlap-param-gather`` needs); ``tflops``: the model rate (default: the device's
+    """Exposed owner NS per iteration under the overlap step ``off`` / ``on`` / ``on`` with the
+    start during the last backward (no clipping), and the fraction of ``off``'s NS hidden.
+    ``plan``: a ``plan_stage`` result (Megatron's buckets of an overlapped grad reduce, which the
+    overlapped param gather needs); ``tflops``: the model rate (default: the device's
     ``model_tflops`` in the cluster config)."""
     if not 0.0 <= eta <= 1.0:
         raise ValueError(f"eta (co-run efficiency) must be in [0, 1], got {eta}")

@@ -93,7 +93,7 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
     (``ranks_per_node`` DP ranks a node, numbered node-major), both in the NS cost's units
     (planning/cost_model.py ``exchange_costs``). A node's incoming pieces are charged to every cell of
     the node (each forwards its share), so homes of large matrices spread over the nodes."""
-    rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, "cost", elementwise)
+    rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, elementwise)
     ranges, buckets = megatron_buckets(items, bucket_size, world_size)
     nodes = dp_nodes(world_size, ranks_per_node)
     if elementwise:

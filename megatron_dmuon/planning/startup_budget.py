@@ -1,4 +1,4 @@
-"""The start-up budget of ``--dmuon-balance milp`` (``--dmuon-plan-budget``), shared by the rank
+"""The start-up budget of balance 'milp' (``LayoutOptions.plan_budget_s``), shared by the rank
 profile (runtime/rank_profile.py: the owner step timed on this GPU) and the owner MILP
 (planning/rank_milp.py), both on rank 0 of each pipeline stage: profiling gets its share first, the
 MILP what profiling left.

@@ -11,12 +11,15 @@ TP=5 with one restart). Both ways give the same matrix in exact arithmetic.
 """
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from ..algorithms.flops import newton_schulz_flops
 from ..algorithms.gram_newton_schulz import GRAM_MIN_ASPECT_RATIO, gram_applies
 
 __all__ = ["TP_METHODS", "distributed_gram_eligible", "tp_method_costs", "choose_tp_method"]
 
-TP_METHODS = ("auto", "gather", "distributed_gram")
+TPMethod = Literal["auto", "gather", "distributed_gram"]
+TP_METHODS: tuple = get_args(TPMethod)
 PEAK_FLOPS = 4.0e14  # sustained half-precision GEMM rate of an H100/H200-class GPU
 LINK_BYTES_PER_S = 1.0e11  # effective intra-node (NVLink) bandwidth per GPU for these collectives
 
@@ -51,7 +54,7 @@ def choose_tp_method(shape, tp_size: int, partition_dim, split, ns_method: str, 
                      steps: int = 5) -> str:
     """'gather' or 'distributed_gram' for one matrix (``setting`` forces a way where it applies)."""
     if setting not in TP_METHODS:
-        raise ValueError(f"--dmuon-tp-method {setting!r} unknown; valid: {', '.join(TP_METHODS)}")
+        raise ValueError(f"TP method {setting!r} unknown; valid: {', '.join(TP_METHODS)}")
     if tp_size <= 1 or not distributed_gram_eligible(shape, partition_dim, split, ns_method):
         return "gather"
     if setting != "auto":

@@ -1,73 +1,94 @@
 """How the owners run Muon (``MuonSettings``): the update rule's settings, Megatron-LM's defaults,
-their checks, and the NS resolver of a device (``planning.ns_choice.NSResolver``)."""
+and the NS resolver of a device (``planning.ns_choice.NSResolver``).
+
+A section of DMuon's config (megatron/config.py ``DMuonConfig.muon``), which checks it once when the
+config is built, in the words of its flags; the owner step reads it as given."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Literal, Optional, Sequence, Union, get_args
 
 import torch
 
-from ..algorithms.coefficients import get_coefficients
-from ..algorithms.flops import NS_METHODS
-from ..algorithms.muon import muon_lr_scale
+from ..algorithms.coefficients import CoefficientSet, Coefficients
+from ..algorithms.flops import NSMethod
+from ..algorithms.muon import LRScaleMode
+from ..algorithms.dion3 import FractionLR
 from ..algorithms.ns_metrics import schedule_peak
+from ..algorithms.update_rule import UpdateRule, UpdateRuleName
 from ..kernels import measured_method
-from ..planning.ns_choice import ADAPTIVE_SCHEDULE, NSResolver, ns_schedule
-from ..planning.tp_cost import TP_METHODS
-from ..planning.overlap_mode import OverlapMode
-from .row_update_step import validate_update_settings
+from ..planning.ns_choice import ADAPTIVE_SCHEDULE, AdaptiveSchedule, NSResolver, ns_schedule  # noqa: F401
+from ..planning.overlap_mode import OverlapStep
+from ..planning.tp_cost import TPMethod
 
 # How the owner's per-shape NS calls are launched on CUDA: one after the other ('eager'), on
 # concurrent streams ('streams'), or the whole set captured once as a CUDA graph and replayed
 # every step ('graph': kills the launch overhead of many small matrices; the graph keeps its
 # input/output buffers and memory pool alive, one graph per distinct set of stack shapes).
-NS_LAUNCH_MODES = ("eager", "streams", "graph")
+NSLaunch = Literal["eager", "streams", "graph"]
+NS_LAUNCH_MODES = get_args(NSLaunch)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MuonSettings:
     """How the owners run Muon. The rule's defaults are Megatron-LM's `--optimizer muon` (its
     argparse defaults: momentum 0.9 without Nesterov, the 'quintic' per-step coefficients, bf16 NS,
     the 'spectral' scale; megatron/megatron_lm_flags.py registers the same defaults as flags and a
     test pins the two together). Other rules are named presets: ``torch_muon()`` (torch.optim.Muon's,
     the reference tests'), the main job's recipe (megatron/train/args.py MAIN_JOB_MUON_DEFAULTS)."""
+
     momentum: float = 0.9
+    """Momentum coefficient, in [0, 1)."""
     nesterov: bool = False
-    ns_method: str = "standard"  # 'standard' | 'gram' | 'auto' (kernels' autotuned choice)
-    # a set of algorithms.get_coefficients, or 'adaptive': per shape, the quartic normalisation with
-    # 4 designed steps for wide/tall matrices (aspect >= 2) and 5 for the rest
-    # (algorithms.schedules.schedule_for_shape; ns_steps is then not used)
-    coefficients: str = "you"
+    """Nesterov momentum (the row rule Dion3 has no Nesterov form)."""
+    ns_method: NSMethod = "standard"
+    """The NS variant: 'standard', 'gram' (in the small Gram space), 'auto' (the kernels' measured
+    fastest per shape, else the FLOP rule; standard off CUDA)."""
+    coefficients: Union[CoefficientSet, AdaptiveSchedule, Sequence[Coefficients]] = "you"
+    """The NS schedule: a set of ``algorithms.get_coefficients`` (a name, or (a, b, c) sets), or
+    'adaptive': per shape, the quartic normalisation with 4 designed steps for wide/tall matrices
+    (aspect >= 2) and 5 for the rest (``algorithms.schedules.schedule_for_shape``; ``ns_steps`` is
+    then not used and must stay 5)."""
     ns_steps: int = 5
+    """NS steps per orthogonalization (>= 1)."""
     ns_dtype: torch.dtype = torch.bfloat16
-    scale_mode: str = "spectral"  # algorithms.muon.LR_SCALE_MODES (Megatron's --muon-scale-mode names)
+    """NS compute precision (Gram NS runs a bf16 request in fp16)."""
+    scale_mode: LRScaleMode = "spectral"
+    """Per-matrix lr scale (``algorithms.muon.LR_SCALE_MODES``, Megatron's names)."""
     extra_scale: float = 1.0
-    ns_launch: str = "eager"  # NS_LAUNCH_MODES; off CUDA every mode runs eagerly
-    # an NS output holding NaN/Inf (e.g. fp16 Gram overflow) is recomputed in float32 by the torch
-    # path and counted (kernels.metrics.NONFINITE_METRICS, OwnerMuonAdamW.stats['ns_fp32_retries'])
+    """Extra factor on the Muon update (> 0)."""
+    ns_launch: NSLaunch = "eager"
+    """How the owner's per-shape NS calls are launched on CUDA (``NS_LAUNCH_MODES``); off CUDA every
+    mode runs eagerly."""
     retry_nonfinite: bool = True
-    # TP-sharded matrices: 'gather' to the TP owner, 'distributed_gram' where it applies, or 'auto'
-    # (planning/tp_cost.py's time model picks per shape)
-    tp_method: str = "auto"
-    # dtype of the momentum buffer (bf16 halves the Muon state; the update itself runs in fp32)
+    """An NS output holding NaN/Inf (e.g. fp16 Gram overflow) is recomputed in float32 by the torch
+    path and counted (kernels.metrics.NONFINITE_METRICS, OwnerMuonAdamW.stats['ns_fp32_retries'])."""
+    tp_method: TPMethod = "auto"
+    """TP-sharded matrices: 'gather' to the TP owner, 'distributed_gram' where it applies, or 'auto'
+    (planning/tp_cost.py's time model picks per shape)."""
     momentum_dtype: torch.dtype = torch.float32
-    # the update rule: 'muon', or a row rule of algorithms/dion3.py ('normuon', 'dion3'; run by
-    # runtime/row_update_step.py); row_beta2: NorMuon's second-moment decay; fraction and
-    # fraction_lr: Dion3's selected share of rows and its lr factor
-    update: str = "muon"
+    """dtype of the momentum buffer (bf16 halves the Muon state; the update itself runs in fp32;
+    the row rules keep theirs in the param dtype)."""
+    update: UpdateRuleName = "muon"
+    """The update rule (algorithms/update_rule.py): 'muon', or a row rule of algorithms/dion3.py
+    ('normuon', 'dion3'; run by runtime/row_update_step.py)."""
     fraction: float = 1.0
+    """Dion3's share of each matrix's rows orthogonalized per step, in (0, 1] (1 for the others)."""
     row_beta2: float = 0.95
-    fraction_lr: str = "none"
-    # online NS quality: every ns_check_interval steps (0: never) each owner estimates, per NS
-    # output, the top eigenvalue of OᵀO − I (random probes); an output above ns_check_bound (None:
-    # (1.25 x the schedule's exact-arithmetic peak)² − 1) is recomputed by the exact float32 NS
+    """The row rules' decay of the per-row second moment, in [0, 1)."""
+    fraction_lr: FractionLR = "none"
+    """Dion3's lr factor for the fraction: 'none' (NorDion2's) or 'inverse_sqrt' (1/sqrt(f))."""
     ns_check_interval: int = 100
+    """Online NS quality: every ns_check_interval steps (0: never) each owner estimates, per NS
+    output, the top eigenvalue of OᵀO − I (random probes); an output above ``ns_check_bound`` is
+    recomputed by the exact float32 NS."""
     ns_check_bound: Optional[float] = None
-    # OVERLAP_STEP_MODES (their meaning: planning/overlap_mode.py): 'off', or the Muon work cut per
-    # need group (MatrixInfo.need) and finished when the next forward needs it ('on', 'backward'),
-    # or inside the step ('sync': the same stacks and arithmetic, for checking 'on' bit for bit)
-    overlap_step: str = "off"
+    """The check's bound (> 0; None: (1.25 x the schedule's exact-arithmetic peak)² − 1)."""
+    overlap_step: OverlapStep = "off"
+    """planning/overlap_mode.py: 'off', or the Muon work cut per need group (MatrixInfo.need) and
+    finished when the next forward needs it ('on', 'backward'), or inside the step ('sync': the same
+    stacks and arithmetic, for checking 'on' bit for bit)."""
 
     @classmethod
     def torch_muon(cls, **overrides) -> "MuonSettings":
@@ -76,42 +97,10 @@ class MuonSettings:
         rule = dict(momentum=0.95, nesterov=True, coefficients="keller", scale_mode="shape_scaling")
         return cls(**{**rule, **overrides})
 
-    def validate(self) -> None:
-        validate_update_settings(self)
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"--muon-momentum {self.momentum} must be in [0, 1) (MuonSettings.momentum)")
-        if self.ns_method not in NS_METHODS:
-            raise ValueError(f"--dmuon-ns-method {self.ns_method!r} unknown; valid: {', '.join(NS_METHODS)}")
-        if self.ns_steps < 1:
-            raise ValueError(f"--muon-num-ns-steps {self.ns_steps} must be >= 1 (MuonSettings.ns_steps)")
-        overlap = OverlapMode(self.overlap_step)  # (an unknown mode: its ValueError names the flag)
-        if overlap.cuts_per_need_group and self.update != "muon":
-            raise ValueError(f"--dmuon-overlap-step {self.overlap_step} runs the Muon rule only; --dmuon-update "
-                             f"{self.update} steps inside optimizer.step(): drop --dmuon-overlap-step")
-        if self.ns_launch not in NS_LAUNCH_MODES:
-            raise ValueError(f"dmuon ns_launch {self.ns_launch!r} unknown (--dmuon-ns-launch); valid: {NS_LAUNCH_MODES}")
-        if self.tp_method not in TP_METHODS:
-            raise ValueError(f"dmuon tp_method {self.tp_method!r} unknown (--dmuon-tp-method); valid: {TP_METHODS}")
-        if self.ns_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            raise ValueError(f"dmuon ns_dtype must be a float dtype, got {self.ns_dtype}")
-        if self.momentum_dtype not in (torch.float32, torch.bfloat16, torch.float64):
-            raise ValueError(f"dmuon momentum_dtype must be float32 or bfloat16 (--dmuon-momentum-dtype), got {self.momentum_dtype}")
-        if self.coefficients == ADAPTIVE_SCHEDULE:
-            if self.ns_steps != 5:
-                raise ValueError(
-                    f"--dmuon-coefficients adaptive chooses the step count per shape (4 for aspect >= 2, else 5); "
-                    f"--muon-num-ns-steps {self.ns_steps} would be ignored: leave --muon-num-ns-steps at 5"
-                )
-        else:
-            get_coefficients(self.coefficients, self.ns_steps)  # raises a clear error if unknown
-        muon_lr_scale(2, 1, self.scale_mode)  # raises if the mode is unknown
-        if isinstance(self.ns_check_interval, bool) or not isinstance(self.ns_check_interval, int) \
-                or self.ns_check_interval < 0:
-            raise ValueError(f"--dmuon-ns-check-interval {self.ns_check_interval!r} must be an integer >= 0 (0 turns "
-                             "the check off; MuonSettings.ns_check_interval)")
-        if self.ns_check_bound is not None and not (0 < self.ns_check_bound < float("inf")):
-            raise ValueError(f"--dmuon-ns-check-bound {self.ns_check_bound!r} must be a finite number > 0 "
-                             "(MuonSettings.ns_check_bound)")
+    @property
+    def rule(self) -> UpdateRule:
+        """What the update rule needs (``algorithms.update_rule.UpdateRule``)."""
+        return UpdateRule(self.update)
 
     def ns_check_limit(self, rows: int, cols: int) -> float:
         """The largest estimate of top-eig(OᵀO − I) an NS output of a [rows, cols] matrix may have."""

@@ -50,7 +50,7 @@ def build_node_topology(dp_group, ranks_per_node: int) -> NodeTopology:
     world = dp_group.size()
     if ranks_per_node < 1 or world % ranks_per_node:
         raise ValueError(
-            f"--dmuon-ranks-per-node {ranks_per_node} must divide the data-parallel size {world}"
+            f"ranks_per_node {ranks_per_node} must divide the data-parallel size {world}"
         )
     n_nodes = world // ranks_per_node
     members: List[int] = torch.distributed.get_process_group_ranks(dp_group)

@@ -1,4 +1,4 @@
-"""The overlapped owner step (`--dmuon-overlap-step`): each need group's Newton–Schulz runs
+"""The overlapped owner step (overlap step `on`): each need group's Newton–Schulz runs
 while the next forward computes the layers before it. The mode's meaning is
 planning/overlap_mode.OverlapMode; Megatron's bucket groups drive it through megatron/overlap_hooks.py.
 

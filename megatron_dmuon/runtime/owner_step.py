@@ -24,18 +24,19 @@ from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
 from .overlapped_step import OverlappedStep, OwnerOverlap
-from .row_update_step import row_update_step, tp_refusal
+from .row_update_step import row_update_step
 from .dp_exchange import DPExchange
 from .matrix_info import MatrixInfo, with_ns_choices  # noqa: F401 (the owner step's public names)
 from .ns_run import default_orthogonalizer, fp32_orthogonalizer, run_ns  # noqa: F401 (ditto)
 from .tp_exchange import TPExchange
+
 
 class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
     """Param groups with ``use_muon=True`` get Muon; the others get torch's AdamW.
 
     With ``tp_group`` (tensor parallelism) every Muon param is this rank's shard of a matrix;
     updates go to each matrix's TP owner and directions come back (``runtime.tp_exchange``).
-    Under ``--dmuon-overlap-step`` the Muon work is cut per need group and finished apart from
+    With overlap step 'on' (``MuonSettings.overlap_step``) the Muon work is cut per need group and finished apart from
     ``step()`` (runtime/overlapped_step.py: ``OwnerOverlap``'s methods)."""
 
     def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
@@ -48,8 +49,7 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         if fused_adamw is None:
             fused_adamw = all(p.is_cuda for g in params for p in (g["params"] if isinstance(g, dict) else [g]))
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused_adamw or None)
-        self.muon = muon or MuonSettings()
-        self.muon.validate()
+        self.muon = muon or MuonSettings()  # (checked where the config is built: megatron/config.py)
         if orthogonalizer is not None and self.muon.ns_launch != "eager":
             raise ValueError(
                 f"dmuon ns_launch={self.muon.ns_launch!r} runs the kernels' own group launcher; it cannot "
@@ -64,12 +64,10 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         # split matrix of this optimizer (the exchange may route pieces of others through this rank)
         self.homed: Dict[str, MatrixInfo] = {}
         self.split_matrices: Dict[str, MatrixInfo] = {}
-        if self.muon.update != "muon" and self.tp.size > 1:
-            raise ValueError(tp_refusal(self.muon.update))
         self.overlap_mode = OverlapMode(self.muon.overlap_step)
-        if self.overlap_mode.cuts_per_need_group and self.tp.size > 1:
-            raise ValueError(f"--dmuon-overlap-step {self.muon.overlap_step} is not implemented with tensor "
-                             f"parallelism (TP={self.tp.size}): drop --dmuon-overlap-step")
+        if self.tp.size > 1 and (self.muon.rule.by_rows or self.overlap_mode.cuts_per_need_group):  # (refused at start-up)
+            raise ValueError(f"DMuon: update={self.muon.update!r} with overlap_step={self.muon.overlap_step!r} needs "
+                             f"each matrix whole on its owner, not a TP group of {self.tp.size}")
         # the overlapped step (runtime/overlapped_step.py): the runtime of its need groups in flight,
         # and what each group's fp32 masters are handed to once applied (the DistributedOptimizer's
         # copy to the model params; None: nothing to copy)
@@ -156,7 +154,7 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
                 state = self.state[p]
                 if group.get("use_muon", False):
                     state.setdefault("momentum_buffer", torch.zeros_like(p, dtype=self._momentum_dtype(p)))
-                    if self.muon.update != "muon" and p in self.matrix_info:  # one second moment per row
+                    if self.muon.rule.by_rows and p in self.matrix_info:  # one second moment per row
                         state.setdefault("row_variance", p.new_zeros(self.matrix_info[p].shape[0]))
                 elif len(state) == 0:  # exactly torch.optim.AdamW's lazy initialization
                     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -250,13 +248,13 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
                 return None
         else:
             self.stats["ns_calls"] = self.stats["ns_fp32_retries"] = self.stats["ns_matrices"] = 0
-        if s.update == "muon" and self.tp.size == 1 and not self.splits_matrices:
+        if not s.rule.by_rows and self.tp.size == 1 and not self.splits_matrices:
             if self.overlap_mode.cuts_per_need_group:
                 return self._launch_overlapped(entries, grad_scale)
             return self._local_step(entries, grad_scale)  # clipping folded into the momentum pass
         if grad_scale is not None:
             torch._foreach_mul_([p.grad for p, _, _ in entries if p.grad is not None], grad_scale)
-        if s.update != "muon":
+        if s.rule.by_rows:
             return row_update_step(self, entries)
         return self._exchange_step(entries)
 

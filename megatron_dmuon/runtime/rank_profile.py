@@ -2,7 +2,7 @@
 on, taken by timing the owner step itself (``ns_timing.time_owner_step``) on synthetic ranks, within
 the start-up budget, cached on disk.
 
-``--dmuon-balance milp`` runs it on rank 0 of each pipeline stage (megatron/ddp.py). The points,
+Balance 'milp' (``LayoutOptions.profile``) runs it on rank 0 of each pipeline stage (megatron/ddp.py). The points,
 cheapest and most informative first (each new (shape, count) costs a kernel autotune, ~2 s on the
 H200):
 
@@ -137,7 +137,7 @@ def measure_rank_jobs(jobs, time_fn: Callable[[List[tuple], List[int]], float], 
     for n, name in enumerate(todo):
         if budget_s is not None and clock() - start > budget_s:
             warnings.warn(f"rank profile stopped after its {budget_s:g} s budget; {len(todo) - n} points left out "
-                          "(--dmuon-plan-budget; a model missing a shape or AdamW plans greedily)", RuntimeWarning)
+                          "(the plan budget; a model missing a shape or AdamW plans greedily)", RuntimeWarning)
             break
         matrices, fragments = jobs[name]
         out[name] = {"ms": float(time_fn(matrices, fragments)), "adamw_elements": sum(fragments),

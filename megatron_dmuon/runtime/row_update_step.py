@@ -1,4 +1,4 @@
-"""The owner step of the row rules (``--dmuon-update normuon|dion3``, algorithms/dion3.py).
+"""The owner step of the row rules (update rule ``normuon`` or ``dion3``, algorithms/dion3.py).
 
 Called by ``OwnerMuonAdamW._muon_step`` in place of Muon's path: every owned matrix is cut into
 its split pieces, the rows each piece selects (all of them for NorMuon, the top ``⌈f·rows⌉`` by
@@ -14,38 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..algorithms.dion3 import FRACTION_LR_MODES, ROW_UPDATE_RULES, piece_rows, row_direction, select_rows_
+from ..algorithms.dion3 import piece_rows, row_direction, select_rows_
 from ..algorithms.muon import muon_apply_
-
-UPDATE_RULES = ("muon",) + ROW_UPDATE_RULES
-
-
-def validate_update_settings(s) -> None:
-    """Checks of MuonSettings' update fields, in the words of their flags."""
-    if s.update not in UPDATE_RULES:
-        raise ValueError(f"--dmuon-update {s.update!r} unknown; valid: {', '.join(UPDATE_RULES)}")
-    if not 0.0 < s.fraction <= 1.0:
-        raise ValueError(f"--dmuon-fraction {s.fraction} must be in (0, 1] (the share of rows Dion3 orthogonalizes)")
-    if s.update != "dion3" and s.fraction != 1.0:
-        raise ValueError(f"--dmuon-fraction {s.fraction} applies to --dmuon-update dion3 only "
-                         f"(got --dmuon-update {s.update}): drop the flag or pass --dmuon-update dion3")
-    if s.fraction_lr not in FRACTION_LR_MODES:
-        raise ValueError(f"--dmuon-fraction-lr {s.fraction_lr!r} unknown; valid: {', '.join(FRACTION_LR_MODES)}")
-    if not 0.0 <= s.row_beta2 < 1.0:
-        raise ValueError(f"--dmuon-normuon-beta2 {s.row_beta2} must be in [0, 1)")
-    if s.update != "muon" and getattr(s, "momentum_dtype", None) == torch.bfloat16:
-        raise ValueError(f"--dmuon-momentum-dtype bf16 is built for --dmuon-update muon only (the {s.update} "
-                         "owner step keeps its momentum in the param dtype): drop --dmuon-momentum-dtype bf16")
-    if s.update == "dion3" and s.nesterov:
-        raise ValueError("--dmuon-update dion3 has no Nesterov form (momentum M + G with error feedback): "
-                         "drop --muon-nesterov (the trainer, dmuon-train, defaults to Nesterov: pass "
-                         "--muon-no-nesterov; MuonSettings.nesterov=False)")
-
-
-def tp_refusal(update: str) -> str:
-    return (f"--dmuon-update {update} selects and normalizes whole rows of each matrix, which the TP "
-            "exchange does not deliver yet: use --tensor-model-parallel-size 1 (and "
-            "--expert-tensor-parallel-size 1), or --dmuon-update muon")
 
 
 @dataclasses.dataclass(frozen=True)

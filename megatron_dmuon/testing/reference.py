@@ -13,6 +13,7 @@ from ..algorithms.adamw import adamw_step_
 from ..algorithms.dion3 import piece_rows, row_direction, select_rows_
 from ..algorithms.muon import muon_apply_, muon_direction, muon_momentum_
 from ..algorithms.ns_dispatch import method_compute_dtype, orthogonalize
+from ..algorithms.update_rule import UpdateRule
 from ..planning.ns_choice import torch_path_method
 from ..megatron.gpt import causal_batch
 from ..planning.params import param_routing
@@ -117,7 +118,7 @@ class ProjectRules:
         for n, p in named:
             g, st = grads[n], self.state[n]
             wd = param_weight_decay(n, p, self.weight_decay)
-            if is_muon_param(n, p) and getattr(s, "update", "muon") != "muon":
+            if is_muon_param(n, p) and UpdateRule(getattr(s, "update", UpdateRule().name)).by_rows:
                 self._row_rule_step(n, p, g, st, wd)
             elif is_muon_param(n, p):
                 st.setdefault("momentum", torch.zeros_like(p))

@@ -33,9 +33,8 @@ import sys
 import torch
 
 from ..planning.tp_cost import TP_METHODS
-from ..megatron.config import DEFAULT_DION3_FRACTION
 from ..algorithms.flops import NS_METHODS
-from ..runtime.row_update_step import UPDATE_RULES
+from ..algorithms.update_rule import UPDATE_RULES, UpdateRule
 
 # bf16 params (rounding 2^-8 per update), bf16 grads and bf16 NS against the fp32 reference after
 # 10 steps at lr 2e-2: measured 8.7e-2 worst tensor on CPU/gloo DP=2; bound with margin.
@@ -135,7 +134,7 @@ def _check(args, p):
         p.error(f"--ep {args.ep} must divide the checked MoE GPT's 4 experts: use --ep 1, 2 or 4")
     if args.bf16:
         args.precision = "bf16"
-    if args.fraction is not None and (args.update != "dion3" or not 0.0 < args.fraction <= 1.0):
+    if args.fraction is not None and (not UpdateRule(args.update).selects_fraction or not 0.0 < args.fraction <= 1.0):
         p.error(f"--fraction {args.fraction} needs --update dion3 and a value in (0, 1]")
     if args.resume_at is not None and not 1 <= args.resume_at < args.steps:
         p.error(f"--resume-at must be in [1, --steps) = [1, {args.steps}) (got {args.resume_at})")
@@ -191,10 +190,11 @@ def _run_kwargs(args, precision):
 
 
 def _update_kwargs(args) -> dict:
-    if args.update == "muon":
+    rule = UpdateRule(args.update)
+    if not rule.by_rows:
         return {}
-    fraction = args.fraction if args.fraction is not None else (DEFAULT_DION3_FRACTION if args.update == "dion3" else 1.0)
-    return dict(update=args.update, fraction=fraction, nesterov=False)
+    return dict(update=args.update, fraction=rule.default_fraction if args.fraction is None else args.fraction,
+                nesterov=False)
 
 
 def _reference_kwargs(kw, precision):

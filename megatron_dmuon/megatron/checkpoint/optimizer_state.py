@@ -116,7 +116,7 @@ def local_pieces(opt) -> List[Piece]:
                     main = main_of[model_param]
                     state = inner.state[main]
                     info = inner.matrix_info.get(main)
-                    keys = ADAM_KEYS if info is None else MUON_KEYS + ((ROW_KEY,) if inner.muon.update != "muon" else ())
+                    keys = ADAM_KEYS if info is None else MUON_KEYS + ((ROW_KEY,) if inner.muon.rule.by_rows else ())
                     missing = [k for k in keys[1:] if k not in state]
                     if missing:
                         raise RuntimeError(f"DMuon: optimizer state {missing} missing for a param; "

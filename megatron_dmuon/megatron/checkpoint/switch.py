@@ -45,6 +45,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ...algorithms.update_rule import UpdateRule
 from . import optimizer_state as ckpt
 from .trusted_read import check_load_dir_is_data
 from .optimizer_state import (global_shape, agree_or_raise, check_pieces, flat, load_pieces,
@@ -96,7 +97,7 @@ def check_source(source: dict, parts) -> Optional[str]:
         return ("it is not a DMuon optimizer checkpoint but one of Megatron's --optimizer adam, with no Muon "
                 "momenta to keep; load the model only (--no-load-optim) to start DMuon's state fresh")
     rules = sorted({p.optimizer.muon.update for p in parts})
-    if rules != ["muon"]:
+    if any(p.optimizer.muon.rule.by_rows for p in parts):
         return (f"it was written by Megatron's Muon; this run has --dmuon-update {','.join(rules)}, whose state "
                 "means something else: switch with --dmuon-update muon")
     bad = sorted(set(f for f in source["formats"] if f != "fully_reshardable"))
@@ -262,7 +263,7 @@ def _param_groups(tree):
 
 
 def _check_dmuon_source(record: dict, common_optimizer: dict, request) -> Optional[str]:
-    if record.get("update") not in ("muon", ""):
+    if record.get("update") not in ("", UpdateRule().name):  # (its parts' rules, comma-joined; '': before records had them)
         return (f"it was written with --dmuon-update {record.get('update')}, whose state Megatron's Muon does not "
                 "have: load the model only (--no-load-optim)")
     saved = [g for g in common_optimizer.get("optimizer", {}).get("param_groups", []) if isinstance(g, dict)]

@@ -72,7 +72,7 @@ def validate_args(p, args, default_lr: dict, given: dict = None) -> None:
     ``given``: the flags on the command line (``JobArgumentParser.given``; None: none assumed given)."""
     from megatron_dmuon.megatron.flags import check_training_numbers
 
-    given = given or {}
+    typed, given = given, given or {}
     _check_environment(p)
     _check_path_flags_name_something(p, args)
     _refuse_unused_flags(p, args, given)
@@ -115,7 +115,7 @@ def validate_args(p, args, default_lr: dict, given: dict = None) -> None:
         from megatron_dmuon.megatron.flags import validate_dmuon_args
 
         try:
-            validate_dmuon_args(args)
+            validate_dmuon_args(args, typed)  # (None: the config counts a flag off its default as given)
         except ValueError as e:
             p.error(str(e))
     _check_run_flags(p, args, given)
@@ -186,30 +186,12 @@ def _check_path_flags_name_something(p, args) -> None:
 
 def _refuse_unused_flags(p, args, given: dict) -> None:
     """A flag the run would ignore is refused by name (a value given and never read is a mistake the
-    user should hear of): every --muon-*/--dmuon-* flag under --optimizer adam."""
+    user should hear of): every --muon-*/--dmuon-* flag under --optimizer adam (under --optimizer dmuon,
+    the config refuses those it does not read: ``validate_dmuon_args(args, given)``)."""
     if args.optimizer == "adam":
         for dest, typed in given.items():
             if typed.startswith(("--muon-", "--dmuon-")):
                 p.error(f"{typed} has no effect under --optimizer adam; drop it or use --optimizer dmuon")
-        return
-    if "muon_coefficient_type" in given:  # (given at its default: the parser alone cannot tell)
-        from megatron_dmuon.megatron.megatron_lm_flags import refuse_disagreeing_coefficients
-
-        try:
-            refuse_disagreeing_coefficients(args, type_given=True)
-        except ValueError as e:
-            p.error(str(e))
-    for dest, unused, why in (
-            ("dmuon_plan_budget", args.dmuon_balance != "milp",
-             "without --dmuon-balance milp (it bounds that balance's start-up profiling and MILP)"),
-            ("dmuon_normuon_beta2", args.dmuon_update not in ("normuon", "dion3"),
-             f"under --dmuon-update {args.dmuon_update} (the second-moment decay of --dmuon-update normuon|dion3)"),
-            ("dmuon_fraction_lr", args.dmuon_update != "dion3",
-             f"under --dmuon-update {args.dmuon_update} (Dion3's lr factor: --dmuon-update dion3)"),
-            ("dmuon_ns_check_bound", args.dmuon_ns_check_interval == 0, "with --dmuon-ns-check-interval 0 (the "
-                                                                       "check is off)")):
-        if dest in given and unused:
-            p.error(f"{given[dest]} has no effect {why}: drop it")
 
 
 LOAD_FLAGS = {"no_load_optim": "--no-load-optim", "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler",
