@@ -31,7 +31,7 @@ from megatron_dmuon.megatron.config import DMuonConfig
 from megatron_dmuon.megatron.train import args as job_args
 from megatron_dmuon.runtime.owner_step import default_orthogonalizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 STEPS = (3, 5, 7, 10, 12)  # inside every table, past quintic's/cans'/cubic5's 5, aol's 4, polar_express's 8
 SHAPES = ((48, 160), (96, 64), (3, 40, 56))  # wide, tall (EO transposes it), a stack (its batched path)
 EO_040_ENV = "DMUON_EO040"
@@ -257,7 +257,7 @@ def test_a_megatron_lm_tree_parses_every_type_and_syrk_under_dmuon(tree):
     """Megatron-LM's own parser and validate_args (hook installed; Emerging-Optimizers 0.4.0 on the path
     where $DMUON_EO040 names it): every type the tree offers with the Emerging-Optimizers it imports
     runs that type's sets under --optimizer dmuon, --muon-use-syrk included; custom is refused by name."""
-    from test_megatron_lm_hook import tree_pythonpath
+    from tests.megatron.test_megatron_lm import tree_pythonpath
 
     runs = {f"{t} {n}": ["--muon-coefficient-type", t, "--muon-num-ns-steps", str(n), "--muon-use-syrk"]
             for t in EO_COEFFICIENT_TYPES for n in (FIXED_STEPS.get(t, 10),)}

@@ -36,8 +36,9 @@ from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz
 from megatron_dmuon.algorithms.newton_schulz import newton_schulz
 from megatron_dmuon.algorithms.ns_metrics import heavy_tailed_matrix
 from megatron_dmuon.algorithms.schedules import schedule_for_shape
+from tests import DATA as DATA_DIR
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "momenta_tiny_it20.pt")
+DATA = os.path.join(DATA_DIR, "momenta_tiny_it20.pt")
 U = 2.0 ** -4  # e4m3 unit roundoff (3 mantissa bits)
 
 

@@ -20,8 +20,9 @@ import torch
 from megatron_dmuon.algorithms.newton_schulz import newton_schulz_reference
 from megatron_dmuon.algorithms.ns_metrics import heavy_tailed_matrix, scale_bias, schedule_map
 from megatron_dmuon.runtime.owner_step import MuonSettings, default_orthogonalizer
+from tests import DATA as DATA_DIR, ROOT
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "momenta_tiny_it20.pt")
+DATA = os.path.join(DATA_DIR, "momenta_tiny_it20.pt")
 COEFFICIENTS = ("you", "keller", "polar_express", "adaptive")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -140,7 +141,7 @@ def test_ns_accuracy_bench_reports_every_path_against_float64_ns():
     Megatron's NS (emerging_optimizers) at 'high' on CPU is full fp32 (no TF32 there)."""
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import ns
 
     records = {(r["spikes"], r["path"]): r for r in ns.heavy_tailed_report(["48x160"], "cpu", seeds=1)}

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import harness  # noqa: E402  (bench/harness.py)
 import megatron_lm_compare  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import megatron_lm_compare as bench  # noqa: E402
 import megatron_lm_switch as switch  # noqa: E402

@@ -128,7 +128,7 @@ def megatron_worker(rank, world_size):
 # ------------------------------------------------------------------------------ the tests
 @pytest.fixture(scope="module")
 def rank_results():
-    return run_distributed("test_demuon_multiprocess:rank_worker", WORLD, sys_path=[HERE], timeout=300)
+    return run_distributed("test_agents:rank_worker", WORLD, sys_path=[HERE], timeout=300)
 
 
 def simulate(graph, method):

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "demuon"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "demuon"))
 
 from batched_gpt import GPTConfig, forward, init_params, make_layout, per_agent_loss  # noqa: E402
 from bpe import BytePairTokenizer  # noqa: E402

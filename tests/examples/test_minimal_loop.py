@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 EXAMPLE = os.path.join(ROOT, "examples", "minimal_loop.py")
 
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import apex_wgrad_available, requires_te
+from tests.gpu.conftest import apex_wgrad_available, requires_te
 
 pytestmark = [requires_te, pytest.mark.usefixtures("one_gpu_world")]
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import apex_wgrad_available, requires_te
+from tests.gpu.conftest import apex_wgrad_available, requires_te
 
 pytestmark = [requires_te, pytest.mark.usefixtures("one_gpu_world")]
 

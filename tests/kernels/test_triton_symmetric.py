@@ -50,7 +50,7 @@ def test_interpreter_child_process_passes():
     env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
-        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600,
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600,
     )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

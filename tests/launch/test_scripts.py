@@ -14,7 +14,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 PATCH = os.path.join(ROOT, "patches", "pretrain_gpt.patch")
 APPLY = os.path.join(ROOT, "patches", "apply.sh")
 sys.path.insert(0, os.path.join(ROOT, "launch", "slurm"))
@@ -177,7 +177,7 @@ def test_slurm_template_renders_two_nodes_of_eight_gpus(tmp_path):
 
 def _check_dmuon_accepts(megatron_argv, world_size):
     """The launch's Megatron-LM flags pass DMuon's parse-time checks (on the CI stand-in parser)."""
-    from test_megatron_lm_hook import megatron_lm_parser
+    from tests.megatron.test_megatron_lm import megatron_lm_parser
 
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)

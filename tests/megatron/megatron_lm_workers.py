@@ -1,7 +1,7 @@
 """Rank workers that run a real Megatron-LM checkout's training code on CPU (gloo + the CPU shim):
 parse with the hook installed, `setup_model_and_optimizer` through the model-config builder path
 `pretrain_gpt.py` takes, then Megatron's own `train_step` with `pretrain_gpt.forward_step` on
-`--mock-data`. Used by tests/test_megatron_lm_hook.py when a checkout is around."""
+`--mock-data`. Used by tests/megatron/test_megatron_lm.py when a checkout is around."""
 from __future__ import annotations
 
 import os
@@ -73,7 +73,7 @@ def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max
 def compare_checkpoints(rank, world_size, first, second):
     """bench/megatron_lm_switch.py's tensor-by-tensor state comparison of two torch_dist checkpoints,
     in a rank process (its reader wants a process group)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
     from megatron_lm_switch import compare_saved
 
     return compare_saved(first, second)

@@ -19,11 +19,11 @@ import uuid
 
 import pytest
 
-from test_bad_input_runs import SMALL
+from tests.megatron.train.test_checkpoints import SMALL
 
 from megatron_dmuon.testing.processes import kill_marked, left_behind, marked_processes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 RUN_MAIN = os.path.join(ROOT, "launch", "run_main.sh")
 FILTER = os.path.join(ROOT, "launch", "after_job_error.py")
 PRECHECK = os.path.join(ROOT, "launch", "precheck.py")

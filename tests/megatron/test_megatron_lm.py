@@ -26,7 +26,7 @@ from megatron_dmuon.runtime.owner_step import MuonSettings
 from megatron_dmuon.testing.multiproc import run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 MEGATRON_OPTIMIZERS = ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
 
 
@@ -173,7 +173,7 @@ def train_from_argv(rank, world_size, argv, iters=6):
 
 @pytest.fixture(scope="module")
 def trained():
-    return run_distributed("test_megatron_lm_hook:train_from_argv", 2, kwargs={"argv": USER_ARGV},
+    return run_distributed("test_megatron_lm:train_from_argv", 2, kwargs={"argv": USER_ARGV},
                            sys_path=[HERE], timeout=600)
 
 
@@ -199,7 +199,7 @@ def test_the_interleaved_schedule_passes_through_the_hook():
     # model chunk (built as Megatron-LM's get_model builds them), one optimizer over all chunks
     argv = USER_ARGV + ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
                         "--num-virtual-stages-per-pipeline-rank", "2"]
-    out = run_distributed("test_megatron_lm_hook:train_from_argv", 4, kwargs={"argv": argv, "iters": 4},
+    out = run_distributed("test_megatron_lm:train_from_argv", 4, kwargs={"argv": argv, "iters": 4},
                           sys_path=[HERE], timeout=600)
     assert all(r["losses"] == out[0]["losses"] for r in out)
     assert out[0]["losses"][-1] < out[0]["losses"][0], out[0]["losses"]
@@ -211,9 +211,9 @@ def test_the_interleaved_schedule_passes_through_the_hook():
 
 def test_fp16_with_a_constant_loss_scale_trains_like_fp32():
     base = ["--optimizer", "dmuon", "--use-distributed-optimizer", "--muon-fp32-matmul-prec", "high"]
-    fp32 = run_distributed("test_megatron_lm_hook:train_from_argv", 2, kwargs={"argv": base, "iters": 4},
+    fp32 = run_distributed("test_megatron_lm:train_from_argv", 2, kwargs={"argv": base, "iters": 4},
                            sys_path=[HERE], timeout=600)[0]["losses"]
-    fp16 = run_distributed("test_megatron_lm_hook:train_from_argv", 2,
+    fp16 = run_distributed("test_megatron_lm:train_from_argv", 2,
                            kwargs={"argv": base + ["--fp16", "--loss-scale", "1024"], "iters": 4},
                            sys_path=[HERE], timeout=600)[0]["losses"]
     assert fp16[-1] < fp16[0] - 0.3, fp16
@@ -221,7 +221,7 @@ def test_fp16_with_a_constant_loss_scale_trains_like_fp32():
 
 
 def test_every_other_optimizer_is_untouched():
-    out = run_distributed("test_megatron_lm_hook:train_from_argv", 2,
+    out = run_distributed("test_megatron_lm:train_from_argv", 2,
                           kwargs={"argv": ["--optimizer", "adam", "--use-distributed-optimizer"], "iters": 2},
                           sys_path=[HERE], timeout=600)
     assert out[0]["ddp"] == "DistributedDataParallel"

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_dmuon.megatron.metrics import METRICS, NAMES, metrics_table
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
          "--micro-batch-size", "2", "--lr-warmup-iters", "1", "--eval-iters", "0"]
 

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 LAUNCHER = [sys.executable, "-m", "megatron_dmuon.megatron.run"]
 
 STAND_IN = {

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import megatron_lm_compare  # noqa: E402  (bench/megatron_lm_compare.py)
 

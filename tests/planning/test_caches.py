@@ -140,7 +140,7 @@ def test_dmuon_plan_show_of_a_file_without_a_plan_exits_2_with_one_line(tmp_path
 
 def test_dmuon_plan_show_prints_a_good_plan_and_refuses_it_cut_short(tmp_path, capsys):
     from megatron_dmuon import cli
-    from test_plan import _plan
+    from tests.planning.test_plan import _plan
 
     plan = _plan()
     path = tmp_path / "timing.json"

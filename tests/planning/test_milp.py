@@ -16,11 +16,12 @@ from megatron_dmuon.planning.cost_model import (CostModel, analytic_shape_cost, 
 from megatron_dmuon.planning.milp import MilpFallbackWarning, OwnerProblem, evaluate, solve_owner_milp
 from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
 from megatron_dmuon.planning.caches import PlanCache
+from tests import DATA
 
 HERE = os.path.dirname(__file__)
 # the H200 kernel benchmark cut to what load_bench_kernels_profile reads
 # (from docs/results/kernels/bench_kernels_h200_2026-11-30.json)
-BENCH = os.path.join(HERE, "data", "bench_kernels_h200_profile.json")
+BENCH = os.path.join(DATA, "bench_kernels_h200_profile.json")
 
 
 # ----------------------------------------------------------------------------- brute force
@@ -360,7 +361,7 @@ def test_simulation_matches_the_measured_h200_runs():
     from megatron_dmuon.planning.models import PRESETS, ParallelSpec
     from megatron_dmuon.planning.simulate import predict_adamw_step, predict_optimizer_step
 
-    measured = json.load(open(os.path.join(HERE, "data", "scaling_h200x2_e2e.json")))
+    measured = json.load(open(os.path.join(DATA, "scaling_h200x2_e2e.json")))
     model = CostModel(device_spec("H200"), load_bench_kernels_profile(BENCH))
     cluster = cluster_spec("h200")
     for gpus, tol in (("2", 0.25), ("1", 0.25)):

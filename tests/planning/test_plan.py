@@ -9,7 +9,7 @@ import pytest
 from megatron_dmuon.planning.owner_layout import plan_owner_layout
 from megatron_dmuon.planning.plan import DMuonPlan, MatrixRecord, merged_records
 
-PACKAGE = Path(__file__).resolve().parents[1] / "megatron_dmuon"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_dmuon"
 
 
 def _records():

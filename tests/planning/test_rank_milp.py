@@ -23,7 +23,7 @@ from megatron_dmuon.planning.rank_cost import RankCostModel, RankWork, multi_cou
 from megatron_dmuon.planning.rank_milp import CANDIDATES, layout_loads, layout_work, plan_rank_owner_layout
 from megatron_dmuon.runtime.rank_profile import profile_counts, profile_jobs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
 COST_FN = functools.partial(owner_ns_cost, coefficients="adaptive", steps=5, ns_method="auto")
 

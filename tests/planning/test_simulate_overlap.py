@@ -11,8 +11,9 @@ from megatron_dmuon.planning.models import PRESETS, ParallelSpec
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size
 from megatron_dmuon.planning.planners import plan_stage
 from megatron_dmuon.planning.simulate_overlap import group_ns_ms, need_groups, simulate_overlap
+from tests import DATA
 
-BENCH = os.path.join(os.path.dirname(__file__), "data", "bench_kernels_h200_profile.json")
+BENCH = os.path.join(DATA, "bench_kernels_h200_profile.json")
 ETAS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 

@@ -23,10 +23,10 @@ from megatron_dmuon.algorithms.ns_metrics import orthogonality_overshoot, schedu
 from megatron_dmuon.runtime import owner_step
 from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
 from megatron_dmuon.testing.multiproc import run_distributed
-from test_ns_real_spectra import heavy_tailed  # noqa: E402  (tests/ is on the path under pytest)
+from tests.algorithms.test_ns_metrics import heavy_tailed  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 SHAPES = [(48, 32), (48, 32), (32, 96)]
 
 
@@ -117,7 +117,7 @@ def test_bad_check_settings_name_the_flag():
 def hook_run_with_planted_failure(rank, world_size, argv, plant):
     """train_from_argv (the Megatron-LM hook's parser and factories) with every owner's NS output
     of the first matrix of each stack blown up when ``plant``; returns losses, repairs and the log."""
-    import test_megatron_lm_hook as hook
+    from tests.megatron import test_megatron_lm as hook
 
     if plant:
         real = owner_step.run_ns
@@ -136,13 +136,13 @@ def hook_run_with_planted_failure(rank, world_size, argv, plant):
 
 
 def test_planted_failure_is_caught_and_logged_under_megatron_lm_flags():
-    import test_megatron_lm_hook as hook
+    from tests.megatron import test_megatron_lm as hook
 
     argv = list(hook.USER_ARGV) + ["--dmuon-ns-check-interval", "2"]
     clean = run_distributed("test_ns_check:hook_run_with_planted_failure", 2, kwargs={"argv": argv, "plant": False},
-                            sys_path=[HERE], timeout=600)
+                            sys_path=[HERE, ROOT], timeout=600)
     planted = run_distributed("test_ns_check:hook_run_with_planted_failure", 2, kwargs={"argv": list(hook.USER_ARGV) + [
-        "--dmuon-ns-check-interval", "1"], "plant": True}, sys_path=[HERE], timeout=600)
+        "--dmuon-ns-check-interval", "1"], "plant": True}, sys_path=[HERE, ROOT], timeout=600)
     assert planted[0]["losses"] == clean[0]["losses"]  # repaired exactly, every step
     log = planted[0]["log"]  # rank 0 logs for all ranks
     assert log.count("> DMuon NS check at step") == 4 and "WARNING: DMuon's NS check" in log

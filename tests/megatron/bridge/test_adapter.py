@@ -19,6 +19,7 @@ import pytest
 from megatron_dmuon.bridge import bridge_names
 from megatron_dmuon.megatron.bridge.__main__ import split_argv
 from megatron_dmuon.megatron.flags import dmuon_config_from_fields
+from tests import ROOT
 
 
 def _core_config(**kw):
@@ -222,7 +223,7 @@ SWITCH_SCRIPT = textwrap.dedent("""
 def test_use_dmuon_install_and_refusals_on_a_real_config_container(tmp_path):
     script = tmp_path / "bridge_switch.py"
     script.write_text(SWITCH_SCRIPT)
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    bench = os.path.join(ROOT, "bench")
     proc = subprocess.run([sys.executable, str(script), bench], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0 and "SWITCH OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -380,7 +381,7 @@ def test_optimizer_switch_through_bridges_own_checkpointing(tmp_path):
 
     script = tmp_path / "bridge_checkpoint_switch.py"
     script.write_text(CHECKPOINT_SWITCH_SCRIPT)
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    bench = os.path.join(ROOT, "bench")
     proc = subprocess.run([sys.executable, str(script), str(free_port()), str(tmp_path / "ckpt"), bench],
                           capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_dmuon.testing.compare import full_optimizer_state, full_params, rel_diffs, state_diffs
 from megatron_dmuon.testing.multiproc import run_distributed
+from tests import DATA
 
 RESUME = "megatron_dmuon.testing.checkpoint_workers:dmuon_resume"
 FP64 = dict(shape_kw=dict(fp64=True), ns_dtype="float64")
@@ -68,7 +69,7 @@ def test_a_checkpoint_written_before_the_plan_object_loads(tmp_path):
     import shutil
 
     fixture = tmp_path / "ckpt"
-    shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "ckpt_before_plan_dp2_fp64"), fixture)
+    shutil.copytree(os.path.join(DATA, "ckpt_before_plan_dp2_fp64"), fixture)
     common = dict(resume_at=3, steps=5, grad_accum=2, ns_dtype="float64",
                   shape_kw=dict(fp64=True, num_layers=1, hidden_size=32, ffn_hidden_size=64))
     now = run_distributed(RESUME, 2, kwargs=dict(common, resume_here=False))

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dmuon.testing.usage_errors import as_one_process, main_job_refusal
 
-from test_bad_input_runs import SMALL, job, losses, stop_at, summary  # (helpers only: that module's fixtures stay there)
+from tests.megatron.train.test_checkpoints import SMALL, job, losses, stop_at, summary  # (helpers only: that module's fixtures stay there)
 
 
 def _parse(argv):

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 JOB = ["-m", "megatron_dmuon.testing.cpu_train"]
 SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
          "--micro-batch-size", "2", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "1"]

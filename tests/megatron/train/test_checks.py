@@ -19,7 +19,7 @@ from megatron_dmuon.megatron.optimizer import DMuonConfig, check_dmuon_config
 from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
 from megatron_dmuon.runtime.owner_step import OwnerMuonAdamW
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 DIST = DistributedDataParallelConfig(use_distributed_optimizer=True)
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import quality  # noqa: E402  (bench/quality.py)
 
