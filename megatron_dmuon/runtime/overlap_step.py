@@ -17,7 +17,7 @@ the step, and hands the masters to ``OwnerMuonAdamW.on_applied`` (the copy into 
 ``finish_all()`` runs whatever is left (a checkpoint, the next step, a forced param sync).
 
 The arithmetic is the synchronous step's on the same stacks: mode 'sync' runs the same cut stacks
-inside ``step()``, and the two agree bit for bit (tests/test_overlap_step.py). A stack cut per need
+inside ``step()``, and the two agree bit for bit (tests/runtime/test_overlap_step.py). A stack cut per need
 group is smaller than the owner's whole same-shape stack of mode 'off', which the GPU's batched
 GEMMs may round differently; 'off' and 'on' therefore agree to rounding, not to the bit.
 One difference in checking: the NaN/Inf retry reads back only the stacks whose NS can overflow (Gram
@@ -212,7 +212,7 @@ class OverlappedStep:
 
 
 def finish(owner, need: int) -> None:
-    """``owner.overlapped.finish(need)`` (the entry tests/test_kernels_gpu.py drives the step by)."""
+    """``owner.overlapped.finish(need)`` (the entry tests/kernels/test_gpu.py drives the step by)."""
     owner.overlapped.finish(need)
 
 

@@ -1,4 +1,4 @@
-"""Rank function for tests/test_splitting.py: real megatron-core layers on gloo TP ranks.
+"""Rank function for tests/algorithms/test_splitting.py: real megatron-core layers on gloo TP ranks.
 
 Each layer's linear weights come from Megatron's own CPU initialisation: the master weight is
 filled with a known ``arange`` pattern and split over TP ranks with the layer's

@@ -116,7 +116,7 @@ def _dmuon_ns(coefficient_type: str, steps: int):
 
 
 def test_dmuon_offers_every_coefficient_type_of_the_release(eo):
-    types = set(eo["types"]) - {"custom"}  # (custom: refused by name, tests/test_megatron_lm_hook.py)
+    types = set(eo["types"]) - {"custom"}  # (custom: refused by name, tests/megatron/test_megatron_lm.py)
     assert types <= set(EO_COEFFICIENT_TYPES), types - set(EO_COEFFICIENT_TYPES)
     if Version(eo["version"]) >= Version("0.4"):
         assert types == set(EO_COEFFICIENT_TYPES)

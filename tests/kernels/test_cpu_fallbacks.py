@@ -1,6 +1,6 @@
 """Kernels package on CPU without the Triton interpreter: torch fallbacks, dispatch, cache, CLI.
 
-The Triton kernels themselves run in tests/test_kernels_interpreter.py (TRITON_INTERPRET=1).
+The Triton kernels themselves run in tests/kernels/test_triton_symmetric.py (TRITON_INTERPRET=1).
 """
 
 import json
@@ -199,7 +199,7 @@ def test_cache_roundtrip_merge_and_corruption(tmp_path):
     data = json.loads(path.read_text())
     assert data["version"] == autotune.CACHE_VERSION and len(data["entries"]) == 2
     assert AutotuneCache(path).get("method|gpu|8x16|b1|float16|T5") == {"method": "gram"}
-    path.write_text(path.read_text()[:60])  # a file of ours cut short (another file is refused: test_bad_input_tools)
+    path.write_text(path.read_text()[:60])  # a file of ours cut short (another file is refused: tests/planning/test_caches.py)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert AutotuneCache(path).entries == {}

@@ -392,7 +392,7 @@ def test_gpu_owner_adamw_is_torch_fused_adamw_and_takes_cpu_step_counters():
 
 def test_gpu_distributed_gram_ns_runs_on_the_symmetric_kernels(tmp_path):
     """The TP path's distributed Gram NS with the kernels' ops, one shard with local callbacks: equal
-    to the kernel driver on the whole matrix to fp16 rounding (tests/test_kernels_interpreter.py
+    to the kernel driver on the whole matrix to fp16 rounding (tests/kernels/test_triton_symmetric.py
     checks the same in the interpreter)."""
     from megatron_dmuon.algorithms.gram_newton_schulz import gram_newton_schulz_sharded
     from megatron_dmuon.kernels import gram_newton_schulz_fast

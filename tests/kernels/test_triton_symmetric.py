@@ -404,7 +404,7 @@ def test_child_quartic_normalisation_on_the_kernels():
     kw = schedule_for_shape(48, 48)
     std = newton_schulz_fast(sq, compute_dtype=torch.float16, backend="triton", **kw)
     # measured 0.0042 (a X in baddbmm's float32 epilogue; 0.0040 with a·I folded into the fp16 B,
-    # which leaned the result by ~1e-3 in scale on real shapes: test_ns_real_spectra)
+    # which leaned the result by ~1e-3 in scale on real shapes: tests/algorithms/test_ns_metrics.py)
     assert _rel(std, newton_schulz_reference(sq, **kw)) < 0.006
     assert _rel(std, msgn_svd(sq)) < 0.1
 

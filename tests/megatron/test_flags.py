@@ -5,7 +5,7 @@ then a __del__ traceback; a HOME that cannot hold the default caches passed the 
 after the model was built; a symlink in --save was followed into rmtree; `dmuon plan --rank-model
 /dev/zero` read until the OOM killer; bench/'s CLIs ended in tracebacks, or with no input in an empty
 table and exit 0. The processes' cases (signals, NPROC, the Bridge launcher) are in
-test_bad_input_5_launcher.py.
+tests/megatron/test_child_processes.py.
 
 Start-up refusals run in this process (the checks every rank runs before anything is built)."""
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_every_dmuon_flag_a_baseline_does_not_read_is_refused():
 
 def test_a_flag_naming_what_the_mode_runs_anyway_is_accepted():
     """Side-by-side runs pass every mode one set of flags: `--dmuon-ns-method standard` is what Megatron's own
-    Muon runs (tests/test_main_job.py compares DMuon with it so)."""
+    Muon runs (tests/megatron/train/test_job.py compares DMuon with it so)."""
     args = _parse(["--dmuon-mode", "megatron_layerwise", "--dmuon-ns-method", "standard", "--bf16"])
     assert args.dmuon_ns_method == "standard"
 

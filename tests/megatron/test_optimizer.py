@@ -102,7 +102,7 @@ def test_ns_launch_settings():
     with pytest.raises(ValueError, match="pass ns_launch='eager' with it"):
         OwnerMuonAdamW([{"params": [p], "use_muon": True}], lr=0.1, weight_decay=0.0,
                        muon=MuonSettings(ns_launch="graph"), orthogonalizer=lambda x: x)
-    # (the launch modes themselves are compared on the GPU: tests/test_kernels_gpu.py; off CUDA
+    # (the launch modes themselves are compared on the GPU: tests/kernels/test_gpu.py; off CUDA
     # every mode runs the same eager calls, so a CPU comparison could not fail)
 
 

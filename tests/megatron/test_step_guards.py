@@ -92,7 +92,7 @@ def test_state_is_created_for_every_param_before_the_first_step():
     opt.step()
     assert torch.equal(q, q0) and torch.equal(w, w0) and float(opt.state[w]["step"]) == 0.0
     assert not torch.equal(p, p.detach() * 0) and float(opt.state[v]["step"]) == 1.0
-    assert opt.adam_steps() == {0.0, 1.0}  # a checkpoint refuses such a state (see test_bad_input)
+    assert opt.adam_steps() == {0.0, 1.0}  # a checkpoint refuses such a state (see tests/megatron/train/test_checks.py)
 
 
 def test_found_nonfinite_without_a_process_group():

@@ -1,4 +1,4 @@
-"""Rank function for tests/test_load_balancing.py: MILP owner plans of a real megatron-core GPT on
+"""Rank function for tests/planning/test_milp.py: MILP owner plans of a real megatron-core GPT on
 gloo ranks, with costs that differ per rank (as start-up profiles may)."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """[bad-input-4], the tools: the caches DMuon writes (owner plans, NS/rank profiles, autotune) never
 replace a file they did not write, `dmuon plan`'s files and numbers fail by name (exit 2, one line).
-The Megatron-LM launcher's cases are in test_megatron_lm_launcher.py, the Slurm renderer's and the
-one-node launcher's in test_launch.py."""
+The Megatron-LM launcher's cases are in tests/megatron/test_run.py, the Slurm renderer's and the
+one-node launcher's in tests/launch/test_scripts.py."""
 from __future__ import annotations
 
 import json

@@ -90,7 +90,7 @@ def analytic_profile(counts, cells, budget_s):
 
 
 class RankZeroCosts:
-    """A per-matrix cost model in ms that finds wide matrices dear (rank 0's of tests/lb_workers.py)."""
+    """A per-matrix cost model in ms that finds wide matrices dear (rank 0's of tests/planning/lb_workers.py)."""
 
     def per_matrix_ms(self, shape):
         r, c = shape

@@ -282,7 +282,7 @@ def test_a_damaged_or_stale_rank_profile_cache_is_measured_again_with_a_warning(
     key = next(iter(data["entries"]))
     entry = data["entries"][key]
     first = next(iter(entry["jobs"]))
-    if damage == "garbage":  # a file of ours cut short (one that is not ours is refused: test_bad_input_tools)
+    if damage == "garbage":  # a file of ours cut short (one that is not ours is refused: tests/planning/test_caches.py)
         path.write_text(path.read_text()[:50])
     else:
         if damage == "old_version":

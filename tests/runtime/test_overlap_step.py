@@ -110,7 +110,7 @@ def test_overlap_step_ep2_moe():
 @pytest.mark.parametrize("mode", ["on", "backward"])
 def test_overlap_step_matches_the_single_process_reference_in_float64(mode):
     """The overlapped step (and its start in the backward) against the TP=PP=EP=1 single-process
-    reference on real megatron-core (float64, as tests/test_dmuon_parallel.py: only the reduce
+    reference on real megatron-core (float64, as tests/runtime/test_tp_exchange.py: only the reduce
     order differs, ~1e-13)."""
     from megatron_dmuon.testing.compare import run_dmuon, run_reference
 

@@ -1,6 +1,6 @@
 """The owner step (OwnerMuonAdamW: batched by shape, no megatron) in every configuration, against
 the torch-verified rule: torch.optim.Muon / torch.optim.AdamW where torch has the setting, else
-``muon_step_`` (itself checked bitwise against torch.optim.Muon in test_muon_rules)."""
+``muon_step_`` (itself checked bitwise against torch.optim.Muon in tests/algorithms/test_muon.py)."""
 import pytest
 import torch
 

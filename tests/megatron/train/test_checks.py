@@ -1,6 +1,6 @@
 """Bad input fails at start-up (or at load) with an error that names the problem, before any
 state changes; each case is a row of docs/bad_input.md. The multi-process rows live in
-test_checkpoint.py, test_guards.py and test_fault_tolerance.py."""
+tests/megatron/checkpoint/test_job.py, tests/megatron/test_step_guards.py and tests/megatron/train/test_restarts.py."""
 import json
 import multiprocessing
 import os
