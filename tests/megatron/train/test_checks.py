@@ -481,7 +481,7 @@ def test_every_row_of_the_bad_input_table_names_existing_tests():
     for row in rows:
         test_cell = row.rstrip(" |").rsplit("|", 1)[1]
         current_file = None
-        refs = re.findall(r"`(?:(test_\w+\.py))?::(test_\w+)", test_cell)
+        refs = re.findall(r"`(?:((?:\w+/)*test_\w+\.py))?::(test_\w+)", test_cell)
         assert refs, row
         for file, name in refs:
             current_file = file or current_file
