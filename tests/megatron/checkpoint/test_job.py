@@ -113,3 +113,17 @@ def test_bad_loads_fail_loudly_and_touch_nothing(tmp_path):
         assert "CheckpointMismatchError" in rule[0] and "saved with --dmuon-update muon" in rule[0], rule[0]
         assert other[1] and adam[1] and truncated[1] and rule[1]  # params and optimizer state untouched
     assert os.path.isdir(tmp_path / "dmuon")
+
+
+def test_checkpoint_tracker_and_directory_errors(tmp_path):
+    from megatron_dmuon.megatron.checkpoint import job as checkpoint_io
+    from megatron_dmuon.megatron.checkpoint.optimizer_state import CheckpointMismatchError
+
+    assert checkpoint_io.latest_iteration(str(tmp_path)) is None  # no checkpoint: a fresh start
+    (tmp_path / checkpoint_io.TRACKER).write_text("5\n")
+    assert checkpoint_io.latest_iteration(str(tmp_path)) == 5
+    (tmp_path / checkpoint_io.TRACKER).write_text("\x00garbage")
+    with pytest.raises(CheckpointMismatchError, match="is corrupt"):
+        checkpoint_io.latest_iteration(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a complete dist checkpoint"):
+        checkpoint_io.load_checkpoint(str(tmp_path / "iter_0000005"), [], None)

@@ -1,25 +1,21 @@
-"""Bad input fails at start-up (or at load) with an error that names the problem, before any
-state changes; each case is a row of docs/bad_input.md. The multi-process rows live in
-tests/megatron/checkpoint/test_job.py, tests/megatron/test_step_guards.py and tests/megatron/train/test_restarts.py."""
-import json
-import multiprocessing
+"""Bad input fails at start-up with an error that names the problem, before any state changes; each case
+is a row of docs/bad_input.md: the optimizer config, the main job's flags and data files, the tools' flags.
+The checkpoint record's refusals are in tests/megatron/checkpoint/test_optimizer_state.py, the autotune
+cache's in tests/kernels/test_autotune.py; the multi-process rows in tests/megatron/checkpoint/test_job.py,
+tests/megatron/test_step_guards.py and tests/megatron/train/test_restarts.py."""
 import os
-import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
-from megatron_dmuon.kernels import autotune, metrics, ns_driver, symmetric_ops
-from megatron_dmuon.megatron.checkpoint import optimizer_state as ckpt
 from megatron_dmuon.megatron.optimizer import DMuonConfig, check_dmuon_config
 from megatron_dmuon.planning.owner_layout import ParamItem, plan_owner_layout
-from megatron_dmuon.runtime.owner_step import OwnerMuonAdamW
 
 from tests import ROOT
+
 DIST = DistributedDataParallelConfig(use_distributed_optimizer=True)
 
 
@@ -41,151 +37,6 @@ def test_unsupported_optimizer_settings(kw, match):
 def test_zero_size_param_is_refused_by_the_planner():
     with pytest.raises(ValueError, match="numel 0"):
         plan_owner_layout([ParamItem("w", 64, True, 1.0), ParamItem("empty", 0, False)], 2)
-
-
-# ----------------------------------------------------------------------------------- checkpoints
-def _record(**params):
-    return {"format": ckpt.FORMAT, "parallel": {"dp": 2}, "plans": {}, "adam_step": 3.0,
-            "params": {k: list(v) for k, v in params.items()}}
-
-
-def test_checkpoint_record_mismatches_are_named():
-    now = {"params": {"w@0": [[8, 8], "muon"], "b": [[8], "adamw"]}}
-    assert ckpt.check_record(_record(**{"w@0": ([8, 8], "muon"), "b": ([8], "adamw")}), now) is None
-    cases = {
-        "different shape": (_record(**{"w@0": ([8, 16], "muon"), "b": ([8], "adamw")}), "w@0 has shape (8, 8), the checkpoint (8, 16)"),
-        "other kind": (_record(**{"w@0": ([8, 8], "adamw"), "b": ([8], "adamw")}), "w@0 is muon now, adamw in the checkpoint"),
-        "missing param": (_record(b=([8], "adamw")), "w@0 is not in the checkpoint"),
-        "extra param": (_record(**{"w@0": ([8, 8], "muon"), "b": ([8], "adamw"), "w@1": ([8, 8], "muon")}),
-                        "1 params this model lacks, e.g. w@1"),
-        "not dmuon": (None, "not a DMuon optimizer checkpoint"),
-        "other format": ({"format": "megatron"}, "found 'megatron'"),
-    }
-    for name, (record, message) in cases.items():
-        error = ckpt.check_record(record, now)
-        assert error is not None and message in error, (name, error)
-
-
-def test_corrupt_owner_plan_in_a_checkpoint_is_named():
-    record = _record(b=([8], "adamw"))
-    record["plans"] = {"pp0/chunk0/dense/torch.float32": '{"world_size": 2, "param_ranges": '}
-    error = ckpt.check_record(record, {"params": {"b": [[8], "adamw"]}})
-    assert "owner plan 'pp0/chunk0/dense/torch.float32' is corrupt" in error
-    record["plans"] = ["not", "a", "mapping"]
-    assert "field 'plans'" in ckpt.check_record(record, {"params": {}})
-
-
-def test_checkpoint_tracker_and_directory_errors(tmp_path):
-    from megatron_dmuon.megatron.checkpoint import job as checkpoint_io
-
-    assert checkpoint_io.latest_iteration(str(tmp_path)) is None  # no checkpoint: a fresh start
-    (tmp_path / checkpoint_io.TRACKER).write_text("5\n")
-    assert checkpoint_io.latest_iteration(str(tmp_path)) == 5
-    (tmp_path / checkpoint_io.TRACKER).write_text("\x00garbage")
-    with pytest.raises(ckpt.CheckpointMismatchError, match="is corrupt"):
-        checkpoint_io.latest_iteration(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="not a complete dist checkpoint"):
-        checkpoint_io.load_checkpoint(str(tmp_path / "iter_0000005"), [], None)
-
-
-@pytest.mark.parametrize("kind", ["fsdp_dtensor", "dp_zero_gather_scatter"])
-def test_unsupported_optimizer_sharding_type(kind):
-    with pytest.raises(ValueError, match=f"sharding type '{kind}' is not supported"):
-        ckpt._check_sharding_type({"distrib_optim_sharding_type": kind})
-    for served in ckpt.SERVED_SHARDING_TYPES:
-        ckpt._check_sharding_type({"distrib_optim_sharding_type": served})
-
-
-def test_a_state_with_diverged_adamw_steps_is_not_checkpointed():
-    v, w = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
-    inner = OwnerMuonAdamW([{"params": [v, w], "use_muon": False}], lr=0.1, weight_decay=0.0)
-    inner.init_state()
-    v.grad = torch.ones(4)  # w had no grad: torch AdamW does not step it
-    inner.step()
-    part = SimpleNamespace(optimizer=inner, grad_scaler=None)
-    with pytest.raises(ValueError, match=r"AdamW step counts differ between params \(\[0.0, 1.0\]\)"):
-        ckpt.optimizer_state_dict([part])
-
-
-@pytest.mark.parametrize("shape,start,end", [((7,), 2, 5), ((5, 6), 3, 27), ((5, 6), 6, 18), ((5, 6), 7, 9),
-                                             ((3, 4, 5), 7, 53), ((3, 4, 5), 0, 60), ((2, 3), 0, 0)])
-def test_flat_blocks_cover_a_flat_slice_exactly(shape, start, end):
-    # an element-wise param's DP slice becomes a few hyper-rectangles (irregular ShardedTensors)
-    full = torch.arange(int(np.prod(shape))).view(shape)
-    covered = []
-    for offset, block, a, b in ckpt.flat_blocks(shape, start, end):
-        index = tuple(slice(o, o + s) for o, s in zip(offset, block))
-        assert torch.equal(full[index].reshape(-1), torch.arange(a, b))
-        covered.append((a, b))
-    assert covered == sorted(covered) and sum(b - a for a, b in covered) == end - start
-    assert all(b0 == a1 for (_, b0), (a1, _) in zip(covered, covered[1:]))
-    assert len(covered) <= 2 * len(shape) - 1
-
-
-def test_tp_replicated_momentum_is_written_by_its_tp_owner_only():
-    sh = SimpleNamespace(key="router.weight", replica_id=(0, 1, 3))  # TP rank 1's replica of the model param
-    owner = ckpt.Piece(None, 0, 16, {}, muon=True, holds_momentum=True)
-    other = ckpt.Piece(None, 0, 16, {}, muon=True, holds_momentum=False)
-    assert ckpt._replica_id(sh, owner, "momentum_buffer", tp_rank=1) == (0, 0, 0)  # main replica
-    assert ckpt._replica_id(sh, other, "momentum_buffer", tp_rank=0) == (0, 1, 0)  # a replica, not written
-    assert ckpt._replica_id(sh, owner, "param", tp_rank=1) == (0, 1, 0)  # masters: the model's TP replica id
-
-
-# -------------------------------------------------------------------------------- autotune cache
-def test_cache_keys_hold_the_software_versions():
-    key = autotune.device_key(torch.device("cpu"))
-    assert f"torch{torch.__version__}" in key and "|triton" in key
-    assert autotune.CACHE_VERSION >= 3
-
-
-def test_cache_of_an_older_version_is_ignored_with_a_warning(tmp_path):
-    path = tmp_path / "tune.json"
-    path.write_text(json.dumps({"version": 2, "entries": {"op|NVIDIA H200|sm90|syrk|m8|k8|b1|float16": {}}}))
-    with pytest.warns(RuntimeWarning, match="older version"):
-        assert autotune.AutotuneCache(path).entries == {}
-
-
-def test_a_failing_kernel_choice_falls_back_to_the_torch_path(monkeypatch):
-    from megatron_dmuon.algorithms.newton_schulz import newton_schulz
-
-    choice = autotune.OpChoice("triton", autotune.default_config(torch.device("cpu"), 16, 32))
-    monkeypatch.setattr(ns_driver, "_FAILED", {})
-    monkeypatch.setattr(ns_driver, "fast_path_usable", lambda x, dtype: True)
-    monkeypatch.setattr(ns_driver, "shape_plan", lambda *a, **k: autotune.ShapePlan(choice, choice))
-
-    def broken(*a, **k):
-        raise RuntimeError("out of resource: shared memory (a cached config this Triton cannot build)")
-
-    monkeypatch.setattr(symmetric_ops, "sym_matmul", broken)
-    metrics.reset_nonfinite_metrics()
-    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
-    with pytest.warns(RuntimeWarning, match="runs the torch path from now on"):
-        out = ns_driver.newton_schulz_fast(x, compute_dtype=torch.bfloat16)
-    assert torch.equal(out, newton_schulz(x, compute_dtype=torch.bfloat16))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once per shape
-        ns_driver.newton_schulz_fast(x, compute_dtype=torch.bfloat16)
-    assert metrics.nonfinite_metrics()["kernel_fallbacks"] == 2
-    with pytest.raises(RuntimeError):  # an explicit backend='triton' is not second-guessed: no fallback
-        ns_driver.newton_schulz_fast(x, compute_dtype=torch.bfloat16, backend="triton")
-
-
-def _write_keys(path, rank, count):
-    cache = autotune.AutotuneCache(path)
-    for i in range(count):
-        cache.put(f"op|gpu|rank{rank}|{i}", {"i": i})
-
-
-def test_concurrent_writers_keep_every_key(tmp_path):
-    path = str(tmp_path / "tune.json")
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_write_keys, args=(path, r, 60)) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0] * 4
-    assert len(autotune.AutotuneCache(path).entries) == 240
 
 
 # ------------------------------------------------------------------------------- main job flags
