@@ -1,4 +1,4 @@
-"""[bad-input-4], the launcher (docs/bad_input.md): a rank SIGKILLed after a save hung
+"""The launcher (docs/bad_input.md): a rank SIGKILLed after a save hung
 launch/run_main.sh forever (megatron-core's checkpoint writer Manager of the dead rank kept the stderr
 pipe open), Ctrl-C printed a traceback of the stderr filter, `run_main.sh -h` printed the help twice
 after 22 s, relative paths landed in the checkout (the scripts changed directory), and a damaged venv
@@ -154,7 +154,7 @@ def test_the_filter_ends_when_its_command_ends_whatever_its_children_do():
     try:
         _, err = proc.communicate(timeout=30)
     finally:
-        kill_marked(marker)  # the sleep (in the command's own process group: [bad-input-5])
+        kill_marked(marker)  # the sleep (in the command's own process group)
     assert proc.returncode == 3 and "rank line\ndmuon-train: error: boom\n" in err and "torchrun report" not in err, err
 
 

@@ -207,7 +207,7 @@ def _check_dmuon_accepts(megatron_argv, world_size):
         "account_semicolon", "output_space", "megatron_lm_missing", "megatron_lm_empty", "out_template", "out_foreign",
         "out_in_tree"])
 def test_render_refuses_bad_values_by_flag_and_writes_nothing(tmp_path, capsys, flags, message):
-    """[bad-input-4]: a job name with a space, --time "four hours", negative CPUs, a partition holding a
+    """A job name with a space, --time "four hours", negative CPUs, a partition holding a
     newline (its next line went into the script body) and a missing checkout were rendered before."""
     tree = make_tree(tmp_path / "Megatron-LM")
     (tmp_path / "empty").mkdir()
@@ -282,7 +282,7 @@ def test_one_node_torchrun_launcher(tmp_path):
         "gpus_without_nvidia_smi", "no_te", "dmuon_patch", "grad_accum_fusion", "cuda_connections", "nccl_async",
         "data_path"])
 def test_one_node_launcher_checks_its_environment_first(tmp_path, env_vars, no_gpus, message):
-    """[bad-input-4]: without nvidia-smi, or with GPUS_PER_NODE=0, torchrun started with no ranks (or
+    """Without nvidia-smi, or with GPUS_PER_NODE=0, torchrun started with no ranks (or
     "command not found" on the way); the other variables were taken as they came."""
     import shutil
 

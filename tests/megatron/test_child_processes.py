@@ -1,4 +1,4 @@
-"""[bad-input-5], the launcher and its processes (docs/bad_input.md): a SIGKILLed torchrun left both ranks
+"""The launcher and its processes (docs/bad_input.md): a SIGKILLed torchrun left both ranks
 training and writing checkpoints under pid 1 while launch/run_main.sh exited 137; SIGINT to run_main.sh
 (the stderr filter, after its exec) was ignored, the job trained to its end, and the filter then said
 "torchrun stopped the ranks and exited with 0"; SIGTERM ended in torchrun's SignalException traceback;

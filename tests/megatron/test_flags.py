@@ -1,4 +1,4 @@
-"""[bad-input-5], the flags, files and tools (docs/bad_input.md): flags that named other NS coefficients or
+"""The flags, files and tools (docs/bad_input.md): flags that named other NS coefficients or
 that the chosen --dmuon-mode never reads ran something else without a word; a full disk at --save lost
 "no space left" and the checkpoint kept in run_main.sh's cut line; an empty .bin was blamed on the .idx,
 then a __del__ traceback; a HOME that cannot hold the default caches passed the start-up check and failed

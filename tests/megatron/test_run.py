@@ -96,7 +96,7 @@ def test_an_unmodified_script_gets_dmuon_through_the_launcher(tmp_path):
     # the same script without the launcher: Megatron's parser does not know dmuon
     plain = _run([sys.executable, script, "--optimizer", "dmuon"], cwd=str(tmp_path))
     assert plain.returncode == 2 and "invalid choice: 'dmuon'" in plain.stderr
-    # other optimizers pass through untouched; through a symlink the script runs in its own tree ([bad-input-4]:
+    # other optimizers pass through untouched; through a symlink the script runs in its own tree (before:
     # its neighbours' imports failed before, ModuleNotFoundError for gpt_builders in Megatron-LM)
     (tmp_path / "elsewhere").mkdir()
     link = tmp_path / "elsewhere" / "pretrain_gpt.py"
@@ -115,7 +115,7 @@ def test_a_tree_missing_a_hook_point_or_a_bad_command_line_is_refused_by_name(tm
     assert usage.returncode == 2 and "usage: python -m megatron_dmuon.megatron.run" in usage.stderr
     missing = _run([*LAUNCHER, str(tmp_path / "nope.py")], cwd=str(tmp_path))
     assert missing.returncode == 2 and "nope.py is not a Python script" in missing.stderr
-    # [bad-input-4] a tree module that imports a package this environment lacks: the ImportError and the fix,
+    # a tree module that imports a package this environment lacks: the ImportError and the fix,
     # not "this Megatron-LM's megatron.training has no ..." (the supported-trees message) as before
     script = _stand_in_tree(str(tmp_path / "tree_needs"))
     training = tmp_path / "tree_needs" / "megatron" / "training" / "checkpointing.py"
@@ -128,7 +128,7 @@ def test_a_tree_missing_a_hook_point_or_a_bad_command_line_is_refused_by_name(tm
 
 
 def test_a_script_outside_a_megatron_lm_tree_is_refused_before_it_runs(tmp_path, monkeypatch, capsys):
-    """[bad-input-4]: megatron-core's wheel ships a megatron.training, so any script ran (hello.py), and a
+    """Megatron-core's wheel ships a megatron.training, so any script ran (hello.py), and a
     pretrain_gpt.py copied out of its checkout failed inside Megatron-LM (ModuleNotFoundError gpt_builders)."""
     from megatron_dmuon.megatron import run
 

@@ -64,7 +64,7 @@ def milp_layouts(rank, world_size, cache_dir):
     second = plan(groups["stage"], cache, budget=45.0)
     assert runs["milp"] == milp_runs, "the cached plan was planned again"
     calls = runs["cost_model"]
-    # [bad-input-3]: an entry whose owners are not ranks of this DP size (7 at DP = 2) is dropped with
+    # an entry whose owners are not ranks of this DP size (7 at DP = 2) is dropped with
     # a warning naming the cache file, and the model is planned again
     import json
     import warnings

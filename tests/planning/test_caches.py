@@ -1,4 +1,4 @@
-"""[bad-input-4], the tools: the caches DMuon writes (owner plans, NS/rank profiles, autotune) never
+"""The tools: the caches DMuon writes (owner plans, NS/rank profiles, autotune) never
 replace a file they did not write, `dmuon plan`'s files and numbers fail by name (exit 2, one line).
 The Megatron-LM launcher's cases are in tests/megatron/test_run.py, the Slurm renderer's and the
 one-node launcher's in tests/launch/test_scripts.py."""

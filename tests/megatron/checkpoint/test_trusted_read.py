@@ -1,4 +1,4 @@
-"""A file from elsewhere is data: reading it never runs code ([bad-input-5], docs/checkpoints.md
+"""A file from elsewhere is data: reading it never runs code (docs/checkpoints.md
 "What is trusted"). Each case plants a pickle whose ``__reduce__`` would create a marker file where a
 checkpoint, a torch file, a cache or a JSON input belongs, runs the reader a user would run, and
 checks that the reader names the file and that the marker never appears."""
@@ -140,7 +140,7 @@ def test_json_inputs_holding_a_pickle_are_named_and_not_unpickled(tmp_path, flag
 
 
 def test_a_save_into_a_link_made_after_the_start_up_check_is_refused_on_every_rank(tmp_path):
-    # the start-up check refuses links where a save writes ([bad-input-5]); one made later must not be
+    # the start-up check refuses links where a save writes; one made later must not be
     # followed (rmtree of an 'incomplete' iteration through the link) and no rank may wait alone
     from megatron_dmuon.testing.multiproc import run_distributed
 

@@ -1,4 +1,4 @@
-"""[bad-input-4], the main job's trainer (docs/bad_input.md): outputs that would overwrite inputs or files
+"""The main job's trainer (docs/bad_input.md): outputs that would overwrite inputs or files
 the job did not write, the test share of --split read, an empty --data-path, an .idx shorter than its
 .bin, --ffn-hidden-size fixed while --hidden-size changes, train data that depended on the DP size,
 --no-load-optim dropping the consumed samples, DMuon flags ignored under --optimizer adam, an adam

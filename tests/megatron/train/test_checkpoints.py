@@ -125,7 +125,7 @@ def _parse(argv):
 
 
 def test_a_checkpoint_of_another_model_is_refused_at_start_up(adam, capsys, monkeypatch):
-    """[bad-input-3]: heads / query groups 4 / 2 saved, 2 / 1 asked: the same tensor shapes, another
+    """Heads / query groups 4 / 2 saved, 2 / 1 asked: the same tensor shapes, another
     model. Refused by name by the start-up checks, which every rank runs before anything is built."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     root = adam[0] / "full"
@@ -139,7 +139,7 @@ def test_a_checkpoint_of_another_model_is_refused_at_start_up(adam, capsys, monk
 
 
 def test_load_of_one_checkpoint_or_a_broken_tracker_is_refused(adam, tmp_path, capsys, monkeypatch):
-    """[bad-input-3]: --load DIR/iter_0000008 (one checkpoint, not its parent) and a tracker that is a
+    """--load DIR/iter_0000008 (one checkpoint, not its parent) and a tracker that is a
     directory trained from scratch beside complete checkpoints; now both are refused, naming the fix."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     one = adam[0] / "full" / "iter_0000008"
@@ -157,7 +157,7 @@ def test_load_of_one_checkpoint_or_a_broken_tracker_is_refused(adam, tmp_path, c
 
 @pytest.mark.parametrize("damage", ["shard_cut", "dcp_metadata_cut", "metadata_json_garbage"])
 def test_a_damaged_checkpoint_is_named_with_the_last_one_that_reads(adam, tmp_path, capsys, monkeypatch, damage):
-    """[bad-input-3]: a data file cut to 100 bytes, torch DCP's .metadata cut, metadata.json = 'garbage{'
+    """A data file cut to 100 bytes, torch DCP's .metadata cut, metadata.json = 'garbage{'
     gave raw DCP/JSON errors (and 'Connection closed by peer' on the other rank); now the start-up checks
     name the checkpoint as damaged, say why, and name the last complete iteration that reads (4)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -180,7 +180,7 @@ def test_a_damaged_checkpoint_is_named_with_the_last_one_that_reads(adam, tmp_pa
 
 
 def test_a_fresh_run_into_another_runs_save_directory_is_refused(adam, capsys, monkeypatch):
-    """[bad-input-3]: a run without --load saving where another run's checkpoints are would have moved the
+    """A run without --load saving where another run's checkpoints are would have moved the
     tracker back (a later --load resumes the wrong run); --load of the same directory continues it."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     root = adam[0] / "full"
@@ -191,7 +191,7 @@ def test_a_fresh_run_into_another_runs_save_directory_is_refused(adam, capsys, m
 
 
 def test_a_resume_under_another_schedule_needs_megatrons_flag(adam, capsys, monkeypatch):
-    """[bad-input-3]: a longer --train-iters after a run saved at its end kept the saved schedule (lr at
+    """A longer --train-iters after a run saved at its end kept the saved schedule (lr at
     its minimum) without a word; as Megatron-LM, a differing schedule now needs --override-opt_param-
     scheduler (this run's) or --use-checkpoint-opt_param-scheduler (the checkpoint's)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -269,7 +269,7 @@ def test_adam_parameters_that_turn_non_finite_stop_the_run_before_a_save(tmp_pat
 
 
 def test_a_run_that_ends_on_skipped_steps_does_not_exit_0(tmp_path):
-    """[bad-input-3]: --lr 1e10 on a short run skips its last steps (non-finite gradients) below the
+    """--lr 1e10 on a short run skips its last steps (non-finite gradients) below the
     --exit-after-skipped-iterations limit: the summary is still written, then the job says the run did
     not train to its end and exits 1."""
     run = job("--train-iters", 6, "--lr", "1e10", "--clip-grad", 0, "--timing-json", tmp_path / "t.json", expect=1)
@@ -279,7 +279,7 @@ def test_a_run_that_ends_on_skipped_steps_does_not_exit_0(tmp_path):
 
 
 def test_an_unwritable_timing_json_fails_the_run_by_name():
-    """[bad-input-3]: --timing-json /dev/full raised OSError after training; now the summary line stays,
+    """--timing-json /dev/full raised OSError after training; now the summary line stays,
     then one error names the flag and the reason, and the run exits 1."""
     run = job("--train-iters", 3, "--timing-json", "/dev/full", expect=1)
     assert run.stderr.count("--timing-json /dev/full could not be written (No space left on device)") == 1, \
@@ -288,7 +288,7 @@ def test_an_unwritable_timing_json_fails_the_run_by_name():
 
 
 def test_an_adam_checkpoint_under_dmuon_is_one_error_naming_no_load_optim(adam):
-    """[bad-input-3]: the AdamW baseline's checkpoint under --optimizer dmuon was a traceback; now one error
+    """The AdamW baseline's checkpoint under --optimizer dmuon was a traceback; now one error
     (the job exits 2; torchrun, as for any failed child, 1) whose advice, --no-load-optim, the job has
     (test_a_longer_resume_... runs it)."""
     run = job("--train-iters", 8, "--load", adam[0] / "full", "--use-checkpoint-opt_param-scheduler", expect=1)
@@ -302,7 +302,7 @@ def test_an_adam_checkpoint_under_dmuon_is_one_error_naming_no_load_optim(adam):
 
 
 def test_a_run_time_error_under_run_main_prints_one_block_and_exits_1():
-    """[bad-input-3]: under launch/run_main.sh a run-time error (here: the run ends on skipped steps) printed
+    """Under launch/run_main.sh a run-time error (here: the run ends on skipped steps) printed
     torchrun's report of the failed children after the job's own error; now the job's error alone, exit 1."""
     proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "run_main.sh"), *SMALL, "--train-iters", "6",
                            "--lr", "1e10", "--clip-grad", "0"], capture_output=True, text=True, timeout=600)

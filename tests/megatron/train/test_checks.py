@@ -74,7 +74,7 @@ def _dataset(prefix, truncate=False):
     (["--data-path", "PREFIX"], "PREFIX.bin does not exist"),
     (["--data-path", "TRUNCATED", "--vocab-size", "64"], "TRUNCATED.bin is truncated"),
     (["--dmuon-balance", "milp", "--dmuon-plan-budget", "0"], "--dmuon-plan-budget 0.0 must be a finite number in (0"),
-    # [bad-input-2]: values that would silently ruin or disable a run
+    # values that would silently ruin or disable a run
     (["--muon-extra-scale-factor", "0"], "--muon-extra-scale-factor 0.0 must be a finite number in (0, inf); 0 would freeze"),
     (["--muon-extra-scale-factor", "-1"], "--muon-extra-scale-factor -1.0 must be a finite number in (0, inf)"),
     (["--muon-extra-scale-factor", "nan"], "--muon-extra-scale-factor nan must be a finite number"),
@@ -89,7 +89,7 @@ def _dataset(prefix, truncate=False):
     (["--dmuon-ns-check-bound", "-2"], "--dmuon-ns-check-bound -2.0 must be a finite number in (0, inf)"),
     (["--dmuon-ns-check-interval", "-1"], "--dmuon-ns-check-interval -1 must be an integer >= 0"),
     (["--exit-after-skipped-iterations", "-1"], "--exit-after-skipped-iterations must be >= 0"),
-    # [bad-input-2]: what needs the data or the file system, before the model is built
+    # what needs the data or the file system, before the model is built
     (["--data-path", "BIGVOCAB", "--vocab-size", "32"], "--vocab-size 32 is smaller than the dataset's max token id 49"),
     (["--data-path", "BIGVOCAB", "--vocab-size", "64", "--seq-length", "1000"], "the train split has"),
     (["--seq-length", "100000"], "needs at least"),
@@ -97,7 +97,7 @@ def _dataset(prefix, truncate=False):
     (["--timing-json", "TMP"], "is a directory"),
     (["--save", "AFILE/ck"], "cannot be created"),
     (["--save", "AFILE"], "exists and is not a directory"),
-    # [bad-input-2]: the parallel layout's own error first
+    # the parallel layout's own error first
     (["--tensor-model-parallel-size", "3"], "the world size 2 must be a multiple of --tensor-model-parallel-size"),
 ], ids=["layers0", "mbs0", "hidden_heads", "heads_groups", "lr0", "clip_negative", "batch_split", "interval_no_save",
         "save_baseline_mode", "fail_iteration", "profile_iterations_alone", "profile_iterations_past_end", "missing_bin", "truncated_bin", "plan_budget0",
@@ -177,8 +177,8 @@ def _odd_dataset(prefix, kind):
         "negative_token", "split_train_too_short", "lock_is_a_directory", "iter_file_in_save", "model_state_beyond_memory",
         "overlap_step_without_param_gather_hooks", "overlap_step_baseline_mode", "overlap_step_row_rule",
         "overlap_step_tp", "backward_start_without_grad_reduce_hooks"])
-def test_bad_input_3_is_refused_at_start_up(tmp_path, capsys, monkeypatch, argv, message):
-    """[bad-input-3]: inputs that were accepted silently or failed late (in the model, the forward, or the
+def test_inputs_once_accepted_silently_or_failing_late_are_refused_at_start_up(tmp_path, capsys, monkeypatch, argv, message):
+    """Inputs that were accepted silently or failed late (in the model, the forward, or the
     CPU shim) are refused by the start-up checks, before any process group, naming the flag."""
     monkeypatch.setenv("WORLD_SIZE", "2") if "--tensor-model-parallel-size" in argv else \
         monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -203,7 +203,7 @@ def test_bad_input_3_is_refused_at_start_up(tmp_path, capsys, monkeypatch, argv,
 
 
 def test_a_damaged_index_is_named_without_a_stray_report(tmp_path, capsys, monkeypatch):
-    """[bad-input-3]: a damaged .idx gave its clear error, then "Exception ignored in IndexedDataset.__del__"."""
+    """A damaged .idx gave its clear error, then "Exception ignored in IndexedDataset.__del__"."""
     import gc
     import sys
 
@@ -271,10 +271,10 @@ def test_cli_flags_are_validated(capsys, cli, argv, message):
     (["--preset", "qwen2.5-7b", "--dp", "8", "--tp", "3"], "--tp 3 must divide the model's attention heads (28)"),
     (["--preset", "qwen2.5-7b", "--dp", "8", "--stage", "2"], "--stage 2 must be a pipeline stage in [0, --pp) = [0, 1)"),
     (["--preset", "qwen2.5-7b", "--dp", "8", "--time-limit", "nan"], "--time-limit must be a finite number"),
-    # [bad-input-3]: raw tracebacks before
+    # raw tracebacks before
     (["--preset", "tiny", "--dp", "2", "--profile", "LIST"], "--profile LIST: not a CostTable, a one-entry profile"),
     (["--preset", "tiny", "--dp", "2", "--cluster", "nosuch"], "--cluster nosuch: cluster 'nosuch' not in the cluster"),
-    (["--preset", "tiny", "--dp", "2", "--config", "/dev/null"], "--config /dev/null is not a regular file"),  # [bad-input-5]
+    (["--preset", "tiny", "--dp", "2", "--config", "/dev/null"], "--config /dev/null is not a regular file"),
     (["--preset", "tiny", "--dp", "2", "--config", "LIST"], "--config LIST: not a readable cluster config"),
 ])
 def test_dmuon_plan_validates_its_arguments(capsys, tmp_path, argv, message):
@@ -347,7 +347,7 @@ def test_every_row_of_the_bad_input_table_names_existing_tests():
     ("some other failure", "RuntimeError: some other failure"),
 ])
 def test_a_failed_save_names_the_directory_and_the_checkpoint_kept(tmp_path, capsys, monkeypatch, failure, reason):
-    """[bad-input-3]: --save on a full disk ended in torch's 'enforce fail ... unexpected pos', never 'disk
+    """--save on a full disk ended in torch's 'enforce fail ... unexpected pos', never 'disk
     full'; the job now names --save, the reason and the checkpoint that is still the latest, and exits 1."""
     import torch.distributed as dist
 

@@ -17,7 +17,7 @@ ARGS = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--h
 
 
 def _torchrun(tmp_path, name, *extra):
-    """The documented path: torchrun --max-restarts 1 ... | tee. [bad-input-4]: megatron-core's checkpoint
+    """The documented path: torchrun --max-restarts 1 ... | tee. megatron-core's checkpoint
     writer (a multiprocessing Manager per saving rank) outlived the SIGKILLed rank and kept the pipe
     open: the restart trained to its summary, then tee, and the pipeline, never ended. Now the pipeline
     returns 0 and no process of the job is left (megatron_dmuon/megatron/child_processes.py)."""
