@@ -21,7 +21,7 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.megatron.train.test_checkpoints import SMALL
+from tests.megatron.train.main_job import SMALL
 
 from megatron_dmuon.testing.processes import kill_marked, left_behind
 

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dmuon.testing.usage_errors import as_one_process, main_job_refusal
 
-from tests.megatron.train.test_checkpoints import SMALL, job, losses, stop_at, summary  # (helpers only: that module's fixtures stay there)
+from tests.megatron.train.main_job import SMALL, job, losses, stop_at, summary
 
 
 def _parse(argv):
@@ -294,14 +294,14 @@ def test_flags_and_environment_the_run_would_ignore_or_misread_are_refused(tmp_p
 
 # -------------------------------------------------------------- what only a run shows (shared)
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Two runs: DMuon at DP 2 saving at iterations 3 and 6; --optimizer adam --no-load-optim resuming its
-    checkpoint of iteration 3 on one rank (DP 1)."""
+def runs(dmuon_run, tmp_path_factory):
+    """Two runs: the shared DMuon run at DP 2 (saving at iterations 4 and 8); --optimizer adam --no-load-optim
+    resuming its checkpoint of iteration 4 on one rank (DP 1)."""
+    root, dp2 = dmuon_run
     tmp = tmp_path_factory.mktemp("runs")
-    dp2 = job("--train-iters", 6, "--save", tmp / "dp2", "--save-interval", 3)
-    model_only_dp1 = job("--optimizer", "adam", "--train-iters", 6, "--load", stop_at(tmp / "dp2", tmp / "at3", 3),
+    model_only_dp1 = job("--optimizer", "adam", "--train-iters", 8, "--load", stop_at(root, tmp / "at4", 4),
                          "--no-load-optim", nproc=1)
-    return tmp, dp2, model_only_dp1
+    return root, dp2, model_only_dp1
 
 
 def test_a_model_only_resume_at_another_dp_size_continues_the_same_samples(runs):
@@ -309,24 +309,24 @@ def test_a_model_only_resume_at_another_dp_size_continues_the_same_samples(runs)
     other losses at 1 rank than at 2, and a resume at another DP size trained on other data. (7)
     --no-load-optim (here: --optimizer adam loading a DMuon checkpoint) restarted the consumed samples at
     0. Now, as in Megatron-LM, the iteration and the consumed samples continue (the optimizer state and the
-    lr schedule start fresh), and global batch k is the same samples at any DP size: iteration 4 on one rank,
-    resumed from the 2-rank run's checkpoint of iteration 3, has that run's iteration-4 loss (the loss is
+    lr schedule start fresh), and global batch k is the same samples at any DP size: iteration 5 on one rank,
+    resumed from the 2-rank run's checkpoint of iteration 4, has that run's iteration-5 loss (the loss is
     taken before the step: the same params and the same batch give it, to fp32 rounding)."""
     _, dp2, resumed = runs
-    line = next(l for l in resumed.stdout.splitlines() if l.startswith(" iteration        4/"))
-    assert "consumed samples:         32 |" in line, line
-    assert float(losses(resumed)[4]) == pytest.approx(float(losses(dp2)[4]), rel=1e-6), (losses(resumed), losses(dp2))
+    line = next(l for l in resumed.stdout.splitlines() if l.startswith(" iteration        5/"))
+    assert "consumed samples:         40 |" in line, line
+    assert float(losses(resumed)[5]) == pytest.approx(float(losses(dp2)[5]), rel=1e-6), (losses(resumed), losses(dp2))
     s = summary(resumed)
-    assert (s["dp"], s["consumed_samples"], s["trained_iterations"]) == (1, 48, 3), s
-    assert "at iteration 3, 24 consumed samples (model only: --no-load-optim" in resumed.stdout, resumed.stdout
+    assert (s["dp"], s["consumed_samples"], s["trained_iterations"]) == (1, 64, 4), s
+    assert "at iteration 4, 32 consumed samples (model only: --no-load-optim" in resumed.stdout, resumed.stdout
 
 
 def test_adam_loading_a_dmuon_checkpoint_is_refused_at_start_up_naming_no_load_optim(runs, capsys):
     """--optimizer adam --load <a DMuon checkpoint> ended after the model was built with a 757-character list
     of parameters and no word of --no-load-optim; now one line at start-up names the optimizer that saved it."""
-    root = runs[0] / "dp2"
+    root = runs[0]
     # (--lr of the DMuon run: the schedules agree, so before, nothing at start-up stopped it)
-    err = _refused([*SMALL, "--optimizer", "adam", "--train-iters", 6, "--lr", 3e-3, "--load", root], capsys)
-    assert (f"--load {root}: {root / 'iter_0000006'} was written by --optimizer dmuon, whose Muon momenta "
+    err = _refused([*SMALL, "--optimizer", "adam", "--train-iters", 8, "--lr", 3e-3, "--load", root], capsys)
+    assert (f"--load {root}: {root / 'iter_0000008'} was written by --optimizer dmuon, whose Muon momenta "
             "--optimizer adam cannot continue") in err, err
     assert "load the model only (--no-load-optim)" in err and len(err.splitlines()[-1]) < 400, err

@@ -2,8 +2,8 @@
 AdamW baseline, resumes under another global batch or another owner plan, a loaded iteration past
 --train-iters, a tracker naming a lost iteration, two writers of one --save directory, runs that
 stop learning, and a usage error under launch/run_main.sh. Each case is one real 2-rank run of
-the main job (python -m megatron_dmuon.testing.cpu_train, gloo); runs that several tests read are
-shared (module fixtures)."""
+the main job (python -m megatron_dmuon.testing.cpu_train, gloo; tests/megatron/train/main_job.py); runs
+that several tests read are shared (module fixtures here, session fixtures in conftest.py)."""
 from __future__ import annotations
 
 import json
@@ -16,59 +16,7 @@ import pytest
 import torch
 
 from tests import ROOT
-JOB = ["-m", "megatron_dmuon.testing.cpu_train"]
-SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
-         "--micro-batch-size", "2", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "1"]
-
-
-def job(*argv, nproc=2, expect=0):
-    """One 2-rank run; ``expect``: 0 (success), or the exit code a failing run must give (1: any non-zero)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *JOB,
-           *SMALL, *map(str, argv)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
-    ok = proc.returncode == 0 if expect == 0 else (proc.returncode != 0 if expect == 1 else proc.returncode == expect)
-    assert ok, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def summary(proc) -> dict:
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("> summary "))
-    return json.loads(line[len("> summary "):])
-
-
-def losses(proc) -> dict:
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(" iteration"):
-            it = int(line.split()[1].split("/")[0])
-            out[it] = line.split("lm loss: ")[1].split()[0]
-    return out
-
-
-def tensors(root, iteration) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = os.path.join(root, f"flat_{iteration}.pt")
-    dcp_to_torch_save(os.path.join(root, f"iter_{iteration:07d}"), out)
-    return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
-
-
-def stop_at(src, dst, iteration):
-    """A copy of checkpoint root ``src`` whose latest checkpoint is ``iteration``."""
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.pt", ".dmuon_save.lock"))
-    for name in os.listdir(dst):
-        if name.startswith("iter_") and int(name[5:]) > iteration:
-            shutil.rmtree(os.path.join(dst, name))
-    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(str(iteration))
-    return dst
-
-
-def same_tensors(a, b):
-    assert set(a) == set(b)
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, different[:5]
+from tests.megatron.train.main_job import JOB, SMALL, job, losses, same_tensors, stop_at, summary, tensors
 
 
 # ------------------------------------------------------------------------- the AdamW baseline
@@ -225,14 +173,15 @@ def test_a_longer_resume_follows_the_schedule_its_flag_names(adam, tmp_path):
     assert summary(fresh)["trained_iterations"] == 4
 
 
-def test_resume_under_another_owner_plan_is_bit_identical(tmp_path):
+def test_resume_under_another_owner_plan_is_bit_identical(dmuon_run, tmp_path):
     """The grad norm (and so clipping) no longer depends on which rank owns what (float64 partial
-    sums): a run resumed under --dmuon-balance round_robin ends equal to one that kept 'cost'."""
-    full = job("--train-iters", 8, "--save", tmp_path / "cost", "--save-interval", 4, "--dmuon-balance", "cost")
-    resumed = job("--train-iters", 8, "--load", stop_at(tmp_path / "cost", tmp_path / "rr", 4), "--save",
+    sums): a run resumed under --dmuon-balance round_robin ends equal to one that kept 'cost' (the
+    shared DMuon run: --dmuon-balance cost is the default)."""
+    root, full = dmuon_run
+    resumed = job("--train-iters", 8, "--load", stop_at(root, tmp_path / "rr", 4), "--save",
                   tmp_path / "rr", "--dmuon-balance", "round_robin")
     assert {k: v for k, v in losses(full).items() if k > 4} == losses(resumed)
-    same_tensors(tensors(tmp_path / "cost", 8), tensors(tmp_path / "rr", 8))
+    same_tensors(tensors(root, 8), tensors(tmp_path / "rr", 8))
 
 
 # --------------------------------------------------------------------------- runs that go wrong
