@@ -5,6 +5,7 @@ import os
 import re
 
 from tests import ROOT
+
 README = open(os.path.join(ROOT, "README.md")).read()
 
 

@@ -32,6 +32,7 @@ from megatron_dmuon.megatron.train import args as job_args
 from megatron_dmuon.runtime.owner_step import default_orthogonalizer
 
 from tests import ROOT
+
 STEPS = (3, 5, 7, 10, 12)  # inside every table, past quintic's/cans'/cubic5's 5, aol's 4, polar_express's 8
 SHAPES = ((48, 160), (96, 64), (3, 40, 56))  # wide, tall (EO transposes it), a stack (its batched path)
 EO_040_ENV = "DMUON_EO040"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from tests import ROOT
+
 EXAMPLE = os.path.join(ROOT, "examples", "minimal_loop.py")
 
 

@@ -26,6 +26,7 @@ from tests.megatron.train.main_job import SMALL
 from megatron_dmuon.testing.processes import kill_marked, left_behind
 
 from tests import ROOT
+
 RUN_MAIN = os.path.join(ROOT, "launch", "run_main.sh")
 FILTER = os.path.join(ROOT, "launch", "after_job_error.py")
 CHECK_ENV = os.path.join(ROOT, "launch", "check_env.py")

@@ -23,6 +23,7 @@ import pytest
 from megatron_dmuon.testing.usage_errors import as_one_process, main_job_refusal
 
 from tests import ROOT
+
 BENCH = os.path.join(ROOT, "bench")
 FILTER = os.path.join(ROOT, "launch", "after_job_error.py")
 

@@ -17,6 +17,7 @@ import textwrap
 import pytest
 
 from tests import ROOT
+
 LAUNCHER = [sys.executable, "-m", "megatron_dmuon.megatron.run"]
 
 STAND_IN = {

@@ -24,6 +24,7 @@ from megatron_dmuon.planning.rank_milp import CANDIDATES, layout_loads, layout_w
 from megatron_dmuon.runtime.rank_profile import profile_counts, profile_jobs
 
 from tests import ROOT
+
 SPLIT = dict(split_qkv=True, split_glu=False, per_head=False)
 COST_FN = functools.partial(owner_ns_cost, coefficients="adaptive", steps=5, ns_method="auto")
 
