@@ -14,4 +14,4 @@ run_verify tp2_bf16 --tp 2 --bf16
 run_verify tp2_bf16_overlap --tp 2 --bf16 --overlap
 run_verify tp2_fp32_dgram --tp 2 --precision fp32 --ns-method gram --tp-method distributed_gram
 run_verify dp2_bf16 --dp 2 --bf16
-timeout 150 python3 -m pytest -q tests/test_kernels_gpu.py 2>&1 | tail -3
+timeout 150 python3 -m pytest -q tests/kernels/test_gpu.py 2>&1 | tail -3

@@ -12,7 +12,7 @@ on one GPU nothing crosses a wire, at DP=D each rank sends (D-1)/D of it).
 
 ``accuracy`` (CPU, gloo; the measurements behind docs/mixed_precision.md): loss curves of the tiny GPT
 on text with bf16 publish, FP8 publish (e4m3, e5m2) and bf16 momentum at DP=2, and the bf16 distance
-to the fp32 reference at DP=1, 2, 4 (20 steps, synthetic tokens, as tests/test_mixed_precision.py).
+to the fp32 reference at DP=1, 2, 4 (20 steps, synthetic tokens, as tests/megatron/test_publish.py).
 """
 from __future__ import annotations
 

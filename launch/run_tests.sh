@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: creates/reuses .venv, installs everything, runs pytest.
-# Extra arguments go to pytest (e.g. ./launch/run_tests.sh tests/test_newton_schulz.py -x).
+# Extra arguments go to pytest (e.g. ./launch/run_tests.sh tests/algorithms/test_newton_schulz.py -x).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/activate_env.sh"
 cd "$ROOT"  # pytest finds tests/ and setup.cfg from the checkout

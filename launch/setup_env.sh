@@ -34,7 +34,7 @@ if [ "$stale" -eq 1 ] || [ "$whole" -eq 0 ]; then
   rm -f "$STAMP"
   pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
   # torch first (its line comes first), then what is missing or damaged; megatron-core and Megatron's own
-  # Muon (--dmuon-mode megatron_layerwise; tests/test_optimizer_switch.py), emerging-optimizers, without
+  # Muon (--dmuon-mode megatron_layerwise; tests/megatron/checkpoint/test_switch.py), emerging-optimizers, without
   # their dependencies and with --ignore-requires-python (both declare Python >= 3.12)
   while read -r -a args; do
     [ "${#args[@]}" -eq 0 ] || pip_q "${args[@]}"

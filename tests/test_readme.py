@@ -4,7 +4,8 @@ into docs/results.md included); its map of docs/ lists every page there."""
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
+
 README = open(os.path.join(ROOT, "README.md")).read()
 
 

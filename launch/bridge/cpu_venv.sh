@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A CPU venv (Python 3.11) where Megatron-Bridge 0.6.2's training path imports, for tests/test_bridge.py's Bridge tests:
-#   bash launch/bridge/cpu_venv.sh [/tmp/bridge_venv] && PYTHONPATH=$PWD /tmp/bridge_venv/bin/python -m pytest tests/test_bridge.py
+# A CPU venv (Python 3.11) where Megatron-Bridge 0.6.2's training path imports, for tests/megatron/bridge/test_adapter.py's Bridge tests:
+#   bash launch/bridge/cpu_venv.sh [/tmp/bridge_venv] && PYTHONPATH=$PWD /tmp/bridge_venv/bin/python -m pytest tests/megatron/bridge/test_adapter.py
 # Bridge declares Python >= 3.12, but every file of 0.6.2 compiles and imports on 3.11. Transformer Engine and
 # diffusers are not installed: megatron_dmuon/testing/bridge_imports.py stands in for the two eager imports.
 set -euo pipefail

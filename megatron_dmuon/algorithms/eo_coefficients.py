@@ -17,7 +17,7 @@ stays as it is under that name. `cubic5` has c = 0 (a cubic step, no A² product
 them), so no rule exists to follow: DMuon refuses it by name (megatron/megatron_lm_flags.py, where
 the flag is read).
 
-tests/test_eo_coefficients.py runs Emerging-Optimizers' own `newton_schulz` (the installed 0.3.x,
+tests/algorithms/test_eo_coefficients.py runs Emerging-Optimizers' own `newton_schulz` (the installed 0.3.x,
 and 0.4.0 where $DMUON_EO040 points to it) against DMuon's on the same inputs.
 """
 from __future__ import annotations

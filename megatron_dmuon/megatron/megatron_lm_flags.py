@@ -58,7 +58,7 @@ MEGATRON_MUON_FLAGS = (
 )
 
 # How --optimizer dmuon treats every --muon-* flag of Megatron-LM's arguments.py (core_v0.19.0 and
-# main of 2026-08-22); tests/test_megatron_lm_hook.py fails on a tree's flag missing here. A
+# main of 2026-08-22); tests/megatron/test_megatron_lm.py fails on a tree's flag missing here. A
 # --muon-* flag a newer tree adds is refused at start-up when set (``refuse_unknown_muon_flags``).
 MUON_FLAG_HANDLING = {
     "--muon-momentum": "honoured",
@@ -147,7 +147,7 @@ def refuse_disagreeing_coefficients(args, given=None) -> None:
 
 def megatron_muon_settings(**overrides) -> MuonSettings:
     """MuonSettings of Megatron-LM's `--optimizer muon` defaults (MuonSettings' own, which the table
-    registers: tests/test_megatron_lm_hook.py pins them together) and DMuon's `--dmuon-ns-method auto`,
+    registers: tests/megatron/test_megatron_lm.py pins them together) and DMuon's `--dmuon-ns-method auto`,
     then ``overrides``."""
     return MuonSettings(**{"ns_method": "auto", **overrides})
 

@@ -14,7 +14,7 @@ fc1 of Qwen2.5-7B is 543 MB of fp32 from up to 136 ranks at DP 1024). With ``ran
 LOCAL_WORLD_SIZE), a piece bound for another node goes first to the rank of that node with the sender's
 local index (a rail-aligned hop: the node's links share the load), which forwards it to the home over
 the node's own links; directions come back the same way. Only the route changes: the bytes each home
-assembles are the same, so the result is bit-identical (tests/test_dp_layouts.py).
+assembles are the same, so the result is bit-identical (tests/planning/test_split_layout.py).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ time, as microsoft/dion runs each batch of its Muon.
   the Megatron glue calls (megatron/overlap_hooks.py, owner_optimizer.py, optimizer.py).
 
 The arithmetic is the synchronous step's on the same stacks: mode 'sync' runs the same cut stacks
-inside ``step()``, and the two agree bit for bit (tests/test_overlap_step.py). A stack cut per need
+inside ``step()``, and the two agree bit for bit (tests/runtime/test_overlap_step.py). A stack cut per need
 group is smaller than the owner's whole same-shape stack of mode 'off', which the GPU's batched
 GEMMs may round differently; 'off' and 'on' therefore agree to rounding, not to the bit.
 One difference in checking: the NaN/Inf retry reads back only the stacks whose NS can overflow (Gram

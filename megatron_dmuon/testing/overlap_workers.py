@@ -1,5 +1,5 @@
 """The overlapped owner step (`--dmuon-overlap-step`) on each gloo rank: several variants of one
-run in one spawned world (tests/test_overlap_step.py)."""
+run in one spawned world (tests/runtime/test_overlap_step.py)."""
 from __future__ import annotations
 
 from .checkpoint_workers import _concat, _load, _save

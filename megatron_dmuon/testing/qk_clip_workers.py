@@ -1,4 +1,4 @@
-"""MuonClip (`--qk-clip`) under DMuon on gloo ranks (tests/test_qk_clip.py).
+"""MuonClip (`--qk-clip`) under DMuon on gloo ranks (tests/megatron/test_qk_clip.py).
 
 Without Transformer Engine nothing records attention logits, so each step every layer is given
 planted per-head max logits (`qk_clip_reference.planted_max_logits`: some heads above the

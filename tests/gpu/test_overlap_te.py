@@ -6,7 +6,7 @@ forward's param-sync hooks; 'backward' from the grad reduce of each bucket group
 behind the reduce's handle. Each must give bit for bit the params and losses of 'sync' (the same cut
 stacks inside the step), under every NS launch mode, across a skipped step (a NaN grad) and, for
 'backward', under clipping that fires on some steps (those redo their groups) and across a checkpoint
-saved and resumed mid-run. CPU gloo covers DP=2, PP/VPP and EP (tests/test_overlap_step.py); here the
+saved and resumed mid-run. CPU gloo covers DP=2, PP/VPP and EP (tests/runtime/test_overlap_step.py); here the
 streams are real. tests/gpu/run_h200.sh runs the suite with several hardware queues
 (CUDA_DEVICE_MAX_CONNECTIONS=8), so the side stream really runs beside the model's stream.
 """
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import apex_wgrad_available, requires_te
+from tests.gpu.conftest import apex_wgrad_available, requires_te
 
 pytestmark = [requires_te, pytest.mark.usefixtures("one_gpu_world")]
 

@@ -3,7 +3,7 @@
 At DP = 1 each run is compared with the single-process reference of testing/reference.py on the same
 TE modules, unwrapped (the project's rules, and independently torch.optim.Muon + torch.optim.AdamW),
 to the local-layer tests' tolerances: fp32 <= 1e-6 relative, bf16 the documented band of
-tests/test_mixed_precision.py. FP8 (delayed and current scaling, with and without TE's FP8 params) and
+tests/megatron/test_publish.py. FP8 (delayed and current scaling, with and without TE's FP8 params) and
 the fused weight-gradient accumulation are checked against what they must equal.
 """
 import math
@@ -11,18 +11,18 @@ import math
 import pytest
 import torch
 
-from conftest import apex_wgrad_available, requires_te
+from tests.gpu.conftest import apex_wgrad_available, requires_te
 
 pytestmark = [requires_te, pytest.mark.usefixtures("one_gpu_world")]
 
 TE = dict(transformer_impl="transformer_engine")
-FP32_TOL = 1e-6  # tests/test_dmuon_dp.py's fp32 bound
+FP32_TOL = 1e-6  # tests/runtime/test_dp_exchange.py's fp32 bound
 # The grouped-GEMM model's replay on the H200 (2026-12-04): 1.27e-6 on the routers (two 4 x 64 Muon matrices
 # that DMuon orthogonalizes as one batched stack, the reference one at a time: cuBLAS picks another fp32 GEMM
 # kernel for the stack, and five quintic NS iterations amplify its rounding by up to ~3.4^5), 9.8e-7 on the
 # output layer; CPU's GEMMs round alike in both and meet 1e-6. A wrong update is >= 1e-3.
 GPU_STACKED_FP32_TOL = 2e-6
-# bf16 against the fp32 reference after 20 steps: tests/test_mixed_precision.py's band (0.2 / 5e-3, measured
+# bf16 against the fp32 reference after 20 steps: tests/megatron/test_publish.py's band (0.2 / 5e-3, measured
 # at DP = 2 and 4). At DP = 1 the local layers measured 0.230 (bench/mixed_precision.py accuracy; that file's
 # comment); TE layers on the H200 (2026-12-03) 0.223 and 0.225 for params, 0.64% and 0.56% for the worst loss.
 BF16_PARAM_TOL, BF16_LOSS_TOL = 0.25, 1e-2

@@ -1,0 +1,149 @@
+"""DMuon's metrics in TensorBoard (and W&B) through the writers a Megatron user already has
+([metrics], docs/metrics.md, megatron/metrics.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from megatron_dmuon.megatron.metrics import METRICS, NAMES
+
+from tests import ROOT
+SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
+         "--micro-batch-size", "2", "--lr-warmup-iters", "1", "--eval-iters", "0"]
+
+
+def metrics_table() -> str:
+    """The markdown table of every metric, as docs/metrics.md has it."""
+    lines = ["| name | unit | rank | what |", "|---|---|---|---|"]
+    lines += [f"| `{m.name}` | {m.unit} | {m.rank} | {m.what} |" for m in METRICS]
+    return "\n".join(lines)
+
+
+def test_the_table_in_the_docs_is_the_codes():
+    assert metrics_table() in open(os.path.join(ROOT, "docs", "metrics.md")).read()
+    assert len(set(NAMES)) == len(NAMES) and all(n.startswith("dmuon/") for n in NAMES)
+
+
+@pytest.fixture(scope="module")
+def tensorboard_run(tmp_path_factory):
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install tensorboard)")
+    out = tmp_path_factory.mktemp("tb")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_dmuon.testing.cpu_train", *SMALL, "--train-iters", "4", "--log-interval", "2",
+           "--dmuon-ns-check-interval", "1", "--tensorboard-dir", str(out / "tb")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out / "tb", proc.stdout
+
+
+def test_the_main_job_writes_every_metric_at_every_log_interval(tensorboard_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir, stdout = tensorboard_run
+    printed = [json.loads(line.split(" ", 3)[3]) for line in stdout.splitlines() if line.startswith("> dmuon metrics ")]
+    assert [p["iteration"] for p in printed] == [1, 2, 4]  # the logged iterations (the first, then every 2nd)
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(NAMES) | {"lm loss", "learning-rate"} <= tags, set(NAMES) - tags
+    for name in NAMES:
+        scalars = {e.step: e.value for e in events.Scalars(name)}
+        assert sorted(scalars) == [1, 2, 4], (name, scalars)
+        for line in printed:  # what the charts hold is what the run printed
+            assert scalars[line["iteration"]] == pytest.approx(line[name], rel=1e-6, abs=1e-6), name
+    last = printed[-1]
+    assert last["dmuon/optimizer_ms_slowest_rank"] >= last["dmuon/optimizer_ms_mean_rank"] > 0
+    assert last["dmuon/rank_imbalance"] >= 1.0 and last["dmuon/ns_check_worst"] > -1.0
+    assert last["dmuon/publish_bytes"] > 0 and last["dmuon/skipped_iterations"] == 0
+
+
+def test_the_metrics_read_no_device_value_inside_the_step():
+    from megatron_dmuon.testing.multiproc import run_distributed
+
+    results = run_distributed("megatron_dmuon.testing.workers:metrics_device_reads", 2,
+                              kwargs=dict(steps=4, shape_kw=dict(num_layers=1), muon_kw=dict(ns_check_interval=2)))
+    for r in results:
+        assert r["on"] == r["off"], r  # the step reads back what it read before, nothing more
+        assert set(NAMES) - {"dmuon/ns_check_worst"} <= set(r["values"])
+        assert r["values"]["dmuon/ns_matrices"] >= 0 and r["values"]["dmuon/optimizer_ms"] > 0
+
+
+def test_the_megatron_lm_hook_writes_the_same_names_into_megatrons_writers(monkeypatch):
+    # route 9 (megatron/megatron_lm.py): after Megatron-LM's training_log, at every --log-interval
+    import megatron_dmuon.megatron.megatron_lm as hook
+
+    written = []
+
+    class Writer:
+        def add_scalar(self, name, value, step):
+            written.append((name, value, step))
+
+        def flush(self):
+            pass
+
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars.get_tensorboard_writer, global_vars.get_wandb_writer = Writer, lambda: None
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    metrics = types.SimpleNamespace(values=lambda: {name: float(i) for i, name in enumerate(NAMES)})
+    monkeypatch.setitem(hook._RUN, "metrics", metrics)
+    log = hook._with_dmuon_metrics(lambda *a, **k: "megatron's", types.SimpleNamespace(log_interval=5))
+    assert log({}, {}, 1e-3, 4, 1.0) == "megatron's" and written == []  # not a log iteration
+    assert log({}, {}, 1e-3, 10, 1.0) == "megatron's"
+    assert [(n, s) for n, _, s in written] == [(n, 10) for n in NAMES]
+
+
+def test_wandb_offline_run_files(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="the wandb package is not installed (pip install wandb)")
+    from megatron_dmuon.megatron.metrics import wandb_run, write_values
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run = wandb_run("dmuon-test", "metrics", str(tmp_path), {})
+    write_values(2, {name: 1.0 for name in NAMES}, wandb=run)
+    run.finish()
+    assert any(p.name.startswith("offline-run") for p in (tmp_path / "wandb").iterdir())
+    del wandb
+
+
+def test_a_missing_package_is_named():
+    from megatron_dmuon.megatron import metrics
+
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="pip install wandb"):
+            metrics.wandb_run("p", None, None, {})
+    assert [m.name for m in METRICS] == list(NAMES)
+
+
+def test_dmuon_plan_draws_its_plans(tmp_path):
+    # dmuon plan --plot: each GPU's predicted NS and bytes under each planner, the DP layouts' candidates
+    from megatron_dmuon.planning.plan_cli import main
+
+    path = tmp_path / "plan.png"
+    assert main(["--preset", "tiny", "--dp", "4", "--planners", "greedy", "split", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_bench_scaling_redraws_its_plot_from_its_json(tmp_path):
+    # bench/scaling.py simulate --plot-only: the picture (DMuon's predicted step and Megatron's AdamW vs GPUs)
+    # from a written report, without planning again; a missing report is a one-line usage error
+    import shutil
+
+    src = os.path.join(ROOT, "docs", "results", "scaling", "simulate_scaling_cpu_2026-12-01.json")
+    shutil.copy(src, tmp_path / "s.json")
+    script = os.path.join(ROOT, "bench", "scaling.py")
+    env = dict(os.environ, MPLBACKEND="Agg")
+    done = subprocess.run([sys.executable, script, "simulate", "--plot-only", "--out", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = subprocess.run([sys.executable, script, "simulate", "--plot-only", "--out", str(tmp_path / "none")],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert missing.returncode == 2 and "--out" in missing.stderr and "Traceback" not in missing.stderr
