@@ -11,6 +11,7 @@ from ..planning.ns_choice import plan_ns_choices
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
 from .megatron_lm_flags import megatron_muon_fields
 from .ddp import plan_records
+from .modes import LAYERWISE_NEEDS_BF16
 from .owner_optimizer import grad_scaler, init_state_fn, muon_adam_groups, register_matrices
 
 
@@ -30,10 +31,7 @@ def build_megatron_layerwise(config, model_chunks, cfg):
     # LayerWise distributed optimizer (each matrix stepped whole by one DP rank), not DistOpt
     layer_wise = config.use_distributed_optimizer
     if layer_wise and not config.bf16:
-        raise ValueError(
-            "--dmuon-mode megatron_layerwise runs Megatron's LayerWise distributed Muon, which megatron-core "
-            "0.19 builds for bf16 params only (its fp32 chain fails Megatron's own config check, as "
-            "--optimizer muon --use-distributed-optimizer does in Megatron-LM): add --bf16")
+        raise ValueError(LAYERWISE_NEEDS_BF16)  # (the Python API; the flags are checked at parse time)
     fields = megatron_muon_fields(cfg, getattr(config, "muon_tp_mode", "duplicated"))
     opt = get_megatron_optimizer(
         dataclasses.replace(config, optimizer="muon", use_distributed_optimizer=False,

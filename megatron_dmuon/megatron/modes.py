@@ -67,6 +67,11 @@ MODE_TRAITS = {t.name: t for t in (
                dmuon_flags=("dmuon_mode", "dmuon_coefficients"), runs_as=(("dmuon_ns_method", "standard"),)),
 )}
 MODES = tuple(MODE_TRAITS)
+# megatron-core 0.19's LayerWise distributed Muon takes bf16 params only (checked at parse time, flags.py)
+LAYERWISE_NEEDS_BF16 = (
+    "--dmuon-mode megatron_layerwise runs Megatron's LayerWise distributed Muon, which megatron-core 0.19 builds for "
+    "bf16 params only (its fp32 chain fails Megatron's own config check, as --optimizer muon "
+    "--use-distributed-optimizer does in Megatron-LM): add --bf16")
 
 
 def mode_traits(mode: str) -> ModeTraits:
