@@ -19,7 +19,7 @@ from .config_checks import check_dmuon_config
 from .flag_rows import Bounds, argparse_kwargs
 from .hierarchy import check_two_level_config
 from .megatron_lm_flags import MEGATRON_MUON_FLAGS, MUON_FLAG_HANDLING, UNKNOWN_MUON_FLAGS, megatron_muon_fields
-from .modes import LAYERWISE_NEEDS_BF16, mode_traits
+from .modes import mode_traits
 
 
 def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
@@ -168,9 +168,6 @@ def validate_dmuon_args(args, given: Optional[dict] = None) -> Optional[DMuonCon
     if cfg.publish_dtype != "param" and not getattr(args, "bf16", False):
         raise ValueError(f"--dmuon-publish-dtype {cfg.publish_dtype} needs --bf16: an fp32 param is its own optimizer "
                          "master, which the FP8 decode would overwrite; add --bf16 or drop the flag")
-    if mode_traits(cfg.mode).ddp == "layerwise" and getattr(args, "use_distributed_optimizer", True) \
-            and not getattr(args, "bf16", False):
-        raise ValueError(LAYERWISE_NEEDS_BF16)
     refuse_flags_the_mode_does_not_read(args)
     if mode_traits(cfg.mode).megatron_muon:  # Megatron's own Muon must have this rule's --muon-* fields
         megatron_muon_fields(cfg)

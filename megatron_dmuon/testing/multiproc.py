@@ -136,9 +136,7 @@ def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[
     forked = os.environ.get("DMUON_TEST_SPAWN", "fork") != "subprocess" and "PYTHONPATH" not in (env or {})
     # children are their own gloo world: drop a surrounding torchrun's rendezvous variables
     # (TORCHELASTIC_USE_AGENT_STORE etc. would point their init at the launcher's store)
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    child_env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC_")}
+    child_env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     child_env.update(env or {})
     child_env.setdefault("PYTHONWARNINGS", "ignore")
     child_env.setdefault("OMP_NUM_THREADS", "1")
@@ -204,3 +202,87 @@ def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[
     if errors:
         raise RuntimeError(f"{target} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
     return results
+
+
+def run_main_job(argv: List[str], nproc: int = 2, env: Optional[Dict[str, str]] = None,
+                 timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """The CPU main job (``testing/cpu_train.main(argv)``) on ``nproc`` ranks forked from the fork
+    server, as ``torchrun --standalone --nproc-per-node N -m megatron_dmuon.testing.cpu_train`` runs
+    it: each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT=0) and its own process; the result is torchrun's:
+    returncode 0 when every rank exits 0, else 1, stdout and stderr every rank's in rank order. For
+    the tests of what the job does (a test of the launcher itself runs torchrun): it saves each
+    run's ~7 s of imports per rank and the launcher's own. ``DMUON_TEST_SPAWN=subprocess`` or an
+    ``env`` setting PYTHONPATH runs torchrun instead."""
+    child_env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    child_env.update(env or {})
+    child_env.setdefault("PYTHONWARNINGS", "ignore")
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    if os.environ.get("DMUON_TEST_SPAWN", "fork") == "subprocess" or "PYTHONPATH" in (env or {}):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "megatron_dmuon.testing.cpu_train", *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env)
+    port, tmp = free_port(), tempfile.mkdtemp(prefix="dmuon-job-")
+    try:
+        procs = []
+        for rank in range(nproc):
+            rank_env = dict(child_env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
+            logs = (os.path.join(tmp, f"rank{rank}.out"), os.path.join(tmp, f"rank{rank}.err"))
+            proc = _fork_context().Process(target=_forked_main_job, args=(list(map(str, argv)), logs, rank_env))
+            proc.start()
+            procs.append((proc, logs))
+        deadline = time.monotonic() + timeout
+        for proc, _ in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        if any(proc.is_alive() for proc, _ in procs):
+            for proc, _ in procs:
+                proc.kill()
+                proc.join()
+            raise subprocess.TimeoutExpired(["main job"] + list(map(str, argv)), timeout)
+        out, err = [], []
+        for _, (out_path, err_path) in procs:
+            for path, into in ((out_path, out), (err_path, err)):
+                with open(path, errors="replace") as f:
+                    into.append(f.read())
+        code = 0 if all(proc.exitcode == 0 for proc, _ in procs) else 1
+        return subprocess.CompletedProcess(["main job"] + list(map(str, argv)), code, "".join(out), "".join(err))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                  "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _forked_main_job(argv: List[str], logs: tuple, env: Dict[str, str]) -> None:
+    """One rank of ``run_main_job``: a fresh rank's environment, argv and output files, then the job;
+    its exit status is the job's (SystemExit's code; 1 after an uncaught exception, printed)."""
+    import warnings
+
+    os.environ.clear()
+    os.environ.update(env)
+    multiprocessing.set_start_method(None, force=True)  # (as in _forked_worker)
+    for fd, path in ((1, logs[0]), (2, logs[1])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    if env.get("PYTHONWARNINGS") == "ignore":
+        warnings.simplefilter("ignore")
+    sys.argv = ["megatron_dmuon.testing.cpu_train", *argv]
+    code = 0
+    try:
+        from megatron_dmuon.testing import cpu_train
+
+        cpu_train.main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from megatron_dmuon.megatron.metrics import METRICS, NAMES
+from megatron_dmuon.testing.multiproc import run_main_job
 
 from tests import ROOT
 SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
@@ -33,11 +34,8 @@ def test_the_table_in_the_docs_is_the_codes():
 def tensorboard_run(tmp_path_factory):
     pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install tensorboard)")
     out = tmp_path_factory.mktemp("tb")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_dmuon.testing.cpu_train", *SMALL, "--train-iters", "4", "--log-interval", "2",
-           "--dmuon-ns-check-interval", "1", "--tensorboard-dir", str(out / "tb")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    proc = run_main_job([*SMALL, "--train-iters", "4", "--log-interval", "2", "--dmuon-ns-check-interval", "1",
+                         "--tensorboard-dir", str(out / "tb")])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out / "tb", proc.stdout
 

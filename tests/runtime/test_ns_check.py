@@ -12,8 +12,6 @@ import contextlib
 import io
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from megatron_dmuon.algorithms.coefficients import get_coefficients
 from megatron_dmuon.algorithms.ns_metrics import orthogonality_overshoot, schedule_peak
 from megatron_dmuon.runtime import owner_step
 from megatron_dmuon.runtime.owner_step import MatrixInfo, MuonSettings, OwnerMuonAdamW
-from megatron_dmuon.testing.multiproc import run_distributed
+from megatron_dmuon.testing.multiproc import run_distributed, run_main_job
 from tests.algorithms.test_ns_metrics import heavy_tailed  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -155,11 +153,8 @@ def test_planted_failure_is_caught_and_logged_under_megatron_lm_flags():
 
 
 def test_the_main_job_logs_the_check():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", "6", "--log-interval", "100",
-           "--seq-length", "32", "--dmuon-ns-check-interval", "3", "--eval-iters", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    proc = run_main_job(["--train-iters", "6", "--log-interval", "100", "--seq-length", "32",
+                         "--dmuon-ns-check-interval", "3", "--eval-iters", "0"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("> DMuon NS check at step")]
     assert [line.split(":")[0] for line in lines] == ["> DMuon NS check at step 3", "> DMuon NS check at step 6"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_dmuon.testing.compare import full_params, rel_diffs
-from megatron_dmuon.testing.multiproc import run_distributed
+from megatron_dmuon.testing.multiproc import run_distributed, run_main_job
 
 WORKER = "megatron_dmuon.testing.overlap_workers:overlap_step_variants"
 CHECK = {"ns_check_interval": 2}  # the online NS check on every other step: its host sync and report under 'on' too
@@ -135,16 +135,10 @@ def test_overlap_step_composes_with_the_other_bucket_group_extensions(extra):
 
 def _main_job(tmp_path, mode, *extra):
     import json
-    import os
-    import subprocess
-    import sys
 
     out = tmp_path / f"{mode}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", "6", "--log-interval", "1", "--seq-length", "64",
-           "--dmuon-overlap-step", mode, "--overlap-param-gather", "--timing-json", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    proc = run_main_job(["--train-iters", "6", "--log-interval", "1", "--seq-length", "64", "--dmuon-overlap-step", mode,
+                         "--overlap-param-gather", "--timing-json", str(out), *extra])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
 

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ..modes import mode_traits
+from ..modes import LAYERWISE_NEEDS_BF16, mode_traits
 from .data import check_indexed_dataset, parse_split, token_source, train_split_problem
 from .output_paths import check_outputs_against_inputs, dir_problem, file_problem
 
@@ -118,6 +118,8 @@ def validate_args(p, args, default_lr: dict, given: dict = None) -> None:
             validate_dmuon_args(args, typed)  # (None: the config counts a flag off its default as given)
         except ValueError as e:
             p.error(str(e))
+        if mode_traits(args.dmuon_mode).ddp == "layerwise" and not args.bf16:  # (the job runs it distributed)
+            p.error(LAYERWISE_NEEDS_BF16)
     _check_run_flags(p, args, given)
     for flag, path in (("--timing-json", args.timing_json), ("--profile-out", args.profile_out)):
         problem = file_problem(path)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import torch
+
+from megatron_dmuon.testing.multiproc import run_main_job
 
 JOB = ["-m", "megatron_dmuon.testing.cpu_train"]
 SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
@@ -17,11 +17,10 @@ SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128"
 
 
 def job(*argv, nproc=2, expect=0):
-    """One 2-rank run; ``expect``: 0 (success), or the exit code a failing run must give (1: any non-zero)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *JOB,
-           *SMALL, *map(str, argv)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    """One 2-rank run, as torchrun runs it, on ranks forked from the tests' fork server
+    (``testing.multiproc.run_main_job``); ``expect``: 0 (success), or the exit code a failing run must
+    give (1: any non-zero, which is all torchrun says of a failed rank)."""
+    proc = run_main_job([*SMALL, *map(str, argv)], nproc=nproc)
     ok = proc.returncode == 0 if expect == 0 else (proc.returncode != 0 if expect == 1 else proc.returncode == expect)
     assert ok, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

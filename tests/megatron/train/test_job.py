@@ -8,14 +8,13 @@ import sys
 import numpy as np
 import pytest
 
+from megatron_dmuon.testing.multiproc import run_main_job
+
 
 def _torchrun(tmp_path, *extra):
     out = tmp_path / "timing.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", "16", "--log-interval", "4",
-           "--seq-length", "64", "--timing-json", str(out), *extra]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = run_main_job(["--train-iters", "16", "--log-interval", "4", "--seq-length", "64", "--timing-json", str(out),
+                         *extra])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " iteration       16/      16 | consumed samples:" in proc.stdout
     return {**json.loads(out.read_text()), "stdout": proc.stdout}
