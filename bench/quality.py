@@ -88,11 +88,12 @@ def run_job(spec: dict, workdir: str, nproc: int, gpu: bool) -> dict:
                 timing_json=os.path.join(workdir, f"{spec['key']}.json"), reuse=True, env=env))
     if not r["ok"]:
         return {**spec, "error": r["error"], "wall_s": r["wall_s"]}
-    row = _load_run(spec, r["timing"])
+    row = load_run(spec, r["timing"])
     return row if r.get("reused") else {**row, "wall_s": r["wall_s"]}
 
 
-def _load_run(spec: dict, doc: dict) -> dict:
+def load_run(spec: dict, doc: dict) -> dict:
+    """A run's row: ``spec`` with its curves and summary from its timing JSON ``doc``."""
     losses = [t["loss"] for t in doc["iterations"]]
     tail = losses[-max(1, len(losses) // 10):]
     return {**spec, "val": [[v["iteration"], v["loss"]] for v in doc["validation"]],

@@ -9,11 +9,13 @@ standard NS): defaults within 0.0003, adaptive within 0.0065; asserted 0.01 and 
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import pytest
 
+from megatron_dmuon.testing.multiproc import run_main_job
 from tests import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import quality  # noqa: E402  (bench/quality.py)
@@ -22,11 +24,20 @@ ITERS, SEED = 100, 1
 DMUON_LR = 3e-3  # the main job's default --lr for DMuon (the best of the GPU models' sweeps)
 
 
-def _run(tmp_path, row, flags, lr):
+def _run(tmp_path, row, flags, lr, via_bench=False):
+    """One row as bench/quality.py runs it: through its own ``run_job`` (torchrun, ``via_bench``), or
+    the same flags on ranks forked from the tests' fork server (the same job, without the ~10 s of
+    imports a fresh torchrun pays)."""
     model = quality.MODELS["tiny"]
     spec = {"row": row, "lr": lr, "seed": SEED, "key": row.replace(" ", "_"),
             "flags": quality.job_flags(model, [], flags, lr, SEED, ITERS)}
-    result = quality.run_job(spec, str(tmp_path), nproc=2, gpu=False)
+    if via_bench:
+        result = quality.run_job(spec, str(tmp_path), nproc=2, gpu=False)
+    else:
+        timing = tmp_path / f"{spec['key']}.json"
+        proc = run_main_job([*spec["flags"], "--log-interval", "1000000", "--timing-json", str(timing)])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        result = quality.load_run(spec, json.loads(timing.read_text()))
     assert "error" not in result, result["error"]
     assert result["skipped"] == 0 and len(result["val"]) == ITERS // model["eval_interval"]
     return result["final_val_loss"]
@@ -40,7 +51,7 @@ def losses(tmp_path_factory):
             "exact": (["--muon-fp32-matmul-prec", "high", "--dmuon-ns-method", "standard"], DMUON_LR),
             "adaptive": (["--dmuon-coefficients", "adaptive"], DMUON_LR),
             "gram": (["--dmuon-ns-method", "gram"], DMUON_LR)}
-    return {name: _run(tmp, name, flags, lr) for name, (flags, lr) in rows.items()}
+    return {name: _run(tmp, name, flags, lr, via_bench=name == "dmuon") for name, (flags, lr) in rows.items()}
 
 
 def test_dmuon_defaults_beat_adamws_better_lr(losses):
