@@ -49,6 +49,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -93,6 +94,9 @@ RUNS = {
     "dmuon_standard": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium",
                        "--dmuon-ns-method", "standard"],
     "dmuon_fp32ns": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "high"],
+    # DMuon's metrics on (docs/metrics.md: Megatron's TensorBoard writer, DMuon's names under dmuon/), against "dmuon"
+    "dmuon_metrics": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium",
+                      "--tensorboard-dir", os.path.join(tempfile.gettempdir(), "dmuon_metrics_tb")],
     "adam": ["--optimizer", "adam"],
     # Megatron-LM's communication overlap (launch/megatron_lm_common.sh's flags), and DMuon's overlapped
     # step on top of it ('sync': the same per-bucket-group stacks inside the step, its bitwise twin)

@@ -13,6 +13,7 @@
 #   overlap_e2e, overlap_mlm  --dmuon-overlap-step off/sync/on beside AdamW (and Megatron's Muon) with comm overlap, Qwen 4-layer
 #   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
+#   metrics the Qwen 4-layer comparison with DMuon's metrics (TensorBoard) on and off, 2 seeds each (carry .whl_tb)
 #   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
 #   rb_scale  [scale-past-matrices] every GPU under the whole and split layouts, LayerWise and AdamW, then the scale table
 #   rb_cal, rb_startup, rb_emu  [balance-2, scale-emulation] bench/rank_balance.py: calibration grid, the start-up rank
@@ -73,6 +74,23 @@ run_part() {
       # ORUNS: megatron_lm_compare.py's runs, OEXTRA_MLM: more Megatron-LM flags for every run (e.g. --clip-grad 0)
       compare overlap_mlm --model qwen7b-4l --iters ${OITERS_MLM:-40} --runs ${ORUNS:-adam_ogp muon_ogp dmuon_ogp dmuon_overlap_sync dmuon_overlap} \
         --timeout 300 --extra --global-batch-size 4 --log-interval 10 ${OEXTRA_MLM:-} ;;
+    metrics)  # [metrics] the Qwen 4-layer comparison (GBS 4) with DMuon's metrics on (Megatron's TensorBoard writer,
+      # carry .whl_tb: tensorboard and what its writer imports) and off, two seeds each, one run at a time; then the
+      # dmuon/ names the event files hold (TensorBoard's own reader)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl_tb/*.whl \
+        > "$R/tb_install.log" 2>&1; echo "== tensorboard wheels rc=$?"
+      rm -rf "${TMPDIR:-/tmp}/dmuon_metrics_tb"
+      compare metrics_onoff --model qwen7b-4l --iters ${MITERS:-12} --runs dmuon dmuon_metrics --seeds 1234 2345 \
+        --timeout 300 --extra --global-batch-size 4
+      python3 - "${TMPDIR:-/tmp}/dmuon_metrics_tb" > "$R/metrics_tags.txt" 2>&1 <<'PY'
+import collections, glob, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+for path in sorted(glob.glob(sys.argv[1] + "/**/events.out.tfevents.*", recursive=True)):
+    acc = EventAccumulator(path, size_guidance={"scalars": 0}); acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.startswith("dmuon/")]
+    print(path, len(tags), "dmuon/ names:", {t: len(acc.Scalars(t)) for t in sorted(tags)})
+PY
+      echo "== metrics tags"; cut -c1-400 "$R/metrics_tags.txt" ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
            --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
     quality)  # QSEEDS (default 1 2 3), QROWS (phase-2 rows, ';' between), QRESUME=PREFIX: PREFIX_{bf16,fp8}.json's runs are reused
