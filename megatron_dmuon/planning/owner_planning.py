@@ -229,19 +229,21 @@ def predicted_cost(layout: OwnerLayout, loads: Sequence[float], collective: floa
 
 
 # ... unless the whole layout pads its buffers by more than this over Megatron's own (the split layout's):
-# then the cheaper one wins outright (the bytes goal of docs/dmuon_dp.md: at most 1.10x AdamW's)
+# then it breaks the bytes goal of docs/dmuon_dp.md (at most 1.10x AdamW's) and is kept only where the
+# model predicts it SPLIT_MIN_GAIN faster, beyond the model's error
 WHOLE_PADDING_LIMIT = 0.10
 
 
 def choose_scheme(candidates: Mapping[str, Tuple[OwnerLayout, List[float]]], collective: float) -> str:
-    """'split' where its ``predicted_cost`` is at least ``SPLIT_MIN_GAIN`` below the whole layout's (or
-    below it at all, where the whole layout pads its buffers by more than ``WHOLE_PADDING_LIMIT``), else
-    'whole' (the only candidate, or the one kept within the model's error)."""
+    """'split' where its ``predicted_cost`` is at least ``SPLIT_MIN_GAIN`` below the whole layout's, else
+    'whole' (the only candidate, or the one kept within the model's error); where the whole layout pads
+    its buffers by more than ``WHOLE_PADDING_LIMIT`` the margin turns round: the whole one is kept only
+    where it is predicted ``SPLIT_MIN_GAIN`` cheaper than the split one."""
     if "split" not in candidates or "whole" not in candidates:
         return next(iter(candidates))
     whole, split = (predicted_cost(*candidates[k], collective) for k in ("whole", "split"))
     padded = candidates["whole"][0].numel > (1.0 + WHOLE_PADDING_LIMIT) * candidates["split"][0].numel
-    return "split" if split < (1.0 if padded else 1.0 - SPLIT_MIN_GAIN) * whole else "whole"
+    return "split" if split < (1.0 + SPLIT_MIN_GAIN if padded else 1.0 - SPLIT_MIN_GAIN) * whole else "whole"
 
 
 def _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwise,

@@ -289,3 +289,23 @@ def test_the_budget_bounds_the_profile_and_the_milps_together(monkeypatch):
     limits.clear()
     plan_owners(buffers, None, OwnerPlanningOptions(balance="milp", profile=True), costs)
     assert limits == [{}] * 2  # no budget: the MILP's own defaults
+
+
+def test_choose_scheme_keeps_whole_matrices_within_the_models_error_unless_they_break_the_bytes_goal():
+    from types import SimpleNamespace
+
+    from megatron_dmuon.planning.owner_planning import SPLIT_MIN_GAIN, WHOLE_PADDING_LIMIT, choose_scheme
+
+    def pick(whole_numel, whole_load, split_load, split_numel=1000, collective=0.0):
+        return choose_scheme({"whole": (SimpleNamespace(numel=whole_numel), [whole_load]),
+                              "split": (SimpleNamespace(numel=split_numel), [split_load])}, collective)
+
+    lean, padded = 1000 * (1 + WHOLE_PADDING_LIMIT / 2), 1000 * (1 + 2 * WHOLE_PADDING_LIMIT)
+    within = 1 + SPLIT_MIN_GAIN / 2  # the split layout predicted this much slower: inside the model's error
+    assert pick(lean, 100.0, 100.0 / within) == "whole"  # a little faster is not enough to exchange pieces
+    assert pick(lean, 100.0, 100.0 * (1 - 2 * SPLIT_MIN_GAIN)) == "split"
+    assert pick(padded, 100.0, 100.0 * within) == "split"  # past the bytes goal the margin turns round
+    assert pick(padded, 100.0, 100.0 * (1 + 2 * SPLIT_MIN_GAIN)) == "whole"
+    # the all-gather of the padded buffer counts in the prediction
+    assert pick(padded, 100.0, 100.0 * (1 + 2 * SPLIT_MIN_GAIN), collective=1.0) == "split"
+    assert choose_scheme({"whole": (SimpleNamespace(numel=padded), [1.0])}, 0.0) == "whole"
