@@ -172,7 +172,8 @@ def rel_diff(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-def bench(args, device) -> dict:
+def bench(args, device, save=None) -> dict:
+    """Every row of every shape; ``save(report)`` after each shape (a run stopped midway keeps what it measured)."""
     eo_ns, eo_version, no_syrk, eo_missing = eo_api()
     schedule = list(eo_schedule(args.coefficient_type, args.steps))
     kernels = device.type == "cuda"
@@ -180,6 +181,16 @@ def bench(args, device) -> dict:
     torch.manual_seed(0)
     rows_out = []
     previous = torch.get_float32_matmul_precision()
+
+    def report():
+        return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "torch": torch.__version__, "emerging_optimizers": eo_version,
+                "coefficient_type": args.coefficient_type, "steps": args.steps, "coefficients": schedule,
+                "input_dtype": "bfloat16 (EO: the same values in fp32)", "batch": args.batch, "reps": args.reps,
+                "warmup": args.warmup,
+                "dmuon_backend": "Triton/CUDA kernels (autotuned)" if kernels else "torch fallback (CPU)",
+                "shapes": {n: list(s) for n, s in args.shape_map.items()}, "rows": rows_out}
+
     try:
         for name, (r, c) in args.shape_map.items():
             x16 = torch.randn(r, c, device=device).to(torch.bfloat16)
@@ -222,15 +233,12 @@ def bench(args, device) -> dict:
                     continue
                 ref = reference.get("eo_batched" if row["path"] in BATCHED else "eo")
                 row["rel_diff_to_eo"] = rel_diff(out, ref) if ref is not None else None
-            del x16, stack16, x32, stack32
+            del x16, stack16, x32, stack32, reference
+            if save:
+                save(report())
     finally:
         torch.set_float32_matmul_precision(previous)
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "emerging_optimizers": eo_version, "coefficient_type": args.coefficient_type,
-            "steps": args.steps, "coefficients": schedule, "input_dtype": "bfloat16 (EO: the same values in fp32)",
-            "batch": args.batch, "reps": args.reps, "warmup": args.warmup,
-            "dmuon_backend": "Triton/CUDA kernels (autotuned)" if kernels else "torch fallback (CPU)",
-            "shapes": {n: list(s) for n, s in args.shape_map.items()}, "rows": rows_out}
+    return report()
 
 
 def _num(v, spec):
@@ -287,15 +295,18 @@ def main(argv=None) -> int:
     args.syrk_map = parse_shape_list(p, "--syrk-shapes", args.syrk_shapes, allow_none=True)
     check_device(p, args.device)
     device = torch.device(args.device)
-    report = bench(args, device)
-    text = markdown(report)
-    print("\n" + text, flush=True)
-    if args.out_dir:
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, f"{args.name}.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        with open(os.path.join(args.out_dir, f"{args.name}.md"), "w") as f:
-            f.write(text)
+
+    def save(report):
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, f"{args.name}.json"), "w") as f:
+                json.dump(report, f, indent=1)
+            with open(os.path.join(args.out_dir, f"{args.name}.md"), "w") as f:
+                f.write(markdown(report))
+
+    report = bench(args, device, save)
+    save(report)
+    print("\n" + markdown(report), flush=True)
     failed = [r for r in report["rows"] if r["status"] == "failed"]
     return 1 if failed else 0
 

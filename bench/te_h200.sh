@@ -15,6 +15,12 @@
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
 #   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
 #   rb_scale  [scale-past-matrices] every GPU under the whole and split layouts, LayerWise and AdamW, then the scale table
+#   peer    [peer-best] Megatron-LM PR #6683's LayerShardedMuon beside the rest, one GPU: (a) the Qwen2.5-7B 4-layer shape,
+#           GBS 4, 20 iterations, TE layers, one run at a time: adam / muon / dmuon on $MLM, muon_lsm (PR_RUNS: e.g.
+#           "muon_lsm muon_lsm_syrk"; its SYRK autotunes ~1 min per shape before iteration 1) on $MLM_PR (default
+#           .mlm_pr6683); (b) bench/ns_kernels_vs_eo.py: DMuon's NS paths vs Emerging-Optimizers' newton_schulz (+SYRK on
+#           PEER_SYRK_SHAPES, default 12288x10240: its autotuning again) on every Muon shape of Qwen2.5-7B/32B. ~7 min on
+#           an H100 with MLM=.mlm_main; carry .te .whl .mlm_main .mlm_pr6683 (.whl_eo040: Emerging-Optimizers 0.4.0, SYRK)
 #   rb_cal, rb_startup, rb_emu  [balance-2, scale-emulation] bench/rank_balance.py: calibration grid, the start-up rank
 #           profile + MILP per layout, every GPU's owner step emulated under greedy / numel LPT / Megatron's LPT / MILP,
 #           and every GPU of Megatron-LM's LayerWise Muon and of its AdamW (TE not needed; carry .whl with megatron-core
@@ -73,6 +79,17 @@ run_part() {
       # ORUNS: megatron_lm_compare.py's runs, OEXTRA_MLM: more Megatron-LM flags for every run (e.g. --clip-grad 0)
       compare overlap_mlm --model qwen7b-4l --iters ${OITERS_MLM:-40} --runs ${ORUNS:-adam_ogp muon_ogp dmuon_ogp dmuon_overlap_sync dmuon_overlap} \
         --timeout 300 --extra --global-batch-size 4 --log-interval 10 ${OEXTRA_MLM:-} ;;
+    peer)  # [peer-best] see the header; PEER_ITERS, PEER_SHAPES (default all), PEER_REPS
+      local runs="adam muon ${PR_RUNS:-muon_lsm} dmuon" for_pr=() r
+      for r in ${PR_RUNS:-muon_lsm}; do for_pr+=(--megatron-lm-for "$r=${MLM_PR:-.mlm_pr6683}"); done
+      python3 -c "import emerging_optimizers as e; print('Emerging-Optimizers', e.__version__)"
+      compare peer_compare --model qwen7b-4l --iters ${PEER_ITERS:-20} --runs $runs "${for_pr[@]}" --timeout 300 \
+        --extra --global-batch-size 4
+      local t1=$(date +%s)
+      python3 bench/ns_kernels_vs_eo.py --device cuda --shapes ${PEER_SHAPES:-all} --syrk-shapes ${PEER_SYRK_SHAPES:-12288x10240} \
+        --reps ${PEER_REPS:-10} --warmup 3 --out-dir "$R/peer_kernels" > "$R/peer_kernels.log" 2>&1
+      echo "== peer_kernels rc=$? $(( $(date +%s) - t1 )) s"; cat "$R/peer_kernels/ns_kernels_vs_eo.md" 2>/dev/null | cut -c1-220
+      grep -h "Error" "$R/peer_kernels.log" | tail -3 ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
            --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
     quality)  # QSEEDS (default 1 2 3), QROWS (phase-2 rows, ';' between), QRESUME=PREFIX: PREFIX_{bf16,fp8}.json's runs are reused
