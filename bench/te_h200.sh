@@ -20,7 +20,9 @@
 #           "muon_lsm muon_lsm_syrk"; its SYRK autotunes ~1 min per shape before iteration 1) on $MLM_PR (default
 #           .mlm_pr6683); (b) bench/ns_kernels_vs_eo.py: DMuon's NS paths vs Emerging-Optimizers' newton_schulz (+SYRK on
 #           PEER_SYRK_SHAPES, default 12288x10240: its autotuning again) on every Muon shape of Qwen2.5-7B/32B. ~7 min on
-#           an H100 with MLM=.mlm_main; carry .te .whl .mlm_main .mlm_pr6683 (.whl_eo040: Emerging-Optimizers 0.4.0, SYRK)
+#           an H100 with MLM=.mlm_main; carry .te .whl .mlm_main .mlm_pr6683_overlay (the PR's tree as its
+#           difference from .mlm_main, rebuilt there: the two whole trees and .te pass 64 MiB) and .whl_eo040
+#           (Emerging-Optimizers 0.4.0 for SYRK)
 #   rb_cal, rb_startup, rb_emu  [balance-2, scale-emulation] bench/rank_balance.py: calibration grid, the start-up rank
 #           profile + MILP per layout, every GPU's owner step emulated under greedy / numel LPT / Megatron's LPT / MILP,
 #           and every GPU of Megatron-LM's LayerWise Muon and of its AdamW (TE not needed; carry .whl with megatron-core
@@ -80,8 +82,11 @@ run_part() {
       compare overlap_mlm --model qwen7b-4l --iters ${OITERS_MLM:-40} --runs ${ORUNS:-adam_ogp muon_ogp dmuon_ogp dmuon_overlap_sync dmuon_overlap} \
         --timeout 300 --extra --global-batch-size 4 --log-interval 10 ${OEXTRA_MLM:-} ;;
     peer)  # [peer-best] see the header; PEER_ITERS, PEER_SHAPES (default all), PEER_REPS
-      local runs="adam muon ${PR_RUNS:-muon_lsm} dmuon" for_pr=() r
-      for r in ${PR_RUNS:-muon_lsm}; do for_pr+=(--megatron-lm-for "$r=${MLM_PR:-.mlm_pr6683}"); done
+      local runs="adam muon ${PR_RUNS:-muon_lsm} dmuon" for_pr=() r pr=${MLM_PR:-.mlm_pr6683}
+      if [ ! -d "$pr" ] && [ -d .mlm_pr6683_overlay ]; then  # the PR's tree as its difference from $MLM (bench/tree_overlay.py)
+        python3 bench/tree_overlay.py apply --base "$MLM" --overlay .mlm_pr6683_overlay --out /tmp/mlm_pr6683 && pr=/tmp/mlm_pr6683
+      fi
+      for r in ${PR_RUNS:-muon_lsm}; do for_pr+=(--megatron-lm-for "$r=$pr"); done
       python3 -c "import emerging_optimizers as e; print('Emerging-Optimizers', e.__version__)"
       compare peer_compare --model qwen7b-4l --iters ${PEER_ITERS:-20} --runs $runs "${for_pr[@]}" --timeout 300 \
         --extra --global-batch-size 4
