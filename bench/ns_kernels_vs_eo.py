@@ -8,8 +8,10 @@ LayerShardedMuon), with and without its Triton SYRK kernel (``use_syrk``, EO >= 
     python bench/ns_kernels_vs_eo.py --device cpu --shapes 64x128 --reps 2   # a smoke run (torch fallbacks)
 
 Shapes (``--shapes all``, the default): every distinct Muon matrix shape of Qwen2.5-7B and Qwen2.5-32B as the
-model stores it (Q/O, K/V, the fused QKV that ``--muon-no-split-qkv`` orthogonalizes whole, gate/up apart,
-the fused SwiGLU fc1, down) and (12288, 10240), the shape PR #6683 quotes its SYRK timing at.
+model stores it (Q/O, K/V, the fused QKV that ``--muon-no-split-qkv`` orthogonalizes whole, gate/up apart as
+DMuon orthogonalizes them, the fused SwiGLU fc1 as Megatron's Muon does, down) and (12288, 10240), the shape
+PR #6683 quotes its SYRK timing at (after the 7B shapes). ``--stop-after-s`` bounds a run: the shapes not
+started by then are rows that say so (the JSON and markdown are written after every shape).
 
 Rows per shape, all at the same coefficients (EO's ``--coefficient-type``, DMuon running the same (a, b, c) per
 step: ``algorithms.eo_coefficients.eo_schedule``) and step count, from the same bf16 matrix (EO takes fp32
@@ -59,9 +61,9 @@ from megatron_dmuon.kernels import gram_newton_schulz_fast, newton_schulz_fast, 
 SHAPES = {
     "7b.qo": (3584, 3584), "7b.kv": (512, 3584), "7b.qkv": (4608, 3584), "7b.gateup": (18944, 3584),
     "7b.fc1": (37888, 3584), "7b.down": (3584, 18944),
+    "12288x10240": (12288, 10240),
     "32b.qo": (5120, 5120), "32b.kv": (1024, 5120), "32b.qkv": (7168, 5120), "32b.gateup": (27648, 5120),
     "32b.fc1": (55296, 5120), "32b.down": (5120, 27648),
-    "12288x10240": (12288, 10240),
 }
 PATHS = ("dmuon_gram", "dmuon_standard", "dmuon_batched", "eo", "eo_syrk", "eo_batched")
 BATCHED = {"dmuon_batched", "eo_batched"}
@@ -192,7 +194,14 @@ def bench(args, device, save=None) -> dict:
                 "shapes": {n: list(s) for n, s in args.shape_map.items()}, "rows": rows_out}
 
     try:
+        started = time.perf_counter()
         for name, (r, c) in args.shape_map.items():
+            if rows_out and args.stop_after_s is not None and time.perf_counter() - started > args.stop_after_s:
+                why = f"not started: --stop-after-s {args.stop_after_s:g} had passed (run it with --shapes {name})"
+                rows_out.extend({"shape": name, "rows": r, "cols": c, "path": path, "status": "skipped", "reason": why,
+                                 "batch": args.batch if path in BATCHED else 1} for path in PATHS)
+                print(f"{name}: {why}", flush=True)
+                continue
             x16 = torch.randn(r, c, device=device).to(torch.bfloat16)
             stack16 = torch.randn(args.batch, r, c, device=device).to(torch.bfloat16)
             x32, stack32 = x16.float(), stack16.float()
@@ -279,6 +288,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--syrk-shapes", default="all", help="shapes of the eo_syrk rows: all, none, or a list")
+    p.add_argument("--stop-after-s", type=float, default=None,
+                   help="start no shape but the first after this many seconds (its rows: skipped, naming the flag)")
     p.add_argument("--out-dir", default=os.environ.get("OUT"), help="folder for the JSON and markdown")
     p.add_argument("--name", default="ns_kernels_vs_eo")
     args = p.parse_args(argv)

@@ -81,18 +81,20 @@ run_part() {
       # ORUNS: megatron_lm_compare.py's runs, OEXTRA_MLM: more Megatron-LM flags for every run (e.g. --clip-grad 0)
       compare overlap_mlm --model qwen7b-4l --iters ${OITERS_MLM:-40} --runs ${ORUNS:-adam_ogp muon_ogp dmuon_ogp dmuon_overlap_sync dmuon_overlap} \
         --timeout 300 --extra --global-batch-size 4 --log-interval 10 ${OEXTRA_MLM:-} ;;
-    peer)  # [peer-best] see the header; PEER_ITERS, PEER_SHAPES (default all), PEER_REPS
+    peer)  # [peer-best] see the header; PEER_ITERS, PEER_SHAPES (default all), PEER_REPS; PEER_BUDGET (s, default 380):
+      # the kernel table starts no shape past it (the shapes left are rows that say so: rerun them with PEER_SHAPES)
       local runs="adam muon ${PR_RUNS:-muon_lsm} dmuon" for_pr=() r pr=${MLM_PR:-.mlm_pr6683}
       if [ ! -d "$pr" ] && [ -d .mlm_pr6683_overlay ]; then  # the PR's tree as its difference from $MLM (bench/tree_overlay.py)
         python3 bench/tree_overlay.py apply --base "$MLM" --overlay .mlm_pr6683_overlay --out /tmp/mlm_pr6683 && pr=/tmp/mlm_pr6683
       fi
       for r in ${PR_RUNS:-muon_lsm}; do for_pr+=(--megatron-lm-for "$r=$pr"); done
-      python3 -c "import emerging_optimizers as e; print('Emerging-Optimizers', e.__version__)"
+      python3 -c "import emerging_optimizers as e; print('Emerging-Optimizers', e.__version__)" 2>/dev/null || echo "Emerging-Optimizers: not importable"
       compare peer_compare --model qwen7b-4l --iters ${PEER_ITERS:-20} --runs $runs "${for_pr[@]}" --timeout 300 \
         --extra --global-batch-size 4
       local t1=$(date +%s)
       python3 bench/ns_kernels_vs_eo.py --device cuda --shapes ${PEER_SHAPES:-all} --syrk-shapes ${PEER_SYRK_SHAPES:-12288x10240} \
-        --reps ${PEER_REPS:-10} --warmup 3 --out-dir "$R/peer_kernels" > "$R/peer_kernels.log" 2>&1
+        --reps ${PEER_REPS:-10} --warmup 3 --stop-after-s $(( ${PEER_BUDGET:-380} - (t1 - t0) - 40 )) \
+        --out-dir "$R/peer_kernels" > "$R/peer_kernels.log" 2>&1
       echo "== peer_kernels rc=$? $(( $(date +%s) - t1 )) s"; cat "$R/peer_kernels/ns_kernels_vs_eo.md" 2>/dev/null | cut -c1-220
       grep -h "Error" "$R/peer_kernels.log" | tail -3 ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \

@@ -45,6 +45,15 @@ def test_every_row_of_a_tiny_shape_on_cpu(tmp_path):
     assert all(f"| 64x128 | 64x128 | {p}" in table for p in bench.PATHS)
 
 
+def test_stop_after_s_leaves_later_shapes_as_rows_that_say_so(tmp_path):
+    assert bench.main(["--device", "cpu", "--shapes", "32x64,16x16", "--reps", "1", "--warmup", "0", "--batch", "2",
+                       "--stop-after-s", "0", "--out-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "ns_kernels_vs_eo.json").read_text())["rows"]
+    assert {r["status"] for r in rows if r["shape"] == "32x64"} == {"ok", "skipped"}
+    later = [r for r in rows if r["shape"] == "16x16"]
+    assert len(later) == len(bench.PATHS) and all("--stop-after-s 0 had passed" in r["reason"] for r in later)
+
+
 def test_square_shapes_skip_the_gram_row_and_names_resolve():
     import argparse
 
