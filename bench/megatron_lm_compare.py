@@ -17,7 +17,19 @@ progress lines (`--log-interval 1`). Runs (`--runs`):
 * `dmuon`          DMuon through the hook, same flags (`--dmuon-ns-method auto` by default);
 * `dmuon_standard` DMuon with `--dmuon-ns-method standard` (the NS iteration Megatron runs);
 * `dmuon_fp32ns`   DMuon with fp32 Newton-Schulz (`high`; full fp32 here, TF32 matmuls in Megatron's);
-* `adam`           Megatron's distributed Adam, for the step-time baseline (not in the default set).
+* `adam`           Megatron's distributed Adam, for the step-time baseline (not in the default set);
+* `muon_lsm`       Megatron-LM PR #6683's LayerShardedMuon (`--use-layer-sharding-muon`) at its fastest settings:
+                   `--muon-ns-batch-size 32` (same-shape matrices per batched NS), its param groups on streams of
+                   their own (its default), `--muon-no-split-qkv` (it refuses split QKV); needs a tree with the
+                   flag (`--megatron-lm-for muon_lsm=.mlm_pr6683`). Its NS homes live in the TP x GTP domain: with
+                   one rank there (one GPU, TP 1) it leaves them unassigned and steps as Megatron's
+                   TensorParallelMuon, one matrix at a time;
+* `muon_lsm_syrk`  the same with `--muon-use-syrk` and `--muon-ns-batch-size 1` (Emerging-Optimizers 0.4.0's SYRK
+                   kernel runs on unbatched NS only; its batched one needs >= 0.5.0a0).
+
+`--megatron-lm-for RUN=DIR` runs RUN on the tree DIR and every other run on `--megatron-lm`, so Megatron-LM
+main's runs and a pull request's sit in one table; every row names its tree (the commit where the tree
+holds a git checkout or a COMMIT file, else its folder and megatron-core version) and its NS path.
 
 Prints (and writes under --out) JSON with every iteration's loss and time, and a markdown table:
 median ms/iteration over the second half, loss gap to `muon` (max |Δ| over iterations, and the
@@ -86,6 +98,7 @@ MUON = ["--muon-momentum", "0.95", "--muon-nesterov", "--muon-scale-mode", "spec
         "--muon-extra-scale-factor", "0.2", "--muon-coefficient-type", "quintic", "--muon-num-ns-steps", "5",
         "--muon-tp-mode", "duplicated"]
 OVERLAP_COMM = ["--overlap-grad-reduce", "--overlap-param-gather"]
+LSM = ["--use-layer-sharding-muon", "--muon-no-split-qkv"]  # PR #6683's Muon (it refuses split QKV)
 RUNS = {
     "muon": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "medium"],
     "muon_fp32ns": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "high"],
@@ -98,6 +111,10 @@ RUNS = {
     "dmuon_metrics": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium",
                       "--tensorboard-dir", os.path.join(tempfile.gettempdir(), "dmuon_metrics_tb")],
     "adam": ["--optimizer", "adam"],
+    # Megatron-LM PR #6683 (LayerShardedMuon): its fastest settings, and with its SYRK kernel on unbatched NS
+    "muon_lsm": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "medium", *LSM, "--muon-ns-batch-size", "32"],
+    "muon_lsm_syrk": ["--optimizer", "muon", *MUON, "--muon-fp32-matmul-prec", "medium", *LSM, "--muon-ns-batch-size",
+                      "1", "--muon-use-syrk"],
     # Megatron-LM's communication overlap (launch/megatron_lm_common.sh's flags), and DMuon's overlapped
     # step on top of it ('sync': the same per-bucket-group stacks inside the step, its bitwise twin)
     "adam_ogp": ["--optimizer", "adam", *OVERLAP_COMM],
@@ -118,6 +135,24 @@ RUNS = {
     "dmuon_backward_graph": ["--optimizer", "dmuon", *MUON, "--muon-fp32-matmul-prec", "medium", *OVERLAP_COMM,
                              "--dmuon-overlap-step", "backward", "--dmuon-ns-launch", "graph"],
 }
+# what each run's Newton-Schulz is (every table row names it)
+NS_PATHS = {
+    "adam": "none (AdamW)",
+    "muon": "Megatron: EO newton_schulz, bf16 (medium), one matrix at a time, Q/K/V apart",
+    "muon_fp32ns": "Megatron: EO newton_schulz, fp32 (high), one matrix at a time",
+    "muon_syrk": "Megatron: EO newton_schulz + EO SYRK kernel, bf16, one matrix at a time",
+    "muon_lsm": "PR #6683: EO newton_schulz bf16, batched stacks of <= 32 on multi-rank TP x GTP homes (one rank: "
+                "one matrix at a time), QKV whole",
+    "muon_lsm_syrk": "PR #6683: EO newton_schulz + EO SYRK kernel, bf16, one matrix at a time, QKV whole",
+    "dmuon_standard": "DMuon: standard NS bf16, batched same-shape stacks (symmetric kernels)",
+    "dmuon_fp32ns": "DMuon: auto (Gram / standard) in fp32, batched same-shape stacks",
+}
+for _name, _flags in RUNS.items():
+    if _name.startswith("dmuon"):
+        NS_PATHS.setdefault(_name, "DMuon: auto (Gram fp16 wide, standard bf16 square), batched same-shape stacks"
+                            + (", CUDA graph" if "graph" in _flags else ""))
+    elif _name.startswith("muon") or _name.startswith("adam"):
+        NS_PATHS.setdefault(_name, NS_PATHS[_name.split("_")[0]])
 CLIP_SUMMARY = re.compile(r"local_max_logits summary: (\{.*\})")
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|")
 FIELDS = {"loss": r"lm loss: ([-\d.E+na]+) \|", "grad_norm": r"grad norm: ([\d.E+na]+) \|",
@@ -247,6 +282,53 @@ def expected_rows(args, flags) -> int:
 
 DEFAULT_RUNS = ["muon", "muon_fp32ns", "dmuon", "dmuon_standard"]
 SYRK_RUN, SYRK_MIN_EO = "muon_syrk", (0, 4)
+SYRK_RUNS = {name for name, flags in RUNS.items() if "--muon-use-syrk" in flags}
+LSM_RUNS = {name for name, flags in RUNS.items() if "--use-layer-sharding-muon" in flags}
+
+
+def tree_flag_refusal(megatron_lm: str, flag: str, fix: str):
+    """Why the Megatron-LM tree cannot run ``flag`` (None: its arguments.py registers it)."""
+    arguments = os.path.join(megatron_lm, "megatron", "training", "arguments.py")
+    if os.path.isfile(arguments) and f"'{flag}'" in open(arguments).read().replace('"', "'"):
+        return None
+    return f"the Megatron-LM tree {megatron_lm} has no {flag} ({fix})"
+
+
+def tree_label(megatron_lm: str) -> str:
+    """The tree a row ran on: its git commit (a checkout, or a COMMIT file beside a trimmed copy), else its
+    folder's name and megatron-core version."""
+    commit_file = os.path.join(megatron_lm, "COMMIT")
+    if os.path.isfile(commit_file):
+        words = open(commit_file).read().split()
+        if words:
+            return f"{os.path.basename(megatron_lm)} {words[0][:10]}"
+    if os.path.exists(os.path.join(megatron_lm, ".git")):
+        done = subprocess.run(["git", "-C", megatron_lm, "rev-parse", "--short=10", "HEAD"], capture_output=True,
+                              text=True)
+        if done.returncode == 0 and done.stdout.strip():
+            return f"{os.path.basename(megatron_lm)} {done.stdout.strip()}"
+    info = os.path.join(megatron_lm, "megatron", "core", "package_info.py")
+    version = ""
+    if os.path.isfile(info):
+        found = dict(re.findall(r"^(MAJOR|MINOR|PATCH) *= *(\d+)", open(info).read(), re.M))
+        version = " core " + ".".join(found.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH"))
+    return os.path.basename(megatron_lm) + version
+
+
+def parse_tree_for(parser, specs, runs_known) -> dict:
+    """--megatron-lm-for RUN=DIR (repeated) -> {run: absolute DIR}; one usage line for a bad one."""
+    out = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"--megatron-lm-for {spec!r}: give RUN=DIR (e.g. muon_lsm=.mlm_pr6683)")
+        if name not in runs_known:
+            parser.error(f"--megatron-lm-for {spec!r}: no run {name!r}; runs: {', '.join(sorted(runs_known))}")
+        if not os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")):
+            parser.error(f"--megatron-lm-for {spec!r}: {path} is not a Megatron-LM tree (no "
+                         "megatron/training/arguments.py); give a checkout or a trimmed copy (docs/megatron_lm.md §1)")
+        out[name] = os.path.abspath(path)
+    return out
 
 
 def emerging_optimizers_version():
@@ -269,10 +351,7 @@ def syrk_refusal(version, megatron_lm: str):
     if not new_enough:
         return (f"Megatron's --muon-use-syrk needs Emerging-Optimizers >= 0.4.0 and this process imports "
                 f"{version or 'none'} (0.4.0 installs from tag v0.4.0 of NVIDIA-NeMo/Emerging-Optimizers)")
-    arguments = os.path.join(megatron_lm, "megatron", "training", "arguments.py")
-    if not (os.path.isfile(arguments) and "--muon-use-syrk" in open(arguments).read()):
-        return f"the Megatron-LM tree {megatron_lm} has no --muon-use-syrk (Megatron-LM main has)"
-    return None
+    return tree_flag_refusal(megatron_lm, "--muon-use-syrk", "Megatron-LM main has")
 
 
 def loss_gap(a: dict, b: dict) -> dict:
@@ -284,12 +363,15 @@ def loss_gap(a: dict, b: dict) -> dict:
 DEFAULT_SEED = int(COMMON[COMMON.index("--seed") + 1])
 
 
-def run_all(args, megatron_lm) -> dict:
-    """Every (seed, run), ``args.jobs`` at a time: {seed: {name: result}}; logs ``name`` or ``name_s<seed>``."""
+def run_all(args, megatron_lm, trees=None) -> dict:
+    """Every (seed, run), ``args.jobs`` at a time, each on ``trees[name]`` (default ``megatron_lm``):
+    {seed: {name: result}}; logs ``name`` or ``name_s<seed>``."""
+    trees = trees or {}
+
     def one(task):
         seed, name = task
         label = name if len(args.seeds) == 1 else f"{name}_s{seed}"
-        return task, run(name, args, megatron_lm, args.out, label=label,
+        return task, run(name, args, trees.get(name, megatron_lm), args.out, label=label,
                          more=() if seed == DEFAULT_SEED else ("--seed", str(seed)))
 
     tasks = [(seed, name) for seed in args.seeds for name in args.runs]
@@ -297,12 +379,15 @@ def run_all(args, megatron_lm) -> dict:
     return {seed: {name: done[(seed, name)] for name in args.runs} for seed in args.seeds}
 
 
-def summarize(results: dict, timed: bool) -> dict:
-    """One seed's rows: speed-up (when ``timed``) and loss gaps against that seed's ``muon``."""
+def summarize(results: dict, timed: bool, labels=None) -> dict:
+    """One seed's rows: speed-up (when ``timed``) and loss gaps against that seed's ``muon``; each row names
+    its tree (``labels``: {run: tree label}) and NS path."""
     base = results.get("muon") if "error" not in results.get("muon", {"error": 1}) else None
     rows = {}
     for name, r in results.items():
         row = {k: r.get(k) for k in ("median_ms", "median_tflops", "first_loss", "last_loss", "skipped", "nan", "qk_clip")}
+        row["tree"] = (labels or {}).get(name, "")
+        row["ns_path"] = NS_PATHS.get(name, "")
         if "error" in r:
             row["error"] = True
         elif base is not None and name != "muon":
@@ -342,20 +427,23 @@ def band_over_seeds(by_seed: dict) -> dict:
 def table_rows(rows: dict, timed: bool, label: str = "") -> list:
     out = []
     for name, row in rows.items():
+        where = f" {row.get('tree', '')} | {row.get('ns_path', '')} |"
         if row.get("error"):
-            out.append(f"| {label}{name} | failed | | | | | | | |")
+            out.append(f"| {label}{name} | failed | | | | | | | |{where}")
             continue
         gap = row.get("loss_gap_to_muon") or {}
         speed = (f"{row['median_ms']:.1f} | {row['median_tflops']:.1f} | {row.get('speedup_vs_muon', 1.0):.3f}"
                  if timed else "— | — | —")
         out.append(f"| {label}{name} | {speed} | {row['first_loss']:.4f} | {row['last_loss']:.4f} | "
-                   f"{gap.get('max_abs', 0.0):.4f} | {gap.get('last_abs', 0.0):.4f} | {row['skipped']} / {row['nan']} |")
+                   f"{gap.get('max_abs', 0.0):.4f} | {gap.get('last_abs', 0.0):.4f} | {row['skipped']} / {row['nan']} |{where}")
     return out
 
 
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--megatron-lm", default=os.path.join(ROOT, ".mlm"), help="Megatron-LM checkout (core_v0.19.0)")
+    p.add_argument("--megatron-lm-for", action="append", default=[], metavar="RUN=DIR",
+                   help="run RUN on the Megatron-LM tree DIR instead (repeatable; e.g. muon_lsm=.mlm_pr6683)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (data-parallel ranks)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--model", default="qwen7b-4l", choices=sorted(MODELS))
@@ -385,23 +473,35 @@ def main(argv=None) -> int:
     resolve_layers(args)
     timed = args.jobs == 1
     megatron_lm = os.path.abspath(args.megatron_lm)
+    trees = parse_tree_for(p, args.megatron_lm_for, RUNS)
     eo_version = emerging_optimizers_version()
-    no_syrk = syrk_refusal(eo_version, megatron_lm)
+    no_syrk = syrk_refusal(eo_version, trees.get(SYRK_RUN, megatron_lm))
     if args.runs is None:
         args.runs = DEFAULT_RUNS + ([SYRK_RUN] if no_syrk is None else [])
-    elif SYRK_RUN in args.runs and no_syrk:
-        p.error(f"--runs {SYRK_RUN}: {no_syrk}")
-    patch_megatron_lm_tree(p, "--megatron-lm", megatron_lm, subprocess.run)
+    for name in args.runs:
+        tree = trees.get(name, megatron_lm)
+        why = (syrk_refusal(eo_version, tree) if name in SYRK_RUNS else None) or (
+            tree_flag_refusal(tree, "--use-layer-sharding-muon", f"Megatron-LM PR #6683 has: --megatron-lm-for {name}="
+                              ".mlm_pr6683, docs/megatron_lm.md §1") if name in LSM_RUNS else None)
+        if why:
+            p.error(f"--runs {name}: {why}")
+    unknown = sorted(set(trees) - set(args.runs))
+    if unknown:
+        p.error(f"--megatron-lm-for names {', '.join(unknown)}, not among --runs ({' '.join(args.runs)})")
+    for name, tree in dict.fromkeys([megatron_lm, *trees.values()], None).items():
+        flag = "--megatron-lm" if name == megatron_lm else "--megatron-lm-for"
+        patch_megatron_lm_tree(p, flag, name, subprocess.run)
+    labels = {name: tree_label(trees.get(name, megatron_lm)) for name in args.runs}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    by_seed = run_all(args, megatron_lm)
-    rows_by_seed = {seed: summarize(results, timed) for seed, results in by_seed.items()}
+    by_seed = run_all(args, megatron_lm, trees)
+    rows_by_seed = {seed: summarize(results, timed, labels) for seed, results in by_seed.items()}
     summary = {"model": args.model, "gpus": args.nproc, "iters": args.iters, "qk_clip_threshold": args.qk_clip,
                "jobs": args.jobs, "timed": timed, "transformer_impl": args.transformer_impl,
                "fp8_format": args.fp8_format, "fp8_recipe": args.fp8_recipe if args.fp8_format else None,
                "fp8_param_gather": args.fp8_param_gather,
                "gradient_accumulation_fusion": args.gradient_accumulation_fusion, "layers": precision_label(args),
-               "emerging_optimizers": eo_version}
+               "emerging_optimizers": eo_version, "trees": labels}
     if len(args.seeds) == 1:
         (seed,) = args.seeds
         summary["seed"] = seed
@@ -419,9 +519,10 @@ def main(argv=None) -> int:
              "muon = Megatron's bf16 standard NS (medium), dmuon = DMuon's defaults (auto: Gram fp16 for wide "
              "matrices, standard bf16 for square), *_fp32ns = fp32 NS, dmuon_standard = DMuon's standard bf16 NS; "
              f"Megatron's Muon rows (muon*): Emerging-Optimizers {eo_version or 'not importable'}, without "
-             f"--muon-use-syrk except {SYRK_RUN}", "",
+             f"--muon-use-syrk except {', '.join(sorted(SYRK_RUNS))}", "",
              "| run | ms/iter (median, 2nd half) | TFLOP/s/GPU | speed-up vs muon | first loss | last loss | "
-             "max abs loss gap to muon | last-iteration gap | skipped / nan |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "max abs loss gap to muon | last-iteration gap | skipped / nan | tree | NS path |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for seed, rows in rows_by_seed.items():
         table += table_rows(rows, timed, "" if len(args.seeds) == 1 else f"seed {seed}: ")
     if args.qk_clip:
@@ -464,7 +565,8 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "megatron_lm_compare.json"), "w") as f:
             json.dump({"summary": summary, "iterations": iterations,
                        "flags": {"model": MODELS[args.model], "common": COMMON + layer_flags(args), "runs": RUNS,
-                                 "extra": args.extra}}, f, indent=1)
+                                 "extra": args.extra, "trees": {n: trees.get(n, megatron_lm) for n in args.runs}}},
+                      f, indent=1)
         with open(os.path.join(args.out, "megatron_lm_compare.md"), "w") as f:
             f.write(text + "\n")
     ok = all("error" not in r for results in by_seed.values() for r in results.values())

@@ -16,6 +16,14 @@
 #   metrics the Qwen 4-layer comparison with DMuon's metrics (TensorBoard) on and off, 2 seeds each (carry .whl_tb)
 #   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
 #   rb_scale  [scale-past-matrices] every GPU under the whole and split layouts, LayerWise and AdamW, then the scale table
+#   peer    [peer-best] Megatron-LM PR #6683's LayerShardedMuon beside the rest, one GPU: (a) the Qwen2.5-7B 4-layer shape,
+#           GBS 4, 20 iterations, TE layers, one run at a time: adam / muon / dmuon on $MLM, muon_lsm (PR_RUNS: e.g.
+#           "muon_lsm muon_lsm_syrk"; its SYRK autotunes ~1 min per shape before iteration 1) on $MLM_PR (default
+#           .mlm_pr6683); (b) bench/ns_kernels_vs_eo.py: DMuon's NS paths vs Emerging-Optimizers' newton_schulz (+SYRK on
+#           PEER_SYRK_SHAPES, default 12288x10240: its autotuning again) on every Muon shape of Qwen2.5-7B/32B. ~7 min on
+#           an H100 with MLM=.mlm_main; carry .te .whl .mlm_main .mlm_pr6683_overlay (the PR's tree as its
+#           difference from .mlm_main, rebuilt there: the two whole trees and .te pass 64 MiB) and .whl_eo040
+#           (Emerging-Optimizers 0.4.0 for SYRK)
 #   rb_cal, rb_startup, rb_emu  [balance-2, scale-emulation] bench/rank_balance.py: calibration grid, the start-up rank
 #           profile + MILP per layout, every GPU's owner step emulated under greedy / numel LPT / Megatron's LPT / MILP,
 #           and every GPU of Megatron-LM's LayerWise Muon and of its AdamW (TE not needed; carry .whl with megatron-core
@@ -91,6 +99,22 @@ for path in sorted(glob.glob(sys.argv[1] + "/**/events.out.tfevents.*", recursiv
     print(path, len(tags), "dmuon/ names:", {t: len(acc.Scalars(t)) for t in sorted(tags)})
 PY
       echo "== metrics tags"; cut -c1-400 "$R/metrics_tags.txt" ;;
+    peer)  # [peer-best] see the header; PEER_ITERS, PEER_SHAPES (default all), PEER_REPS; PEER_BUDGET (s, default 380):
+      # the kernel table starts no shape past it (the shapes left are rows that say so: rerun them with PEER_SHAPES)
+      local runs="adam muon ${PR_RUNS:-muon_lsm} dmuon" for_pr=() r pr=${MLM_PR:-.mlm_pr6683}
+      if [ ! -d "$pr" ] && [ -d .mlm_pr6683_overlay ]; then  # the PR's tree as its difference from $MLM (bench/tree_overlay.py)
+        python3 bench/tree_overlay.py apply --base "$MLM" --overlay .mlm_pr6683_overlay --out /tmp/mlm_pr6683 && pr=/tmp/mlm_pr6683
+      fi
+      for r in ${PR_RUNS:-muon_lsm}; do for_pr+=(--megatron-lm-for "$r=$pr"); done
+      python3 -c "import emerging_optimizers as e; print('Emerging-Optimizers', e.__version__)" 2>/dev/null || echo "Emerging-Optimizers: not importable"
+      compare peer_compare --model qwen7b-4l --iters ${PEER_ITERS:-20} --runs $runs "${for_pr[@]}" --timeout 300 \
+        --extra --global-batch-size 4
+      local t1=$(date +%s)
+      python3 bench/ns_kernels_vs_eo.py --device cuda --shapes ${PEER_SHAPES:-all} --syrk-shapes ${PEER_SYRK_SHAPES:-12288x10240} \
+        --reps ${PEER_REPS:-10} --warmup 3 --stop-after-s $(( ${PEER_BUDGET:-380} - (t1 - t0) - 40 )) \
+        --out-dir "$R/peer_kernels" > "$R/peer_kernels.log" 2>&1
+      echo "== peer_kernels rc=$? $(( $(date +%s) - t1 )) s"; cat "$R/peer_kernels/ns_kernels_vs_eo.md" 2>/dev/null | cut -c1-220
+      grep -h "Error" "$R/peer_kernels.log" | tail -3 ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
            --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
     quality)  # QSEEDS (default 1 2 3), QROWS (phase-2 rows, ';' between), QRESUME=PREFIX: PREFIX_{bf16,fp8}.json's runs are reused

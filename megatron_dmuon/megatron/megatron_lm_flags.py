@@ -50,6 +50,15 @@ MEGATRON_MUON_FLAGS = (
     Flag("--muon-use-syrk", None, "Megatron's Triton SYRK kernel for the symmetric products of its NS (same math); "
                                   "DMuon's NS kernels compute their symmetric products as such already, so under "
                                   "--optimizer dmuon it changes nothing", action="store_true"),
+    # Megatron-LM PR #6683 (LayerShardedMuon, --use-layer-sharding-muon): knobs of its NS homes in the TP x GTP
+    # domain, read only there; DMuon batches every owner's same-shape stack and runs its shape groups on streams
+    # of their own already, so under --optimizer dmuon they change nothing
+    Flag("--muon-ns-batch-size", None, "Megatron's LayerShardedMuon (PR #6683): same-shape matrices per batched NS; "
+                                       "DMuon batches whole same-shape stacks already, so under --optimizer dmuon it "
+                                       "changes nothing", default=1, type=int),
+    Flag("--muon-no-concurrent-groups", None, "Megatron's LayerShardedMuon (PR #6683): its param groups on one "
+                                              "stream; under --optimizer dmuon it changes nothing",
+         action="store_false", dest_name="muon_concurrent_groups"),
     Flag("--muon-extra-scale-factor", "muon.extra_scale", "extra factor on the Muon update",
          bounds=Bounds(0.0, low_open=True, fix="0 would freeze every Muon matrix and a negative factor ascends the "
                                                "loss; 0.2 with --muon-scale-mode spectral matches AdamW's update size")),
@@ -57,8 +66,8 @@ MEGATRON_MUON_FLAGS = (
          choices=MUON_SCALAR_OPTIMIZERS, type=str),
 )
 
-# How --optimizer dmuon treats every --muon-* flag of Megatron-LM's arguments.py (core_v0.19.0 and
-# main of 2026-08-22); tests/megatron/test_megatron_lm.py fails on a tree's flag missing here. A
+# How --optimizer dmuon treats every --muon-* flag of Megatron-LM's arguments.py (core_v0.19.0, main of
+# 2026-08-22, and PR #6683's head c10c099); tests/megatron/test_megatron_lm.py fails on a tree's flag missing here. A
 # --muon-* flag a newer tree adds is refused at start-up when set (``refuse_unknown_muon_flags``).
 MUON_FLAG_HANDLING = {
     "--muon-momentum": "honoured",
@@ -73,6 +82,10 @@ MUON_FLAG_HANDLING = {
                       "(except --dmuon-mode megatron_layerwise); other modes refused",
     "--muon-use-syrk": "accepted, changes nothing: a kernel choice of the same math (Megatron's needs "
                        "Emerging-Optimizers >= 0.4); DMuon's kernels are symmetric already",
+    "--muon-ns-batch-size": "accepted, changes nothing: Megatron's LayerShardedMuon batching (PR #6683, read only "
+                            "with --use-layer-sharding-muon); DMuon batches every same-shape stack already",
+    "--muon-no-concurrent-groups": "accepted, changes nothing: Megatron's LayerShardedMuon streams (PR #6683); "
+                                   "DMuon runs its shape groups on streams of their own already",
     "--muon-extra-scale-factor": "honoured",
     "--muon-scalar-optimizer": "honoured: adam; lion refused",
 }

@@ -45,19 +45,32 @@ def _checkout():
     return path if os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")) else None
 
 
-@pytest.mark.skipif(_checkout() is None, reason="no Megatron-LM checkout ($DMUON_MEGATRON_LM or .mlm/)")
+def _pr6683_checkout():
+    """Megatron-LM PR #6683's tree (LayerShardedMuon): $DMUON_MEGATRON_LM_PR6683 or .mlm_pr6683/."""
+    path = os.environ.get("DMUON_MEGATRON_LM_PR6683") or os.path.join(ROOT, ".mlm_pr6683")
+    return path if os.path.isfile(os.path.join(path, "megatron", "training", "arguments.py")) else None
+
+
+def _tree_for(run):
+    return _pr6683_checkout() if run in bench.LSM_RUNS else _checkout()
+
+
 @pytest.mark.parametrize("run", sorted(bench.RUNS))
 def test_every_run_parses_with_megatron_lm(run):
+    """(muon_lsm*: on PR #6683's tree, which has --use-layer-sharding-muon; the rest on $DMUON_MEGATRON_LM / .mlm/)"""
+    if _tree_for(run) is None:
+        pytest.skip("no Megatron-LM checkout ($DMUON_MEGATRON_LM or .mlm/; muon_lsm*: $DMUON_MEGATRON_LM_PR6683 or "
+                    ".mlm_pr6683/)")
     argv = [*bench.MODELS["qwen7b-4l"], *bench.COMMON, *bench.NO_TE, "--train-iters", "30", *bench.RUNS[run]]
     script = ("import sys, typing\ntyping.override = getattr(typing, 'override', lambda f: f)\n"
               "import megatron_dmuon.megatron as dm; dm.install()\n"
               "from megatron.training.arguments import parse_and_validate_args\n"
               "args = parse_and_validate_args(args_defaults={'tokenizer_type': 'GPT2BPETokenizer'})\n"
               "print('OK', args.optimizer, args.use_distributed_optimizer, args.log_throughput)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_checkout(), ROOT]), WORLD_SIZE="2", RANK="0",
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_tree_for(run), ROOT]), WORLD_SIZE="2", RANK="0",
                PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env,
-                          cwd=_checkout(), timeout=300)
+                          cwd=_tree_for(run), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     optimizer, distributed, throughput = proc.stdout.split("OK ")[-1].split()
     assert optimizer == bench.RUNS[run][1] and throughput == "True"
@@ -143,6 +156,75 @@ def test_megatrons_syrk_row_joins_where_it_can_run(tmp_path, monkeypatch, capsys
         with pytest.raises(SystemExit):
             bench.main(["--megatron-lm", str(tmp_path), "--iters", "4", "--runs", "muon", "muon_syrk"])
         assert "--runs muon_syrk: " in capsys.readouterr().err
+
+
+def _fake_tree(path, flags, commit=None):
+    (path / "megatron" / "training").mkdir(parents=True)
+    (path / "megatron" / "training" / "arguments.py").write_text(
+        "".join(f"group.add_argument('{flag}', action='store_true')\n" for flag in flags))
+    if commit:
+        (path / "COMMIT").write_text(commit + "\n")
+    return str(path)
+
+
+def test_megatron_lm_for_runs_each_row_on_its_tree(tmp_path, monkeypatch, capsys):
+    """--megatron-lm-for RUN=DIR: that run's command line starts DIR's pretrain_gpt.py through DMuon's launcher,
+    in DIR, with DIR on PYTHONPATH; every other run on --megatron-lm; each tree patched once; every row names its
+    tree and NS path; a run whose tree lacks its flag, or a bad RUN=DIR, is one usage line before any run."""
+    main = _fake_tree(tmp_path / "main", ["--muon-use-syrk"])
+    pr = _fake_tree(tmp_path / "pr", ["--muon-use-syrk", "--use-layer-sharding-muon"], commit="c10c0996538cad9f3fc6")
+    jobs, patched = [], []
+
+    def fake_harness_run(job):
+        jobs.append(job)
+        iters = int(job.flags[job.flags.index("--train-iters") + 1])
+        log = "\n".join(LOG.splitlines()[0].replace("iteration        1/", f"iteration {i:8d}/")
+                        for i in range(1, iters + 1))
+        return {"output": log, "returncode": 0}
+
+    monkeypatch.setattr(bench.harness, "run", fake_harness_run)
+    monkeypatch.setattr(bench, "emerging_optimizers_version", lambda: "0.4.0")
+    monkeypatch.setattr(bench.subprocess, "run", lambda argv, **k: patched.append(argv[-1]))  # patches/apply.sh
+    runs = ["adam", "muon", "muon_lsm", "muon_lsm_syrk", "dmuon"]
+    out = tmp_path / "out"
+    assert bench.main(["--megatron-lm", main, "--megatron-lm-for", f"muon_lsm={pr}", "--megatron-lm-for",
+                       f"muon_lsm_syrk={pr}", "--runs", *runs, "--iters", "3", "--transformer-impl", "local",
+                       "--out", str(out), "--extra", "--global-batch-size", "4"]) == 0
+    assert patched == [main, pr]
+    assert [j.flags[j.flags.index("--optimizer") + 1] for j in jobs] == ["adam", "muon", "muon", "muon", "dmuon"]
+    for name, job in zip(runs, jobs):
+        tree = pr if name.startswith("muon_lsm") else main
+        assert job.program == ["-m", "megatron_dmuon.megatron.run", os.path.join(tree, "pretrain_gpt.py")]
+        assert job.cwd == tree and job.env["PYTHONPATH"].split(os.pathsep)[:2] == [ROOT, tree]
+        assert job.flags == [*bench.MODELS["qwen7b-4l"], *bench.COMMON, *bench.NO_TE, "--train-iters", "3",
+                             *bench.RUNS[name], "--global-batch-size", "4"]
+    lsm = jobs[2].flags
+    assert "--use-layer-sharding-muon" in lsm and "--muon-no-split-qkv" in lsm and "--muon-use-syrk" not in lsm
+    assert lsm[lsm.index("--muon-ns-batch-size") + 1] == "32"
+    syrk = jobs[3].flags
+    assert "--muon-use-syrk" in syrk and syrk[syrk.index("--muon-ns-batch-size") + 1] == "1"
+    table = (out / "megatron_lm_compare.md").read_text()
+    assert "| muon_lsm | " in table and "| pr c10c099653 | PR #6683: EO newton_schulz bf16, batched" in table
+    assert "| dmuon | " in table and "| main | DMuon: auto (Gram fp16 wide, standard bf16 square)" in table
+    summary = __import__("json").loads((out / "megatron_lm_compare.json").read_text())["summary"]
+    assert summary["trees"] == {"adam": "main", "muon": "main", "muon_lsm": "pr c10c099653",
+                                "muon_lsm_syrk": "pr c10c099653", "dmuon": "main"}
+    # refused before any run, one line naming the flag and the fix
+    jobs.clear()
+    for argv, said in [(["--runs", "muon", "muon_lsm"], "--runs muon_lsm: the Megatron-LM tree"),
+                       (["--runs", "muon_lsm", "--megatron-lm-for", "muon_lsm"], "give RUN=DIR"),
+                       (["--runs", "muon", "--megatron-lm-for", f"nope={pr}"], "no run 'nope'"),
+                       (["--runs", "muon_lsm", "--megatron-lm-for", f"muon_lsm={tmp_path}"], "is not a Megatron-LM tree"),
+                       (["--runs", "muon", "--megatron-lm-for", f"muon_lsm={pr}"], "not among --runs")]:
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--megatron-lm", main, "--iters", "3", "--transformer-impl", "local", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setattr(bench, "emerging_optimizers_version", lambda: "0.3.0")
+    with pytest.raises(SystemExit):
+        bench.main(["--megatron-lm", main, "--runs", "muon_lsm_syrk", "--megatron-lm-for", f"muon_lsm_syrk={pr}"])
+    assert "--runs muon_lsm_syrk: Megatron's --muon-use-syrk needs Emerging-Optimizers >= 0.4.0" in capsys.readouterr().err
+    assert jobs == []
 
 
 def test_seeds_give_each_run_its_gap_beside_that_seeds_band(tmp_path, monkeypatch):

@@ -12,6 +12,12 @@ if ls "$_here"/.whl/*.whl >/dev/null 2>&1 && [ ! -e "$SITE/.dmuon_whl_done" ]; t
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$_here"/.whl/*.whl \
     && touch "$SITE/.dmuon_whl_done"
 fi
+# Optional: Emerging-Optimizers 0.4.0 (Megatron's --muon-use-syrk needs it) over .whl's 0.3.0 where .whl_eo040 holds
+# its wheel (made here: docs/megatron_lm.md §1); after .whl's install, with a marker of its own
+if ls "$_here"/.whl_eo040/*.whl >/dev/null 2>&1 && [ ! -e "$SITE/.dmuon_eo040_done" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --ignore-requires-python --target "$SITE" \
+    "$_here"/.whl_eo040/*.whl && touch "$SITE/.dmuon_eo040_done"
+fi
 if [ -d "$_here/.te" ]; then
   source "$_here/.te/install.sh" || echo "setup_h200.sh: Transformer Engine did not install (the TE tests will skip)" >&2
 fi
