@@ -24,7 +24,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # installed with their dependencies (setup_env.sh's pip lines)
-WITH_DEPS = ["torch", "numpy", "packaging", "triton", "mip", "psutil", "scipy", "einops", "tensorboard", "pytest",
+WITH_DEPS = ["torch", "numpy", "packaging", "triton", "mip", "psutil", "scipy", "einops", "tensorboard", "wandb", "pytest",
              "pytest-timeout", "matplotlib"]
 # installed with --no-deps (megatron-core declares Python >= 3.12 and many optional extras)
 NO_DEPS = ["megatron-core", "emerging-optimizers", "absl-py"]

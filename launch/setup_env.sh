@@ -40,7 +40,7 @@ if [ "$stale" -eq 1 ] || [ "$whole" -eq 0 ]; then
     [ "${#args[@]}" -eq 0 ] || pip_q "${args[@]}"
   done <<< "$repairs"
   if [ "$stale" -eq 1 ]; then
-    pip_q numpy "packaging>=24.2" triton mip psutil scipy einops pytest pytest-timeout matplotlib tensorboard
+    pip_q numpy "packaging>=24.2" triton mip psutil scipy einops pytest pytest-timeout matplotlib tensorboard wandb
   fi
   # On 3.11 emerging-optimizers lacks only typing.override (3.12's no-op marker), which megatron-core
   # imports through it at `import megatron.core`: this venv gets typing_extensions' at start-up (a .pth)

@@ -30,21 +30,67 @@ def test_the_table_in_the_docs_is_the_codes():
     assert len(set(NAMES)) == len(NAMES) and all(n.startswith("dmuon/") for n in NAMES)
 
 
+def has_wandb() -> bool:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def tensorboard_run(tmp_path_factory):
+    """One main-job run writing to TensorBoard and, where the package is installed, to W&B offline
+    (the run files stay in --wandb-save-dir)."""
     pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install tensorboard)")
     out = tmp_path_factory.mktemp("tb")
+    wandb_flags = ["--wandb-project", "dmuon-test", "--wandb-save-dir", str(out / "wb")] if has_wandb() else []
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # (no key needed: test_wandb_offline_run_files)
     proc = run_main_job([*SMALL, "--train-iters", "4", "--log-interval", "2", "--dmuon-ns-check-interval", "1",
-                         "--tensorboard-dir", str(out / "tb")])
+                         "--tensorboard-dir", str(out / "tb"), *wandb_flags], env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out / "tb", proc.stdout
+    return out / "tb", proc.stdout, (out / "wb" if wandb_flags else None)
+
+
+def printed_metrics(stdout: str) -> list:
+    """The ``> dmuon metrics {...}`` lines rank 0 prints at each logged iteration."""
+    return [json.loads(line.split(" ", 3)[3]) for line in stdout.splitlines() if line.startswith("> dmuon metrics ")]
+
+
+def wandb_history(path) -> list:
+    """Every history row of an offline W&B run file (``run-*.wandb``), read as W&B writes it: after a
+    7-byte ':W&B' header, LevelDB-log records in 32 KiB blocks ([crc:4][length:2][type:1][data]; type 1
+    whole, 2/3/4 first/middle/last piece), each record a ``wandb_internal_pb2.Record``."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", data[:7]
+    block, pos, pending, rows = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a record header is padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
 
 
 def test_the_main_job_writes_every_metric_at_every_log_interval(tensorboard_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    log_dir, stdout = tensorboard_run
-    printed = [json.loads(line.split(" ", 3)[3]) for line in stdout.splitlines() if line.startswith("> dmuon metrics ")]
+    log_dir, stdout, _ = tensorboard_run
+    printed = printed_metrics(stdout)
     assert [p["iteration"] for p in printed] == [1, 2, 4]  # the logged iterations (the first, then every 2nd)
     events = EventAccumulator(str(log_dir))
     events.Reload()
@@ -59,6 +105,22 @@ def test_the_main_job_writes_every_metric_at_every_log_interval(tensorboard_run)
     assert last["dmuon/optimizer_ms_slowest_rank"] >= last["dmuon/optimizer_ms_mean_rank"] > 0
     assert last["dmuon/rank_imbalance"] >= 1.0 and last["dmuon/ns_check_worst"] > -1.0
     assert last["dmuon/publish_bytes"] > 0 and last["dmuon/skipped_iterations"] == 0
+
+
+def test_the_main_job_writes_every_metric_to_wandb_offline_at_every_log_interval(tensorboard_run):
+    _, stdout, save_dir = tensorboard_run
+    if save_dir is None:
+        pytest.skip("the wandb package is not installed (pip install wandb)")
+    runs = sorted(save_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs  # rank 0 writes, offline: no API key
+    history = {row["_step"]: row for row in wandb_history(runs[0])}
+    printed = printed_metrics(stdout)
+    assert sorted(history) == [p["iteration"] for p in printed] == [1, 2, 4]
+    for line in printed:  # what W&B holds is what the run printed
+        row = history[line["iteration"]]
+        assert set(NAMES) | {"lm loss", "learning-rate"} <= set(row), set(NAMES) - set(row)
+        for name in NAMES:
+            assert row[name] == pytest.approx(line[name], rel=1e-6, abs=1e-6), name
 
 
 def test_the_metrics_read_no_device_value_inside_the_step():
