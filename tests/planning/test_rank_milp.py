@@ -352,6 +352,7 @@ def test_rank_balance_bench_runs_on_cpu(tmp_path):
                                      str(tmp_path / "calibrate.json"), "--milp-time-limit", "2"])):
         rb.main([mode, "--layouts", "tiny/dp2/one", "tiny-moe/dp4/ep2/one", "--rounds", "1", "--iters", "1",
                  "--warmup", "1", "--device", "cpu", "--out", str(tmp_path / mode), *extra])  # (a usage error: SystemExit)
+        assert (tmp_path / f"{mode}.json").is_file() and (tmp_path / f"{mode}.md").is_file(), mode
     cal = json.loads((tmp_path / "calibrate.json").read_text())
     fitted = RankCostModel.from_calibration(cal, device_spec("H200"))
     assert fitted.stacks and len(fitted.adamw_points) == 4 and fitted.meta["multi_points"] >= 1  # (CPU: no rates)

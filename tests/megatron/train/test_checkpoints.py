@@ -60,8 +60,9 @@ def test_a_tracker_naming_a_lost_iteration_names_the_last_complete_one(adam, cap
     broken = stop_at(tmp / "full", tmp / "lost", 8)
     shutil.rmtree(broken / "iter_0000008")
     err = main_job_refusal(["--optimizer", "adam", "--load", broken, "--parse-only"], capsys)  # exit 2, one error
-    assert "names iteration 8, but" in err and "is missing" in err
+    assert f"{broken / 'latest_checkpointed_iteration.txt'} names iteration 8, but" in err and "is missing" in err, err
     assert "the last complete checkpoint there is iteration 4: write 4 into" in err
+    assert "Traceback" not in err, err
 
 
 # ----------------------------------------------------------------- DMuon: another owner plan

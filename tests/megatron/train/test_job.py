@@ -102,5 +102,6 @@ def test_megatron_layerwise_baseline_needs_bf16(tmp_path, capsys, monkeypatch):
     out = tmp_path / "timing.json"
     err = main_job_refusal(["--train-iters", "2", "--lr-warmup-iters", "1", "--eval-iters", "0",
                             "--dmuon-mode", "megatron_layerwise", "--timing-json", out], capsys)  # exit 2, one error
-    assert "megatron_layerwise runs Megatron's LayerWise distributed Muon" in err
+    assert err.startswith("--dmuon-mode megatron_layerwise runs Megatron's LayerWise distributed Muon"), err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err  # one usage line
     assert "add --bf16" in err and not out.exists()
