@@ -137,14 +137,15 @@ def test_hierarchical_two_nodes_by_two_ranks_matches_reference():
     assert b["inter_node_bytes"] == pytest.approx(b["total_bytes"] / 3)
 
 
-def test_dmuon_verify_cli_passes_at_dp4():
-    import subprocess
-    import sys
+def test_dmuon_verify_cli_passes_at_dp4(capsys):
+    # the CLI's main in this process, its ranks forked from the tests' fork server (its `-m` entry
+    # point: test_dmuon_verify_under_torchrun below)
+    from megatron_dmuon.testing.verify_cli import main
 
-    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.testing.verify_cli", "--dp", "4", "--steps", "4", "--json"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    code = main(["--dp", "4", "--steps", "4", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-2000:]
+    report = json.loads(out.strip().splitlines()[-1])
     assert report["ok"] and report["dp"] == 4 and report["each_matrix_once"]
     assert report["max_rel_diff"] <= 1e-6
 

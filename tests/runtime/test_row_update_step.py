@@ -1,8 +1,6 @@
 """DMuon with --dmuon-update normuon / dion3 on real megatron-core (gloo, CPU) against the
 single-process reference (testing/reference.py: the rule one matrix at a time, no sharding)."""
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -70,11 +68,15 @@ def test_dion3_per_split_piece_matches_reference():
 
 
 @pytest.mark.parametrize("update", ["dion3", "normuon"])
-def test_dmuon_verify_cli_passes_for_row_rules(update):
-    proc = subprocess.run([sys.executable, "-m", "megatron_dmuon.testing.verify_cli", "--dp", "2", "--update", update,
-                           "--steps", "3", "--json"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_dmuon_verify_cli_passes_for_row_rules(update, capsys):
+    # the CLI's main in this process: its ranks fork from the tests' fork server (the `-m` entry point
+    # runs under torchrun in tests/runtime/test_dp_exchange.py::test_dmuon_verify_under_torchrun)
+    from megatron_dmuon.testing.verify_cli import main
+
+    code = main(["--dp", "2", "--update", update, "--steps", "3", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-2000:]
+    report = json.loads(out.strip().splitlines()[-1])
     assert report["ok"] and report["update"] == update and report["each_matrix_once"]
     assert report["max_rel_diff"] <= FP32_TOL
 

@@ -10,13 +10,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
+from megatron_dmuon.testing.usage_errors import main_job_refusal
 from tests import ROOT
-from tests.megatron.train.main_job import JOB, SMALL, job, losses, same_tensors, stop_at, summary, tensors
+from tests.megatron.train.main_job import SMALL, job, losses, same_tensors, stop_at, summary, tensors
 
 
 # ------------------------------------------------------------------------- the AdamW baseline
@@ -53,15 +53,16 @@ def test_a_loaded_iteration_at_train_iters_trains_nothing_and_says_so(adam):
     assert s["trained_iterations"] == 0 and s["iteration"] == 8 and s["val_loss"] is not None
 
 
-def test_a_tracker_naming_a_lost_iteration_names_the_last_complete_one(adam, capsys):
+def test_a_tracker_naming_a_lost_iteration_names_the_last_complete_one(adam, capsys, monkeypatch):
+    """(the start-up checks in this process, as --parse-only runs them: main_job_refusal)"""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     tmp, _, _ = adam
     broken = stop_at(tmp / "full", tmp / "lost", 8)
     shutil.rmtree(broken / "iter_0000008")
-    proc = subprocess.run([sys.executable, *JOB, "--optimizer", "adam", "--load", str(broken), "--parse-only"],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    assert proc.returncode == 2
-    assert "names iteration 8, but" in proc.stderr and "is missing" in proc.stderr
-    assert "the last complete checkpoint there is iteration 4: write 4 into" in proc.stderr
+    err = main_job_refusal(["--optimizer", "adam", "--load", broken, "--parse-only"], capsys)  # exit 2, one error
+    assert f"{broken / 'latest_checkpointed_iteration.txt'} names iteration 8, but" in err and "is missing" in err, err
+    assert "the last complete checkpoint there is iteration 4: write 4 into" in err
+    assert "Traceback" not in err, err
 
 
 # ----------------------------------------------------------------- DMuon: another owner plan
@@ -236,16 +237,17 @@ def test_an_unwritable_timing_json_fails_the_run_by_name():
     assert summary(run)["trained_iterations"] == 3 and "OSError" not in run.stderr  # (torchrun adds its own report)
 
 
-def test_an_adam_checkpoint_under_dmuon_is_one_error_naming_no_load_optim(adam):
+def test_an_adam_checkpoint_under_dmuon_is_one_error_naming_no_load_optim(adam, capsys, monkeypatch):
     """The AdamW baseline's checkpoint under --optimizer dmuon was a traceback; now one error
     (the job exits 2; torchrun, as for any failed child, 1) whose advice, --no-load-optim, the job has
     (test_a_longer_resume_... runs it)."""
     run = job("--train-iters", 8, "--load", adam[0] / "full", "--use-checkpoint-opt_param-scheduler", expect=1)
     assert run.stderr.count("dmuon-train: error: --load") == 1 and "--no-load-optim" in run.stderr, run.stderr[-2000:]
     assert "raise CheckpointMismatchError" not in run.stderr
-    # the same refusal at start-up, before the schedule's (the optimizer is the first thing that differs)
-    err = subprocess.run([sys.executable, *JOB, *SMALL, "--train-iters", "20", "--load", str(adam[0] / "full"),
-                          "--parse-only"], capture_output=True, text=True, timeout=300).stderr
+    # the same refusal at start-up, before the schedule's (the optimizer is the first thing that differs;
+    # the start-up checks in this process, as --parse-only runs them)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = main_job_refusal([*SMALL, "--train-iters", "20", "--load", adam[0] / "full", "--parse-only"], capsys)
     assert "was written by --optimizer adam, with no Muon momenta to keep: load the model only (--no-load-optim)" \
         in err and "lr/wd schedule differs" not in err, err[-2000:]
 

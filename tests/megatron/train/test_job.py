@@ -1,9 +1,6 @@
 """The README's main job (the package trainer megatron_dmuon/megatron/train/, through its CPU entry
 megatron_dmuon.testing.cpu_train) under torchrun on 2 CPU ranks (gloo)."""
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -95,20 +92,16 @@ def test_megatron_layerwise_baseline_is_megatrons_layerwise_muon_at_dp2(tmp_path
         "every matrix": "Megatron's standard NS (quintic, 5 steps, fp32 matmul precision high)"}
 
 
-def test_megatron_layerwise_baseline_needs_bf16(tmp_path):
-    """Refused at parse time (exit 2, one usage line), not by a ValueError on every rank once built."""
+def test_megatron_layerwise_baseline_needs_bf16(tmp_path, capsys, monkeypatch):
+    """Refused at parse time (exit 2, one usage line), not by a ValueError on every rank once built
+    (the job's start-up checks in this process, as one rank of a 1-rank run runs them first)."""
+    from megatron_dmuon.testing.usage_errors import main_job_refusal
+
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(name, value)
     out = tmp_path / "timing.json"
-    cmd = [sys.executable, "-m", "megatron_dmuon.testing.cpu_train", "--train-iters", "2",
-           "--lr-warmup-iters", "1", "--eval-iters", "0", "--dmuon-mode", "megatron_layerwise", "--timing-json", str(out)]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 2 and "megatron_layerwise runs Megatron's LayerWise distributed Muon" in proc.stderr
-    assert "error:" in proc.stderr and "Traceback" not in proc.stderr
-    assert "add --bf16" in proc.stderr and not out.exists()
-
-
-def _free_port():
-    from megatron_dmuon.testing.multiproc import free_port
-
-    return free_port()
+    err = main_job_refusal(["--train-iters", "2", "--lr-warmup-iters", "1", "--eval-iters", "0",
+                            "--dmuon-mode", "megatron_layerwise", "--timing-json", out], capsys)  # exit 2, one error
+    assert err.startswith("--dmuon-mode megatron_layerwise runs Megatron's LayerWise distributed Muon"), err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err  # one usage line
+    assert "add --bf16" in err and not out.exists()

@@ -9,6 +9,7 @@ import uuid
 
 import torch
 
+from megatron_dmuon.testing.multiproc import run_main_job
 from megatron_dmuon.testing.processes import kill_marked, left_behind
 
 ARGS = ["--train-iters", "10", "--log-interval", "1", "--seq-length", "32", "--hidden-size", "64",
@@ -48,8 +49,17 @@ def _final_state(tmp_path, name):
     return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
 
 
+def _uninterrupted(tmp_path, name):
+    """The reference: the same job, never interrupted, on ranks forked from the tests' fork server
+    (testing/multiproc.run_main_job: torchrun's environment; what is tested here is the restart under
+    the real torchrun, not the reference's launcher)."""
+    proc = run_main_job([*ARGS, "--save", str(tmp_path / name)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("> summary ") == 1, proc.stdout[-3000:]
+
+
 def test_killed_rank_restarts_from_the_checkpoint_and_ends_equal(tmp_path):
-    _torchrun(tmp_path, "uninterrupted")
+    _uninterrupted(tmp_path, "uninterrupted")
     log = _torchrun(tmp_path, "killed", "--load", str(tmp_path / "killed"), "--fail-at-iteration", "7")
     assert "fault injection: SIGKILL rank 1 at iteration 7" in log
     assert "loaded checkpoint" in log and "iter_0000005 at iteration 5" in log
