@@ -13,6 +13,7 @@
 #   overlap_e2e, overlap_mlm  --dmuon-overlap-step off/sync/on beside AdamW (and Megatron's Muon) with comm overlap, Qwen 4-layer
 #   e2e     bench/e2e.py (the main job, TE layers) at the Qwen 4-layer shape: adam / dmuon / megatron_layerwise
 #   quality bench/quality.py small model with TE, 400 iterations, 3 seeds: AdamW, DMuon, Megatron's Muon; bf16, FP8
+#   peer_metrics  peer's compare rows and metrics on/off in one compare, two seeds each (carry .whl_tb, .mlm_pr6683_overlay)
 #   metrics the Qwen 4-layer comparison with DMuon's metrics (TensorBoard) on and off, 2 seeds each (carry .whl_tb)
 #   gemm_probe  fp32 X X^T of a stack (bmm) against each matrix alone (mm): do they round alike?
 #   rb_scale  [scale-past-matrices] every GPU under the whole and split layouts, LayerWise and AdamW, then the scale table
@@ -41,6 +42,17 @@ compare() {  # name, compare.py args...
   local t0=$(date +%s)
   python3 bench/megatron_lm_compare.py --megatron-lm "$MLM" --out "$R/$name" "$@" > "$R/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 )) s"; grep -v "^\\$\|^ \[\|iteration " "$R/$name.log" | grep "|\|vs\|failed" | tail -14 | cut -c1-260
+}
+tb_tags() {  # the dmuon/ names (and how many values each) of the TensorBoard event files dmuon_metrics runs wrote
+  python3 - "${TMPDIR:-/tmp}/dmuon_metrics_tb" > "$R/metrics_tags.txt" 2>&1 <<'PY'
+import glob, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+for path in sorted(glob.glob(sys.argv[1] + "/**/events.out.tfevents.*", recursive=True)):
+    acc = EventAccumulator(path, size_guidance={"scalars": 0}); acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.startswith("dmuon/")]
+    print(path, len(tags), "dmuon/ names:", {t: len(acc.Scalars(t)) for t in sorted(tags)})
+PY
+  echo "== metrics tags"; cut -c1-400 "$R/metrics_tags.txt"
 }
 run_part() {
   local part=$1 t0=$(date +%s)
@@ -90,15 +102,7 @@ run_part() {
       rm -rf "${TMPDIR:-/tmp}/dmuon_metrics_tb"
       compare metrics_onoff --model qwen7b-4l --iters ${MITERS:-12} --runs dmuon dmuon_metrics --seeds 1234 2345 \
         --timeout 300 --extra --global-batch-size 4
-      python3 - "${TMPDIR:-/tmp}/dmuon_metrics_tb" > "$R/metrics_tags.txt" 2>&1 <<'PY'
-import collections, glob, sys
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-for path in sorted(glob.glob(sys.argv[1] + "/**/events.out.tfevents.*", recursive=True)):
-    acc = EventAccumulator(path, size_guidance={"scalars": 0}); acc.Reload()
-    tags = [t for t in acc.Tags()["scalars"] if t.startswith("dmuon/")]
-    print(path, len(tags), "dmuon/ names:", {t: len(acc.Scalars(t)) for t in sorted(tags)})
-PY
-      echo "== metrics tags"; cut -c1-400 "$R/metrics_tags.txt" ;;
+      tb_tags ;;
     peer)  # [peer-best] see the header; PEER_ITERS, PEER_SHAPES (default all), PEER_REPS; PEER_BUDGET (s, default 380):
       # the kernel table starts no shape past it (the shapes left are rows that say so: rerun them with PEER_SHAPES)
       local runs="adam muon ${PR_RUNS:-muon_lsm} dmuon" for_pr=() r pr=${MLM_PR:-.mlm_pr6683}
@@ -115,6 +119,18 @@ PY
         --out-dir "$R/peer_kernels" > "$R/peer_kernels.log" 2>&1
       echo "== peer_kernels rc=$? $(( $(date +%s) - t1 )) s"; cat "$R/peer_kernels/ns_kernels_vs_eo.md" 2>/dev/null | cut -c1-220
       grep -h "Error" "$R/peer_kernels.log" | tail -3 ;;
+    peer_metrics)  # [peer-best] + [metrics] in one compare when device time is short: adam, Megatron main's Muon, PR #6683's
+      # (muon_lsm), DMuon, and DMuon with its metrics on (TensorBoard), each at two seeds (the run-to-run spread)
+      local pr=${MLM_PR:-.mlm_pr6683}
+      if [ ! -d "$pr" ] && [ -d .mlm_pr6683_overlay ]; then
+        python3 bench/tree_overlay.py apply --base "$MLM" --overlay .mlm_pr6683_overlay --out /tmp/mlm_pr6683 && pr=/tmp/mlm_pr6683
+      fi
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl_tb/*.whl \
+        > "$R/tb_install.log" 2>&1; echo "== tensorboard wheels rc=$?"
+      rm -rf "${TMPDIR:-/tmp}/dmuon_metrics_tb"
+      compare peer_metrics --model qwen7b-4l --iters ${PM_ITERS:-15} --runs adam muon muon_lsm dmuon dmuon_metrics \
+        --megatron-lm-for "muon_lsm=$pr" --seeds 1234 2345 --timeout 300 --extra --global-batch-size 4
+      tb_tags ;;
     e2e) python3 bench/e2e.py --preset qwen7b-4l --iters 12 --modes adam dmuon megatron_layerwise \
            --extra --global-batch-size 4 > "$R/e2e.log" 2>&1; echo "== e2e rc=$?"; grep "^|" "$R/e2e.log" ;;
     quality)  # QSEEDS (default 1 2 3), QROWS (phase-2 rows, ';' between), QRESUME=PREFIX: PREFIX_{bf16,fp8}.json's runs are reused
@@ -199,7 +215,7 @@ PY
 }
 # DEADLINE=S (seconds from the start, set-up included): parts still running then are stopped, and what they
 # wrote is archived
-export -f run_part compare; export R OUT MLM
+export -f run_part compare tb_tags; export R OUT MLM
 end=$(( started + ${DEADLINE:-100000} ))
 for group in "$@"; do
   pids=()
