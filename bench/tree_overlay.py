@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_inputs import OneLineParser, read_json  # noqa: E402
 
 MANIFEST = "OVERLAY.json"
+APPLIED = ".tree_overlay_applied"  # in a tree apply wrote: the only existing --out apply replaces
 
 
 def files_under(root: str) -> dict:
@@ -65,9 +66,10 @@ def apply(parser, base: str, overlay: str, out: str) -> dict:
     if wrong:
         parser.error(f"--base {base} is not the tree the overlay was made against ({len(wrong)} file(s) differ, "
                      f"e.g. {wrong[0]}); give that tree (docs/megatron_lm.md §1)")
-    if os.path.exists(out):
+    if os.path.exists(out):  # only a tree this command wrote before is replaced (checked in main)
         shutil.rmtree(out)
     shutil.copytree(base, out, symlinks=False, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    open(os.path.join(out, APPLIED), "w").close()
     for rel in manifest["deleted"]:
         os.remove(os.path.join(out, rel))
     for rel in manifest["changed"]:
@@ -97,6 +99,12 @@ def main(argv=None) -> int:
             p.error(f"--out {args.out} exists and is not empty; give a new folder")
         done = make(args.base, args.tree, args.out)
     else:
+        out, inputs = os.path.realpath(args.out), [os.path.realpath(args.base), os.path.realpath(args.overlay)]
+        if any(out == i or out.startswith(i + os.sep) or i.startswith(out + os.sep) for i in inputs):
+            p.error(f"--out {args.out} overlaps --base or --overlay; give a folder of its own")
+        if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) \
+                and not os.path.isfile(os.path.join(out, APPLIED)):
+            p.error(f"--out {args.out} exists and is not a tree this command wrote; give a new folder")
         done = apply(p, args.base, args.overlay, args.out)
     print(f"tree_overlay.py {args.command}: {len(done['changed'])} file(s) changed or added, "
           f"{len(done['deleted'])} deleted")
