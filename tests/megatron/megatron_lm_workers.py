@@ -11,11 +11,14 @@ import typing
 typing.override = getattr(typing, "override", lambda f: f)  # Megatron-LM needs Python 3.12's typing.override
 
 
-def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max_logits=False):
+def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max_logits=False, log=False):
     """``iters`` of Megatron-LM's train_step (after a ``--load``, from the loaded iteration on);
     ``save_at``: Megatron-LM's own save_checkpoint once the loop reaches that iteration (to ``--save``;
     ``save_at`` = the loaded iteration: right after the load, before any step);
-    ``local_max_logits``: the local attention records the max logits `--qk-clip` needs."""
+    ``local_max_logits``: the local attention records the max logits `--qk-clip` needs;
+    ``log``: after each step, Megatron-LM's ``training.training_log`` as its ``train()`` calls it (with
+    the hook installed, the wrapped one), into the writers its argument parsing made (TensorBoard on
+    the last rank)."""
     import megatron_dmuon.megatron as dm
 
     if local_max_logits:
@@ -50,14 +53,24 @@ def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max
     config.grad_scale_func, config.finalize_model_grads_func = optimizer.scale_loss, finalize_model_grads
     data, _, _ = training.build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
     losses, max_logits, start = [], [], args.iteration
+    logged, total_loss_dict, report_memory = [], {}, False
+    if log:
+        from megatron.training.global_vars import get_timers
+
+        get_timers()("interval-time", log_level=0).start(barrier=True)  # as train() does before its loop
     if save_at is not None and save_at == start:
         from megatron.training.checkpointing import save_checkpoint
 
         save_checkpoint(start, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
     for it in range(start, start + iters):
-        loss, skipped, *_, max_logit = training.train_step(pretrain_gpt.forward_step, data, model, optimizer,
-                                                           scheduler, config, get_forward_backward_func(), iteration=it)
+        loss, skipped, *_, grad_norm, zeros, max_logit = training.train_step(
+            pretrain_gpt.forward_step, data, model, optimizer, scheduler, config, get_forward_backward_func(), iteration=it)
         assert not skipped
+        if log:
+            report_memory = training.training_log(loss, total_loss_dict, optimizer.param_groups[0]["lr"], it + 1,
+                                                  optimizer.get_loss_scale().item(), report_memory, skipped, grad_norm,
+                                                  None, zeros, max_logit)
+            logged.append(it + 1)
         losses.append(float(loss["lm loss"]))
         max_logits.append(float(max_logit))
         args.consumed_train_samples += args.global_batch_size
@@ -66,7 +79,13 @@ def megatron_train_step(rank, world_size, argv, iters=4, save_at=None, local_max
 
             save_checkpoint(it + 1, model, optimizer, scheduler, num_floating_point_operations_so_far=0)
     qkv = [p.detach().float().tolist() for n, p in model[0].named_parameters() if n.endswith("linear_qkv.weight")]
-    return {"losses": losses, "max_logits": max_logits, "qkv": qkv, "ddp": [type(m).__name__ for m in model],
+    if log:
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        writer = get_tensorboard_writer()
+        if writer is not None:
+            writer.flush()
+    return {"losses": losses, "max_logits": max_logits, "qkv": qkv, "ddp": [type(m).__name__ for m in model], "logged": logged,
             "optimizers": [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])]}
 
 

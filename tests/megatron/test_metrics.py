@@ -11,7 +11,7 @@ import types
 import pytest
 
 from megatron_dmuon.megatron.metrics import METRICS, NAMES
-from megatron_dmuon.testing.multiproc import run_main_job
+from megatron_dmuon.testing.multiproc import run_distributed, run_main_job
 
 from tests import ROOT
 SMALL = ["--seq-length", "32", "--hidden-size", "64", "--ffn-hidden-size", "128", "--global-batch-size", "8",
@@ -156,6 +156,59 @@ def test_the_megatron_lm_hook_writes_the_same_names_into_megatrons_writers(monke
     assert log({}, {}, 1e-3, 4, 1.0) == "megatron's" and written == []  # not a log iteration
     assert log({}, {}, 1e-3, 10, 1.0) == "megatron's"
     assert [(n, s) for n, _, s in written] == [(n, 10) for n in NAMES]
+
+
+def _real_tree():
+    from tests.megatron.test_megatron_lm import _built_checkout
+
+    return _built_checkout()
+
+
+@pytest.mark.skipif(_real_tree() is None,
+                    reason="needs a Megatron-LM checkout with megatron/core/datasets/helpers_cpp built (make -C there)")
+def test_the_hook_writes_every_metric_through_megatron_lms_own_writers_on_a_real_tree(tmp_path):
+    """Route 9 on a real Megatron-LM tree: its own argument parsing makes the TensorBoard writer (and W&B's,
+    offline, where the package is installed) on the last rank, its own train_step steps DMuon on 2 gloo
+    ranks and its own training_log (wrapped by the hook) logs every iteration; every documented name is in
+    the event file at every --log-interval, with the same value in W&B's run file."""
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.megatron.test_megatron_lm import HERE, tree_pythonpath
+
+    checkout = _real_tree()
+    wandb_flags = (["--wandb-project", "dmuon-test", "--wandb-exp-name", "hook", "--wandb-save-dir", str(tmp_path / "wb")]
+                   if has_wandb() else [])
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+            "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --lr 1e-3 --mock-data --tokenizer-type "
+            "NullTokenizer --vocab-size 1000 --transformer-impl local --no-rope-fusion --no-bias-swiglu-fusion "
+            "--no-bias-dropout-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion "
+            "--no-masked-softmax-fusion --attention-backend unfused --swiglu --normalization RMSNorm "
+            "--position-embedding-type rope --disable-bias-linear --use-cpu-initialization --eval-iters 0 "
+            "--eval-interval 1000 --use-distributed-optimizer --muon-momentum 0.95 --muon-nesterov --optimizer dmuon "
+            "--log-interval 2 --dmuon-ns-check-interval 1").split() + ["--tensorboard-dir", str(tmp_path / "tb"),
+                                                                      *wandb_flags]
+    env = {"PYTHONPATH": tree_pythonpath(checkout, HERE), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    out = run_distributed("megatron_lm_workers:megatron_train_step", 2, timeout=900, env=env, sys_path=[HERE, checkout],
+                          kwargs={"argv": argv, "log": True})
+    assert out[0]["logged"] == [1, 2, 3, 4] and out[0]["optimizers"] == ["DMuonDistributedOptimizer"]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert set(NAMES) | {"lm loss", "learning-rate"} <= tags, set(NAMES) - tags  # Megatron's own names beside
+    charts = {name: {e.step: e.value for e in events.Scalars(name)} for name in NAMES}
+    for name, steps in charts.items():
+        assert sorted(steps) == [2, 4], (name, steps)  # every --log-interval, nothing between
+    assert charts["dmuon/optimizer_ms_slowest_rank"][4] >= charts["dmuon/optimizer_ms_mean_rank"][4] > 0
+    assert charts["dmuon/publish_bytes"][4] > 0 and charts["dmuon/skipped_iterations"][4] == 0
+    if wandb_flags:
+        files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "wb") for f in fs if f.endswith(".wandb")]
+        assert len(files) == 1, files
+        rows = [r for r in wandb_history(files[0]) if "dmuon/optimizer_ms_mean_rank" in r]
+        assert [r["_step"] for r in rows] == [2, 4]
+        for row in rows:
+            for name in NAMES:
+                assert row[name] == pytest.approx(charts[name][row["_step"]], rel=1e-6, abs=1e-6), name
 
 
 def test_wandb_offline_run_files(tmp_path, monkeypatch):
