@@ -52,7 +52,7 @@ METRICS = (
     Metric("dmuon/publish_bytes", "bytes per step", "the writing rank", "what the param all-gather sends to "
            "publish the step (ring, this rank)"),
     Metric("dmuon/split_exchange_bytes", "bytes per step", "the writing rank", "what the split layout's exchange "
-           "sends (pieces to their NS homes, directions back; 0 under whole matrices)"),
+           "sent in the last step (pieces to their NS homes, directions back; 0 under whole matrices)"),
 )
 NAMES = tuple(m.name for m in METRICS)
 
@@ -63,8 +63,7 @@ class DMuonMetrics:
     def __init__(self, chained, bytes_per_step: dict):
         """``bytes_per_step``: optimizer.comm_bytes_per_step of the model chunks (fixed by the plan)."""
         self.chained = chained
-        self._static = {"dmuon/publish_bytes": bytes_per_step["publish_bytes"],
-                        "dmuon/split_exchange_bytes": bytes_per_step["split_exchange_bytes"]}
+        self._static = {"dmuon/publish_bytes": bytes_per_step["publish_bytes"]}
         self._events: List[tuple] = []  # (start, end) per step of the interval: CUDA events, or host seconds
         self._open = None
         self._counted = self._counters()
@@ -131,7 +130,9 @@ class DMuonMetrics:
                "dmuon/ns_matrices": float(sum(p.stats["ns_matrices"] for p in self._parts())),
                "dmuon/ns_fp32_retries": float(table[:, 1].sum()),
                "dmuon/ns_check_recomputed": float(table[:, 2].sum()),
-               "dmuon/skipped_iterations": float(self.chained.skipped_iterations), **self._static}
+               "dmuon/skipped_iterations": float(self.chained.skipped_iterations),
+               # counted as sent (host ints: the 16-bit way back where the NS returns 16 bits, runtime/dp_exchange.py)
+               "dmuon/split_exchange_bytes": float(sum(p.stats["dp_bytes"] for p in self._parts())), **self._static}
         if float(table[:, 3].max()) > float("-inf"):
             out["dmuon/ns_check_worst"] = float(table[:, 3].max())
         return out

@@ -36,7 +36,7 @@ from .layout_stats import state_bytes_per_rank
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from .owner_planning import choose_scheme
 from .planners import buffer_items, split_pieces
-from .split_layout import dp_nodes, exchange_bytes, exchange_ms, megatron_buckets, plan_split_layout
+from .split_layout import dp_nodes, exchange_bytes, exchange_ms, megatron_buckets, narrow_directions, plan_split_layout
 
 __all__ = ["PICK_SLACK", "compare_dp_layouts", "instance_counts"]
 
@@ -115,6 +115,8 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
     adam = {"bytes_per_rank": adam_bytes, "state_bytes_per_rank_one_instance": (master + 8) * unpadded / dp,
             "optimizer_step_ms": adam_step, "grad_reduce_ms": adam_reduce,
             "iteration_ms": fwd_bwd + adam_step + max(0.0, adam_reduce - 2 / 3 * fwd_bwd)}
+    # the directions that come back in 16 bits (bf16 NS on the GPU, fp32 masters; split_layout.narrow_directions)
+    narrow = narrow_directions([(it.name, len(it.pieces) <= 1) for it in items if it.is_matrix], tp)
     candidates = []
     for n in instances or instance_counts(dp):
         d = dp // n
@@ -132,8 +134,8 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
         for scheme, (layout, _) in planned.items():
             ns = _ns_ms(layout, items, cost_model)
             elementwise = _elementwise_ms(layout, items, rates)
-            exchange_b = exchange_bytes(layout, dp_nodes(d, per_node))[0]
-            moving = exchange_ms(layout, cluster.intra, cluster.inter, per_node)  # (split: split_layout.exchange_ms)
+            exchange_b = exchange_bytes(layout, dp_nodes(d, per_node), narrow=narrow)[0]
+            moving = exchange_ms(layout, cluster.intra, cluster.inter, per_node, narrow=narrow)  # (split_layout.exchange_ms)
             compute = [ns[c] + elementwise[c // tp] + moving[c // tp] for c in range(d * tp)]
             numel = layout.numel
             publish = _collective_ms(cluster, d, tp, numel * param_b, two_level)

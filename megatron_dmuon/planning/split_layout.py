@@ -20,12 +20,12 @@ where most of it is unless that rank is busy.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
 __all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
-           "exchange_ms", "Routes", "dp_nodes", "to_home_transfers"]
+           "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 
 
 def bucket_end_divisor(world_size: int) -> int:
@@ -183,52 +183,76 @@ def to_home_transfers(layout: OwnerLayout) -> list:
             for r, lo, hi in layout.pieces(name) if r != home]
 
 
+NARROW_TAG_BYTES = 8  # what a direction in 16 bits carries besides its elements, per message part
+
+
+def narrow_directions(matrices: Iterable[Tuple[str, bool]], tp_size: int, ns_bytes: int = 2,
+                      master_bytes: int = 4) -> Set[str]:
+    """The split matrices whose direction comes back in its NS output's 16 bits (runtime/dp_exchange.py,
+    where the NS returns its compute dtype, as on CUDA): ``matrices`` = (name, whole), ``whole`` = no QKV /
+    head / GLU pieces rescaled into its direction; none under TP, with a wider NS or 16-bit masters."""
+    if tp_size != 1 or ns_bytes != 2 or master_bytes <= 2:
+        return set()
+    return {name for name, whole in matrices if whole}
+
+
+def _back_bytes(narrow: Collection[str], bytes_each_way: int):
+    return lambda t: (2 * (t[4] - t[3]) + NARROW_TAG_BYTES) if t[0] in narrow else (t[4] - t[3]) * bytes_each_way
+
+
 def exchange_ms(layout: OwnerLayout, intra, inter, ranks_per_node: Optional[int] = None,
-                bytes_each_way: int = 4) -> List[float]:
+                bytes_each_way: int = 4, narrow: Collection[str] = ()) -> List[float]:
     """Each DP rank's time in the split layout's exchange: the pieces of the updates to their homes,
     then the directions back, each as the rounds ``Routes`` gives (direct and first hops, then the
     forwarding hops inside the home's node). ``intra`` / ``inter``: the links inside a node and between
     nodes (cost_model.Link: alpha_us, gbytes_per_s); a rank sends and receives at once (full duplex) and
     uses both links at once, so a round takes, per link, the larger of what it sends and receives
-    there. The way back mirrors the way there: twice the rounds of the way there."""
+    there. The way back takes the way there's rounds the other way, ``bytes_each_way`` an element
+    (the masters' fp32) but for the ``narrow`` matrices (``narrow_directions``): 2 and a tag."""
     nodes = dp_nodes(layout.world_size, ranks_per_node)
     ms = [0.0] * layout.world_size
     if layout.scheme != "split":
         return ms
+    back = _back_bytes(narrow, bytes_each_way)
     for hops in Routes(nodes).rounds(to_home_transfers(layout)):
-        moved = {}  # (rank, link is inter, sends) -> bytes
-        for (_, _, _, lo, hi), src, dst in hops:
-            far = nodes[src] != nodes[dst]
-            moved[(src, far, True)] = moved.get((src, far, True), 0.0) + (hi - lo) * bytes_each_way
-            moved[(dst, far, False)] = moved.get((dst, far, False), 0.0) + (hi - lo) * bytes_each_way
-        for r in range(layout.world_size):
-            times = [link.alpha_us * 1e-3 + max(moved.get((r, far, True), 0.0), moved.get((r, far, False), 0.0))
-                     / (link.gbytes_per_s * 1e6) for far, link in ((False, intra), (True, inter))
-                     if moved.get((r, far, True)) or moved.get((r, far, False))]
-            ms[r] += 2 * max(times, default=0.0)
+        for way in ("there", "back"):
+            moved = {}  # (rank, link is inter, sends) -> bytes
+            for t, src, dst in hops:
+                far = nodes[src] != nodes[dst]
+                sender, receiver, n = (src, dst, (t[4] - t[3]) * bytes_each_way) if way == "there" else (dst, src, back(t))
+                moved[(sender, far, True)] = moved.get((sender, far, True), 0.0) + n
+                moved[(receiver, far, False)] = moved.get((receiver, far, False), 0.0) + n
+            for r in range(layout.world_size):
+                times = [link.alpha_us * 1e-3 + max(moved.get((r, far, True), 0.0), moved.get((r, far, False), 0.0))
+                         / (link.gbytes_per_s * 1e6) for far, link in ((False, intra), (True, inter))
+                         if moved.get((r, far, True)) or moved.get((r, far, False))]
+                ms[r] += max(times, default=0.0)
     return ms
 
 
 def exchange_bytes(layout: OwnerLayout, nodes: Optional[Sequence[int]] = None,
-                   bytes_each_way: int = 4) -> Tuple[List[float], List[float]]:
+                   bytes_each_way: int = 4, narrow: Collection[str] = ()) -> Tuple[List[float], List[float]]:
     """(sent, received): bytes each DP rank sends and receives per step in the split layout's exchange
     (runtime/dp_exchange.py), both ways (the pieces of the updates to their homes, the directions' back)
     along ``Routes(nodes)`` (a forwarding rank counts what it forwards; None: one node, no forwarding),
-    ``bytes_each_way`` per element (the masters' fp32). Zeros for a whole-matrix layout."""
+    ``bytes_each_way`` per element (the masters' fp32), the ``narrow`` matrices' directions in 16 bits
+    and a tag. Zeros for a whole-matrix layout."""
     sent = [0.0] * layout.world_size
     received = [0.0] * layout.world_size
     if layout.scheme != "split":
         return sent, received
+    back = _back_bytes(narrow, bytes_each_way)
     for hops in Routes(nodes or [0] * layout.world_size).rounds(to_home_transfers(layout)):
-        for (_, _, _, lo, hi), src, dst in hops:
-            moved = (hi - lo) * bytes_each_way
-            for rank in (src, dst):  # there, and back the same hop the other way
-                sent[rank] += moved
-                received[rank] += moved
+        for t, src, dst in hops:
+            there = (t[4] - t[3]) * bytes_each_way
+            sent[src] += there
+            received[dst] += there
+            sent[dst] += back(t)  # the same hop the other way
+            received[src] += back(t)
     return sent, received
 
 
 def exchange_bytes_sent(layout: OwnerLayout, nodes: Optional[Sequence[int]] = None,
-                        bytes_each_way: int = 4) -> List[float]:
+                        bytes_each_way: int = 4, narrow: Collection[str] = ()) -> List[float]:
     """The bytes each DP rank sends per step in the split layout's exchange (``exchange_bytes``)."""
-    return exchange_bytes(layout, nodes, bytes_each_way)[0]
+    return exchange_bytes(layout, nodes, bytes_each_way, narrow)[0]

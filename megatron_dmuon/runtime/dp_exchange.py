@@ -15,6 +15,14 @@ LOCAL_WORLD_SIZE), a piece bound for another node goes first to the rank of that
 local index (a rail-aligned hop: the node's links share the load), which forwards it to the home over
 the node's own links; directions come back the same way. Only the route changes: the bytes each home
 assembles are the same, so the result is bit-identical (tests/planning/test_split_layout.py).
+
+Directions come back in the NS output's own 16-bit format where that loses nothing (``narrow``): a
+whole matrix's direction (no QKV / head / GLU pieces rescaled into it) is its NS output, bf16 (or fp16
+under Gram NS) widened to the masters' dtype, so its 16-bit bits are the whole value. The home sends
+those bits with a tag naming the format (bf16 or fp16: each home's NS chooses its own), so a holder
+needs no agreement on which NS ran; the way back moves half the bytes and the parameters are the same
+bits. The pieces of the updates go to their homes in the masters' dtype: the CUDA NS normalises in
+fp32 before its cast, so a narrower update would change the result.
 """
 from __future__ import annotations
 
@@ -24,9 +32,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..planning.split_layout import Routes
+from ..planning.split_layout import NARROW_TAG_BYTES, Routes
 
-__all__ = ["SplitMatrix", "DPExchange", "node_of_dp_ranks"]
+__all__ = ["SplitMatrix", "DPExchange", "node_of_dp_ranks", "NARROW_FORMATS"]
+
+# the 16-bit formats a narrow direction travels in, by the tag it carries (its last bytes)
+NARROW_FORMATS = (torch.bfloat16, torch.float16)
+_TAG_BYTES = NARROW_TAG_BYTES  # the tag: so that every part of a message starts 8-byte aligned (views of it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +82,7 @@ class DPExchange:
         self._nodes = list(nodes) if nodes is not None else None
         self._plans: Dict[tuple, list] = {}
         self._routes: Optional[Routes] = None
+        self._formats: Dict[str, torch.dtype] = {}  # the 16-bit format of each narrow direction, from its home's tag
 
     # ------------------------------------------------------------------------------- routing
     @property
@@ -103,25 +116,26 @@ class DPExchange:
             self._plans[key] = plan
         return plan
 
-    def _move(self, key: tuple, transfers: Sequence[Transfer], slice_of, like: torch.Tensor) -> Dict[Transfer, torch.Tensor]:
-        """Carry out ``transfers``; ``slice_of(transfer)``: this rank's data of a transfer it starts.
-        Returns the data of every transfer ending on this rank."""
+    def _move(self, key: tuple, transfers: Sequence[Transfer], encode, wire_bytes, device) -> Dict[Transfer, torch.Tensor]:
+        """Carry out ``transfers``, each as bytes: ``encode(transfer)`` gives this rank's data of a
+        transfer it starts (uint8, ``wire_bytes(transfer)`` long: both ends know every size from the
+        plan). Returns the bytes of every transfer ending on this rank (forwarded ones pass as they came)."""
         held: Dict[Transfer, torch.Tensor] = {}  # arrived here (for this rank, or to forward)
         for sends, recvs in self._plan(key, transfers):
             ops, arriving = [], []
             for peer, ts in recvs:
-                flat = like.new_empty(sum(t[4] - t[3] for t in ts))
+                flat = torch.empty(sum(wire_bytes(t) for t in ts), dtype=torch.uint8, device=device)
                 arriving.append((flat, ts))
                 ops.append(torch.distributed.P2POp(torch.distributed.irecv, flat, group=self.group, group_peer=peer))
             for peer, ts in sends:
-                flat = torch.cat([(held.pop(t) if t in held else slice_of(t)).reshape(-1) for t in ts]).to(like.dtype)
-                self.bytes_sent += flat.numel() * flat.element_size()
+                flat = torch.cat([held.pop(t) if t in held else encode(t) for t in ts])
+                self.bytes_sent += flat.numel()
                 ops.append(torch.distributed.P2POp(torch.distributed.isend, flat, group=self.group, group_peer=peer))
             if ops:
                 for request in torch.distributed.batch_isend_irecv(ops):
                     request.wait()
             for flat, ts in arriving:
-                for t, part in zip(ts, flat.split([t[4] - t[3] for t in ts])):
+                for t, part in zip(ts, flat.split([wire_bytes(t) for t in ts])):
                     held[t] = part
         return held
 
@@ -132,30 +146,69 @@ class DPExchange:
         rank's piece of every matrix it holds a piece of, flattened). ``mats``: every split matrix of
         the optimizer (a rank may forward pieces of matrices it neither holds nor homes)."""
         transfers = [(m.key, r, m.home, lo, hi) for m in mats for r, lo, hi in m.pieces if r != m.home]
+        size = like.element_size()
         arrived = self._move(("to", tuple(sorted(m.key for m in mats))), transfers,
-                             lambda t: local[t[0]].reshape(-1), like)
+                             lambda t: _bytes_of(local[t[0]].reshape(-1).to(like.dtype)),
+                             lambda t: _aligned((t[4] - t[3]) * size), like.device)
         out = {}
         for m in mats:
             if m.home != self.rank:
                 continue
             full = like.new_empty(m.numel)
             for r, lo, hi in m.pieces:
-                full[lo:hi] = local[m.key].reshape(-1) if r == self.rank else arrived[(m.key, r, m.home, lo, hi)]
+                full[lo:hi] = (local[m.key].reshape(-1) if r == self.rank else
+                               arrived[(m.key, r, m.home, lo, hi)][:(hi - lo) * size].view(like.dtype))
             out[m.key] = full
         return out
 
-    def from_homes(self, mats: Sequence[SplitMatrix], full: Dict[str, torch.Tensor],
-                   like: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def from_homes(self, mats: Sequence[SplitMatrix], full: Dict[str, torch.Tensor], like: torch.Tensor,
+                   narrow: Sequence[str] = (), formats: Optional[Dict[str, torch.dtype]] = None) -> Dict[str, torch.Tensor]:
         """This rank's piece of every matrix of ``mats`` it holds a piece of (``full``: the whole
-        flattened direction of every matrix homed here; ``mats`` as for ``to_homes``)."""
+        flattened direction of every matrix homed here; ``mats`` as for ``to_homes``). ``narrow``: the
+        matrices whose direction travels in its NS output's 16-bit format (the same list on every rank:
+        the plan's); ``formats``: that format of each narrow matrix homed here (one of NARROW_FORMATS,
+        which its direction's values must lie in)."""
         transfers = [(m.key, m.home, r, lo, hi) for m in mats for r, lo, hi in m.pieces if r != m.home]
-        arrived = self._move(("from", tuple(sorted(m.key for m in mats))), transfers,
-                             lambda t: full[t[0]].reshape(-1)[t[3]:t[4]], like)
+        narrow, formats, size = set(narrow), formats or {}, like.element_size()
+
+        def wire_bytes(t):
+            return _aligned(2 * (t[4] - t[3])) + _TAG_BYTES if t[0] in narrow else _aligned((t[4] - t[3]) * size)
+
+        def encode(t):
+            piece = full[t[0]].reshape(-1)[t[3]:t[4]]
+            if t[0] not in narrow:
+                return _bytes_of(piece.to(like.dtype))
+            fmt = formats[t[0]]
+            tag = torch.zeros(_TAG_BYTES, dtype=torch.uint8, device=piece.device)
+            tag[0] = NARROW_FORMATS.index(fmt)
+            return torch.cat([_bytes_of(piece.to(fmt)), tag])
+
+        arrived = self._move(("from", tuple(sorted(m.key for m in mats))), transfers, encode, wire_bytes, like.device)
+        mine = {m.key: (m, m.piece_of(self.rank)) for m in mats if m.piece_of(self.rank) is not None}
+        unread = [k for k, (m, _) in mine.items() if k in narrow and m.home != self.rank and k not in self._formats]
+        if unread:  # a home's NS format is fixed for the run (its plan's choice): the tags are read once
+            tags = torch.stack([arrived[(k, mine[k][0].home, self.rank, *mine[k][1])][-_TAG_BYTES] for k in unread])
+            self._formats.update(zip(unread, (NARROW_FORMATS[i] for i in tags.tolist())))
         out = {}
-        for m in mats:
-            mine = m.piece_of(self.rank)
-            if mine is None:
+        for key, (m, (lo, hi)) in mine.items():
+            if m.home == self.rank:
+                out[key] = full[key].reshape(-1)[lo:hi]
                 continue
-            lo, hi = mine
-            out[m.key] = full[m.key].reshape(-1)[lo:hi] if m.home == self.rank else arrived[(m.key, m.home, self.rank, lo, hi)]
+            data = arrived[(key, m.home, self.rank, lo, hi)]
+            if key in narrow:  # the 16-bit bits the tag names, widened: the home's values exactly
+                out[key] = data[:2 * (hi - lo)].view(self._formats[key]).to(like.dtype)
+            else:
+                out[key] = data[:(hi - lo) * size].view(like.dtype)
         return out
+
+
+def _aligned(nbytes: int) -> int:
+    """Every part of a message starts 8-byte aligned, so each can be viewed in its own dtype."""
+    return -(-nbytes // 8) * 8
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, padded to ``_aligned``."""
+    raw = t.contiguous().view(torch.uint8).reshape(-1)
+    pad = _aligned(raw.numel()) - raw.numel()
+    return torch.cat([raw, raw.new_zeros(pad)]) if pad else raw

@@ -20,12 +20,13 @@ from ..kernels import GraphedGroups, orthogonalize_groups
 from ..kernels.fused_muon import muon_apply_fast_, muon_momentum_fast_  # the torch ops where they cannot fuse
 from ..kernels.metrics import NONFINITE_METRICS, retry_nonfinite_stacks
 from ..planning.overlap_mode import OverlapMode
+from ..planning.split_layout import narrow_directions
 from .ns_check import NSQualityCheck
 from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
 from .overlapped_step import OverlappedStep, OwnerOverlap
 from .row_update_step import row_update_step
-from .dp_exchange import DPExchange
+from .dp_exchange import NARROW_FORMATS, DPExchange
 from .matrix_info import MatrixInfo, with_ns_choices  # noqa: F401 (the owner step's public names)
 from .ns_run import default_orthogonalizer, fp32_orthogonalizer, run_ns  # noqa: F401 (ditto)
 from .tp_exchange import TPExchange
@@ -38,6 +39,10 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
     updates go to each matrix's TP owner and directions come back (``runtime.tp_exchange``).
     With overlap step 'on' (``MuonSettings.overlap_step``) the Muon work is cut per need group and finished apart from
     ``step()`` (runtime/overlapped_step.py: ``OwnerOverlap``'s methods)."""
+
+    # the split layout sends whole matrices' directions back in their NS output's 16-bit format where the NS
+    # returns that dtype (CUDA: _narrow_directions); True / False: always / never (tests)
+    narrow_directions: Optional[bool] = None
 
     def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
                  muon: Optional[MuonSettings] = None, orthogonalizer=None, tp_group=None, dp_group=None,
@@ -286,13 +291,16 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         infos = [work[n] for n in sorted(work)]  # the same order on every TP rank of this DP index
         directions = self._distributed_gram_step([i for i in infos if i.tp_method == "distributed_gram"], work_updates,
                                                  like)
+        formats: Dict[str, torch.dtype] = {}  # the NS output dtype of every matrix orthogonalized here
         directions.update(self._gather_step([i for i in infos if i.tp_method != "distributed_gram"], work_updates,
-                                            like))
+                                            like, formats))
         if split:
+            narrow = self._narrow_directions(split.values(), like)
             with record_function("dmuon.dp_exchange"):
                 directions.update(self.dp.from_homes(
                     [i.dp_split for i in split.values()],
-                    {n: directions[n] for n, i in split.items() if i.dp_split.home == self.dp.rank}, like))
+                    {n: directions[n] for n, i in split.items() if i.dp_split.home == self.dp.rank}, like,
+                    narrow, self._narrow_formats(narrow, formats)))
         with record_function("dmuon.apply"):
             for p, group, info in entries:  # every rank: decay and lr-scaled direction on its own shard or piece
                 scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
@@ -300,6 +308,30 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
         self.stats["tp_bytes"] = self.tp.bytes_sent
         self.stats["dp_bytes"] = self.dp.bytes_sent
+
+    def _narrow_directions(self, infos, like: torch.Tensor) -> List[str]:
+        """The split matrices whose direction goes back to its holders in the NS output's own 16-bit
+        format (runtime/dp_exchange.py): where the NS returns its compute dtype (CUDA: the kernels and
+        their torch fallback return it, a float32 retry is cast back to it; the CPU torch path returns
+        the input's dtype), without TP (a home's direction is its own NS output), for a 16-bit NS and
+        wider masters, whole matrices only (a QKV / head / GLU split rescales its pieces into the
+        direction, which then needs the masters' bits). The same list on every rank: it depends only
+        on the device type, the settings and the plan."""
+        if like is None or self.narrow_directions is False or (self.narrow_directions is None and not like.is_cuda):
+            return []
+        if self.orthogonalizer is not None:  # (what a custom one returns is its own business)
+            return []
+        return sorted(narrow_directions([(i.name, i.split is None or i.split.kind == "none") for i in infos],
+                                        self.tp.size, self.muon.ns_dtype.itemsize, like.element_size()))
+
+    def _narrow_formats(self, narrow: Sequence[str], formats: Dict[str, torch.dtype]) -> Dict[str, torch.dtype]:
+        """The 16-bit format of each narrow direction homed here (its NS output's dtype)."""
+        out = {n: formats[n] for n in narrow if n in formats}
+        wrong = {n: f for n, f in out.items() if f not in NARROW_FORMATS}
+        if wrong:
+            raise RuntimeError(f"DMuon: the NS of {sorted(wrong)} returned {sorted(map(str, set(wrong.values())))}, "
+                               "not a 16-bit format its direction can travel in losslessly (a bug: please report it)")
+        return out
 
     def _master_like(self, entries) -> Optional[torch.Tensor]:
         """A tensor of the masters' dtype and device (what updates and directions travel in)."""
@@ -375,10 +407,11 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
                                                   scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)
                 muon_apply_(p, direction, lr, wd, scale)
 
-    def _gather_step(self, infos, updates, like) -> Dict[str, torch.Tensor]:
+    def _gather_step(self, infos, updates, like, formats: Optional[Dict[str, torch.dtype]] = None) -> Dict[str, torch.Tensor]:
         """Directions (this rank's TP shards) of matrices gathered whole to their TP owner (without TP:
         every matrix of ``infos``), orthogonalized there in batched NS calls; ``updates``: the TP-local
-        update of each, ``like``: the masters' dtype and device."""
+        update of each, ``like``: the masters' dtype and device; ``formats`` receives the NS output
+        dtype of every matrix orthogonalized here."""
         s = self.muon
         tp_mats = [info.tp_matrix() for info in infos]
         info_of = {info.name: info for info in infos}
@@ -386,6 +419,8 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
         with record_function("dmuon.ns"):
             orthogonalized = self.orthogonalize_owned([(info, full[info.name]) for info in owned])
+        if formats is not None:
+            formats.update({name: outputs[0].dtype for name, outputs in orthogonalized.items()})
         with record_function("dmuon.direction"):
             directions = {
                 info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
