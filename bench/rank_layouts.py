@@ -134,10 +134,10 @@ def split_cell_work(plan, par, cluster="h200"):
     the exchange's modelled ms). The GPU runs those pieces' momentum and apply (``time_owner_step``'s
     ``tp_shards``, the same passes) beside the NS of the matrices homed on it, which it steps whole
     (its own pieces of them only, in the job: an upper bound here). The exchange (runtime/dp_exchange.py:
-    pieces to their homes, directions back, fp32, point to point) is modelled at the link the DP group
-    crosses (planning/clusters.json, its routes through the homes' node-mates: split_layout.exchange_ms), not
-    timed: one GPU has no peer."""
-    from megatron_dmuon.planning.split_layout import exchange_ms
+    pieces to their homes in fp32, directions back as their bf16 NS outputs' bits, point to point) is
+    modelled at the link the DP group crosses (planning/clusters.json, its routes through the homes'
+    node-mates: split_layout.exchange_ms), not timed: one GPU has no peer."""
+    from megatron_dmuon.planning.split_layout import exchange_ms, narrow_directions
 
     if par.tp > 1:
         raise ValueError("the split layout is emulated at TP = 1 only")
@@ -150,7 +150,8 @@ def split_cell_work(plan, par, cluster="h200"):
                 for rank, lo, hi in layout.pieces(p.name):
                     if rank != layout.owners[p.name]:
                         pieces[rank].append(hi - lo)
-        per_kind[kind] = (pieces, exchange_ms(layout, spec.intra, spec.inter, spec.gpus_per_node // par.tp))
+        narrow = narrow_directions([p.name for p in plan["params"][kind] if p.is_matrix], par.tp)
+        per_kind[kind] = (pieces, exchange_ms(layout, spec.intra, spec.inter, spec.gpus_per_node // par.tp, narrow=narrow))
     out = []
     for r in range(par.dp_size):
         shards, ms = [], 0.0

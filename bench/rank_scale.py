@@ -58,6 +58,8 @@ def scale(args, log):
             wanted = [p for p in ("greedy", "split", "megatron_lpt") if p in plans or (p == "megatron_lpt" and MEGATRON in plans)]
             for name, plan in make_plans(model, par, size, cfg, wanted).items():
                 buffers[name] = {k: (l.numel, l.world_size) for k, l in plan["layouts"].items()}
+                if name == "split":
+                    plans = dict(plans, split=_exchange_as_now(plans["split"], plan, par, spec, log))
             whole = {k: (sum(p.numel for p in ps), par.dp_size if k == "dense" else par.expert_dp_size)
                      for k, ps in stage_params(model, par).items() if ps}
 
@@ -85,6 +87,22 @@ def scale(args, log):
             log({"scale_row": spec})
     rows.sort(key=lambda r: (r["layout"].split("/")[0], r["gpus"], r["layout"]))
     return {"scale_rows": rows, "cluster": args.cluster, "global_batch": args.global_batch}
+
+
+def _exchange_as_now(row, plan, par, spec, log):
+    """The split row with its exchange modelled as the runtime moves it now (split_cell_work: a file
+    emulated before a change of the exchange keeps its measured compute); the same homes as the
+    emulation's, or the row as it was (logged)."""
+    from rank_layouts import split_cell_work
+
+    if "ranks" not in row:  # (a summary row: nothing per GPU to recombine)
+        return row
+    cells = split_cell_work(plan, par)
+    if len(cells) != len(row["ranks"]) or any(sum(cells[x["gpu"]][0]) != x["tp_shard_elements"] for x in row["ranks"]):
+        log({"layout": spec, "split_exchange": "as emulated: today's plan puts other pieces on the GPUs"})
+        return row
+    ranks = [dict(x, tp_exchange_ms=cells[x["gpu"]][1]) for x in row["ranks"]]
+    return dict(row, ranks=ranks, slowest_with_exchange_ms=max(x["ms"] + x["tp_exchange_ms"] for x in ranks))
 
 
 def _step(r, key):

@@ -116,7 +116,7 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
             "optimizer_step_ms": adam_step, "grad_reduce_ms": adam_reduce,
             "iteration_ms": fwd_bwd + adam_step + max(0.0, adam_reduce - 2 / 3 * fwd_bwd)}
     # the directions that come back in 16 bits (bf16 NS on the GPU, fp32 masters; split_layout.narrow_directions)
-    narrow = narrow_directions([(it.name, len(it.pieces) <= 1) for it in items if it.is_matrix], tp)
+    narrow = narrow_directions([it.name for it in items if it.is_matrix], tp)
     candidates = []
     for n in instances or instance_counts(dp):
         d = dp // n

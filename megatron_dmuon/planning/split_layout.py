@@ -186,14 +186,13 @@ def to_home_transfers(layout: OwnerLayout) -> list:
 NARROW_TAG_BYTES = 8  # what a direction in 16 bits carries besides its elements, per message part
 
 
-def narrow_directions(matrices: Iterable[Tuple[str, bool]], tp_size: int, ns_bytes: int = 2,
-                      master_bytes: int = 4) -> Set[str]:
-    """The split matrices whose direction comes back in its NS output's 16 bits (runtime/dp_exchange.py,
-    where the NS returns its compute dtype, as on CUDA): ``matrices`` = (name, whole), ``whole`` = no QKV /
-    head / GLU pieces rescaled into its direction; none under TP, with a wider NS or 16-bit masters."""
+def narrow_directions(matrices: Iterable[str], tp_size: int, ns_bytes: int = 2, master_bytes: int = 4) -> Set[str]:
+    """The split matrices whose direction comes back as its NS outputs' 16-bit bits (runtime/
+    narrow_directions.py, where the NS returns its compute dtype, as on CUDA): every one of
+    ``matrices``, but none under TP, with a wider NS or with 16-bit masters."""
     if tp_size != 1 or ns_bytes != 2 or master_bytes <= 2:
         return set()
-    return {name for name, whole in matrices if whole}
+    return set(matrices)
 
 
 def _back_bytes(narrow: Collection[str], bytes_each_way: int):

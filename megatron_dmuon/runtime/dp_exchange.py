@@ -16,28 +16,25 @@ local index (a rail-aligned hop: the node's links share the load), which forward
 the node's own links; directions come back the same way. Only the route changes: the bytes each home
 assembles are the same, so the result is bit-identical (tests/planning/test_split_layout.py).
 
-Directions come back in the NS output's own 16-bit format where that loses nothing (``narrow``): a
-whole matrix's direction (no QKV / head / GLU pieces rescaled into it) is its NS output, bf16 (or fp16
-under Gram NS) widened to the masters' dtype, so its 16-bit bits are the whole value. The home sends
-those bits with a tag naming the format (bf16 or fp16: each home's NS chooses its own), so a holder
-needs no agreement on which NS ran; the way back moves half the bytes and the parameters are the same
-bits. The pieces of the updates go to their homes in the masters' dtype: the CUDA NS normalises in
-fp32 before its cast, so a narrower update would change the result.
+Directions can come back as 16-bit bits (``narrow``): where the NS returns its 16-bit compute dtype,
+a direction is those outputs widened (and, for QKV / head / GLU pieces, each scaled by its piece's lr
+multiplier), so the outputs' bits and a small tag saying how to read them carry the whole value in half
+the bytes (runtime/owner_step.py encodes and decodes them). The pieces of the updates go to their homes
+in the masters' dtype: the CUDA NS normalises in fp32 before its cast, so a narrower update would
+change the result.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..planning.split_layout import NARROW_TAG_BYTES, Routes
 
-__all__ = ["SplitMatrix", "DPExchange", "node_of_dp_ranks", "NARROW_FORMATS"]
+__all__ = ["SplitMatrix", "DPExchange", "node_of_dp_ranks"]
 
-# the 16-bit formats a narrow direction travels in, by the tag it carries (its last bytes)
-NARROW_FORMATS = (torch.bfloat16, torch.float16)
 _TAG_BYTES = NARROW_TAG_BYTES  # the tag: so that every part of a message starts 8-byte aligned (views of it)
 
 
@@ -82,7 +79,7 @@ class DPExchange:
         self._nodes = list(nodes) if nodes is not None else None
         self._plans: Dict[tuple, list] = {}
         self._routes: Optional[Routes] = None
-        self._formats: Dict[str, torch.dtype] = {}  # the 16-bit format of each narrow direction, from its home's tag
+        self._tags: Dict[str, tuple] = {}  # each narrow direction's tag, as its home sent it
 
     # ------------------------------------------------------------------------------- routing
     @property
@@ -161,44 +158,41 @@ class DPExchange:
             out[m.key] = full
         return out
 
-    def from_homes(self, mats: Sequence[SplitMatrix], full: Dict[str, torch.Tensor], like: torch.Tensor,
-                   narrow: Sequence[str] = (), formats: Optional[Dict[str, torch.dtype]] = None) -> Dict[str, torch.Tensor]:
+    def from_homes(self, mats: Sequence[SplitMatrix], full: Dict[str, object], like: torch.Tensor,
+                   narrow: Collection[str] = ()) -> Dict[str, object]:
         """This rank's piece of every matrix of ``mats`` it holds a piece of (``full``: the whole
         flattened direction of every matrix homed here; ``mats`` as for ``to_homes``). ``narrow``: the
-        matrices whose direction travels in its NS output's 16-bit format (the same list on every rank:
-        the plan's); ``formats``: that format of each narrow matrix homed here (one of NARROW_FORMATS,
-        which its direction's values must lie in)."""
+        matrices whose direction travels as 16-bit bits (the same list on every rank): for those homed
+        here ``full`` holds (bits, tag), the whole flattened direction's bits (int16) and a tuple of up
+        to NARROW_TAG_BYTES small ints that says how to read them (runtime/owner_step.py: each NS
+        piece's format); for those this rank holds a piece of, the result is (its bits, the tag)."""
         transfers = [(m.key, m.home, r, lo, hi) for m in mats for r, lo, hi in m.pieces if r != m.home]
-        narrow, formats, size = set(narrow), formats or {}, like.element_size()
+        narrow, size = set(narrow), like.element_size()
 
         def wire_bytes(t):
             return _aligned(2 * (t[4] - t[3])) + _TAG_BYTES if t[0] in narrow else _aligned((t[4] - t[3]) * size)
 
         def encode(t):
-            piece = full[t[0]].reshape(-1)[t[3]:t[4]]
             if t[0] not in narrow:
-                return _bytes_of(piece.to(like.dtype))
-            fmt = formats[t[0]]
-            tag = torch.zeros(_TAG_BYTES, dtype=torch.uint8, device=piece.device)
-            tag[0] = NARROW_FORMATS.index(fmt)
-            return torch.cat([_bytes_of(piece.to(fmt)), tag])
+                return _bytes_of(full[t[0]].reshape(-1)[t[3]:t[4]].to(like.dtype))
+            bits, tag = full[t[0]]
+            tag = torch.tensor(list(tag) + [0] * (_TAG_BYTES - len(tag)), dtype=torch.uint8).to(bits.device, non_blocking=True)
+            return torch.cat([_bytes_of(bits.reshape(-1)[t[3]:t[4]]), tag])
 
         arrived = self._move(("from", tuple(sorted(m.key for m in mats))), transfers, encode, wire_bytes, like.device)
         mine = {m.key: (m, m.piece_of(self.rank)) for m in mats if m.piece_of(self.rank) is not None}
-        unread = [k for k, (m, _) in mine.items() if k in narrow and m.home != self.rank and k not in self._formats]
-        if unread:  # a home's NS format is fixed for the run (its plan's choice): the tags are read once
-            tags = torch.stack([arrived[(k, mine[k][0].home, self.rank, *mine[k][1])][-_TAG_BYTES] for k in unread])
-            self._formats.update(zip(unread, (NARROW_FORMATS[i] for i in tags.tolist())))
+        unread = [k for k, (m, _) in mine.items() if k in narrow and m.home != self.rank and k not in self._tags]
+        if unread:  # what a home's tag says is fixed for the run (its plan's NS choices): read once
+            tags = torch.stack([arrived[(k, mine[k][0].home, self.rank, *mine[k][1])][-_TAG_BYTES:] for k in unread])
+            self._tags.update(zip(unread, map(tuple, tags.tolist())))
         out = {}
         for key, (m, (lo, hi)) in mine.items():
             if m.home == self.rank:
-                out[key] = full[key].reshape(-1)[lo:hi]
+                out[key] = (full[key][0].reshape(-1)[lo:hi], tuple(full[key][1])) if key in narrow else full[key].reshape(-1)[lo:hi]
                 continue
             data = arrived[(key, m.home, self.rank, lo, hi)]
-            if key in narrow:  # the 16-bit bits the tag names, widened: the home's values exactly
-                out[key] = data[:2 * (hi - lo)].view(self._formats[key]).to(like.dtype)
-            else:
-                out[key] = data[:(hi - lo) * size].view(like.dtype)
+            out[key] = ((data[:2 * (hi - lo)].view(torch.int16), self._tags[key]) if key in narrow else
+                        data[:(hi - lo) * size].view(like.dtype))
         return out
 
 

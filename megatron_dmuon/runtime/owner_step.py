@@ -26,7 +26,8 @@ from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
 from .overlapped_step import OverlappedStep, OwnerOverlap
 from .row_update_step import row_update_step
-from .dp_exchange import NARROW_FORMATS, DPExchange
+from .dp_exchange import DPExchange
+from .narrow_directions import NarrowDecoder, encode_direction
 from .matrix_info import MatrixInfo, with_ns_choices  # noqa: F401 (the owner step's public names)
 from .ns_run import default_orthogonalizer, fp32_orthogonalizer, run_ns  # noqa: F401 (ditto)
 from .tp_exchange import TPExchange
@@ -40,8 +41,8 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
     With overlap step 'on' (``MuonSettings.overlap_step``) the Muon work is cut per need group and finished apart from
     ``step()`` (runtime/overlapped_step.py: ``OwnerOverlap``'s methods)."""
 
-    # the split layout sends whole matrices' directions back in their NS output's 16-bit format where the NS
-    # returns that dtype (CUDA: _narrow_directions); True / False: always / never (tests)
+    # the split layout sends directions back as their NS outputs' 16-bit bits where the NS returns its
+    # compute dtype (CUDA: _narrow_directions); True / False: always / never (tests)
     narrow_directions: Optional[bool] = None
 
     def __init__(self, params, *, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
@@ -291,16 +292,21 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         infos = [work[n] for n in sorted(work)]  # the same order on every TP rank of this DP index
         directions = self._distributed_gram_step([i for i in infos if i.tp_method == "distributed_gram"], work_updates,
                                                  like)
-        formats: Dict[str, torch.dtype] = {}  # the NS output dtype of every matrix orthogonalized here
+        outputs: Dict[str, list] = {}  # the NS outputs of every matrix orthogonalized here
         directions.update(self._gather_step([i for i in infos if i.tp_method != "distributed_gram"], work_updates,
-                                            like, formats))
+                                            like, outputs))
         if split:
             narrow = self._narrow_directions(split.values(), like)
+            homed = {n: i for n, i in split.items() if i.dp_split.home == self.dp.rank}
             with record_function("dmuon.dp_exchange"):
-                directions.update(self.dp.from_homes(
+                back = self.dp.from_homes(
                     [i.dp_split for i in split.values()],
-                    {n: directions[n] for n, i in split.items() if i.dp_split.home == self.dp.rank}, like,
-                    narrow, self._narrow_formats(narrow, formats)))
+                    {n: encode_direction(outputs[n], i.split, i.shape, n) if n in narrow else directions[n]
+                     for n, i in homed.items()}, like, narrow)
+                for name in narrow:  # (what this rank holds of a narrow direction: its bits, the home's tag)
+                    if name in back:
+                        back[name] = self._narrow_decoder.decode(split[name], *back[name], like.dtype)
+            directions.update(back)
         with record_function("dmuon.apply"):
             for p, group, info in entries:  # every rank: decay and lr-scaled direction on its own shard or piece
                 scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
@@ -310,28 +316,23 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         self.stats["dp_bytes"] = self.dp.bytes_sent
 
     def _narrow_directions(self, infos, like: torch.Tensor) -> List[str]:
-        """The split matrices whose direction goes back to its holders in the NS output's own 16-bit
-        format (runtime/dp_exchange.py): where the NS returns its compute dtype (CUDA: the kernels and
-        their torch fallback return it, a float32 retry is cast back to it; the CPU torch path returns
-        the input's dtype), without TP (a home's direction is its own NS output), for a 16-bit NS and
-        wider masters, whole matrices only (a QKV / head / GLU split rescales its pieces into the
-        direction, which then needs the masters' bits). The same list on every rank: it depends only
-        on the device type, the settings and the plan."""
+        """The split matrices whose direction goes back to its holders as 16-bit bits (runtime/
+        narrow_directions.py): where the NS returns its compute dtype (CUDA; the CPU torch path
+        returns the input's dtype), without TP (a home's direction is its own NS outputs), for a
+        16-bit NS and wider masters. The same list on every rank: it depends only on the device type,
+        the settings and the plan."""
         if like is None or self.narrow_directions is False or (self.narrow_directions is None and not like.is_cuda):
             return []
         if self.orthogonalizer is not None:  # (what a custom one returns is its own business)
             return []
-        return sorted(narrow_directions([(i.name, i.split is None or i.split.kind == "none") for i in infos],
-                                        self.tp.size, self.muon.ns_dtype.itemsize, like.element_size()))
+        return sorted(narrow_directions([i.name for i in infos], self.tp.size, self.muon.ns_dtype.itemsize,
+                                        like.element_size()))
 
-    def _narrow_formats(self, narrow: Sequence[str], formats: Dict[str, torch.dtype]) -> Dict[str, torch.dtype]:
-        """The 16-bit format of each narrow direction homed here (its NS output's dtype)."""
-        out = {n: formats[n] for n in narrow if n in formats}
-        wrong = {n: f for n, f in out.items() if f not in NARROW_FORMATS}
-        if wrong:
-            raise RuntimeError(f"DMuon: the NS of {sorted(wrong)} returned {sorted(map(str, set(wrong.values())))}, "
-                               "not a 16-bit format its direction can travel in losslessly (a bug: please report it)")
-        return out
+    @property
+    def _narrow_decoder(self) -> NarrowDecoder:
+        if "_decoder" not in self.__dict__:
+            self.__dict__["_decoder"] = NarrowDecoder(self.muon.scale_mode, self.muon.extra_scale)
+        return self.__dict__["_decoder"]
 
     def _master_like(self, entries) -> Optional[torch.Tensor]:
         """A tensor of the masters' dtype and device (what updates and directions travel in)."""
@@ -407,11 +408,11 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
                                                   scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)
                 muon_apply_(p, direction, lr, wd, scale)
 
-    def _gather_step(self, infos, updates, like, formats: Optional[Dict[str, torch.dtype]] = None) -> Dict[str, torch.Tensor]:
+    def _gather_step(self, infos, updates, like, outputs: Optional[Dict[str, list]] = None) -> Dict[str, torch.Tensor]:
         """Directions (this rank's TP shards) of matrices gathered whole to their TP owner (without TP:
         every matrix of ``infos``), orthogonalized there in batched NS calls; ``updates``: the TP-local
-        update of each, ``like``: the masters' dtype and device; ``formats`` receives the NS output
-        dtype of every matrix orthogonalized here."""
+        update of each, ``like``: the masters' dtype and device; ``outputs`` receives the NS outputs
+        of every matrix orthogonalized here."""
         s = self.muon
         tp_mats = [info.tp_matrix() for info in infos]
         info_of = {info.name: info for info in infos}
@@ -419,8 +420,8 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         owned = [info_of[m.key] for m in self.tp.owned(tp_mats)]
         with record_function("dmuon.ns"):
             orthogonalized = self.orthogonalize_owned([(info, full[info.name]) for info in owned])
-        if formats is not None:
-            formats.update({name: outputs[0].dtype for name, outputs in orthogonalized.items()})
+        if outputs is not None:
+            outputs.update(orthogonalized)
         with record_function("dmuon.direction"):
             directions = {
                 info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,

@@ -157,13 +157,15 @@ def test_routing_pieces_through_the_homes_node_mates_is_bit_identical():
     assert [r["dp_bytes"] for r in routed] != [r["dp_bytes"] for r in direct]  # forwarded: another route
 
 
-@pytest.mark.parametrize("muon_kw", [{}, dict(ns_method="gram")], ids=["standard_bf16", "gram_fp16"])
-def test_directions_back_in_their_16_bit_ns_format_are_bit_identical(muon_kw):
-    # fp32 masters, 16-bit NS: a whole matrix's direction is its NS output widened, so the way back in that
-    # format (bf16; fp16 under Gram NS, named by the tag each home sends) loses nothing: the same parameters,
-    # bit for bit, as directions sent in fp32; pieces travel in fp32 both times
+@pytest.mark.parametrize("split,muon_kw", [(None, {}), ("qkv", {}), ("heads", dict(ns_method="gram"))],
+                         ids=["whole_standard_bf16", "qkv_standard_bf16", "heads_gram_fp16"])
+def test_directions_back_as_their_16_bit_ns_outputs_are_bit_identical(split, muon_kw):
+    # fp32 masters, 16-bit NS: a direction is its NS outputs widened (QKV / head pieces each times its lr
+    # multiplier), so the way back as the outputs' bits (bf16; fp16 under Gram NS, named by the tag each home
+    # sends) and the holder's widening and scaling loses nothing: the same parameters, bit for bit, as
+    # directions sent in fp32; pieces travel in fp32 both times
     kw = dict(steps=3, grad_accum=1, shape_kw=dict(num_layers=1), ns_dtype="bfloat16", dp_layout="split",
-              split=dict(split_qkv=False), muon_kw=muon_kw)
+              split=split, muon_kw=muon_kw)
     target = "megatron_dmuon.testing.workers:dmuon_train"
     # (typed_ns: the NS returns its compute dtype as on CUDA, where the narrow way back is on by itself)
     narrow = run_distributed(target, 8, kwargs=dict(kw, narrow_directions=True, typed_ns=True), env={"LOCAL_WORLD_SIZE": "4"})
