@@ -14,7 +14,7 @@ echo "setup $(( $(date +%s) - t0 )) s"
 export CUDA_DEVICE_MAX_CONNECTIONS=${MAX_CONNECTIONS:-8}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformer_engine as te, megatron.core as mc; print('torch', torch.__version__, '| TE', te.__version__, '| megatron-core', mc.__version__)"
-python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu_suite.xml" tests/gpu tests/kernels/test_gpu.py "$@" \
+python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --junitxml="$OUT/gpu_suite.xml" tests/gpu tests/kernels/test_gpu.py tests/runtime/test_narrow_directions.py "$@" \
   2>&1 | tee "$OUT/gpu_suite.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E |worst|fp8 " | cut -c1-400
 rc=${PIPESTATUS[0]}
 echo "gpu suite rc $rc in $(( $(date +%s) - t0 )) s"
