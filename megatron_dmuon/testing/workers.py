@@ -388,15 +388,10 @@ def _ownership(run, dp_rank) -> dict:
     return out
 
 
-def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, vpp=None, return_params=True, count_bytes=False, nan_at=None,
-                skip_steps=(), data_dp=None, record_grads=False, instances=1, narrow_directions=None, typed_ns=False,
-                **kw):
-    """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
-    (experts over ep; vpp virtual stages per pipeline rank; ``instances`` distributed-optimizer
-    instances); report losses, norms, NS counts, plans, every rank's parameter shards and optimizer
-    state pieces. ``narrow_directions``: OwnerMuonAdamW.narrow_directions (the split layout's way back);
-    ``typed_ns``: the NS returns its compute dtype, as the CUDA path does (the CPU path returns the
-    input's dtype)."""
+def dmuon_train(rank, world_size, narrow_directions=None, typed_ns=False, **kw):
+    """``_dmuon_train`` with the split layout's way back set: ``narrow_directions`` is
+    OwnerMuonAdamW.narrow_directions; ``typed_ns``: the NS returns its compute dtype, as the CUDA path
+    does (the CPU path returns the input's dtype). Both undone after (a forked rank runs other tests)."""
     from megatron_dmuon.runtime import owner_step
 
     run_ns = owner_step.run_ns
@@ -404,14 +399,17 @@ def dmuon_train(rank, world_size, tp=1, pp=1, ep=1, vpp=None, return_params=True
     if typed_ns:
         owner_step.run_ns = lambda stack, choice: run_ns(stack, choice).to(choice.compute_dtype)
     try:
-        return _dmuon_train(rank, tp, pp, ep, vpp, return_params, count_bytes, nan_at, skip_steps, data_dp,
-                            record_grads, instances, **kw)
-    finally:  # (a forked rank may run other tests after this one)
+        return _dmuon_train(rank, **kw)
+    finally:
         owner_step.OwnerMuonAdamW.narrow_directions, owner_step.run_ns = None, run_ns
 
 
-def _dmuon_train(rank, tp, pp, ep, vpp, return_params, count_bytes, nan_at, skip_steps, data_dp, record_grads,
-                 instances, **kw):
+def _dmuon_train(rank, tp=1, pp=1, ep=1, vpp=None, return_params=True, count_bytes=False, nan_at=None,
+                 skip_steps=(), data_dp=None, record_grads=False, instances=1, **kw):
+    """Train the tiny GPT with DMuon (or a baseline mode) on world_size = dp x tp x pp ranks
+    (experts over ep; vpp virtual stages per pipeline rank; ``instances`` distributed-optimizer
+    instances); report losses, norms, NS counts, plans, every rank's parameter shards and optimizer
+    state pieces."""
     init_parallel(tp, pp, ep, vpp, instances=instances)
     run = _build(instances=instances, **kw)
     steps = run.o["steps"]
