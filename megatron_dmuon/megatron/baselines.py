@@ -9,7 +9,7 @@ import torch
 
 from ..planning.ns_choice import plan_ns_choices
 from ..runtime.owner_step import MatrixInfo, OwnerMuonAdamW
-from .megatron_lm_flags import megatron_muon_fields
+from .megatron_lm_flags import megatron_muon_fields, megatron_ns_path
 from .ddp import plan_records
 from .modes import LAYERWISE_NEEDS_BF16
 from .owner_optimizer import grad_scaler, init_state_fn, muon_adam_groups, register_matrices
@@ -37,10 +37,7 @@ def build_megatron_layerwise(config, model_chunks, cfg):
         dataclasses.replace(config, optimizer="muon", use_distributed_optimizer=False,
                             use_layer_wise_distributed_optimizer=layer_wise, **fields),
         model_chunks)
-    # what the job's summary and the benchmarks' tables name as this baseline's NS path
-    opt.megatron_ns_path = (f"Megatron's standard NS ({fields['muon_coefficient_type']}, "
-                            f"{fields['muon_num_ns_steps']} steps, fp32 matmul precision "
-                            f"{fields['muon_fp32_matmul_prec']})")
+    opt.megatron_ns_path = megatron_ns_path(fields)  # (the job's summary and the benchmarks' tables name it)
     return opt
 
 def build_gather_then_compute_parts(config, model_chunks, cfg) -> list:

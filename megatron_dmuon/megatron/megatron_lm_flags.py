@@ -211,6 +211,12 @@ def megatron_muon_fields(cfg, tp_mode: str = "duplicated") -> dict:
                 muon_fp32_matmul_prec=precision, muon_tp_mode=tp_mode, muon_scalar_optimizer="adam")
 
 
+def megatron_ns_path(fields: dict) -> str:
+    """In words, the NS Megatron's own Muon runs with ``megatron_muon_fields``' ``fields``."""
+    return (f"Megatron's standard NS ({fields['muon_coefficient_type']}, {fields['muon_num_ns_steps']} steps, "
+            f"fp32 matmul precision {fields['muon_fp32_matmul_prec']})")
+
+
 def _megatron_coefficient_type(coefficients, steps: int):
     """The --muon-coefficient-type whose sets at ``steps`` are ``coefficients``' (None: no type)."""
     if coefficients == ADAPTIVE_SCHEDULE:
