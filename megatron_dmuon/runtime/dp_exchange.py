@@ -115,8 +115,8 @@ class DPExchange:
 
     def _move(self, key: tuple, transfers: Sequence[Transfer], encode, wire_bytes, device) -> Dict[Transfer, torch.Tensor]:
         """Carry out ``transfers``, each as bytes: ``encode(transfer)`` gives this rank's data of a
-        transfer it starts (uint8, ``wire_bytes(transfer)`` long: both ends know every size from the
-        plan). Returns the bytes of every transfer ending on this rank (forwarded ones pass as they came)."""
+        transfer it starts (uint8 parts, ``wire_bytes(transfer)`` in all: both ends know every size from
+        the plan). Returns the bytes of every transfer ending on this rank (forwarded ones pass as they came)."""
         held: Dict[Transfer, torch.Tensor] = {}  # arrived here (for this rank, or to forward)
         for sends, recvs in self._plan(key, transfers):
             ops, arriving = [], []
@@ -125,7 +125,7 @@ class DPExchange:
                 arriving.append((flat, ts))
                 ops.append(torch.distributed.P2POp(torch.distributed.irecv, flat, group=self.group, group_peer=peer))
             for peer, ts in sends:
-                flat = torch.cat([held.pop(t) if t in held else encode(t) for t in ts])
+                flat = torch.cat([part for t in ts for part in ([held.pop(t)] if t in held else encode(t))])  # one copy
                 self.bytes_sent += flat.numel()
                 ops.append(torch.distributed.P2POp(torch.distributed.isend, flat, group=self.group, group_peer=peer))
             if ops:
@@ -177,7 +177,7 @@ class DPExchange:
                 return _bytes_of(full[t[0]].reshape(-1)[t[3]:t[4]].to(like.dtype))
             bits, tag = full[t[0]]
             tag = torch.tensor(list(tag) + [0] * (_TAG_BYTES - len(tag)), dtype=torch.uint8).to(bits.device, non_blocking=True)
-            return torch.cat([_bytes_of(bits.reshape(-1)[t[3]:t[4]]), tag])
+            return _bytes_of(bits.reshape(-1)[t[3]:t[4]]) + [tag]
 
         arrived = self._move(("from", tuple(sorted(m.key for m in mats))), transfers, encode, wire_bytes, like.device)
         mine = {m.key: (m, m.piece_of(self.rank)) for m in mats if m.piece_of(self.rank) is not None}
@@ -201,8 +201,8 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes, padded to ``_aligned``."""
+def _bytes_of(t: torch.Tensor) -> List[torch.Tensor]:
+    """``t``'s bytes and the padding to ``_aligned``: the parts of one transfer (a message concatenates them)."""
     raw = t.contiguous().view(torch.uint8).reshape(-1)
     pad = _aligned(raw.numel()) - raw.numel()
-    return torch.cat([raw, raw.new_zeros(pad)]) if pad else raw
+    return [raw, raw.new_zeros(pad)] if pad else [raw]
