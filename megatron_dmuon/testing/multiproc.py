@@ -8,7 +8,9 @@ Ranks are forked from a fork server that has imported torch and megatron-core on
 interpreter spends ~7 s of CPU importing them, which was most of the test suite's time on two
 cores). Each rank still starts clean: its own process, this call's environment, the CPU shim
 installed and the process group created after the fork. ``DMUON_TEST_SPAWN=subprocess`` starts
-every rank as a fresh interpreter instead, as does a call whose ``env`` sets PYTHONPATH.
+every rank as a fresh interpreter instead, as does a call whose ``env`` sets PYTHONPATH. A forked
+rank's checkpoint writer forks its results Manager rather than spawning it (see
+``_fork_the_checkpoint_writers_manager``).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def free_port() -> int:
 PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.distributed",
            "megatron.core.optimizer", "megatron.core.models.gpt", "megatron_dmuon.megatron.optimizer",
            "megatron_dmuon.megatron.gpt", "megatron_dmuon.testing.cpu_shim", "megatron_dmuon.testing.workers",
-           "megatron_dmuon.testing.checkpoint_workers")
+           "megatron_dmuon.testing.checkpoint_workers", "megatron.core.dist_checkpointing.strategies.filesystem_async")
 _CONTEXT = None
 
 
@@ -65,9 +67,35 @@ def _forked_worker(spec_path: str, log_path: str, env: Dict[str, str]) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1)
     if env.get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
+    _fork_the_checkpoint_writers_manager()
     _worker_main(spec_path)
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _fork_the_checkpoint_writers_manager() -> None:
+    """In a forked rank: megatron-core's checkpoint writer keeps its write results in a Manager queue
+    (``filesystem_async.get_write_results_queue``, made at a process's first save) whose server process
+    it spawns; that fresh interpreter imports torch when the first results arrive (their classes), ~3 s
+    of CPU per saving rank, most of a small test's save. Here the server is forked from the rank
+    instead, which has torch imported: the same queue of the same results, one start method changed
+    (a rank's children still die with it: megatron/child_processes.install guards forked children too).
+    Ranks under torchrun, ``DMUON_TEST_SPAWN=subprocess`` and every real run keep megatron-core's
+    spawned server (tests/megatron/train/test_restarts.py, tests/launch/test_run_main.py)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    original = getattr(filesystem_async, "get_write_results_queue", None)
+    if original is None or not hasattr(filesystem_async, "_results_queue"):
+        return
+
+    def get_write_results_queue(mp_mode: str = "spawn"):
+        if filesystem_async._results_queue is None and mp_mode == "spawn":
+            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return original(mp_mode)
+
+    filesystem_async.get_write_results_queue = get_write_results_queue
 
 
 def _worker_main(spec_path: str) -> None:
@@ -353,6 +381,7 @@ def _forked_main_job(argv: List[str], logs: tuple, env: Dict[str, str], script: 
     sys.stderr = os.fdopen(2, "w", buffering=1)
     if env.get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
+    _fork_the_checkpoint_writers_manager()
     sys.argv = ["megatron_dmuon.testing.cpu_train" if script is None else script, *argv]
     code = 0
     try:
