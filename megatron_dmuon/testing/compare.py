@@ -21,8 +21,15 @@ def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, **_) -> int:
     return world_size // (tp * pp)
 
 
+REFERENCE = f"{WORKERS}:reference"
+
+
+def reference_kwargs(dp: int, layouts=None, **kw) -> dict:
+    return dict(dp=dp, layouts=layouts, **kw)
+
+
 def run_reference(dp: int, layouts=None, **kw) -> dict:
-    return run_distributed(f"{WORKERS}:reference", 1, kwargs=dict(dp=dp, layouts=layouts, **kw))[0]
+    return run_distributed(REFERENCE, 1, kwargs=reference_kwargs(dp, layouts, **kw))[0]
 
 
 def every_layout(results: List[dict]) -> List[str]:

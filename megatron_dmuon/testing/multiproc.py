@@ -8,7 +8,9 @@ Ranks are forked from a fork server that has imported torch and megatron-core on
 interpreter spends ~7 s of CPU importing them, which was most of the test suite's time on two
 cores). Each rank still starts clean: its own process, this call's environment, the CPU shim
 installed and the process group created after the fork. ``DMUON_TEST_SPAWN=subprocess`` starts
-every rank as a fresh interpreter instead, as does a call whose ``env`` sets PYTHONPATH.
+every rank as a fresh interpreter instead, as does a call whose ``env`` sets PYTHONPATH. A forked
+rank's checkpoint writer forks its results Manager rather than spawning it (see
+``_fork_the_checkpoint_writers_manager``).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def free_port() -> int:
 PRELOAD = ("torch", "torch.distributed", "numpy", "megatron.core", "megatron.core.distributed",
            "megatron.core.optimizer", "megatron.core.models.gpt", "megatron_dmuon.megatron.optimizer",
            "megatron_dmuon.megatron.gpt", "megatron_dmuon.testing.cpu_shim", "megatron_dmuon.testing.workers",
-           "megatron_dmuon.testing.checkpoint_workers")
+           "megatron_dmuon.testing.checkpoint_workers", "megatron.core.dist_checkpointing.strategies.filesystem_async")
 _CONTEXT = None
 
 
@@ -65,9 +67,35 @@ def _forked_worker(spec_path: str, log_path: str, env: Dict[str, str]) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1)
     if env.get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
+    _fork_the_checkpoint_writers_manager()
     _worker_main(spec_path)
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _fork_the_checkpoint_writers_manager() -> None:
+    """In a forked rank: megatron-core's checkpoint writer keeps its write results in a Manager queue
+    (``filesystem_async.get_write_results_queue``, made at a process's first save) whose server process
+    it spawns; that fresh interpreter imports torch when the first results arrive (their classes), ~3 s
+    of CPU per saving rank, most of a small test's save. Here the server is forked from the rank
+    instead, which has torch imported: the same queue of the same results, one start method changed
+    (a rank's children still die with it: megatron/child_processes.install guards forked children too).
+    Ranks under torchrun, ``DMUON_TEST_SPAWN=subprocess`` and every real run keep megatron-core's
+    spawned server (tests/megatron/train/test_restarts.py, tests/launch/test_run_main.py)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    original = getattr(filesystem_async, "get_write_results_queue", None)
+    if original is None or not hasattr(filesystem_async, "_results_queue"):
+        return
+
+    def get_write_results_queue(mp_mode: str = "spawn"):
+        if filesystem_async._results_queue is None and mp_mode == "spawn":
+            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return original(mp_mode)
+
+    filesystem_async.get_write_results_queue = get_write_results_queue
 
 
 def _worker_main(spec_path: str) -> None:
@@ -121,19 +149,26 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return _run_in_tmp(target, world_size, kwargs, timeout, sys_path, env)
+
+
+def _run_in_tmp(target, world_size, kwargs, timeout, sys_path, env, start=None) -> List[Any]:
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="dmuon-mp-")
     try:
-        return _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp)
+        return _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp, start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # rank results can be hundreds of MB
 
 
-def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[Any]:
+def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp, start=None) -> List[Any]:
+    """``start(spec_path, log_path, env)``: a started process running ``_forked_worker`` on those (default: one
+    forked from the fork server)."""
     procs, outs = [], []
     # a call that sets PYTHONPATH (e.g. a Megatron-LM checkout's own megatron.core) needs fresh
     # interpreters: the fork server's preloaded modules came from this process's path
-    forked = os.environ.get("DMUON_TEST_SPAWN", "fork") != "subprocess" and "PYTHONPATH" not in (env or {})
+    forked = start is not None or (os.environ.get("DMUON_TEST_SPAWN", "fork") != "subprocess"
+                                   and "PYTHONPATH" not in (env or {}))
     # children are their own gloo world: drop a surrounding torchrun's rendezvous variables
     # (TORCHELASTIC_USE_AGENT_STORE etc. would point their init at the launcher's store)
     child_env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
@@ -158,9 +193,12 @@ def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[
             )
         if forked:
             log_path = os.path.join(tmp, f"rank{rank}.log")
-            # not daemonic: a rank may start processes of its own (Megatron's checkpoint writer does)
-            proc = _fork_context().Process(target=_forked_worker, args=(spec_path, log_path, child_env))
-            proc.start()
+            if start is not None:
+                proc = start(spec_path, log_path, child_env)
+            else:
+                # not daemonic: a rank may start processes of its own (Megatron's checkpoint writer does)
+                proc = _fork_context().Process(target=_forked_worker, args=(spec_path, log_path, child_env))
+                proc.start()
             procs.append((proc, log_path))
         else:
             cmd = [sys.executable, "-c", f"from megatron_dmuon.testing.multiproc import _worker_main; _worker_main({spec_path!r})"]
@@ -204,6 +242,60 @@ def _run(target, world_size, kwargs, timeout, sys_path, env, port, tmp) -> List[
     return results
 
 
+class ForkedRank:
+    """One rank of a later one-rank ``run_distributed``, forked from this process when made: it starts with
+    this process's imports, where the fork server (whose first start in a process imports torch and
+    megatron-core, ~7 s of CPU) or a fresh interpreter would import them again. For a process that needs a
+    single-rank run after it has started a process group of its own (``dmuon-verify`` under torchrun runs its
+    reference after training): make it before that process group, CUDA or any thread is started, so the
+    fork copies none of them. ``run`` gives it its target (once) and returns what ``run_distributed(target, 1)``
+    returns; ``close`` ends it if it never ran (use it as a context manager)."""
+
+    def __init__(self):
+        ctx = multiprocessing.get_context("fork")
+        self._orders, theirs = ctx.Pipe()
+        # not daemonic: a rank may start processes of its own (as _run's forked ranks)
+        self._proc = ctx.Process(target=_await_order, args=(theirs, self._orders))
+        self._proc.start()
+        theirs.close()
+
+    def run(self, target: str, kwargs: Optional[Dict[str, Any]] = None, timeout: float = 600.0,
+            sys_path: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None) -> Any:
+        if self._orders.closed:
+            raise RuntimeError("a ForkedRank runs one target")
+
+        def start(spec_path, log_path, child_env):
+            self._orders.send((spec_path, log_path, child_env))
+            self._orders.close()
+            return self._proc
+
+        return _run_in_tmp(target, 1, kwargs, timeout, sys_path, env, start)[0]
+
+    def close(self) -> None:
+        if not self._orders.closed:
+            self._orders.close()  # the waiting rank reads the end of its orders and exits
+        self._proc.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def _await_order(orders, ours) -> None:
+    """A ForkedRank: waits for its target (``_forked_worker``'s arguments); exits at once if none comes."""
+    ours.close()  # the maker's end: it alone keeps the pipe open, so the maker's exit ends the wait
+    try:
+        spec_path, log_path, env = orders.recv()
+    except EOFError:
+        return
+    finally:
+        orders.close()
+    _forked_worker(spec_path, log_path, env)
+
+
 def run_main_job(argv: List[str], nproc: int = 2, env: Optional[Dict[str, str]] = None,
                  timeout: float = 600.0) -> subprocess.CompletedProcess:
     """The CPU main job (``testing/cpu_train.main(argv)``) on ``nproc`` ranks forked from the fork
@@ -214,14 +306,32 @@ def run_main_job(argv: List[str], nproc: int = 2, env: Optional[Dict[str, str]] 
     the tests of what the job does (a test of the launcher itself runs torchrun): it saves each
     run's ~7 s of imports per rank and the launcher's own. ``DMUON_TEST_SPAWN=subprocess`` or an
     ``env`` setting PYTHONPATH runs torchrun instead."""
+    return _job(["-m", "megatron_dmuon.testing.cpu_train"], None, argv, nproc, env, timeout)
+
+
+def run_script_job(script: str, argv: List[str] = (), nproc: int = 2, env: Optional[Dict[str, str]] = None,
+                   timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """A Python script run as ``torchrun --standalone --nproc-per-node N SCRIPT ARGV`` runs it, on ranks
+    forked from the fork server, as ``run_main_job`` runs the main job: each rank runs the file as
+    ``__main__`` (its folder first on sys.path, sys.argv = [SCRIPT, *ARGV]) in torchrun's environment;
+    torchrun's returncode, every rank's stdout and stderr. ``DMUON_TEST_SPAWN=subprocess`` or an
+    ``env`` setting PYTHONPATH runs torchrun instead."""
+    return _job([script], script, argv, nproc, env, timeout)
+
+
+def _job(entry: List[str], script: Optional[str], argv, nproc, env, timeout) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node NPROC ENTRY ARGV``, or its ranks forked (``script``: a file
+    each rank runs; None: the main job)."""
+    argv = list(map(str, argv))
     child_env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     child_env.update(env or {})
     child_env.setdefault("PYTHONWARNINGS", "ignore")
     child_env.setdefault("OMP_NUM_THREADS", "1")
     if os.environ.get("DMUON_TEST_SPAWN", "fork") == "subprocess" or "PYTHONPATH" in (env or {}):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "megatron_dmuon.testing.cpu_train", *argv]
+               *entry, *argv]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env)
+    name = ["main job" if script is None else script] + argv
     port, tmp = free_port(), tempfile.mkdtemp(prefix="dmuon-job-")
     try:
         procs = []
@@ -230,7 +340,7 @@ def run_main_job(argv: List[str], nproc: int = 2, env: Optional[Dict[str, str]] 
                             LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0")
             logs = (os.path.join(tmp, f"rank{rank}.out"), os.path.join(tmp, f"rank{rank}.err"))
-            proc = _fork_context().Process(target=_forked_main_job, args=(list(map(str, argv)), logs, rank_env))
+            proc = _fork_context().Process(target=_forked_main_job, args=(argv, logs, rank_env, script))
             proc.start()
             procs.append((proc, logs))
         deadline = time.monotonic() + timeout
@@ -240,14 +350,14 @@ def run_main_job(argv: List[str], nproc: int = 2, env: Optional[Dict[str, str]] 
             for proc, _ in procs:
                 proc.kill()
                 proc.join()
-            raise subprocess.TimeoutExpired(["main job"] + list(map(str, argv)), timeout)
+            raise subprocess.TimeoutExpired(name, timeout)
         out, err = [], []
         for _, (out_path, err_path) in procs:
             for path, into in ((out_path, out), (err_path, err)):
                 with open(path, errors="replace") as f:
                     into.append(f.read())
         code = 0 if all(proc.exitcode == 0 for proc, _ in procs) else 1
-        return subprocess.CompletedProcess(["main job"] + list(map(str, argv)), code, "".join(out), "".join(err))
+        return subprocess.CompletedProcess(name, code, "".join(out), "".join(err))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -256,9 +366,10 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
                   "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _forked_main_job(argv: List[str], logs: tuple, env: Dict[str, str]) -> None:
-    """One rank of ``run_main_job``: a fresh rank's environment, argv and output files, then the job;
-    its exit status is the job's (SystemExit's code; 1 after an uncaught exception, printed)."""
+def _forked_main_job(argv: List[str], logs: tuple, env: Dict[str, str], script: Optional[str] = None) -> None:
+    """One rank of ``run_main_job`` (``run_script_job``: of ``script``): a fresh rank's environment, argv and
+    output files, then the job; its exit status is the job's (SystemExit's code; 1 after an uncaught
+    exception, printed)."""
     import warnings
 
     os.environ.clear()
@@ -270,12 +381,19 @@ def _forked_main_job(argv: List[str], logs: tuple, env: Dict[str, str]) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1)
     if env.get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
-    sys.argv = ["megatron_dmuon.testing.cpu_train", *argv]
+    _fork_the_checkpoint_writers_manager()
+    sys.argv = ["megatron_dmuon.testing.cpu_train" if script is None else script, *argv]
     code = 0
     try:
-        from megatron_dmuon.testing import cpu_train
+        if script is None:
+            from megatron_dmuon.testing import cpu_train
 
-        cpu_train.main(argv)
+            cpu_train.main(argv)
+        else:  # as `python SCRIPT`: its folder first on the path
+            import runpy
+
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):

@@ -309,6 +309,23 @@ def _resume_spawned(args, kw, precision):
 
 def _main_torchrun(args):
     from . import checkpoint_workers, workers
+    from .multiproc import ForkedRank
+
+    rank = int(os.environ["RANK"])
+    # rank 0's reference process on CPU: forked now, before the process group (and the shim), with this
+    # process's imports (the fork server a fresh run_reference starts would import them again). On GPUs,
+    # and with DMUON_TEST_SPAWN=subprocess, run_reference starts it afresh after training
+    forked = (rank == 0 and args.resume_at is None and not torch.cuda.is_available()
+              and os.environ.get("DMUON_TEST_SPAWN", "fork") != "subprocess")
+    reference = ForkedRank() if forked else None
+    try:
+        return _train_and_compare(args, checkpoint_workers, workers, reference)
+    finally:
+        if reference is not None:
+            reference.close()
+
+
+def _train_and_compare(args, checkpoint_workers, workers, reference):
     from .compare import rel_diffs
     from .global_params import merge_ranks
 
@@ -344,13 +361,15 @@ def _main_torchrun(args):
     layouts = [text for r in (everyone_layouts if rank == 0 else []) for text in r]
     code = 0
     if rank == 0:
-        # the TP=PP=EP=1 reference runs in a fresh single-rank CPU process: this process's Megatron
-        # parallel state (and its collectives) belong to the distributed run
-        from .compare import run_reference
+        # the TP=PP=EP=1 reference runs in a single-rank CPU process of its own (forked before this
+        # process's group, or started afresh): this process's Megatron parallel state (and its
+        # collectives) belong to the distributed run
+        from .compare import REFERENCE, reference_kwargs, run_reference
 
         exact_order = precision == "fp32" and not _reorders_sums(args) and backend == "gloo"
-        ref = run_reference(args.dp, layouts=sorted(set(layouts)) if exact_order else None,
-                            **_reference_kwargs(kw, precision))
+        ref_kw = dict(layouts=sorted(set(layouts)) if exact_order else None, **_reference_kwargs(kw, precision))
+        ref = (reference.run(REFERENCE, kwargs=reference_kwargs(args.dp, **ref_kw)) if reference is not None
+               else run_reference(args.dp, **ref_kw))
         meta = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "backend": backend,
                 "precision": precision, "each_matrix_once": res["ns_counts"] == [ref["num_matrices"]] * args.steps}
         code = _report(rel_diffs(merge_ranks(shards), ref["params"]), _tolerance(args, precision), args.json, meta)

@@ -1,10 +1,12 @@
-"""The README's Python snippet (examples/minimal_loop.py) trains on 2 gloo ranks, and the same loop
-without `ddp.finish_grad_sync()` fails loudly instead of stepping on unreduced gradients."""
+"""The README's Python snippet (examples/minimal_loop.py) trains on 2 gloo ranks under torchrun, and the
+same loop without `ddp.finish_grad_sync()` fails loudly instead of stepping on unreduced gradients (on ranks
+forked from the tests' fork server, as torchrun would run it: testing/multiproc.run_script_job)."""
 import os
 import re
 import subprocess
 import sys
 
+from megatron_dmuon.testing.multiproc import run_script_job
 from tests import ROOT
 
 EXAMPLE = os.path.join(ROOT, "examples", "minimal_loop.py")
@@ -29,6 +31,6 @@ def test_forgetting_finish_grad_sync_is_an_error(tmp_path):
     assert "    ddp.finish_grad_sync()" in source
     script = tmp_path / "no_sync.py"
     script.write_text(source.replace("    ddp.finish_grad_sync()", "    pass  # forgot"))
-    proc = _torchrun(str(script))
+    proc = run_script_job(str(script))
     assert proc.returncode != 0
     assert "before the gradients were reduced to their owners: call ddp.finish_grad_sync()" in proc.stderr

@@ -2,8 +2,10 @@
 
 The interpreter is chosen when a kernel is decorated, i.e. when the kernel module is first
 imported; another test may already have imported it compiled in this process. So the parent
-test re-runs this file in a fresh child process with TRITON_INTERPRET=1 and checks that every
-child test passed; in the parent the child tests are skipped.
+test re-runs this file in fresh child processes with TRITON_INTERPRET=1 and checks that every
+child test passed; in the parent the child tests are skipped. The interpreter runs on one core:
+the child tests are dealt round-robin to SHARDS children that run side by side, each skipping the
+others' tests (every child test runs in exactly one of them).
 """
 
 import os
@@ -18,6 +20,19 @@ import torch
 CHILD_ENV = "DMUON_KERNELS_INTERPRETER_CHILD"
 IN_CHILD = os.environ.get(CHILD_ENV) == "1"
 child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the TRITON_INTERPRET=1 child process")
+SHARD_ENV = "DMUON_KERNELS_INTERPRETER_SHARD"  # "i/n": this child runs child tests i, i + n, i + 2n, ...
+SHARDS = 2  # children side by side (the CI machine's cores)
+
+
+@pytest.fixture(autouse=True)
+def _this_childs_share(request):
+    """In a child given a shard: the child tests dealt to the other children are skipped."""
+    shard = os.environ.get(SHARD_ENV) if IN_CHILD else None
+    if shard and request.node.name.startswith("test_child_"):
+        index, count = map(int, shard.split("/"))
+        dealt = [item for item in request.session.items if item.name.startswith("test_child_")]
+        if dealt.index(request.node) % count != index:
+            pytest.skip(f"dealt to another child than shard {shard}")
 
 
 def _skip_discarded_overflow_checks() -> None:
@@ -86,17 +101,31 @@ TILE_CONFIGS = [(16, 16, 16), (32, 16, 16), (16, 32, 32)]
 def test_interpreter_child_process_passes():
     if IN_CHILD:
         pytest.skip("this is the child")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1"})
-    env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600,
-    )
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", summary)
+    children = []
+    for shard in range(SHARDS):
+        env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: "1", SHARD_ENV: f"{shard}/{SHARDS}"})
+        env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+        children.append(subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
+            cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        ))
+    try:
+        outputs = [child.communicate(timeout=600) for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    passed_in_all = 0
+    for child, (out, err) in zip(children, outputs):
+        summary = out.strip().splitlines()[-1] if out.strip() else ""
+        assert child.returncode == 0, out[-6000:] + err[-3000:]
+        passed = re.search(r"(\d+) passed", summary)
+        assert passed, summary
+        passed_in_all += int(passed.group(1))
     expected = sum(1 for name in globals() if name.startswith("test_child_"))
-    assert passed and int(passed.group(1)) >= expected, summary
+    assert passed_in_all >= expected, [out.strip().splitlines()[-1:] for out, _ in outputs]
 
 
 def _rel(a, b):
