@@ -87,13 +87,11 @@ def _fork_the_checkpoint_writers_manager() -> None:
     except ImportError:
         return
     original = getattr(filesystem_async, "get_write_results_queue", None)
-    if original is None or not hasattr(filesystem_async, "_results_queue"):
+    if original is None:
         return
 
-    def get_write_results_queue(mp_mode: str = "spawn"):
-        if filesystem_async._results_queue is None and mp_mode == "spawn":
-            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
-        return original(mp_mode)
+    def get_write_results_queue(mp_mode: str = "spawn"):  # (the queue is made once, at the first call)
+        return original("fork" if mp_mode == "spawn" else mp_mode)
 
     filesystem_async.get_write_results_queue = get_write_results_queue
 
