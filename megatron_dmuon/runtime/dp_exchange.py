@@ -172,12 +172,13 @@ class DPExchange:
         def wire_bytes(t):
             return _aligned(2 * (t[4] - t[3])) + _TAG_BYTES if t[0] in narrow else _aligned((t[4] - t[3]) * size)
 
+        tags = {k: torch.tensor(list(full[k][1]) + [0] * (_TAG_BYTES - len(full[k][1])), dtype=torch.uint8).to(
+            full[k][0].device, non_blocking=True) for k in narrow if k in full}  # (one per homed matrix, not per piece)
+
         def encode(t):
             if t[0] not in narrow:
                 return _bytes_of(full[t[0]].reshape(-1)[t[3]:t[4]].to(like.dtype))
-            bits, tag = full[t[0]]
-            tag = torch.tensor(list(tag) + [0] * (_TAG_BYTES - len(tag)), dtype=torch.uint8).to(bits.device, non_blocking=True)
-            return _bytes_of(bits.reshape(-1)[t[3]:t[4]]) + [tag]
+            return _bytes_of(full[t[0]][0].reshape(-1)[t[3]:t[4]]) + [tags[t[0]]]
 
         arrived = self._move(("from", tuple(sorted(m.key for m in mats))), transfers, encode, wire_bytes, like.device)
         mine = {m.key: (m, m.piece_of(self.rank)) for m in mats if m.piece_of(self.rank) is not None}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Collection, Dict, List, Optional, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -293,10 +293,10 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         directions = self._distributed_gram_step([i for i in infos if i.tp_method == "distributed_gram"], work_updates,
                                                  like)
         outputs: Dict[str, list] = {}  # the NS outputs of every matrix orthogonalized here
+        narrow = set(self._narrow_directions(split.values(), like)) if split else set()
         directions.update(self._gather_step([i for i in infos if i.tp_method != "distributed_gram"], work_updates,
-                                            like, outputs))
+                                            like, outputs, narrow))
         if split:
-            narrow = self._narrow_directions(split.values(), like)
             homed = {n: i for n, i in split.items() if i.dp_split.home == self.dp.rank}
             with record_function("dmuon.dp_exchange"):
                 back = self.dp.from_homes(
@@ -408,11 +408,13 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
                                                   scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=p.dtype)
                 muon_apply_(p, direction, lr, wd, scale)
 
-    def _gather_step(self, infos, updates, like, outputs: Optional[Dict[str, list]] = None) -> Dict[str, torch.Tensor]:
+    def _gather_step(self, infos, updates, like, outputs: Optional[Dict[str, list]] = None,
+                     outputs_only: Collection[str] = ()) -> Dict[str, torch.Tensor]:
         """Directions (this rank's TP shards) of matrices gathered whole to their TP owner (without TP:
         every matrix of ``infos``), orthogonalized there in batched NS calls; ``updates``: the TP-local
         update of each, ``like``: the masters' dtype and device; ``outputs`` receives the NS outputs
-        of every matrix orthogonalized here."""
+        of every matrix orthogonalized here; ``outputs_only``: matrices (without TP) whose direction is
+        not made here (the split layout's narrow ones: their holders make it from the outputs' bits)."""
         s = self.muon
         tp_mats = [info.tp_matrix() for info in infos]
         info_of = {info.name: info for info in infos}
@@ -426,10 +428,11 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
             directions = {
                 info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
                                           scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=like.dtype)[0]
-                for info in owned
+                for info in owned if info.name not in outputs_only
             }
         self.stats["ns_matrices"] += len(owned)
-        return self.tp.from_owners(tp_mats, directions, {n: i.local_shape for n, i in info_of.items()}, like)
+        return self.tp.from_owners([m for m in tp_mats if m.key not in outputs_only], directions,
+                                   {n: i.local_shape for n, i in info_of.items()}, like)
 
     def _distributed_gram_step(self, infos, updates, like) -> Dict[str, torch.Tensor]:
         """Directions (this rank's shards) of matrices orthogonalized by distributed Gram NS across
