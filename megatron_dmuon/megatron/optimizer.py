@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from ..kernels.metrics import NONFINITE_METRICS
-from ..planning.split_layout import exchange_bytes_sent
+from ..planning.split_layout import exchange_bytes_sent, narrow_directions
 from ..runtime.dp_exchange import node_of_dp_ranks
 from .baselines import build_gather_then_compute_parts, build_megatron_layerwise
 from .config_checks import check_dmuon_config, check_model_parallel_config  # noqa: F401 (public API)
@@ -277,11 +277,16 @@ def _split_exchange_bytes(chunk) -> float:
         return 0.0
     groups = {kind: buffers[0].data_parallel_group
               for kind, buffers in (("dense", chunk.buffers), ("expert", chunk.expert_parallel_buffers)) if buffers}
+    # the directions that come back as 16-bit bits: on CUDA, by the runtime's rule (OwnerMuonAdamW._narrow_directions)
+    param = next(chunk.parameters(), None)
+    ns_bytes = plan.config.muon.ns_dtype.itemsize if plan.config is not None else 4
     total = 0.0
     for name, layout in plan.layouts.items():
         group = groups.get(name.split("/")[0])
         if group is not None and layout.scheme == "split":  # (the exchange's routes: runtime/dp_exchange.py)
-            total += exchange_bytes_sent(layout, node_of_dp_ranks(group))[group.rank()]
+            narrow = (narrow_directions(layout.owners, layout.tp_size, ns_bytes)
+                      if param is not None and param.is_cuda else ())
+            total += exchange_bytes_sent(layout, node_of_dp_ranks(group), narrow=narrow)[group.rank()]
     return total
 
 
