@@ -130,8 +130,9 @@ class DMuonConfig:
         m = self.muon
         if m.rule.by_rows:
             return f"does not run --dmuon-update {m.update} (its row statistics need each matrix whole on one rank)"
-        if OverlapMode(m.overlap_step).cuts_per_need_group:
-            return f"does not run --dmuon-overlap-step {m.overlap_step} (its stacks are cut per bucket group)"
+        if OverlapMode(m.overlap_step).starts_in_backward:
+            return (f"does not run --dmuon-overlap-step {m.overlap_step} (a home would wait in the backward for "
+                    "pieces whose grads other ranks have not reduced yet; --dmuon-overlap-step on runs)")
         if self.layout.ranks_per_node:
             return "does not run --dmuon-ranks-per-node (the two-level shard order is not Megatron's)"
         if self.publish_dtype != "param":

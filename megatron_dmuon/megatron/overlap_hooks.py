@@ -77,7 +77,10 @@ def install_overlap_step(model_chunks, parts, infos: dict) -> None:
     for part in parts:
         inner = part.optimizer
         inner.on_applied = part.copy_applied_masters
-        for model_param in part.model_params():
+        # the split layout: every rank takes part in every group's exchange (it may home or forward
+        # pieces of matrices it holds none of), so every split matrix's group waits on every rank
+        split = [m for m, info in infos.items() if info.name in inner.split_matrices]
+        for model_param in dict.fromkeys(part.model_params() + split):
             info = infos.get(model_param)
             if info is None:
                 continue

@@ -213,6 +213,61 @@ class OwnerOverlap:
         return {need: ([p for p, _, _ in members], self._need_group(members, grad_scale, need))
                 for need, members in sorted(by_need.items())}
 
+    def _split_need_group(self, members, split: dict, need: int, like: torch.Tensor) -> Lifecycle:
+        """One need group's lifecycle under the split layout (runtime/dp_exchange.py). ``members``:
+        this rank's (main param, param group, info) of the group, its pieces and the matrices whole in
+        its shard; ``split``: every split matrix of the group, whoever holds it (every rank takes part
+        in every group's exchange: it may forward pieces). In the step: the momentum pass and the
+        pieces' way to their homes; on the NS stream: the NS of the group's matrices homed or whole
+        here; when the forward needs the group: the directions' way back and the apply. The same
+        functions as the synchronous split step (``_exchange_step``), on the group's own stacks."""
+        entries = [(p, {"lr": g["lr"], "weight_decay": g["weight_decay"]}, info)  # this step's (the scheduler moves on)
+                   for p, g, info in members]
+        with record_function("dmuon.momentum"):
+            updates = self._momentum_updates(members)
+        work = {info.name: info for _, _, info in members if info.dp_split is None}
+        work_updates = {n: u for n, u in updates.items() if n in work}
+        if split:
+            work_updates.update(self.split_to_homes(split, updates, like))
+            work.update({n: i for n, i in split.items() if i.dp_split.home == self.dp.rank})
+        owned = [work[n] for n in sorted(work)]
+        plan, stacks = self.owned_stacks([(info, work_updates[info.name].reshape(info.shape)) for info in owned], tag=need)
+        self.stats["ns_matrices"] += len(owned)
+        yield stacks
+        outputs = self.launch_ns(plan, stacks)
+        yield None
+        outputs = self.check_ns_outputs(plan, outputs, stacks, standard_retry=False)
+        orthogonalized = {info.name: plan.outputs(outputs, j) for j, info in enumerate(owned)}
+        narrow = set(self._narrow_directions(split.values(), like)) if split else set()
+        directions = self.directions_of([i for i in owned if i.name not in narrow], orthogonalized, like.dtype)
+        if split:
+            directions.update(self.split_from_homes(split, orthogonalized, directions, narrow, like))
+        self.apply_directions(entries, directions)
+        if self.on_applied is not None:
+            self.on_applied([p for p, *_ in members])
+
+    def _launch_overlapped_split(self, entries) -> None:
+        """The Muon part of ``step()`` under the split layout, cut per need group and launched: every
+        group with a split matrix, on every rank, so that all ranks run each group's exchange in the
+        same (need) order. ``stats['dp_bytes']``: what the last finished step's exchange sent (under
+        'on' its way back runs in the forward, after this step returns)."""
+        like = self._master_like(entries)
+        split = self.split_of(entries)
+        members, split_by_need = defaultdict(list), defaultdict(dict)
+        for entry in entries:
+            members[entry[2].need].append(entry)
+        for name, info in split.items():
+            split_by_need[info.need][name] = info
+        self.stats["dp_bytes"], self.dp.bytes_sent = self.dp.bytes_sent, 0
+        lifecycles = {need: ([p for p, _, _ in members[need]],
+                             self._split_need_group(members[need], split_by_need[need], need, like))
+                      for need in sorted(set(members) | set(split_by_need))}
+        self._overlapped.launch(lifecycles, like.device if like is not None else None)
+        if self.overlap_mode.finishes_in_step:
+            self.stats["dp_bytes"] = self.dp.bytes_sent
+        self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
+        self.stats["tp_bytes"] = 0
+
     def _launch_overlapped(self, entries, grad_scale: Optional[float] = None) -> None:
         """The Muon part of ``step()`` for whole matrices (no TP), cut per need group and launched."""
         self._overlapped.launch(self._need_groups(entries, grad_scale), entries[0][0].device if entries else None)

@@ -262,6 +262,8 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
             torch._foreach_mul_([p.grad for p, _, _ in entries if p.grad is not None], grad_scale)
         if s.rule.by_rows:
             return row_update_step(self, entries)
+        if self.overlap_mode.cuts_per_need_group:  # the split layout (TP is refused above)
+            return self._launch_overlapped_split(entries)
         return self._exchange_step(entries)
 
     def _exchange_step(self, entries) -> None:
@@ -269,25 +271,16 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         direction comes back to every shard and piece. Split layout (runtime.dp_exchange): the pieces
         go to the matrix's NS home over DP first; then, under TP, the home's TP shards go to the TP
         owner (or into distributed Gram NS, runtime.tp_exchange); directions return the same way."""
-        s = self.muon
         like = self._master_like(entries)
         with record_function("dmuon.momentum"):
             updates = self._momentum_updates(entries)  # of what this rank holds (its piece, its TP shard)
         self.tp.bytes_sent = self.dp.bytes_sent = 0
         self.stats["ns_matrices"] = 0
-        split = dict(self.split_matrices)  # every split matrix of this optimizer: held, homed or passing by
-        split.update({info.name: info for _, _, info in entries if info.dp_split is not None})
-        split.update(self.homed)
+        split = self.split_of(entries)
         work = {info.name: info for _, _, info in entries if info.dp_split is None}
         work_updates = {n: u for n, u in updates.items() if n in work}
         if split:
-            with record_function("dmuon.dp_exchange"):
-                # (a TP-replicated matrix's momentum lives on its TP owner: only that TP rank's DP group sends it)
-                sent = [i.dp_split for i in split.values() if self.holds_momentum(i)]
-                assembled = self.dp.to_homes(sent, {n: updates[n] for n in split if n in updates}, like)
-            for name, full in assembled.items():
-                work[name] = split[name]
-                work_updates[name] = full.view(split[name].local_shape)
+            work_updates.update(self.split_to_homes(split, updates, like))
             work.update({n: i for n, i in split.items() if i.dp_split.home == self.dp.rank})
         infos = [work[n] for n in sorted(work)]  # the same order on every TP rank of this DP index
         directions = self._distributed_gram_step([i for i in infos if i.tp_method == "distributed_gram"], work_updates,
@@ -297,23 +290,51 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         directions.update(self._gather_step([i for i in infos if i.tp_method != "distributed_gram"], work_updates,
                                             like, outputs, narrow))
         if split:
-            homed = {n: i for n, i in split.items() if i.dp_split.home == self.dp.rank}
-            with record_function("dmuon.dp_exchange"):
-                back = self.dp.from_homes(
-                    [i.dp_split for i in split.values()],
-                    {n: encode_direction(outputs[n], i.split, i.shape, n) if n in narrow else directions[n]
-                     for n, i in homed.items()}, like, narrow)
-                for name in narrow:  # (what this rank holds of a narrow direction: its bits, the home's tag)
-                    if name in back:
-                        back[name] = self._narrow_decoder.decode(split[name], *back[name], like.dtype)
-            directions.update(back)
-        with record_function("dmuon.apply"):
-            for p, group, info in entries:  # every rank: decay and lr-scaled direction on its own shard or piece
-                scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
-                muon_apply_(p, directions[info.name], group["lr"], group["weight_decay"], scale)
+            directions.update(self.split_from_homes(split, outputs, directions, narrow, like))
+        self.apply_directions(entries, directions)
         self.stats["ns_matrices_total"] += self.stats["ns_matrices"]
         self.stats["tp_bytes"] = self.tp.bytes_sent
         self.stats["dp_bytes"] = self.dp.bytes_sent
+
+    def split_of(self, entries) -> Dict[str, MatrixInfo]:
+        """Every split matrix of this optimizer, held, homed or passing by (the exchange may route
+        pieces of others through this rank), with this step's ``entries``' own views of theirs."""
+        split = dict(self.split_matrices)
+        split.update({info.name: info for _, _, info in entries if info.dp_split is not None})
+        split.update(self.homed)
+        return split
+
+    def split_to_homes(self, split: Dict[str, MatrixInfo], updates, like) -> Dict[str, torch.Tensor]:
+        """The split layout's way there: the whole update (its local shape) of every matrix of ``split``
+        homed on this rank, assembled from every holder's piece (``updates``: this rank's)."""
+        with record_function("dmuon.dp_exchange"):
+            # (a TP-replicated matrix's momentum lives on its TP owner: only that TP rank's DP group sends it)
+            sent = [i.dp_split for i in split.values() if self.holds_momentum(i)]
+            assembled = self.dp.to_homes(sent, {n: updates[n] for n in split if n in updates}, like)
+        return {name: full.view(split[name].local_shape) for name, full in assembled.items()}
+
+    def split_from_homes(self, split: Dict[str, MatrixInfo], outputs, directions, narrow, like) -> Dict[str, torch.Tensor]:
+        """The split layout's way back: this rank's piece of the direction of every matrix of ``split``
+        it holds a piece of (a home sends its ``directions``, or for the ``narrow`` ones its NS
+        ``outputs`` as 16-bit bits, which the holder widens and scales: runtime/narrow_directions.py)."""
+        homed = {n: i for n, i in split.items() if i.dp_split.home == self.dp.rank}
+        with record_function("dmuon.dp_exchange"):
+            back = self.dp.from_homes(
+                [i.dp_split for i in split.values()],
+                {n: encode_direction(outputs[n], i.split, i.shape, n) if n in narrow else directions[n]
+                 for n, i in homed.items()}, like, narrow)
+            for name in narrow:  # (what this rank holds of a narrow direction: its bits, the home's tag)
+                if name in back:
+                    back[name] = self._narrow_decoder.decode(split[name], *back[name], like.dtype)
+        return back
+
+    def apply_directions(self, entries, directions) -> None:
+        """Every rank: decay and the lr-scaled direction on its own shard or piece of each matrix."""
+        s = self.muon
+        with record_function("dmuon.apply"):
+            for p, group, info in entries:
+                scale = muon_direction_scale(info.split, info.shape, s.scale_mode, s.extra_scale)
+                muon_apply_(p, directions[info.name], group["lr"], group["weight_decay"], scale)
 
     def _narrow_directions(self, infos, like: torch.Tensor) -> List[str]:
         """The split matrices whose direction goes back to its holders as 16-bit bits (runtime/
@@ -415,7 +436,6 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         update of each, ``like``: the masters' dtype and device; ``outputs`` receives the NS outputs
         of every matrix orthogonalized here; ``outputs_only``: matrices (without TP) whose direction is
         not made here (the split layout's narrow ones: their holders make it from the outputs' bits)."""
-        s = self.muon
         tp_mats = [info.tp_matrix() for info in infos]
         info_of = {info.name: info for info in infos}
         full = self.tp.to_owners(tp_mats, updates, {n: i.shape for n, i in info_of.items()}, like)
@@ -424,15 +444,19 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
             orthogonalized = self.orthogonalize_owned([(info, full[info.name]) for info in owned])
         if outputs is not None:
             outputs.update(orthogonalized)
-        with record_function("dmuon.direction"):
-            directions = {
-                info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
-                                          scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=like.dtype)[0]
-                for info in owned if info.name not in outputs_only
-            }
+        directions = self.directions_of([info for info in owned if info.name not in outputs_only], orthogonalized,
+                                        like.dtype)
         self.stats["ns_matrices"] += len(owned)
         return self.tp.from_owners([m for m in tp_mats if m.key not in outputs_only], directions,
                                    {n: i.local_shape for n, i in info_of.items()}, like)
+
+    def directions_of(self, infos, orthogonalized, dtype) -> Dict[str, torch.Tensor]:
+        """The whole direction (``dtype``) of each matrix of ``infos`` from its NS outputs."""
+        s = self.muon
+        with record_function("dmuon.direction"):
+            return {info.name: muon_direction(orthogonalized[info.name], info.split, shape=info.shape,
+                                              scale_mode=s.scale_mode, extra_scale=s.extra_scale, dtype=dtype)[0]
+                    for info in infos}
 
     def _distributed_gram_step(self, infos, updates, like) -> Dict[str, torch.Tensor]:
         """Directions (this rank's shards) of matrices orthogonalized by distributed Gram NS across
@@ -458,14 +482,20 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
     def orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:
         """NS outputs of every (info, full update) job, one batched call per distinct piece shape;
         per matrix, the outputs in the order of ``info.split.pieces`` (stacks stay stacks)."""
+        plan, stacks = self.owned_stacks(jobs)
+        outputs = self._check_outputs(plan, self.launch_ns(plan, stacks), stacks)
+        return {info.name: plan.outputs(outputs, j) for j, (info, _) in enumerate(jobs)}
+
+    def owned_stacks(self, jobs, tag: Optional[int] = None):
+        """The NS input stacks of (info, full update) jobs: (StackPlan, stacks). ``tag``: the need
+        group whose own stacks these are (overlapped step)."""
         device = jobs[0][1].device if jobs else None
         plan = self._stack_plan([StackJob(info.name, tuple(u.shape), info.split, u.dtype) for info, u in jobs], device,
-                                [info if isinstance(info, MatrixInfo) else None for info, _ in jobs])
+                                [info if isinstance(info, MatrixInfo) else None for info, _ in jobs], tag)
         stacks = self._input_stacks(plan, device) if jobs else []
         for j, (_, update) in enumerate(jobs):
             plan.write(stacks, j, update)
-        outputs = self._check_outputs(plan, self.launch_ns(plan, stacks), stacks)
-        return {info.name: plan.outputs(outputs, j) for j, (info, _) in enumerate(jobs)}
+        return plan, stacks
 
     def _stack_plan(self, jobs: List[StackJob], device, infos: Sequence[Optional[MatrixInfo]] = (),
                     tag: Optional[int] = None) -> StackPlan:

@@ -177,6 +177,37 @@ def test_directions_back_as_their_16_bit_ns_outputs_are_bit_identical(split, muo
     assert 0.7 * sent[1] < sent[0] < 0.8 * sent[1], sent  # the way there as before, the way back halved
 
 
+def test_the_overlapped_split_step_equals_its_sync_twin_the_step_and_the_reference(tmp_path):
+    """--dmuon-overlap-step on under the split layout, 8 ranks, a 2-layer model cut into 8 bucket groups:
+    each group's pieces go to their homes in the step, its NS runs on the NS stream, and its directions
+    come back and are applied when the next forward's param sync needs the group (every rank, in need
+    order, homes and forwarders too). Bit for bit its twin that finishes each group inside the step
+    ('sync'), and here on the CPU the synchronous split step too (its stacks per shape hold the same
+    matrices); resumed mid-run from a checkpoint (the groups in flight finished first), the same bits."""
+    kw = dict(steps=4, grad_accum=2, overlap=True, bucket_size=2000, clip_grad=1.0, dp_layout="split",
+              shape_kw=dict(num_layers=2))
+    variants = {"off": {}, "sync": {"overlap_step": "sync"}, "on": {"overlap_step": "on"}}
+    results = run_distributed("megatron_dmuon.testing.overlap_workers:overlap_step_variants", 8,
+                              kwargs=dict(variants=variants, resume=("on", 2, str(tmp_path)), **kw))
+    runs = {name: [r[name] for r in results] for name in results[0]}
+    on = full_params(runs["on"])
+    for twin in ("sync", "off", "on+resumed"):
+        other = full_params(runs[twin])
+        assert all(torch.equal(on[n], other[n]) for n in on), twin
+    assert runs["on"][0]["losses"] == runs["off"][0]["losses"] and runs["on+resumed"][0]["losses"] == runs["on"][0]["losses"][2:]
+    # every group finished by the forward's param-sync hooks (or the last forced sync), none left for the next step
+    assert all(r["pending_after"] == 0 and r["groups_left"] == 0 for r in runs["on"])
+    assert all(len(r["needs"]) >= 4 for r in runs["on"])  # really cut per bucket group
+    assert sum(r["dp_bytes"] for r in runs["on"]) == sum(r["dp_bytes"] for r in runs["off"]) > 0  # pieces travelled
+    # and the float64 single-process reference (only the reduce order differs)
+    ref_kw = {**ONE_LAYER, "steps": 3, "grad_accum": 2, "overlap": True, "bucket_size": 2000, "dp_layout": "split",
+              "muon_kw": {"overlap_step": "on"}}
+    dmuon = run_dmuon(8, **ref_kw)
+    ref = run_reference(8, layouts=dmuon[0]["layouts"], **ref_kw)
+    assert max(rel_diffs(full_params(dmuon), ref["params"]).values()) <= TOL
+    assert sum(r["dp_bytes"] for r in dmuon) > 0
+
+
 def test_split_layout_with_experts_equals_the_reference():
     kw = {**ONE_LAYER, "ep": 2, "shape_kw": dict(fp64=True, num_layers=1, num_experts=4), "dp_layout": "split"}
     _check(run_dmuon(4, **kw), kw, 4)
@@ -205,8 +236,8 @@ def test_saved_split_at_dp8_resumes_at_other_layouts_and_instance_counts(tmp_pat
 
 # ---------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("flags,named", [
-    (["--dmuon-dp-layout", "split", "--dmuon-overlap-step", "on", "--overlap-grad-reduce", "--overlap-param-gather"],
-     "--dmuon-dp-layout split does not run --dmuon-overlap-step on"),
+    (["--dmuon-dp-layout", "split", "--dmuon-overlap-step", "backward", "--overlap-grad-reduce",
+      "--overlap-param-gather"], "--dmuon-dp-layout split does not run --dmuon-overlap-step backward"),
     (["--dmuon-dp-layout", "split", "--dmuon-ranks-per-node", "2"], "does not run --dmuon-ranks-per-node"),
     (["--dmuon-dp-layout", "split", "--dmuon-update", "normuon"], "does not run --dmuon-update normuon"),
     (["--dmuon-dp-layout", "split", "--bf16", "--dmuon-publish-dtype", "fp8_e4m3"],
