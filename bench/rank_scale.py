@@ -56,7 +56,8 @@ def scale(args, log):
             plans = lay["plans"]
             buffers = {}  # per plan: {kind: (elements, DP group)} of the buffers it reduces and gathers
             wanted = [p for p in ("greedy", "split", "megatron_lpt") if p in plans or (p == "megatron_lpt" and MEGATRON in plans)]
-            for name, plan in make_plans(model, par, size, cfg, wanted).items():
+            made = make_plans(model, par, size, cfg, wanted)
+            for name, plan in made.items():
                 buffers[name] = {k: (l.numel, l.world_size) for k, l in plan["layouts"].items()}
                 if name == "split":
                     plans = dict(plans, split=_exchange_as_now(plans["split"], plan, par, spec, log))
@@ -79,6 +80,12 @@ def scale(args, log):
                         f"{key}_reduce_ms": comm(b, 4)}
                 step = row[f"{key}_ms"] + row[f"{key}_publish_ms"]
                 row[f"{key}_iteration_ms"] = fwd_bwd + step + max(0.0, row[f"{key}_reduce_ms"] - 2 / 3 * fwd_bwd)
+                if key in ("dmuon", "dmuon_split") and "ranks" in plans[plan]:
+                    on = overlapped_step_ms(made[bufs], par, cluster, plans[plan]["ranks"], narrow=key == "dmuon_split")
+                    row[f"{key}_on_ms"] = on
+                    row[f"{key}_on_iteration_ms"] = fwd_bwd + on + max(0.0, row[f"{key}_reduce_ms"] - 2 / 3 * fwd_bwd)
+            if "split" in made and ADAMW in plans:  # (the split layout's buffers are Megatron's own: AdamW's)
+                row["adamw_on_ms"] = plans[ADAMW]["slowest_ms"] + sum(bucket_all_gathers_ms(made["split"], cluster))
             if "milp" in plans:
                 row["dmuon_milp_ms"] = plans["milp"]["slowest_ms"]
             if "dmuon_ms" in row and "dmuon_split_ms" in row:
@@ -87,6 +94,63 @@ def scale(args, log):
             log({"scale_row": spec})
     rows.sort(key=lambda r: (r["layout"].split("/")[0], r["gpus"], r["layout"]))
     return {"scale_rows": rows, "cluster": args.cluster, "global_batch": args.global_batch}
+
+
+def overlapped_step_ms(plan, par, cluster, ranks, narrow: bool = True) -> float:
+    """The step of a DMuon plan under --dmuon-overlap-step on (planning/simulate_overlap.
+    pipelined_publish_ms: each need group's all-gather starts once every GPU has its NS, and the
+    split layout's directions, back), from each GPU's measured compute (``ranks``: the emulation's,
+    one per GPU) cut in two by the cost model: the element-wise passes (the step's momentum, apply and
+    AdamW bytes at the HBM rate), which run before the NS stream starts, and the NS of each need group
+    (the owner cost model's share of each group). The split layout's exchange (planning/split_layout.
+    exchange_ways_ms, ``narrow``: directions back in 16 bits as on CUDA): every group's pieces to their
+    homes in the step; each group's way back just before its all-gather, on the same communicator.
+    The all-gathers are per bucket (bf16), modelled as the table's publish; no forward runs beside."""
+    from megatron_dmuon.planning.cost_model import load_config
+    from megatron_dmuon.planning.simulate_overlap import group_ns_ms, need_groups, pipelined_publish_ms
+    from megatron_dmuon.planning.split_layout import exchange_ways_ms, narrow_directions
+
+    if par.tp > 1:
+        raise ValueError("the overlapped step is modelled at TP = 1 only (the run refuses it under TP)")
+    opt = load_config()["optimizer"]
+    groups, param_need = need_groups(plan)
+    model_ns = group_ns_ms(plan, par, CostModel(cluster.device), param_need)
+    hbm = cluster.device.hbm_gbytes_per_s * 1e6  # bytes per ms
+    elementwise, ns = [], []
+    for x in sorted(ranks, key=lambda x: x["gpu"]):
+        el = ((x["muon_elements"] + x.get("tp_shard_elements", 0)) * opt["muon_bytes_per_param"]
+              + x["adamw_elements"] * opt["adamw_bytes_per_param"]) / hbm
+        work = model_ns[x["gpu"]]
+        share = x["ms"] / (el + sum(work.values())) if el + sum(work.values()) > 0 else 0.0
+        elementwise.append(share * el)
+        ns.append({need: share * ms for need, ms in work.items()})
+    if len(ns) != par.dp_size:
+        raise ValueError(f"the emulation has {len(ns)} GPUs of a DP {par.dp_size} stage: one entry per GPU is needed")
+    there, back = [0.0] * par.dp_size, {}
+    spec = cluster_spec(cluster.name)
+    for kind, layout in plan["layouts"].items():
+        if layout.scheme != "split":
+            continue
+        mats = [p.name for p in plan["params"][kind] if p.is_matrix]
+        links = (layout, spec.intra, spec.inter, spec.gpus_per_node // par.tp)
+        wide = narrow_directions(mats, par.tp) if narrow else ()
+        there = [a + b for a, b in zip(there, exchange_ways_ms(*links, narrow=wide)[0])]  # every group at once
+        for grp in groups:
+            if grp["kind"] == kind:
+                names = {n for n in mats if param_need[n] == grp["need"]}
+                back[grp["need"]] = max(exchange_ways_ms(*links, narrow=wide, matrices=names)[1], default=0.0)
+    ag = bucket_all_gathers_ms(plan, cluster)
+    return pipelined_publish_ms(max(elementwise) + max(there), ns, back, ag)
+
+
+def bucket_all_gathers_ms(plan, cluster) -> list:
+    """Megatron's param all-gather of each need group (one per bucket, bf16, in need order), each
+    its own collective (planning/simulate.collective_ms, two-level), as Megatron's DDP issues them."""
+    from megatron_dmuon.planning.simulate import collective_ms
+    from megatron_dmuon.planning.simulate_overlap import need_groups
+
+    return [collective_ms(cluster, plan["layouts"][g["kind"]].world_size, 1, g["numel"] * 2, two_level=True)
+            for g in need_groups(plan)[0]]
 
 
 def _exchange_as_now(row, plan, par, spec, log):

@@ -41,7 +41,7 @@ from .owner_layout import megatron_bucket_size
 from .planners import gpu_cells, plan_stage, predict_stage
 from .simulate import collective_ms, gpu_step_parts
 
-__all__ = ["DEFAULT_ETA", "MODES", "need_groups", "group_ns_ms", "overlap_timeline", "simulate_overlap"]
+__all__ = ["DEFAULT_ETA", "MODES", "need_groups", "group_ns_ms", "overlap_timeline", "simulate_overlap", "pipelined_publish_ms"]
 
 # Co-run efficiency: the fraction of its standalone speed the NS stream keeps beside the model's
 # kernels. Kept low on purpose: the 1-H200 runs fit 0.5-1.0 under eight hardware queues (0 under one),
@@ -278,3 +278,29 @@ def simulate_overlap(model: ModelSpec, par: ParallelSpec, cluster: ClusterSpec, 
             "ns_done_in_backward_ms": ends["on_backward_start"]["ns_done_in_backward_ms"],
             "publish_ms": sum(ag_ms), "iteration_ms": {m: compute + step_el + exposed[m] for m in exposed},
             "compute_ms": compute}
+
+
+def pipelined_publish_ms(start_ms: float, ns_ms: Sequence[Dict[int, float]], back_ms: Dict[int, float],
+                         ag_ms: Sequence[float]) -> float:
+    """The optimizer step under overlap step ``on``, from its start to the last need group published,
+    with no forward beside it (the scale table's convention for every optimizer's step): every GPU's
+    NS stream starts at ``start_ms`` (the step's element-wise passes and, under the split layout, the
+    pieces' way to their homes) and runs its groups' NS (``ns_ms``: per GPU, {need: ms}) one after the
+    other in need order, at full speed; group g is published when every GPU has its NS done and the
+    all-gather before it has ended: then its directions come back (``back_ms[g]``, the slowest rank's
+    way back; the split layout) and its all-gather runs (``ag_ms[g]``), on one communicator."""
+    done = []  # per GPU, {need: when its NS stream has finished the group}
+    for work in ns_ms:
+        t, ends = start_ms, {}
+        for need in sorted(work):
+            t += work[need]
+            ends[need] = t
+        done.append(ends)
+    comm = start_ms
+    for need, ag in enumerate(ag_ms):
+        # a GPU's group g is done when its NS stream has run every group up to g (the event after g's NS
+        # launch is recorded in stream order), at start_ms if it has none of them
+        ready = max((max((t for n, t in ends.items() if n <= need), default=start_ms) for ends in done),
+                    default=start_ms)
+        comm = max(comm, ready) + back_ms.get(need, 0.0) + ag
+    return comm

@@ -25,6 +25,7 @@ from typing import Collection, Dict, Iterable, List, Optional, Sequence, Set, Tu
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
 __all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+           "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 
 
@@ -208,12 +209,22 @@ def exchange_ms(layout: OwnerLayout, intra, inter, ranks_per_node: Optional[int]
     uses both links at once, so a round takes, per link, the larger of what it sends and receives
     there. The way back takes the way there's rounds the other way, ``bytes_each_way`` an element
     (the masters' fp32) but for the ``narrow`` matrices (``narrow_directions``): 2 and a tag."""
+    there, back = exchange_ways_ms(layout, intra, inter, ranks_per_node, bytes_each_way, narrow)
+    return [a + b for a, b in zip(there, back)]
+
+
+def exchange_ways_ms(layout: OwnerLayout, intra, inter, ranks_per_node: Optional[int] = None,
+                     bytes_each_way: int = 4, narrow: Collection[str] = (),
+                     matrices: Optional[Collection[str]] = None) -> Tuple[List[float], List[float]]:
+    """``exchange_ms``'s two ways apart, (there, back) per DP rank, of the exchange of ``matrices``
+    alone (None: all; the overlapped step exchanges each need group's matrices on their own)."""
     nodes = dp_nodes(layout.world_size, ranks_per_node)
-    ms = [0.0] * layout.world_size
+    ms = {"there": [0.0] * layout.world_size, "back": [0.0] * layout.world_size}
     if layout.scheme != "split":
-        return ms
+        return ms["there"], ms["back"]
     back = _back_bytes(narrow, bytes_each_way)
-    for hops in Routes(nodes).rounds(to_home_transfers(layout)):
+    transfers = [t for t in to_home_transfers(layout) if matrices is None or t[0] in matrices]
+    for hops in Routes(nodes).rounds(transfers):
         for way in ("there", "back"):
             moved = {}  # (rank, link is inter, sends) -> bytes
             for t, src, dst in hops:
@@ -225,8 +236,8 @@ def exchange_ms(layout: OwnerLayout, intra, inter, ranks_per_node: Optional[int]
                 times = [link.alpha_us * 1e-3 + max(moved.get((r, far, True), 0.0), moved.get((r, far, False), 0.0))
                          / (link.gbytes_per_s * 1e6) for far, link in ((False, intra), (True, inter))
                          if moved.get((r, far, True)) or moved.get((r, far, False))]
-                ms[r] += max(times, default=0.0)
-    return ms
+                ms[way][r] += max(times, default=0.0)
+    return ms["there"], ms["back"]
 
 
 def exchange_bytes(layout: OwnerLayout, nodes: Optional[Sequence[int]] = None,

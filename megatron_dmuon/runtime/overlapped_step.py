@@ -213,24 +213,19 @@ class OwnerOverlap:
         return {need: ([p for p, _, _ in members], self._need_group(members, grad_scale, need))
                 for need, members in sorted(by_need.items())}
 
-    def _split_need_group(self, members, split: dict, need: int, like: torch.Tensor) -> Lifecycle:
+    def _split_need_group(self, members, split: dict, work_updates: dict, need: int, like: torch.Tensor) -> Lifecycle:
         """One need group's lifecycle under the split layout (runtime/dp_exchange.py). ``members``:
         this rank's (main param, param group, info) of the group, its pieces and the matrices whole in
         its shard; ``split``: every split matrix of the group, whoever holds it (every rank takes part
-        in every group's exchange: it may forward pieces). In the step: the momentum pass and the
-        pieces' way to their homes; on the NS stream: the NS of the group's matrices homed or whole
+        in every group's way back: it may forward pieces); ``work_updates``: the whole update of every
+        matrix this rank orthogonalizes (the step ran the momentum passes and the pieces' way to their
+        homes for all groups at once). On the NS stream: the NS of the group's matrices homed or whole
         here; when the forward needs the group: the directions' way back and the apply. The same
         functions as the synchronous split step (``_exchange_step``), on the group's own stacks."""
         entries = [(p, {"lr": g["lr"], "weight_decay": g["weight_decay"]}, info)  # this step's (the scheduler moves on)
                    for p, g, info in members]
-        with record_function("dmuon.momentum"):
-            updates = self._momentum_updates(members)
-        work = {info.name: info for _, _, info in members if info.dp_split is None}
-        work_updates = {n: u for n, u in updates.items() if n in work}
-        if split:
-            work_updates.update(self.split_to_homes(split, updates, like))
-            work.update({n: i for n, i in split.items() if i.dp_split.home == self.dp.rank})
-        owned = [work[n] for n in sorted(work)]
+        owned = sorted([info for _, _, info in members if info.dp_split is None]
+                       + [info for info in split.values() if info.dp_split.home == self.dp.rank], key=lambda i: i.name)
         plan, stacks = self.owned_stacks([(info, work_updates[info.name].reshape(info.shape)) for info in owned], tag=need)
         self.stats["ns_matrices"] += len(owned)
         yield stacks
@@ -247,20 +242,27 @@ class OwnerOverlap:
             self.on_applied([p for p, *_ in members])
 
     def _launch_overlapped_split(self, entries) -> None:
-        """The Muon part of ``step()`` under the split layout, cut per need group and launched: every
-        group with a split matrix, on every rank, so that all ranks run each group's exchange in the
-        same (need) order. ``stats['dp_bytes']``: what the last finished step's exchange sent (under
-        'on' its way back runs in the forward, after this step returns)."""
+        """The Muon part of ``step()`` under the split layout: the momentum passes and the pieces' way to
+        their homes for every matrix at once (one exchange: every home's links busy together), then the
+        NS cut per need group and launched; each group's way back when the forward needs it. Every group
+        with a split matrix is made on every rank, so that all ranks run the ways back in the same
+        (need) order. ``stats['dp_bytes']``: what the last finished step's exchange sent (under 'on'
+        the ways back run in the forward, after this step returns)."""
         like = self._master_like(entries)
         split = self.split_of(entries)
+        self.stats["dp_bytes"], self.dp.bytes_sent = self.dp.bytes_sent, 0
+        with record_function("dmuon.momentum"):
+            updates = self._momentum_updates(entries)
+        work_updates = {info.name: updates[info.name] for _, _, info in entries if info.dp_split is None}
+        if split:
+            work_updates.update(self.split_to_homes(split, updates, like))
         members, split_by_need = defaultdict(list), defaultdict(dict)
         for entry in entries:
             members[entry[2].need].append(entry)
         for name, info in split.items():
             split_by_need[info.need][name] = info
-        self.stats["dp_bytes"], self.dp.bytes_sent = self.dp.bytes_sent, 0
         lifecycles = {need: ([p for p, _, _ in members[need]],
-                             self._split_need_group(members[need], split_by_need[need], need, like))
+                             self._split_need_group(members[need], split_by_need[need], work_updates, need, like))
                       for need in sorted(set(members) | set(split_by_need))}
         self._overlapped.launch(lifecycles, like.device if like is not None else None)
         if self.overlap_mode.finishes_in_step:
