@@ -185,10 +185,14 @@ def scale_table(result):
              "matrix buffers pad each shard to the matrices it holds; the split layout's are Megatron's own); iteration "
              f"= forward + backward of {result.get('global_batch', 1024)} sequences of 4096 tokens at the device's model "
              "rate + step + the reduce-scatter the backward cannot hide. DMuon's pick is --dmuon-dp-layout auto's.", "",
+             "", "The --dmuon-overlap-step on column: each need group's NS pipelined with Megatron's per-bucket "
+             "all-gathers (bench/rank_scale.overlapped_step_ms), against AdamW's step with the same per-bucket "
+             "all-gathers; no forward beside either.", "",
              "| layout | GPUs | DMuon pick | DMuon step ms (x AdamW) | DMuon iteration ms (x AdamW) | whole: compute / step / "
              "iteration ms | split: compute / step / iteration ms | Megatron LayerWise: compute / step / iteration ms | "
-             "AdamW: compute / step / iteration ms |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "AdamW: compute / step / iteration ms | --dmuon-overlap-step on: whole / split / AdamW per-bucket step ms "
+             "(x AdamW) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["scale_rows"]:
         pick = {"whole": "dmuon", "split": "dmuon_split"}.get(r.get("picked"), "dmuon" if "dmuon_ms" in r else "dmuon_split")
         if pick + "_ms" in r and "adamw_ms" in r:
@@ -197,8 +201,19 @@ def scale_table(result):
         else:
             step = it = "—"
         lines.append(f"| {r['layout']} | {r['gpus']} | {r.get('picked', '—')} | {step} | {it} | {cell(r, 'dmuon')} | "
-                     f"{cell(r, 'dmuon_split')} | {cell(r, 'megatron')} | {cell(r, 'adamw')} |")
+                     f"{cell(r, 'dmuon_split')} | {cell(r, 'megatron')} | {cell(r, 'adamw')} | {_on_cell(r)} |")
     return "\n".join(lines)
+
+
+def _on_cell(r) -> str:
+    base = r.get("adamw_on_ms")
+
+    def one(key):
+        if key not in r:
+            return "—"
+        return f"{r[key]:.1f}" + (f" ({r[key] / base:.2f})" if base else "")
+
+    return f"{one('dmuon_on_ms')} / {one('dmuon_split_on_ms')} / " + (f"{base:.1f}" if base else "—")
 
 
 def scale_plot(result, path: str) -> None:

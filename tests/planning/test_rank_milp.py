@@ -646,3 +646,46 @@ def test_the_milp_keeps_the_greedy_plan_when_its_gain_is_within_the_models_error
     forced, _ = _plan("qwen7b-4l", 2, 40_000_000, "milp", rank_model=unsure,
                       milp_options={"time_limit_s": 3.0, "min_gain": 0.0})
     assert forced["info"]["dense"]["makespan"] == pytest.approx(info["makespan"] * (1 - gain), rel=1e-6)
+
+
+def test_the_scale_tables_overlapped_step_pipelines_each_groups_ns_with_the_all_gathers(tmp_path):
+    """bench/rank_scale.py's step under --dmuon-overlap-step on, from one emulated time per GPU: never
+    shorter than Megatron's per-bucket all-gathers (nor than the split layout's exchange beside them),
+    the whole compute hidden when the NS is short, exposed when it is long, and 0 NS leaves the
+    collectives alone."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import rank_balance as rb
+    from rank_layouts import gpu_work, job_settings, make_plans, parse_layout, split_cell_work
+    from rank_scale import bucket_all_gathers_ms, overlapped_step_ms
+    from megatron_dmuon.planning.cost_model import cluster_spec
+
+    spec = "qwen2.5-7b/dp16/buckets"
+    model, par, size = parse_layout(spec)
+    cfg = job_settings([])
+    plans = make_plans(model, par, size, cfg, ["greedy", "split"])
+    cluster = cluster_spec("h200")
+
+    def ranks(name, ms):
+        work = gpu_work(plans[name], model, par, cfg.split_flags())
+        pieces = split_cell_work(plans[name], par) if name == "split" else [([], 0.0)] * par.dp_size
+        return [{"gpu": g, "ms": ms, "muon_elements": sum(s[0] * s[1] for _, s, _ in mats), "adamw_elements": sum(frags),
+                 "tp_shard_elements": sum(pieces[g][0])} for g, (mats, frags) in enumerate(work)]
+
+    for name in ("greedy", "split"):
+        ag = sum(bucket_all_gathers_ms(plans[name], cluster))
+        alone = overlapped_step_ms(plans[name], par, cluster, ranks(name, 0.0))
+        assert alone >= ag - 1e-9 and (alone > ag) == (name == "split")  # the split layout's exchange
+        short, long = (overlapped_step_ms(plans[name], par, cluster, ranks(name, ms)) for ms in (1.0, 200.0))
+        assert alone < short < alone + 1.0 + 1e-9  # 1 ms a GPU: the element-wise part and the first group's NS
+        assert long > alone + 100  # 200 ms a GPU cannot hide behind the all-gathers
+    # through the scale table: the columns of both layouts, and AdamW's per-bucket publish
+    layouts = {spec: {"plans": {"greedy": {"slowest_ms": 30.0, "ranks": ranks("greedy", 30.0)},
+                                "split": {"slowest_ms": 30.0, "slowest_with_exchange_ms": 36.0},
+                                rb.ADAMW: {"slowest_ms": 5.0}}}}
+    path = tmp_path / "emu.json"
+    path.write_text(json.dumps({"layouts": layouts}))
+    row = rb.scale(rb.argparse.Namespace(emulation=[str(path)], cluster="h200", flags="", global_batch=1024),
+                   print)["scale_rows"][0]
+    assert row["dmuon_on_ms"] < row["dmuon_ms"] + row["dmuon_publish_ms"]  # 30 ms of NS beside the all-gathers
+    assert "dmuon_split_on_ms" not in row  # (no GPU of its own in that file: not modelled)
+    assert row["adamw_on_ms"] == pytest.approx(5.0 + sum(bucket_all_gathers_ms(plans["split"], cluster)))

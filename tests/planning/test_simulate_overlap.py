@@ -133,3 +133,46 @@ def test_plan_cli_overlap_step_prints_and_refuses_by_flag(capsys):
             main(base + ["--overlap-step", "on", *bad])
         assert exc.value.code == 2
         assert bad[0] in capsys.readouterr().err
+
+
+def test_the_pipelined_publish_waits_for_every_gpus_group_and_the_all_gather_before():
+    from megatron_dmuon.planning.simulate_overlap import pipelined_publish_ms
+
+    # GPU 0 runs groups 0 and 1 (3 + 1 ms), GPU 1 group 1 (5 ms), from ms 2; three all-gathers; group 1's way back
+    ns = [{0: 3.0, 1: 1.0}, {1: 5.0}]
+    # group 0: ready at 5 (GPU 1 has nothing up to it) -> 9; group 1: ready at 7 < 9 -> 9 + 0.5 + 4; group 2: + 1
+    assert pipelined_publish_ms(2.0, ns, {1: 0.5}, [4.0, 4.0, 1.0]) == pytest.approx(14.5)
+    # a GPU's group waits for its earlier groups (its NS stream is in need order): GPU 1's group 1 now follows
+    # 10 ms of group 0, so group 1 is published at 2 + 10 + 5 + 0.5 + 4
+    assert pipelined_publish_ms(2.0, [{0: 3.0, 1: 1.0}, {0: 10.0, 1: 5.0}], {1: 0.5}, [4.0, 4.0, 1.0]) == \
+        pytest.approx(2 + 15 + 0.5 + 4 + 1)
+    # no NS: the start, the ways back and the all-gathers one after the other; never less than that
+    assert pipelined_publish_ms(2.0, [{}, {}], {1: 0.5}, [4.0, 4.0, 1.0]) == pytest.approx(11.5)
+    assert pipelined_publish_ms(0.0, [{0: 0.1}], {}, [4.0]) == pytest.approx(4.1)
+
+
+def test_the_split_exchange_apart_in_its_two_ways_and_per_need_group():
+    from megatron_dmuon.planning.split_layout import exchange_ms, exchange_ways_ms, narrow_directions
+
+    spec = cluster_spec("h200")
+    par = ParallelSpec(dp=128)
+    plan = plan_stage(PRESETS["qwen2.5-7b"], par, CostModel(device_spec("H200")), "split",
+                      bucket_size=megatron_bucket_size(128, True))
+    layout = plan["layouts"]["dense"]
+    links = (layout, spec.intra, spec.inter, 8)
+    narrow = narrow_directions([p.name for p in plan["params"]["dense"] if p.is_matrix], 1)
+    there, back = exchange_ways_ms(*links, narrow=narrow)
+    assert [a + b for a, b in zip(there, back)] == pytest.approx(exchange_ms(*links, narrow=narrow))
+    assert max(back) < max(there)  # 16-bit directions back, fp32 pieces there
+    assert max(exchange_ways_ms(*links)[1]) == pytest.approx(max(there))  # fp32 both ways: the same rounds
+    # one need group's exchange alone: only its matrices move; the groups one after the other take longer
+    # than all at once (each group's few homes carry it on their own links)
+    _, param_need = need_groups(plan)
+    by_need = {}
+    for p in plan["params"]["dense"]:
+        if p.is_matrix:
+            by_need.setdefault(param_need[p.name], set()).add(p.name)
+    per_group = [exchange_ways_ms(*links, narrow=narrow, matrices=names) for names in by_need.values()]
+    assert all(max(t) <= max(there) + 1e-9 for t, _ in per_group)
+    assert sum(max(b) for _, b in per_group) > max(back)
+    assert exchange_ways_ms(*links, matrices=set()) == ([0.0] * 128, [0.0] * 128)

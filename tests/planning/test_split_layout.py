@@ -270,6 +270,17 @@ def test_qk_clip_refuses_an_explicit_split_layout_before_any_buffer():
     assert split_layout_refusal(DMuonConfig(), SimpleNamespace(qk_clip=True)) is not None
 
 
+def test_auto_keeps_whole_matrices_under_an_overlapped_step_an_explicit_split_runs_it():
+    from megatron_dmuon.megatron.config import DMuonConfig, LayoutOptions
+    from megatron_dmuon.megatron.ddp import auto_may_split, check_split_layout
+
+    base = DMuonConfig()
+    on = {mode: dataclasses.replace(base, muon=dataclasses.replace(base.muon, overlap_step=mode)) for mode in ("on", "sync")}
+    assert auto_may_split(base) and not any(auto_may_split(c) for c in on.values())
+    for cfg in on.values():  # asked for by name: it runs (tests above), no refusal
+        check_split_layout(dataclasses.replace(cfg, layout=LayoutOptions(dp_layout="split")))
+
+
 @pytest.mark.parametrize("preset", ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"])
 def test_the_split_layout_meets_the_goals_at_128_to_1024_ranks(preset):
     # docs/dmuon_dp.md's goals, one instance (planning: analytic H200 costs): bytes per rank <= 1.10x Megatron's
