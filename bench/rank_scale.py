@@ -242,6 +242,13 @@ def scale_plot(result, path: str) -> None:
                      for r in rows if "picked" in r]
             if picks:
                 ax.plot(*zip(*picks), "-", color="C3", lw=2.5, alpha=0.6, label="DMuon (the run's pick)")
+            if what == "step":  # --dmuon-overlap-step on: each group's NS beside the per-bucket all-gathers
+                for key, name, color in (("dmuon_on_ms", "DMuon whole, overlap on", "C0"),
+                                         ("dmuon_split_on_ms", "DMuon split, overlap on", "C2"),
+                                         ("adamw_on_ms", "AdamW, per-bucket all-gathers", "k")):
+                    pts = [(r["gpus"], r[key]) for r in rows if key in r]
+                    if pts:
+                        ax.plot(*zip(*pts), ":", color=color, marker="x", ms=4, label=name)
             ax.set(xscale="log", yscale="log", title=f"{model}: {label}", xlabel="GPUs (DP)", ylabel="ms")
             ax.legend(fontsize=7)
     fig.tight_layout()
