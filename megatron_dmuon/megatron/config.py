@@ -85,10 +85,11 @@ class LayoutOptions:
     """Planner input for experiments and tests: cost_model_fn(shapes, max_batch) -> a per-matrix
     ``planning.cost_model.CostModel`` or a ``RankCostModel``."""
 
-    def planning_options(self, split_allowed: bool = True) -> OwnerPlanningOptions:
+    def planning_options(self, split_allowed: bool = True, overlapped_step: bool = False) -> OwnerPlanningOptions:
         """What rank 0's owner planning reads of these options (planning/owner_planning.py, same names)."""
         return OwnerPlanningOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OwnerPlanningOptions)
-                                       if hasattr(self, f.name)}, split_allowed=split_allowed)
+                                       if hasattr(self, f.name)}, split_allowed=split_allowed,
+                                    overlapped_step=overlapped_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +132,8 @@ class DMuonConfig:
         if m.rule.by_rows:
             return f"does not run --dmuon-update {m.update} (its row statistics need each matrix whole on one rank)"
         if OverlapMode(m.overlap_step).starts_in_backward:
-            return (f"does not run --dmuon-overlap-step {m.overlap_step} (a home would wait in the backward for "
-                    "pieces whose grads other ranks have not reduced yet; --dmuon-overlap-step on runs)")
+            return (f"does not run --dmuon-overlap-step {m.overlap_step} (its groups start in the backward's "
+                    "grad-reduce hooks, where the exchange to the NS homes is not built; --dmuon-overlap-step on runs)")
         if self.layout.ranks_per_node:
             return "does not run --dmuon-ranks-per-node (the two-level shard order is not Megatron's)"
         if self.publish_dtype != "param":

@@ -126,7 +126,7 @@ def build_plan(module: torch.nn.Module, ddp_config, groups: Dict[str, object], b
     if stage.rank() == 0:  # one plan for everybody: rank 0's (costs may come from profiling that differs per rank)
         to_plan = {key: BufferParams(tuple(records[key]), *sizes(key), expert=key.is_expert_parallel)
                    for key in buffers}
-        options = opts.planning_options(split_allowed=auto_may_split(cfg, model_config))
+        options = planning_options(cfg, model_config)
         with warnings.catch_warnings(record=True) as said:  # (re-said below in the flags' words)
             warnings.simplefilter("always")
             payload = [plan_owners(to_plan, bucket_size, options, cost_source(cfg))]
@@ -150,13 +150,13 @@ def split_layout_refusal(cfg, model_config=None) -> Optional[str]:
     return cfg.split_layout_refusal()
 
 
-def auto_may_split(cfg, model_config=None) -> bool:
-    """Whether --dmuon-dp-layout auto weighs the split layout: where the run can take it, but not under an
-    overlapped step (--dmuon-overlap-step on|sync). There each need group's directions come back one
-    group after the other, before its all-gather, which the planner's cost does not count (modelled at
-    1.2-1.8x AdamW's step where the whole layout's is 1.1-1.2x below DP 128: docs/dmuon_dp.md), so auto
-    keeps whole matrices, as before the split layout ran overlapped; --dmuon-dp-layout split takes it."""
-    return split_layout_refusal(cfg, model_config) is None and not OverlapMode(cfg.muon.overlap_step).cuts_per_need_group
+def planning_options(cfg, model_config=None):
+    """Rank 0's owner-planning options of this run (planning/owner_planning.OwnerPlanningOptions): the
+    layout flags; whether 'auto' may take the split layout (``split_layout_refusal``); whether the step
+    is overlapped (--dmuon-overlap-step on|sync: 'auto' then weighs the layouts by their padding,
+    owner_planning.choose_scheme)."""
+    return cfg.layout.planning_options(split_allowed=split_layout_refusal(cfg, model_config) is None,
+                                       overlapped_step=OverlapMode(cfg.muon.overlap_step).cuts_per_need_group)
 
 
 def check_split_layout(cfg, model_config=None) -> None:

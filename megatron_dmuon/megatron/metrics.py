@@ -52,7 +52,8 @@ METRICS = (
     Metric("dmuon/publish_bytes", "bytes per step", "the writing rank", "what the param all-gather sends to "
            "publish the step (ring, this rank)"),
     Metric("dmuon/split_exchange_bytes", "bytes per step", "the writing rank", "what the split layout's exchange "
-           "sent in the last step (pieces to their NS homes, directions back; 0 under whole matrices)"),
+           "sent in the last step (pieces to their NS homes, directions back; under --dmuon-overlap-step on, "
+           "whose ways back run in the next forward: the step before; 0 under whole matrices)"),
 )
 NAMES = tuple(m.name for m in METRICS)
 

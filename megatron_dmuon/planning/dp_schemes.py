@@ -85,12 +85,14 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
                        instances: Optional[Sequence[int]] = None, schemes: Sequence[str] = ("whole", "split"),
                        stage: int = 0, overlap_grad_reduce: bool = True, bucket_size: Optional[int] = None,
                        two_level: bool = False, param_bytes: Optional[int] = None, momentum_bytes: int = 4,
-                       seq_length: int = 4096, global_batch: int = 1024, split: Optional[dict] = None) -> dict:
+                       seq_length: int = 4096, global_batch: int = 1024, split: Optional[dict] = None,
+                       overlapped_step: bool = False) -> dict:
     """Every (instances, scheme) candidate of ``model``'s dense buffer of pipeline stage ``stage`` at
     DP ``par.dp_size`` (MoE expert buffers are not covered), and the pick: {'candidates': [...],
     'picked': index, 'why': str, 'adamw': AdamW's figures}. ``opt``: the cluster config's optimizer
     section (grad/param bytes per element); ``global_batch`` sequences of ``seq_length`` tokens per
-    iteration; ``split``: the optimizer's split flags (default Megatron's QKV split)."""
+    iteration; ``split``: the optimizer's split flags (default Megatron's QKV split); ``overlapped_step``:
+    the run's step is overlapped (its pick: ``choose_scheme``)."""
     from .compute_model import iteration_flops, model_tflops
 
     dp, tp = par.dp_size, par.tp
@@ -156,7 +158,7 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
                 "iteration_ms": fwd_bwd + step + max(0.0, reduce_ms - 2 / 3 * fwd_bwd),
             })
         if len(planned) == 2:  # as a run chooses at this instance count
-            run_choice = choose_scheme(planned, collective)
+            run_choice = choose_scheme(planned, collective, overlapped_step)
             for c in candidates[-2:]:
                 c["run_choice"] = c["scheme"] == run_choice
     best = min(c["iteration_ms"] for c in candidates)

@@ -67,6 +67,9 @@ class OwnerPlanningOptions:
     # features need whole matrices: DMuonConfig.split_layout_refusal)
     dp_layout: str = "auto"
     split_allowed: bool = True
+    # the run's step is overlapped (--dmuon-overlap-step on|sync): 'auto' weighs the layouts by their padding
+    # alone (``choose_scheme``)
+    overlapped_step: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,13 +237,26 @@ def predicted_cost(layout: OwnerLayout, loads: Sequence[float], collective: floa
 WHOLE_PADDING_LIMIT = 0.10
 
 
-def choose_scheme(candidates: Mapping[str, Tuple[OwnerLayout, List[float]]], collective: float) -> str:
+# Under an overlapped step (--dmuon-overlap-step on|sync) the whole layout's NS runs beside its all-gathers,
+# and the split layout's way back runs group by group through each group's few homes: modelled from the
+# H100 emulation (docs/dmuon_dp.md, the overlapped table), the whole layout is the faster one wherever its
+# buffers are at most 1.28x the split one's (7B DP 16-64, 32B DP 128) and the split one from 2.26x (7B DP
+# 128+, 32B DP 256+). 'auto' then keeps whole matrices unless they pad the buffers by more than this.
+OVERLAPPED_WHOLE_PADDING_LIMIT = 0.5
+
+
+def choose_scheme(candidates: Mapping[str, Tuple[OwnerLayout, List[float]]], collective: float,
+                  overlapped: bool = False) -> str:
     """'split' where its ``predicted_cost`` is at least ``SPLIT_MIN_GAIN`` below the whole layout's, else
     'whole' (the only candidate, or the one kept within the model's error); where the whole layout pads
     its buffers by more than ``WHOLE_PADDING_LIMIT`` the margin turns round: the whole one is kept only
-    where it is predicted ``SPLIT_MIN_GAIN`` cheaper than the split one."""
+    where it is predicted ``SPLIT_MIN_GAIN`` cheaper than the split one. ``overlapped`` (the step is
+    overlapped): 'split' only where the whole layout pads by more than ``OVERLAPPED_WHOLE_PADDING_LIMIT``."""
     if "split" not in candidates or "whole" not in candidates:
         return next(iter(candidates))
+    if overlapped:
+        limit = (1.0 + OVERLAPPED_WHOLE_PADDING_LIMIT) * candidates["split"][0].numel
+        return "split" if candidates["whole"][0].numel > limit else "whole"
     whole, split = (predicted_cost(*candidates[k], collective) for k in ("whole", "split"))
     padded = candidates["whole"][0].numel > (1.0 + WHOLE_PADDING_LIMIT) * candidates["split"][0].numel
     return "split" if split < (1.0 + SPLIT_MIN_GAIN if padded else 1.0 - SPLIT_MIN_GAIN) * whole else "whole"
@@ -268,7 +284,7 @@ def _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwis
                                       if scheme == "split"
                                       else _plan_whole(items[key], b, bucket_size, options, milp_options, elementwise,
                                                        rank_model, loads, len(buffers)), loads)
-            chosen = choose_scheme(candidates, collective)
+            chosen = choose_scheme(candidates, collective, options.overlapped_step)
             layouts[key], cost[:] = candidates[chosen]
             continue
         layouts[key] = _plan_whole(items[key], b, bucket_size, options, milp_options, elementwise, rank_model, cost,

@@ -450,7 +450,8 @@ def main(argv=None) -> int:
                 momentum_bytes=MOMENTUM_DTYPES[args.dmuon_momentum_dtype].itemsize, seq_length=args.seq_length,
                 global_batch=args.global_batch,
                 split=dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
-                           per_head=args.dmuon_split_heads))
+                           per_head=args.dmuon_split_heads),
+                overlapped_step=OverlapMode(args.overlap_step).cuts_per_need_group)
     report["warnings"] = sorted({str(w.message) for w in caught})
     report["cost_model"] = {"device": cluster.device.name, "profile": args.profile, "ns_method": args.ns_method,
                             "steps": args.ns_steps, "tflops_for_unprofiled_shapes": cost_model.tflops}

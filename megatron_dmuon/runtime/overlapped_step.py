@@ -226,7 +226,9 @@ class OwnerOverlap:
                    for p, g, info in members]
         owned = sorted([info for _, _, info in members if info.dp_split is None]
                        + [info for info in split.values() if info.dp_split.home == self.dp.rank], key=lambda i: i.name)
-        plan, stacks = self.owned_stacks([(info, work_updates[info.name].reshape(info.shape)) for info in owned], tag=need)
+        # (popped: each update lives on in its stack only, not through the forward beside it)
+        plan, stacks = self.owned_stacks([(info, work_updates.pop(info.name).reshape(info.shape)) for info in owned],
+                                         tag=need)
         self.stats["ns_matrices"] += len(owned)
         yield stacks
         outputs = self.launch_ns(plan, stacks)

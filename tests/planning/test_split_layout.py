@@ -105,6 +105,27 @@ def test_auto_keeps_whole_matrices_where_they_fit_and_splits_past_the_matrix_cou
     # a run that cannot take the split layout keeps whole matrices under auto
     kept = plan_owners(buffers(256), None, OwnerPlanningOptions(split_allowed=False), costs)
     assert kept.layout("dense").scheme == "whole"
+    # an overlapped step (--dmuon-overlap-step on|sync): whole matrices unless they pad past half the buffers
+    # (DP 64 here, where the step's cost model takes the split layout: the whole one pads ~1.3x; DP 256: 4.6x)
+    overlapped = {dp: plan_owners(buffers(dp), megatron_bucket_size(dp, True), OwnerPlanningOptions(overlapped_step=True),
+                                  costs).layout("dense").scheme for dp in (64, 256)}
+    assert overlapped == {64: "whole", 256: "split"}
+    assert plan_owners(buffers(64), megatron_bucket_size(64, True), OwnerPlanningOptions(), costs).layout(
+        "dense").scheme == "split"
+
+
+def test_the_main_job_plans_an_overlapped_step_by_padding_and_runs_an_explicit_split_one():
+    from megatron_dmuon.megatron.config import DMuonConfig, LayoutOptions
+    from megatron_dmuon.megatron.ddp import check_split_layout, planning_options
+
+    base = DMuonConfig()
+    assert not planning_options(base).overlapped_step and planning_options(base).split_allowed
+    for mode in ("on", "sync"):
+        cfg = dataclasses.replace(base, muon=dataclasses.replace(base.muon, overlap_step=mode))
+        assert planning_options(cfg).overlapped_step and planning_options(cfg).split_allowed
+        check_split_layout(dataclasses.replace(cfg, layout=LayoutOptions(dp_layout="split")))  # asked for by name: runs
+    backward = dataclasses.replace(base, muon=dataclasses.replace(base.muon, overlap_step="backward"))
+    assert not planning_options(backward).split_allowed
 
 
 # ------------------------------------------------------------------------- runs against the reference
@@ -268,17 +289,6 @@ def test_qk_clip_refuses_an_explicit_split_layout_before_any_buffer():
     check_split_layout(split, SimpleNamespace(qk_clip=False))
     # auto: the split layout is no candidate for such a run
     assert split_layout_refusal(DMuonConfig(), SimpleNamespace(qk_clip=True)) is not None
-
-
-def test_auto_keeps_whole_matrices_under_an_overlapped_step_an_explicit_split_runs_it():
-    from megatron_dmuon.megatron.config import DMuonConfig, LayoutOptions
-    from megatron_dmuon.megatron.ddp import auto_may_split, check_split_layout
-
-    base = DMuonConfig()
-    on = {mode: dataclasses.replace(base, muon=dataclasses.replace(base.muon, overlap_step=mode)) for mode in ("on", "sync")}
-    assert auto_may_split(base) and not any(auto_may_split(c) for c in on.values())
-    for cfg in on.values():  # asked for by name: it runs (tests above), no refusal
-        check_split_layout(dataclasses.replace(cfg, layout=LayoutOptions(dp_layout="split")))
 
 
 @pytest.mark.parametrize("preset", ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"])
