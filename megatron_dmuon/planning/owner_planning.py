@@ -139,6 +139,8 @@ def plan_owners(buffers: Mapping[Hashable, BufferParams], bucket_size: Optional[
                   "rank_model": rank_model.to_json() if rank_model is not None else None}
         if any("split" in _schemes(options, b) for b in buffers.values()):  # (whole-only plans keep their keys)
             inputs.update(dp_layout=options.dp_layout, gpus_per_node=costs.gpus_per_node)
+            if options.overlapped_step:  # ('auto' weighs the layouts otherwise there: choose_scheme)
+                inputs["overlapped_step"] = True
         cache_key = plan_key(inputs)
         cached = cache.get(cache_key)
         problem = _cached_plan_problem(cached, buffers, items) if cached is not None else None

@@ -84,7 +84,7 @@ def test_a_home_stays_where_its_matrix_is_unless_moving_pays():
     assert sum(sent) == 2 * 4 * moved  # each moved element: its update there and its direction back, fp32
 
 
-def test_auto_keeps_whole_matrices_where_they_fit_and_splits_past_the_matrix_count():
+def test_auto_keeps_whole_matrices_where_they_fit_and_splits_past_the_matrix_count(tmp_path):
     from megatron_dmuon.planning.owner_planning import BufferParams, CostSource, OwnerPlanningOptions, plan_owners
     from megatron_dmuon.planning.ns_choice import owner_ns_cost
     from megatron_dmuon.planning.plan import MatrixRecord
@@ -112,6 +112,12 @@ def test_auto_keeps_whole_matrices_where_they_fit_and_splits_past_the_matrix_cou
     assert overlapped == {64: "whole", 256: "split"}
     assert plan_owners(buffers(64), megatron_bucket_size(64, True), OwnerPlanningOptions(), costs).layout(
         "dense").scheme == "split"
+    # a plan cache keeps the two apart: a plan of a run not overlapped is not the overlapped run's
+    cache = str(tmp_path / "plans.json")
+    picks = [plan_owners(buffers(64), megatron_bucket_size(64, True),
+                         OwnerPlanningOptions(plan_cache=cache, overlapped_step=o), costs).layout("dense").scheme
+             for o in (False, True, False)]
+    assert picks == ["split", "whole", "split"]
 
 
 def test_the_main_job_plans_an_overlapped_step_by_padding_and_runs_an_explicit_split_one():
