@@ -67,7 +67,7 @@ class OwnerPlanningOptions:
     # features need whole matrices: DMuonConfig.split_layout_refusal)
     dp_layout: str = "auto"
     split_allowed: bool = True
-    # the run's step is overlapped (--dmuon-overlap-step on|sync): 'auto' weighs the layouts by their padding
+    # the run's step is overlapped (MuonSettings.overlap_step 'on' or 'sync'): 'auto' weighs the layouts by padding
     # alone (``choose_scheme``)
     overlapped_step: bool = False
 
@@ -239,7 +239,7 @@ def predicted_cost(layout: OwnerLayout, loads: Sequence[float], collective: floa
 WHOLE_PADDING_LIMIT = 0.10
 
 
-# Under an overlapped step (--dmuon-overlap-step on|sync) the whole layout's NS runs beside its all-gathers,
+# Under an overlapped step (overlap_step 'on' or 'sync') the whole layout's NS runs beside its all-gathers,
 # and the split layout's way back runs group by group through each group's few homes: modelled from the
 # H100 emulation (docs/dmuon_dp.md, the overlapped table), the whole layout is the faster one wherever its
 # buffers are at most 1.28x the split one's (7B DP 16-64, 32B DP 128) and the split one from 2.26x (7B DP
