@@ -354,6 +354,7 @@ KNOWN_PRIVATE_REACHES: dict[tuple[str, str], str] = {
     # testing/: the self-test workers share one harness's helpers (not production code)
     **{(f"{PACKAGE}.testing.{m}", n): "the test workers' shared harness"
        for m, names in {"checkpoint_workers": ("_build", "_finish_overlap", "_report", "_train"),
+                        "guard_workers": ("_build", "_finish_overlap", "_micro_batches", "_report", "_train"),
                         "mixed_precision": ("_build", "_finish_overlap", "_report"),
                         "overlap_workers": ("_concat", "_load", "_save", "_build", "_finish_overlap", "_report", "_train"),
                         "qk_clip_workers": ("_build", "_finish_overlap", "_report", "_train"),

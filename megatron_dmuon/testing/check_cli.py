@@ -45,19 +45,19 @@ def main(argv=None) -> int:
         parser.error(f"--corrupt-rank must be a rank in [0, {world})")
     from .multiproc import run_distributed
 
-    reports = run_distributed("megatron_dmuon.testing.workers:replica_check", world, kwargs=kw)
+    reports = run_distributed("megatron_dmuon.testing.guard_workers:replica_check", world, kwargs=kw)
     return _print(reports[0], args.json)
 
 
 def _main_torchrun(args, kw) -> int:
     import torch
 
-    from . import workers
+    from .guard_workers import replica_check
     from .verify_cli import torchrun_backend
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group(torchrun_backend())
-    report = workers.replica_check(rank, world, **kw)
+    report = replica_check(rank, world, **kw)
     code = _print(report, args.json) if rank == 0 else (0 if report["ok"] else 1)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -126,7 +126,7 @@ def test_the_main_job_writes_every_metric_to_wandb_offline_at_every_log_interval
 def test_the_metrics_read_no_device_value_inside_the_step():
     from megatron_dmuon.testing.multiproc import run_distributed
 
-    results = run_distributed("megatron_dmuon.testing.workers:metrics_device_reads", 2,
+    results = run_distributed("megatron_dmuon.testing.guard_workers:metrics_device_reads", 2,
                               kwargs=dict(steps=4, shape_kw=dict(num_layers=1), muon_kw=dict(ns_check_interval=2)))
     for r in results:
         assert r["on"] == r["off"], r  # the step reads back what it read before, nothing more

@@ -14,7 +14,7 @@ from megatron_dmuon.testing.multiproc import run_distributed
 
 def test_nan_gradient_on_one_rank_skips_the_step_everywhere():
     # bf16 (the supported mode, no loss scaler): rank 1's gradient of one matrix is NaN at step 3
-    out = run_distributed("megatron_dmuon.testing.workers:nan_vs_never_seen", 2,
+    out = run_distributed("megatron_dmuon.testing.guard_workers:nan_vs_never_seen", 2,
                           kwargs=dict(nan_at=(3, 1), steps=6, shape_kw=dict(bf16=True), ns_dtype="bfloat16"))
     nan, never = [r["nan"] for r in out], [r["never_seen"] for r in out]
     assert [r["updated"] for r in nan] == [[True, True, True, False, True, True]] * 2  # skipped on both ranks
