@@ -32,9 +32,23 @@ def _kw(spec, overlap=False, **extra):
     return kw
 
 
+_REFERENCES: dict = {}  # one reference run per (DP size, what the reference reads): the layouts and overlap modes share it
+
+
+def _reference(dp, kw):
+    import json
+
+    from megatron_dmuon.testing.workers import RUN_ONLY
+
+    key = json.dumps([dp, {k: v for k, v in kw.items() if k not in RUN_ONLY}], sort_keys=True, default=str)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_reference(dp, **kw)
+    return _REFERENCES[key]
+
+
 def _check(results, kw, world, tol=TOL):
     dp = world // (kw.get("tp", 1) * kw.get("pp", 1))
-    ref = run_reference(dp, **kw)
+    ref = _reference(dp, kw)
     diffs = rel_diffs(full_params(results), ref["params"])
     assert max(diffs.values()) <= tol, sorted(diffs.items(), key=lambda x: -x[1])[:3]
     assert results[0]["losses"] == pytest.approx(ref["losses"], rel=max(tol, 1e-10))
