@@ -34,7 +34,7 @@ from .cost_model import ClusterSpec, CostModel, elementwise_costs, exchange_cost
 from .models import ModelSpec, ParallelSpec, stage_params
 from .layout_stats import state_bytes_per_rank
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
-from .owner_planning import choose_scheme
+from .owner_planning import OVERLAPPED_WHOLE_PADDING_LIMIT, choose_scheme
 from .planners import buffer_items, split_pieces
 from .split_layout import dp_nodes, exchange_bytes, exchange_ms, megatron_buckets, narrow_directions, plan_split_layout
 
@@ -170,6 +170,10 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
            f"{100 * PICK_SLACK:.0f}% of the best candidate ({best:.1f} ms) with the fewest instances (the least "
            f"optimizer memory), then the fewest bytes; {c['bytes_vs_adamw']:.2f}x AdamW's bytes, state "
            f"{c['state_vs_adamw']:.2f}x AdamW's at this instance count, NS {c['ns_vs_bound']:.2f}x the bound")
+    if overlapped_step:
+        why += (f"; the step overlapped, the layout is the run's: whole matrices unless they pad the buffers past "
+                f"{1 + OVERLAPPED_WHOLE_PADDING_LIMIT:.1f}x the split layout's (their step and iteration above are "
+                "the synchronous step's)")
     return {"model": model.name, "dp": dp, "tp": tp, "stage": stage, "cluster": cluster.name,
             "two_level": two_level, "global_batch": global_batch, "seq_length": seq_length,
             "forward_backward_ms": fwd_bwd, "ns_bound_ms": ns_bound, "adamw": adam, "candidates": candidates,

@@ -135,6 +135,20 @@ def test_plan_cli_overlap_step_prints_and_refuses_by_flag(capsys):
         assert bad[0] in capsys.readouterr().err
 
 
+def test_plan_cli_picks_the_layout_an_overlapped_run_takes(capsys):
+    # 7B at DP 64: the synchronous step's pick is the split layout; an overlapped run keeps whole matrices
+    # (they pad the buffers 1.28x, under 1.5x), and dmuon plan --overlap-step on says so
+    from megatron_dmuon.planning.plan_cli import main
+
+    picks = {}
+    for step in ("off", "on"):
+        assert main(["--preset", "qwen2.5-7b", "--dp", "64", "--instances", "1", "--overlap-step", step, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)["dp_layouts"]
+        picks[step] = [c["scheme"] for c in report["candidates"] if c["run_choice"]]
+        assert ("the step overlapped" in report["why"]) == (step == "on")
+    assert picks == {"off": ["split"], "on": ["whole"]}
+
+
 def test_the_pipelined_publish_waits_for_every_gpus_group_and_the_all_gather_before():
     from megatron_dmuon.planning.simulate_overlap import pipelined_publish_ms
 
