@@ -9,7 +9,9 @@ modelled (planning/simulate.py, ``--cluster`` links, two-level collectives) for 
 the param all-gather that publishes the step (bf16) and the grad reduce-scatter (fp32), which runs in
 the backward. Step = compute + the all-gather (not overlapped); iteration = the forward and backward of
 ``--global-batch`` sequences at the device's model rate (planning/compute_model.py) + the step + what
-of the reduce-scatter the backward (2/3 of the compute) cannot hide.
+of the reduce-scatter the backward (2/3 of the compute) cannot hide. Beside them, DMuon's step under
+--dmuon-overlap-step on (``overlapped_step_ms``: each need group's NS pipelined with Megatron's
+per-bucket all-gathers) and AdamW's step with the same per-bucket all-gathers.
 """
 from __future__ import annotations
 
@@ -185,7 +187,7 @@ def scale_table(result):
              "matrix buffers pad each shard to the matrices it holds; the split layout's are Megatron's own); iteration "
              f"= forward + backward of {result.get('global_batch', 1024)} sequences of 4096 tokens at the device's model "
              "rate + step + the reduce-scatter the backward cannot hide. DMuon's pick is --dmuon-dp-layout auto's.", "",
-             "", "The --dmuon-overlap-step on column: each need group's NS pipelined with Megatron's per-bucket "
+             "The --dmuon-overlap-step on column: each need group's NS pipelined with Megatron's per-bucket "
              "all-gathers (bench/rank_scale.overlapped_step_ms), against AdamW's step with the same per-bucket "
              "all-gathers; no forward beside either.", "",
              "| layout | GPUs | DMuon pick | DMuon step ms (x AdamW) | DMuon iteration ms (x AdamW) | whole: compute / step / "
