@@ -289,18 +289,15 @@ def pipelined_publish_ms(start_ms: float, ns_ms: Sequence[Dict[int, float]], bac
     other in need order, at full speed; group g is published when every GPU has its NS done and the
     all-gather before it has ended: then its directions come back (``back_ms[g]``, the slowest rank's
     way back; the split layout) and its all-gather runs (``ag_ms[g]``), on one communicator."""
-    done = []  # per GPU, {need: when its NS stream has finished the group}
+    # when every GPU's NS stream has run each group and all before it (the event after a group's NS launch
+    # is recorded in stream order); start_ms for a GPU with none of them
+    ready = [start_ms] * len(ag_ms)
     for work in ns_ms:
-        t, ends = start_ms, {}
-        for need in sorted(work):
-            t += work[need]
-            ends[need] = t
-        done.append(ends)
+        t = start_ms
+        for need in range(len(ag_ms)):
+            t += work.get(need, 0.0)
+            ready[need] = max(ready[need], t)
     comm = start_ms
     for need, ag in enumerate(ag_ms):
-        # a GPU's group g is done when its NS stream has run every group up to g (the event after g's NS
-        # launch is recorded in stream order), at start_ms if it has none of them
-        ready = max((max((t for n, t in ends.items() if n <= need), default=start_ms) for ends in done),
-                    default=start_ms)
-        comm = max(comm, ready) + back_ms.get(need, 0.0) + ag
+        comm = max(comm, ready[need]) + back_ms.get(need, 0.0) + ag
     return comm
