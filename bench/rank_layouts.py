@@ -13,7 +13,9 @@ from megatron_dmuon.megatron.config import DMuonConfig
 from megatron_dmuon.megatron.flags import add_dmuon_args
 from megatron_dmuon.planning.cost_model import cluster_spec, device_spec, elementwise_costs
 from megatron_dmuon.planning.models import PRESETS, ParallelSpec
+from megatron_dmuon.planning.overlap_mode import OverlapMode
 from megatron_dmuon.planning.owner_layout import megatron_bucket_size
+from megatron_dmuon.planning.split_layout import shares_ns
 from megatron_dmuon.planning.ns_choice import NSResolver, owner_ns_cost
 from megatron_dmuon.planning.planners import gpu_cells, plan_stage, split_rule_for, transformer_shape
 from megatron_dmuon.planning.rank_cost import piece_counts
@@ -63,6 +65,8 @@ def make_plans(model, par, bucket_size, cfg, planners, rank_profile=None, milp_o
         kw = dict(bucket_size=bucket_size, cost_fn=cost_fn, split=split)
         if name in ("greedy", "milp", "split"):  # the milp's greedy warm start is exactly the greedy plan
             kw["elementwise"] = elementwise_costs(device_spec("H200"))
+        if name == "split":
+            kw["shared_ns"] = shares_ns(muon.ns_method, OverlapMode(muon.overlap_step).cuts_per_need_group)
         if name == "milp":
             if rank_profile is None:
                 raise ValueError("the milp plan needs --rank-profile (a calibrate run's rank cost model)")
@@ -150,7 +154,8 @@ def split_cell_work(plan, par, cluster="h200"):
                 for rank, lo, hi in layout.pieces(p.name):
                     if rank != layout.owners[p.name]:
                         pieces[rank].append(hi - lo)
-        narrow = narrow_directions([p.name for p in plan["params"][kind] if p.is_matrix], par.tp)
+        narrow = narrow_directions([p.name for p in plan["params"][kind] if p.is_matrix and p.name not in layout.teams],
+                                   par.tp)
         per_kind[kind] = (pieces, exchange_ms(layout, spec.intra, spec.inter, spec.gpus_per_node // par.tp, narrow=narrow))
     out = []
     for r in range(par.dp_size):

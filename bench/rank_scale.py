@@ -135,7 +135,7 @@ def overlapped_step_ms(plan, par, cluster, ranks, narrow: bool = True) -> float:
             continue
         mats = [p.name for p in plan["params"][kind] if p.is_matrix]
         links = (layout, spec.intra, spec.inter, spec.gpus_per_node // par.tp)
-        wide = narrow_directions(mats, par.tp) if narrow else ()
+        wide = narrow_directions(set(mats) - set(layout.teams), par.tp) if narrow else ()
         there = [a + b for a, b in zip(there, exchange_ways_ms(*links, narrow=wide)[0])]  # every group at once
         for grp in groups:
             if grp["kind"] == kind:

@@ -85,11 +85,12 @@ class LayoutOptions:
     """Planner input for experiments and tests: cost_model_fn(shapes, max_batch) -> a per-matrix
     ``planning.cost_model.CostModel`` or a ``RankCostModel``."""
 
-    def planning_options(self, split_allowed: bool = True, overlapped_step: bool = False) -> OwnerPlanningOptions:
+    def planning_options(self, split_allowed: bool = True, overlapped_step: bool = False,
+                         shared_ns: bool = False) -> OwnerPlanningOptions:
         """What rank 0's owner planning reads of these options (planning/owner_planning.py, same names)."""
         return OwnerPlanningOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OwnerPlanningOptions)
                                        if hasattr(self, f.name)}, split_allowed=split_allowed,
-                                    overlapped_step=overlapped_step)
+                                    overlapped_step=overlapped_step, shared_ns=shared_ns)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ from ..planning.ns_choice import owner_ns_cost
 from ..planning.params import param_routing
 from ..planning.plan import DMuonPlan, MatrixRecord, merged_records
 from ..planning.planners import split_rule_for
+from ..planning.split_layout import shares_ns
 from ..planning.tp_cost import choose_tp_method
 from .config import in_flag_words
 
@@ -154,9 +155,12 @@ def planning_options(cfg, model_config=None):
     """Rank 0's owner-planning options of this run (planning/owner_planning.OwnerPlanningOptions): the
     layout flags; whether 'auto' may take the split layout (``split_layout_refusal``); whether the step
     is overlapped (--dmuon-overlap-step on|sync: 'auto' then weighs the layouts by their padding,
-    owner_planning.choose_scheme)."""
+    owner_planning.choose_scheme); whether the split layout may share a tall matrix's NS over a team
+    of homes (split_layout.shares_ns)."""
+    overlapped = OverlapMode(cfg.muon.overlap_step).cuts_per_need_group
     return cfg.layout.planning_options(split_allowed=split_layout_refusal(cfg, model_config) is None,
-                                       overlapped_step=OverlapMode(cfg.muon.overlap_step).cuts_per_need_group)
+                                       overlapped_step=overlapped,
+                                       shared_ns=shares_ns(cfg.muon.ns_method, overlapped))
 
 
 def check_split_layout(cfg, model_config=None) -> None:

@@ -284,7 +284,7 @@ def _split_exchange_bytes(chunk) -> float:
     for name, layout in plan.layouts.items():
         group = groups.get(name.split("/")[0])
         if group is not None and layout.scheme == "split":  # (the exchange's routes: runtime/dp_exchange.py)
-            narrow = (narrow_directions(layout.owners, layout.tp_size, ns_bytes)
+            narrow = (narrow_directions(set(layout.owners) - set(layout.teams), layout.tp_size, ns_bytes)
                       if param is not None and param.is_cuda else ())
             total += exchange_bytes_sent(layout, node_of_dp_ranks(group), narrow=narrow)[group.rank()]
     return total

@@ -55,10 +55,17 @@ def _matrix_infos(model_chunks, muon) -> dict:
         if record.use_muon:
             key = name if len(model_chunks) == 1 else f"chunk{idx}/{name}"
             layout = model_chunks[idx].dmuon_plan.layouts[record.buffer]
-            split = SplitMatrix(key, layout.owners[name], record.numel, tuple(layout.pieces(name))) \
-                if layout.scheme == "split" else None
+            split = _split_matrix(key, name, layout, record.numel) if layout.scheme == "split" else None
             out[param] = dataclasses.replace(MatrixInfo.from_record(record, key, ns, need.get(param, 0)), dp_split=split)
     return out
+
+
+def _split_matrix(key: str, name: str, layout, numel: int) -> SplitMatrix:
+    """The exchange's view of split-layout matrix ``name``: its pieces, its home or its team's blocks."""
+    if name not in layout.teams:
+        return SplitMatrix(key, layout.owners[name], numel, tuple(layout.pieces(name)))
+    shape, blocks = layout.homes(name)
+    return SplitMatrix(key, layout.owners[name], numel, tuple(layout.pieces(name)), tuple(shape), tuple(blocks))
 
 
 def register_split_layout(inner: OwnerMuonAdamW, opt, infos: dict) -> dict:
@@ -75,7 +82,8 @@ def register_split_layout(inner: OwnerMuonAdamW, opt, infos: dict) -> dict:
             infos[model] = dataclasses.replace(info, dp_piece=(shard.start, shard.end))
             held.add(model)
     for model, info in infos.items():
-        if info.dp_split is not None and model not in held and info.dp_split.home == inner.dp.rank:
+        if info.dp_split is not None and model not in held and any(
+                home == inner.dp.rank for home, _, _ in info.dp_split.homes()[1]):
             inner.register_home(info)
     inner.register_split_matrices([info for info in infos.values() if info.dp_split is not None])
     return infos

@@ -36,7 +36,7 @@ from .layout_stats import state_bytes_per_rank
 from .owner_layout import OwnerLayout, ParamItem, megatron_bucket_size, plan_owner_layout
 from .owner_planning import OVERLAPPED_WHOLE_PADDING_LIMIT, choose_scheme
 from .planners import buffer_items, split_pieces
-from .split_layout import dp_nodes, exchange_bytes, exchange_ms, megatron_buckets, narrow_directions, plan_split_layout
+from .split_layout import shares_ns, team_block_cost, team_reduce_ms, dp_nodes, exchange_bytes, exchange_ms, megatron_buckets, narrow_directions, plan_split_layout
 
 __all__ = ["PICK_SLACK", "compare_dp_layouts", "instance_counts"]
 
@@ -56,7 +56,11 @@ def _ns_ms(layout: OwnerLayout, items: Sequence[ParamItem], cost_model: CostMode
     ms = [0.0] * (layout.world_size * layout.tp_size)
     shapes: Dict[int, set] = {}
     for it in items:
-        if it.is_matrix:
+        if it.is_matrix and it.name in layout.teams:  # (a team: each home its block's share)
+            for home, first, end in layout.homes(it.name)[1]:
+                ms[home] += team_block_cost(it, end - first)
+                shapes.setdefault(home, set()).add(tuple(it.pieces[0]))
+        elif it.is_matrix:
             cell = layout.owners[it.name] * layout.tp_size + layout.tp_owners.get(it.name, 0)
             ms[cell] += it.cost
             shapes.setdefault(cell, set()).update(tuple(p[-2:]) for p in it.pieces)
@@ -86,13 +90,14 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
                        stage: int = 0, overlap_grad_reduce: bool = True, bucket_size: Optional[int] = None,
                        two_level: bool = False, param_bytes: Optional[int] = None, momentum_bytes: int = 4,
                        seq_length: int = 4096, global_batch: int = 1024, split: Optional[dict] = None,
-                       overlapped_step: bool = False) -> dict:
+                       overlapped_step: bool = False, ns_method: str = "auto") -> dict:
     """Every (instances, scheme) candidate of ``model``'s dense buffer of pipeline stage ``stage`` at
     DP ``par.dp_size`` (MoE expert buffers are not covered), and the pick: {'candidates': [...],
     'picked': index, 'why': str, 'adamw': AdamW's figures}. ``opt``: the cluster config's optimizer
     section (grad/param bytes per element); ``global_batch`` sequences of ``seq_length`` tokens per
     iteration; ``split``: the optimizer's split flags (default Megatron's QKV split); ``overlapped_step``:
-    the run's step is overlapped (its pick: ``choose_scheme``)."""
+    the run's step is overlapped (its pick: ``choose_scheme``); ``ns_method``: the run's NS method (the split
+    layout shares tall matrices' NS over teams where it may: split_layout.shares_ns)."""
     from .compute_model import iteration_flops, model_tflops
 
     dp, tp = par.dp_size, par.tp
@@ -130,14 +135,17 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
         for scheme in schemes:
             loads = [0.0] * (d * tp)
             layout = (plan_split_layout(items, d, bucket, loads, tp, rates, exchange.move, per_node,
-                                        exchange.node_move) if scheme == "split" else
+                                        exchange.node_move, shares_ns(ns_method, overlapped_step))
+                      if scheme == "split" else
                       plan_owner_layout(items, d, bucket, 0.02, loads, tp, "cost", elementwise=rates))
             planned[scheme] = (layout, loads)
         for scheme, (layout, _) in planned.items():
             ns = _ns_ms(layout, items, cost_model)
             elementwise = _elementwise_ms(layout, items, rates)
-            exchange_b = exchange_bytes(layout, dp_nodes(d, per_node), narrow=narrow)[0]
-            moving = exchange_ms(layout, cluster.intra, cluster.inter, per_node, narrow=narrow)  # (split_layout.exchange_ms)
+            back16 = set(narrow) - set(layout.teams)
+            exchange_b = exchange_bytes(layout, dp_nodes(d, per_node), narrow=back16)[0]
+            moving = exchange_ms(layout, cluster.intra, cluster.inter, per_node, narrow=back16)  # (split_layout.exchange_ms)
+            moving = [a + b for a, b in zip(moving, team_reduce_ms(layout, items, cluster.inter))]
             compute = [ns[c] + elementwise[c // tp] + moving[c // tp] for c in range(d * tp)]
             numel = layout.numel
             publish = _collective_ms(cluster, d, tp, numel * param_b, two_level)

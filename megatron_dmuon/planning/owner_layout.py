@@ -157,6 +157,11 @@ class OwnerLayout:
     # rank keeps the state of its pieces, and ``owners`` names each matrix's NS home, which the pieces
     # travel to and from (runtime/dp_exchange.py)
     scheme: str = "whole"
+    # the split layout's shared NS (planning/split_layout.py): a matrix whose NS a team of homes shares,
+    # each running distributed Gram NS on its block of the long side: name -> {'shape': [rows, cols],
+    # 'blocks': [[home DP rank, first, end], ...]} (rows of a tall matrix, columns of a wide one, in
+    # order; ``owners`` names the first home)
+    teams: Dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def numel(self) -> int:
@@ -181,7 +186,19 @@ class OwnerLayout:
             tp_size=d.get("tp_size", 1),
             tp_owners=d.get("tp_owners", {}),
             scheme=d.get("scheme", "whole"),
+            teams={k: {"shape": list(v["shape"]), "blocks": [list(b) for b in v["blocks"]]}
+                   for k, v in d.get("teams", {}).items()},
         )
+
+    def homes(self, name: str) -> Tuple[Tuple[int, int], List[Tuple[int, int, int]]]:
+        """(shape, ``[(DP rank, first, end)]``): where the NS of matrix ``name`` runs and on which block
+        of its long side (``block_span`` reads them): its team's blocks, or its one home on the whole
+        (then as a [numel, 1] column, whose blocks are flat ranges)."""
+        if name in self.teams:
+            team = self.teams[name]
+            return tuple(team["shape"]), [tuple(b) for b in team["blocks"]]
+        start, end, _ = self.param_ranges[name]
+        return (end - start, 1), [(self.owners[name], 0, end - start)]
 
     def pieces(self, name: str) -> List[Tuple[int, int, int]]:
         """``[(DP rank, lo, hi)]``: the part ``[lo, hi)`` of parameter ``name`` (offsets into its
@@ -219,9 +236,38 @@ class OwnerLayout:
                 lo, hi = shard_range(r, bucket.shard_size, bucket.start)
                 require(self.scheme == "split" or (lo <= s and e <= hi), f"matrix {it.name} crosses its owner's shard")
                 require(0 <= self.tp_owners.get(it.name, 0) < self.tp_size, f"TP owner of {it.name} out of range")
+                if it.name in self.teams:
+                    (rows, cols), blocks = self.homes(it.name)
+                    require(self.scheme == "split" and self.tp_size == 1, f"{it.name}: a shared NS outside the split layout")
+                    require(rows * cols == it.numel and blocks[0][1] == 0 and blocks[-1][2] == max(rows, cols)
+                            and blocks[0][0] == r and all(a[2] == b[1] for a, b in zip(blocks, blocks[1:]))
+                            and all(lo < hi for _, lo, hi in blocks), f"{it.name}: team blocks {blocks} do not tile it")
+                    require(len({h for h, _, _ in blocks}) == len(blocks)
+                            and all(0 <= h < self.world_size for h, _, _ in blocks), f"{it.name}: team homes {blocks}")
         for bucket in self.buckets:
             require(bucket.end - bucket.start == bucket.shard_size * self.world_size,
                     f"bucket [{bucket.start}, {bucket.end}) is not {self.world_size} shards of {bucket.shard_size}")
+
+
+def block_span(shape: Sequence[int], first: int, end: int, lo: int, hi: int) -> Tuple[int, int]:
+    """The elements ``[lo, hi)`` of a flattened ``shape`` matrix that lie in its long-side block
+    ``[first, end)`` (rows of a tall matrix, columns of a wide one), as a range of the block's own
+    row-major order (a flat range holds a contiguous run of any such block)."""
+    rows, cols = shape
+    if rows >= cols:
+        return (min(max(lo, first * cols), end * cols) - first * cols,
+                min(max(hi, first * cols), end * cols) - first * cols)
+    width = end - first
+
+    def before(x):  # the block's elements at flat positions < x
+        r, c = divmod(x, cols)
+        return r * width + min(max(c - first, 0), width)
+
+    return before(lo), before(hi)
+
+
+def block_numel(shape: Sequence[int], first: int, end: int) -> int:
+    return (end - first) * min(shape)
 
 
 def min_shard(items, members, world_size) -> int:

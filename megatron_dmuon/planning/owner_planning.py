@@ -70,6 +70,9 @@ class OwnerPlanningOptions:
     # the run's step is overlapped (MuonSettings.overlap_step 'on' or 'sync'): 'auto' weighs the layouts by padding
     # alone (``choose_scheme``)
     overlapped_step: bool = False
+    # the split layout may share a tall matrix's NS over a team of homes, one per node (planning/
+    # split_layout.py): the run's NS may run Gram (--dmuon-ns-method gram or auto) and its step is not overlapped
+    shared_ns: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +144,8 @@ def plan_owners(buffers: Mapping[Hashable, BufferParams], bucket_size: Optional[
             inputs.update(dp_layout=options.dp_layout, gpus_per_node=costs.gpus_per_node)
             if options.overlapped_step:  # ('auto' weighs the layouts otherwise there: choose_scheme)
                 inputs["overlapped_step"] = True
+            if options.shared_ns:
+                inputs["shared_ns"] = True
         cache_key = plan_key(inputs)
         cached = cache.get(cache_key)
         problem = _cached_plan_problem(cached, buffers, items) if cached is not None else None
@@ -282,7 +287,8 @@ def _plan_buffers(buffers, items, bucket_size, options, milp_options, elementwis
             for scheme in schemes:
                 loads = list(cost)
                 candidates[scheme] = (plan_split_layout(items[key], b.dp_size, bucket_size, loads, b.tp_size,
-                                                        elementwise, exchange.move, per_node, exchange.node_move)
+                                                        elementwise, exchange.move, per_node, exchange.node_move,
+                                                        shared_ns=options.shared_ns)
                                       if scheme == "split"
                                       else _plan_whole(items[key], b, bucket_size, options, milp_options, elementwise,
                                                        rank_model, loads, len(buffers)), loads)

@@ -451,7 +451,7 @@ def main(argv=None) -> int:
                 global_batch=args.global_batch,
                 split=dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
                            per_head=args.dmuon_split_heads),
-                overlapped_step=OverlapMode(args.overlap_step).cuts_per_need_group)
+                overlapped_step=OverlapMode(args.overlap_step).cuts_per_need_group, ns_method=args.ns_method)
     report["warnings"] = sorted({str(w.message) for w in caught})
     report["cost_model"] = {"device": cluster.device.name, "profile": args.profile, "ns_method": args.ns_method,
                             "steps": args.ns_steps, "tflops_for_unprofiled_shapes": cost_model.tflops}

@@ -106,13 +106,14 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
                bucket_size: Optional[int] = None, max_bucket_padding: float = 0.02,
                milp_options: Optional[dict] = None, split: Optional[dict] = None,
                elementwise: Optional[tuple] = None, cost_fn: Callable[[Sequence[int]], float] = ns_cost,
-               rank_model=None) -> dict:
+               rank_model=None, shared_ns: bool = False) -> dict:
     """{'layouts': {kind: OwnerLayout}, 'params': {kind: [ParamSpec]}, 'info': {...}, 'seconds'}.
 
     ``split`` (the optimizer's split flags) costs matrices by their pieces; ``elementwise``
     (AdamW, Muon) is ``plan_owner_layout``'s, in the planner's units (NS FLOPs; ms for 'milp').
     ``rank_model`` (planning/rank_cost.py): 'milp' minimises the slowest rank's predicted owner
-    step under it (planning/rank_milp.py), the other planners are unchanged."""
+    step under it (planning/rank_milp.py), the other planners are unchanged. ``shared_ns``: the
+    'split' planner may share tall matrices' NS over teams of homes (split_layout.shares_ns)."""
     if planner not in PLANNERS:
         raise ValueError(f"planner {planner!r} unknown; valid: {', '.join(PLANNERS)}")
     params = {k: v for k, v in stage_params(model, par, stage).items() if v}
@@ -131,7 +132,7 @@ def plan_stage(model: ModelSpec, par: ParallelSpec, cost_model: CostModel, plann
         elif planner == "split":
             exchange, per_node = _exchange_costs(cost_model, dp, tp)
             layouts[kind] = plan_split_layout(items, dp, bucket_size, None, tp, elementwise, exchange.move, per_node,
-                                              exchange.node_move)
+                                              exchange.node_move, shared_ns)
         else:
             layouts[kind] = plan_owner_layout(items, dp, bucket_size, max_bucket_padding, None, tp, _LAYOUT_RULE[planner],
                                               milp_options=milp_options, info=kinfo, elementwise=elementwise)

@@ -17,14 +17,27 @@ where a cell's load is its NS cost so far plus, for a matrix it does not hold wh
 the pieces it lacks (``move_cost`` per element, in the same units as the NS cost); the other holders
 are charged the moving of their pieces. A holder of the biggest piece wins ties, so a matrix stays
 where most of it is unless that rank is busy.
+
+**Shared NS.** Megatron shards every bucket over all DP ranks, so at DP 128 and past a large matrix's
+pieces lie on most ranks, and one home receives the whole matrix through its node's network links and
+runs its NS alone (Qwen2.5-7B's fc1: 543 MB of fp32, ~8 ms of NS on one H100). A tall matrix (rows >=
+2 x cols, no split rule, an NS that may run Gram) whose rows lie on several nodes can instead get a
+**team**: one home per node, which receives the rows whose first element lies on its node (from its
+node-mates, over the node's own links) and runs its row block of a distributed Gram NS with the others
+(runtime/dp_exchange.TeamReduce: the m x m Gram matrices of the blocks summed across the team, the
+TP path's ``gram_newton_schulz_sharded``). The planner takes a team where its busiest home is less
+loaded than the best single home; a home's block costs its rows' share of the m x n products plus the
+whole m x m iteration (``team_block_cost``) and the team's reductions (``team_reduce_elements``).
 """
 from __future__ import annotations
 
 from typing import Collection, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
+from ..algorithms.flops import newton_schulz_flops
+from .owner_layout import (PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, block_numel, block_span,
+                           check_plan_inputs)
 
-__all__ = ["megatron_buckets", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+__all__ = ["megatron_buckets", "shares_ns", "team_eligible", "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
            "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 
@@ -82,7 +95,8 @@ def _pieces(ranges, buckets, world_size, name) -> List[Tuple[int, int]]:
 def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: Optional[int] = None,
                       rank_cost: Optional[List[float]] = None, tp_size: int = 1,
                       elementwise: Optional[Tuple[float, float]] = None, move_cost: float = 0.0,
-                      ranks_per_node: Optional[int] = None, node_move_cost: float = 0.0) -> OwnerLayout:
+                      ranks_per_node: Optional[int] = None, node_move_cost: float = 0.0,
+                      shared_ns: bool = False) -> OwnerLayout:
     """The split-scheme layout of one buffer: Megatron's own buckets and shards, and each matrix's
     NS home (``OwnerLayout.owners`` / ``tp_owners``, scheme 'split').
 
@@ -93,7 +107,9 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
     home's own links, ``node_move_cost``: its way in from another node, shared by the node's links
     (``ranks_per_node`` DP ranks a node, numbered node-major), both in the NS cost's units
     (planning/cost_model.py ``exchange_costs``). A node's incoming pieces are charged to every cell of
-    the node (each forwards its share), so homes of large matrices spread over the nodes."""
+    the node (each forwards its share), so homes of large matrices spread over the nodes.
+    ``shared_ns``: a tall matrix whose rows span nodes may get a team of homes, one per node (module
+    docstring; ``team_eligible``), where that loads its busiest home less than one home would."""
     rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, elementwise)
     ranges, buckets = megatron_buckets(items, bucket_size, world_size)
     nodes = dp_nodes(world_size, ranks_per_node)
@@ -105,6 +121,7 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
                     rank_cost[c] += (muon if it.is_matrix else adamw) * n
     owners: Dict[str, int] = {}
     tp_owners: Dict[str, int] = {}
+    teams: Dict[str, dict] = {}
     node_in: Dict[int, float] = {}  # elements coming into each node from others
     for it in sorted((it for it in items if it.is_matrix), key=lambda it: (-it.cost, -it.numel, it.name)):
         held = dict(_pieces(ranges, buckets, world_size, it.name))
@@ -120,6 +137,14 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
                     + node_move_cost * incoming)
 
         cell = min(range(world_size * tp_size), key=lambda c: (load_after(c), -held.get(c // tp_size, 0), c))
+        team = (_plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost)
+                if shared_ns and tp_size == 1 and team_eligible(it) else None)
+        if team is not None and max(load for _, load, _ in team[0]) < load_after(cell):
+            team, pieces = team
+            _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in)
+            teams[it.name] = {"shape": list(it.pieces[0]), "blocks": [[home, a, b] for home, _, (a, b) in team]}
+            owners[it.name], tp_owners[it.name] = team[0][0], 0
+            continue
         home, tp_owners[it.name] = divmod(cell, tp_size)
         rank_cost[cell] += it.cost + move_cost * (it.numel - held.get(home, 0))
         owners[it.name] = home
@@ -131,9 +156,133 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
     for r in range(world_size):  # each rank of a node carries its share of what comes into the node
         for c in range(r * tp_size, (r + 1) * tp_size):
             rank_cost[c] += node_move_cost * node_in.get(nodes[r], 0.0)
-    layout = OwnerLayout(world_size, ranges, owners, buckets, list(rank_cost), tp_size, tp_owners, scheme="split")
+    layout = OwnerLayout(world_size, ranges, owners, buckets, list(rank_cost), tp_size, tp_owners, scheme="split",
+                         teams=teams)
     layout.validate(items)
     return layout
+
+
+def shares_ns(ns_method: str, overlapped_step: bool) -> bool:
+    """Whether a run's split layout may give a matrix a team of NS homes: its NS may run Gram (the team
+    runs distributed Gram NS; an explicit standard NS keeps one home per matrix) and its step is not
+    overlapped (the overlapped step's ways back run per need group, the teams' reductions are not built there)."""
+    return ns_method in ("gram", "auto") and not overlapped_step
+
+
+def team_eligible(it: ParamItem) -> bool:
+    """Whether matrix ``it`` can share its NS over a team: one NS piece (no split rule) with aspect
+    >= 2 (Gram NS runs there, algorithms/gram_newton_schulz.gram_applies; blocks of its long side are
+    column blocks of the wide orientation, as distributed Gram NS needs)."""
+    if not it.is_matrix or len(it.pieces) != 1 or len(it.pieces[0]) != 2:
+        return False
+    rows, cols = it.pieces[0]
+    return rows * cols == it.numel and max(rows, cols) >= 2 * min(rows, cols)
+
+
+def _gram_flops(m: int, n: int) -> float:
+    return newton_schulz_flops(m, n, 5, "gram", symmetric=True, min_aspect_ratio=1.0)
+
+
+def team_block_cost(it: ParamItem, long_part: int) -> float:
+    """One team home's NS cost, in ``it.cost``'s units: its block's share (``long_part`` of the long
+    side) of the m x n products, and the whole m x m iteration (every home runs it on the summed Gram)."""
+    m, n = sorted(it.pieces[0])
+    full = _gram_flops(m, n)
+    per_long = (_gram_flops(m, 2 * n) - full) / n  # the m x n products grow with the long side, the rest not
+    return it.cost * (per_long * long_part + full - per_long * n) / full
+
+
+def team_reduce_elements(it: ParamItem, team_size: int, segments: int = 2) -> float:
+    """Elements (of the masters' 4 bytes) each home of a ``team_size`` team receives in its Gram
+    reductions: one ring all-reduce of the m x m Gram matrix (16-bit) per Gram segment."""
+    m = min(it.pieces[0])
+    return segments * (team_size - 1) / team_size * m * m
+
+
+def team_reduce_ms(layout: OwnerLayout, items: Sequence[ParamItem], link) -> List[float]:
+    """Each DP rank's time in its teams' Gram reductions (runtime/dp_exchange.TeamReduce: a ring
+    all-reduce per Gram segment, 2 (k - 1) rounds, ``team_reduce_elements`` at 4 bytes each), over
+    ``link`` (cost_model.Link; the inter-node one: a team's homes lie on different nodes)."""
+    ms = [0.0] * layout.world_size
+    for it in items:
+        if it.name in layout.teams:
+            blocks = layout.homes(it.name)[1]
+            k = len(blocks)
+            one = (4 * 2 * (k - 1) * link.alpha_us * 1e-3
+                   + team_reduce_elements(it, k) * 4 / (link.gbytes_per_s * 1e6))
+            for home, _, _ in blocks:
+                ms[home] += one
+    return ms
+
+
+def long_side_blocks(shape: Sequence[int], pieces: Sequence[Tuple[int, int, int]],
+                     nodes: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """``[(node, first, end)]``: the team blocks of a matrix of ``shape`` whose pieces (DP rank, lo, hi;
+    rank order) lie on several nodes. Tall: its rows by the node that holds each row's first element
+    (each home gathers from its own node). Wide (a node holds whole rows, not columns): as many equal
+    column blocks as nodes holding it, one per node (homes spread the way in over the nodes' links)."""
+    rows, cols = shape
+    if rows >= cols:
+        out: List[List[int]] = []
+        for r, lo, hi in pieces:
+            first, end = -(-lo // cols), -(-hi // cols)
+            if end <= first:
+                continue
+            if out and out[-1][0] == nodes[r]:
+                out[-1][2] = end
+            else:
+                out.append([nodes[r], first, end])
+        return [tuple(b) for b in out]
+    holding = sorted({nodes[r] for r, _, _ in pieces})
+    k = min(len(holding), cols)
+    cuts = [cols * i // k for i in range(k + 1)]
+    return [(node, cuts[i], cuts[i + 1]) for i, node in enumerate(holding[:k])]
+
+
+def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost):
+    """([(home, its load after, (first, end))], the pieces) of a team for ``it`` (one home per block
+    of ``long_side_blocks``, the least loaded rank of its node), or None where it has one block."""
+    pieces = OwnerLayout(world_size, ranges, {}, buckets, [], scheme="split").pieces(it.name)
+    shape = it.pieces[0]
+    blocks = long_side_blocks(shape, pieces, nodes)
+    if len(blocks) < 2:
+        return None
+    reduce = node_move_cost * team_reduce_elements(it, len(blocks))
+    members: Dict[int, List[int]] = {}
+    for r, node in enumerate(nodes):
+        members.setdefault(node, []).append(r)
+    team = []
+    for node, first, end in blocks:
+        size = block_numel(shape, first, end)
+        mine = {}
+        for r, lo, hi in pieces:
+            if nodes[r] == node:
+                a, b = block_span(shape, first, end, lo, hi)
+                mine[r] = b - a
+        base = team_block_cost(it, end - first) + reduce
+        # (what comes from other nodes into the home's node: the forwarding share of its node-mates)
+        far = node_move_cost * (size - sum(mine.values()))
+
+        def load(r):
+            return rank_cost[r] + base + far + move_cost * (size - mine.get(r, 0))
+
+        home = min(members[node], key=lambda r: (load(r), -mine.get(r, 0), r))
+        team.append((home, load(home), (first, end)))
+    return team, pieces
+
+
+def _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in) -> None:
+    """Charge a team's loads: each home its block and reductions; each holder the moving of what it
+    holds of other homes' blocks; each node what comes into it from other nodes."""
+    shape = it.pieces[0]
+    for home, load, (first, end) in team:
+        rank_cost[home] = load
+        for r, lo, hi in pieces:
+            a, b = block_span(shape, first, end, lo, hi)
+            if b > a and r != home:
+                rank_cost[r] += move_cost * (b - a)
+                if nodes[r] != nodes[home]:
+                    node_in[nodes[home]] = node_in.get(nodes[home], 0.0) + b - a
 
 
 class Routes:
@@ -178,10 +327,18 @@ def dp_nodes(world_size: int, ranks_per_node: Optional[int]) -> List[int]:
 
 
 def to_home_transfers(layout: OwnerLayout) -> list:
-    """(matrix, holder, home, lo, hi) of every piece that is not on its home (the directions go back
-    the other way)."""
-    return [(name, r, home, lo, hi) for name, home in sorted(layout.owners.items())
-            for r, lo, hi in layout.pieces(name) if r != home]
+    """(matrix, holder, home, lo, hi) of every piece that is not on its home, or of each part of it in
+    a team block homed elsewhere (``lo, hi``: in the block's own order, OwnerLayout.homes; the directions
+    go back the other way)."""
+    out = []
+    for name in sorted(layout.owners):
+        shape, blocks = layout.homes(name)
+        for home, first, end in blocks:
+            for r, lo, hi in layout.pieces(name):
+                a, b = block_span(shape, first, end, lo, hi)
+                if r != home and a < b:
+                    out.append((name, r, home, a, b))
+    return out
 
 
 NARROW_TAG_BYTES = 8  # what a direction in 16 bits carries besides its elements, per message part

@@ -16,6 +16,11 @@ local index (a rail-aligned hop: the node's links share the load), which forward
 the node's own links; directions come back the same way. Only the route changes: the bytes each home
 assembles are the same, so the result is bit-identical (tests/planning/test_split_layout.py).
 
+A matrix whose NS a team of homes shares (planning/split_layout.py: one home per block of its long
+side) travels the same way, each holder sending every home its part of that home's block (a contiguous
+run of the block's row-major order, ``block_span``; a strided one of its own piece where the blocks are
+columns). The homes then run distributed Gram NS together (``TeamReduce`` sums their Gram matrices).
+
 Directions can come back as 16-bit bits (``narrow``): where the NS returns its 16-bit compute dtype,
 a direction is those outputs widened (and, for QKV / head / GLU pieces, each scaled by its piece's lr
 multiplier), so the outputs' bits and a small tag saying how to read them carry the whole value in half
@@ -31,9 +36,10 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..planning.owner_layout import block_numel, block_span
 from ..planning.split_layout import NARROW_TAG_BYTES, Routes
 
-__all__ = ["SplitMatrix", "DPExchange", "node_of_dp_ranks"]
+__all__ = ["SplitMatrix", "DPExchange", "TeamReduce", "node_of_dp_ranks", "take_block", "put_block"]
 
 _TAG_BYTES = NARROW_TAG_BYTES  # the tag: so that every part of a message starts 8-byte aligned (views of it)
 
@@ -41,15 +47,30 @@ _TAG_BYTES = NARROW_TAG_BYTES  # the tag: so that every part of a message starts
 @dataclasses.dataclass(frozen=True)
 class SplitMatrix:
     """One matrix of the split layout as the exchange sees it: ``pieces`` = ((DP rank, lo, hi), ...)
-    of its flattened (TP-local) elements, in rank order; ``home`` the DP rank that runs its NS."""
+    of its flattened (TP-local) elements, in rank order; ``home`` the DP rank that runs its NS. A
+    matrix whose NS a team shares: ``shape`` (rows, cols) and ``blocks`` ((home, first, end), ...) of
+    its long side (OwnerLayout.homes), ``home`` the first."""
 
     key: str
     home: int
     numel: int
     pieces: Tuple[Tuple[int, int, int], ...]
+    shape: Tuple[int, ...] = ()
+    blocks: Tuple[Tuple[int, int, int], ...] = ()
 
     def piece_of(self, rank: int) -> Optional[Tuple[int, int]]:
         return next(((lo, hi) for r, lo, hi in self.pieces if r == rank), None)
+
+    @property
+    def team(self) -> bool:
+        return bool(self.blocks)
+
+    def homes(self) -> Tuple[Tuple[int, ...], Tuple[Tuple[int, int, int], ...]]:
+        """(shape, blocks) as ``block_span`` reads them: a one-home matrix is one block of a [numel, 1] column."""
+        return (tuple(self.shape), self.blocks) if self.blocks else ((self.numel, 1), ((self.home, 0, self.numel),))
+
+    def block_of(self, home: int) -> Tuple[int, int]:
+        return next((first, end) for h, first, end in self.homes()[1] if h == home)
 
 
 Transfer = Tuple[str, int, int, int, int]  # (matrix key, source DP rank, destination DP rank, lo, hi)
@@ -137,25 +158,49 @@ class DPExchange:
         return held
 
     # ------------------------------------------------------------------------------ exchange
+    @staticmethod
+    def _transfers(mats: Sequence[SplitMatrix]):
+        """(matrix key, holder, home, a, b) of every part of a piece bound for another home, [a, b) in
+        the home's block order (planning/split_layout.to_home_transfers: the same list)."""
+        out = []
+        for m in mats:
+            shape, blocks = m.homes()
+            for home, first, end in blocks:
+                for r, lo, hi in m.pieces:
+                    a, b = block_span(shape, first, end, lo, hi)
+                    if r != home and a < b:
+                        out.append((m.key, r, home, a, b))
+        return out
+
     def to_homes(self, mats: Sequence[SplitMatrix], local: Dict[str, torch.Tensor],
                  like: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """The whole flattened update of every matrix of ``mats`` homed on this rank (``local``: this
-        rank's piece of every matrix it holds a piece of, flattened). ``mats``: every split matrix of
-        the optimizer (a rank may forward pieces of matrices it neither holds nor homes)."""
-        transfers = [(m.key, r, m.home, lo, hi) for m in mats for r, lo, hi in m.pieces if r != m.home]
+        """The flattened update of every matrix of ``mats`` homed on this rank: the whole, or this
+        home's team block in the block's row-major order (``local``: this rank's piece of every matrix
+        it holds a piece of, flattened). ``mats``: every split matrix of the optimizer (a rank may
+        forward pieces of matrices it neither holds nor homes)."""
+        by_key = {m.key: m for m in mats}
         size = like.element_size()
-        arrived = self._move(("to", tuple(sorted(m.key for m in mats))), transfers,
-                             lambda t: _bytes_of(local[t[0]].reshape(-1).to(like.dtype)),
+
+        def mine(key, home):  # this rank's part of ``home``'s block of ``key``, contiguous
+            m = by_key[key]
+            lo, hi = m.piece_of(self.rank)
+            return take_block(local[key].reshape(-1).to(like.dtype), lo, hi, *m.homes()[0], *m.block_of(home))
+
+        arrived = self._move(("to", tuple(sorted(by_key))), self._transfers(mats), lambda t: _bytes_of(mine(t[0], t[2])),
                              lambda t: _aligned((t[4] - t[3]) * size), like.device)
         out = {}
         for m in mats:
-            if m.home != self.rank:
-                continue
-            full = like.new_empty(m.numel)
-            for r, lo, hi in m.pieces:
-                full[lo:hi] = (local[m.key].reshape(-1) if r == self.rank else
-                               arrived[(m.key, r, m.home, lo, hi)][:(hi - lo) * size].view(like.dtype))
-            out[m.key] = full
+            shape, blocks = m.homes()
+            for home, first, end in blocks:
+                if home != self.rank:
+                    continue
+                full = like.new_empty(block_numel(shape, first, end))
+                for r, lo, hi in m.pieces:
+                    a, b = block_span(shape, first, end, lo, hi)
+                    if a < b:
+                        full[a:b] = (mine(m.key, home) if r == self.rank else
+                                     arrived[(m.key, r, home, a, b)][:(b - a) * size].view(like.dtype))
+                out[m.key] = full
         return out
 
     def from_homes(self, mats: Sequence[SplitMatrix], full: Dict[str, object], like: torch.Tensor,
@@ -166,8 +211,11 @@ class DPExchange:
         here ``full`` holds (bits, tag), the whole flattened direction's bits (int16) and a tuple of up
         to NARROW_TAG_BYTES small ints that says how to read them (runtime/owner_step.py: each NS
         piece's format); for those this rank holds a piece of, the result is (its bits, the tag)."""
-        transfers = [(m.key, m.home, r, lo, hi) for m in mats for r, lo, hi in m.pieces if r != m.home]
+        by_key = {m.key: m for m in mats}
+        transfers = [(key, home, r, a, b) for key, r, home, a, b in self._transfers(mats)]
         narrow, size = set(narrow), like.element_size()
+        if any(by_key[k].team for k in narrow if k in by_key):
+            raise ValueError("DMuon: a team-shared matrix's direction comes back in the masters' dtype, not as 16-bit bits")
 
         def wire_bytes(t):
             return _aligned(2 * (t[4] - t[3])) + _TAG_BYTES if t[0] in narrow else _aligned((t[4] - t[3]) * size)
@@ -180,7 +228,7 @@ class DPExchange:
                 return _bytes_of(full[t[0]].reshape(-1)[t[3]:t[4]].to(like.dtype))
             return _bytes_of(full[t[0]][0].reshape(-1)[t[3]:t[4]]) + [tags[t[0]]]
 
-        arrived = self._move(("from", tuple(sorted(m.key for m in mats))), transfers, encode, wire_bytes, like.device)
+        arrived = self._move(("from", tuple(sorted(by_key))), transfers, encode, wire_bytes, like.device)
         mine = {m.key: (m, m.piece_of(self.rank)) for m in mats if m.piece_of(self.rank) is not None}
         unread = [k for k, (m, _) in mine.items() if k in narrow and m.home != self.rank and k not in self._tags]
         if unread:  # what a home's tag says is fixed for the run (its plan's NS choices): read once
@@ -188,13 +236,69 @@ class DPExchange:
             self._tags.update(zip(unread, map(tuple, tags.tolist())))
         out = {}
         for key, (m, (lo, hi)) in mine.items():
-            if m.home == self.rank:
-                out[key] = (full[key][0].reshape(-1)[lo:hi], tuple(full[key][1])) if key in narrow else full[key].reshape(-1)[lo:hi]
+            if key in narrow:
+                if m.home == self.rank:
+                    out[key] = (full[key][0].reshape(-1)[lo:hi], tuple(full[key][1]))
+                else:
+                    out[key] = (arrived[(key, m.home, self.rank, lo, hi)][:2 * (hi - lo)].view(torch.int16), self._tags[key])
                 continue
-            data = arrived[(key, m.home, self.rank, lo, hi)]
-            out[key] = ((data[:2 * (hi - lo)].view(torch.int16), self._tags[key]) if key in narrow else
-                        data[:(hi - lo) * size].view(like.dtype))
+            shape, blocks = m.homes()
+            parts = []  # (block, this piece's part of the block's direction)
+            for home, first, end in blocks:
+                a, b = block_span(shape, first, end, lo, hi)
+                if a < b:
+                    parts.append(((first, end), full[key].reshape(-1)[a:b] if home == self.rank else
+                                  arrived[(key, home, self.rank, a, b)][:(b - a) * size].view(like.dtype)))
+            if not m.team:  # (one block: the piece itself)
+                out[key] = parts[0][1]
+                continue
+            piece = like.new_empty(hi - lo)
+            for block, part in parts:
+                put_block(piece, lo, hi, *shape, *block, part)
+            out[key] = piece
         return out
+
+
+def _block_views(flat: torch.Tensor, lo: int, hi: int, rows: int, cols: int, first: int, end: int) -> List[torch.Tensor]:
+    """Views into ``flat`` (a piece: the flattened elements ``[lo, hi)`` of a rows x cols matrix) of the
+    elements in the long-side block ``[first, end)``, in the block's row-major order: one run of a
+    row block; for a column block, a partial first row, the whole rows between (one strided view), a
+    partial last row."""
+    if rows >= cols:
+        s, e = min(max(lo, first * cols), end * cols), min(max(hi, first * cols), end * cols)
+        return [flat[s - lo:e - lo]] if s < e else []
+    views, x = [], lo
+    if x % cols:
+        row = x // cols
+        row_end = min(hi, (row + 1) * cols)
+        s, e = max(x, row * cols + first), min(row_end, row * cols + end)
+        if s < e:
+            views.append(flat[s - lo:e - lo])
+        x = row_end
+    whole_end = hi // cols * cols
+    if whole_end > x:
+        views.append(flat[x - lo:whole_end - lo].view((whole_end - x) // cols, cols)[:, first:end])
+        x = whole_end
+    if x < hi and x + first < min(hi, x + end):
+        views.append(flat[x + first - lo:min(hi, x + end) - lo])
+    return views
+
+
+def take_block(flat: torch.Tensor, lo: int, hi: int, rows: int, cols: int, first: int, end: int) -> torch.Tensor:
+    """The elements of piece ``flat`` (flattened ``[lo, hi)``) in block ``[first, end)``, contiguous."""
+    views = _block_views(flat, lo, hi, rows, cols, first, end)
+    if len(views) == 1 and views[0].is_contiguous():
+        return views[0].reshape(-1)
+    return torch.cat([v.reshape(-1) for v in views]) if views else flat.new_empty(0)
+
+
+def put_block(flat: torch.Tensor, lo: int, hi: int, rows: int, cols: int, first: int, end: int,
+              values: torch.Tensor) -> None:
+    """Write ``values`` (``take_block``'s order) into piece ``flat`` where block ``[first, end)`` lies."""
+    offset = 0
+    for view in _block_views(flat, lo, hi, rows, cols, first, end):
+        view.copy_(values[offset:offset + view.numel()].view(view.shape))
+        offset += view.numel()
 
 
 def _aligned(nbytes: int) -> int:
@@ -207,3 +311,54 @@ def _bytes_of(t: torch.Tensor) -> List[torch.Tensor]:
     raw = t.contiguous().view(torch.uint8).reshape(-1)
     pad = _aligned(raw.numel()) - raw.numel()
     return [raw, raw.new_zeros(pad)] if pad else [raw]
+
+
+class TeamReduce:
+    """Sums (or maxes) a tensor over the homes of one team (``members``: DP ranks in block order), point
+    to point over the DP group: a ring all-reduce (each home sends and receives 2 (k-1)/k of the tensor,
+    what the planner costs: split_layout.team_reduce_elements), or for a tensor of fewer elements than
+    homes every home's whole tensor to every other, summed in member order. Every home ends with the
+    same bits: each chunk is reduced once, in a fixed order, and copied to the others."""
+
+    def __init__(self, exchange: "DPExchange", members: Sequence[int]):
+        self.exchange = exchange
+        self.members = list(members)
+        self.index = self.members.index(exchange.rank)
+
+    def _swap(self, send: Optional[torch.Tensor], to: int, recv: Optional[torch.Tensor], frm: int) -> None:
+        ex = self.exchange
+        ops = []
+        if recv is not None:
+            ops.append(torch.distributed.P2POp(torch.distributed.irecv, recv, group=ex.group, group_peer=frm))
+        if send is not None:
+            ops.append(torch.distributed.P2POp(torch.distributed.isend, send, group=ex.group, group_peer=to))
+            ex.bytes_sent += send.numel() * send.element_size()
+        for request in torch.distributed.batch_isend_irecv(ops):
+            request.wait()
+
+    def __call__(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        k, i = len(self.members), self.index
+        combine = torch.add if op == "sum" else torch.maximum
+        flat = t.contiguous().reshape(-1).clone()
+        if k == 1:
+            return flat.view(t.shape)
+        if flat.numel() < k:
+            whole = [flat if j == i else torch.empty_like(flat) for j in range(k)]
+            for step in range(1, k):  # every home's tensor to every other, one peer pair per round
+                to, frm = self.members[(i + step) % k], self.members[(i - step) % k]
+                self._swap(flat, to, whole[(i - step) % k], frm)
+            out = whole[0]
+            for other in whole[1:]:
+                out = combine(out, other)
+            return out.view(t.shape)
+        chunks = list(flat.tensor_split(k))
+        nxt, prev = self.members[(i + 1) % k], self.members[(i - 1) % k]
+        for step in range(k - 1):  # reduce-scatter: home i ends with chunk (i + 1) % k summed
+            c_send, c_recv = (i - step) % k, (i - step - 1) % k
+            incoming = torch.empty_like(chunks[c_recv])
+            self._swap(chunks[c_send], nxt, incoming, prev)
+            chunks[c_recv].copy_(combine(incoming, chunks[c_recv]))
+        for step in range(k - 1):  # all-gather of the summed chunks
+            c_send, c_recv = (i + 1 - step) % k, (i - step) % k
+            self._swap(chunks[c_send], nxt, chunks[c_recv], prev)
+        return flat.view(t.shape)

@@ -26,7 +26,8 @@ from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
 from .overlapped_step import OverlappedStep, OwnerOverlap
 from .row_update_step import row_update_step
-from .dp_exchange import DPExchange
+from ..algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
+from .dp_exchange import DPExchange, TeamReduce
 from .narrow_directions import NarrowDecoder, encode_direction
 from .matrix_info import MatrixInfo, with_ns_choices  # noqa: F401 (the owner step's public names)
 from .ns_run import default_orthogonalizer, fp32_orthogonalizer, run_ns  # noqa: F401 (ditto)
@@ -111,7 +112,8 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
     def register_home(self, info: MatrixInfo) -> None:
         """A split-layout matrix whose NS home is this rank though its shards hold none of it: the home
         receives every piece of its update, orthogonalizes it and sends the pieces of the direction back."""
-        if info.dp_split is None or info.dp_split.home != self.dp.rank or info.dp_piece is not None:
+        homes = {h for h, _, _ in info.dp_split.homes()[1]} if info.dp_split is not None else set()
+        if self.dp.rank not in homes or info.dp_piece is not None:
             raise ValueError(f"DMuon: {info.name!r} is not a split-layout matrix homed on DP rank {self.dp.rank} "
                              "without a piece here")
         if info.name in self.homed or any(i.name == info.name for i in self.matrix_info.values()):
@@ -279,12 +281,15 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         split = self.split_of(entries)
         work = {info.name: info for _, _, info in entries if info.dp_split is None}
         work_updates = {n: u for n, u in updates.items() if n in work}
+        teams = {}  # the team-shared matrices with a block homed here (their NS runs with the team's other homes)
         if split:
             work_updates.update(self.split_to_homes(split, updates, like))
-            work.update({n: i for n, i in split.items() if i.dp_split.home == self.dp.rank})
+            work.update({n: i for n, i in split.items() if i.dp_split.home == self.dp.rank and not i.dp_split.team})
+            teams = {n: i for n, i in split.items() if i.dp_split.team and n in work_updates}
         infos = [work[n] for n in sorted(work)]  # the same order on every TP rank of this DP index
         directions = self._distributed_gram_step([i for i in infos if i.tp_method == "distributed_gram"], work_updates,
                                                  like)
+        directions.update(self._team_gram_step([teams[n] for n in sorted(teams)], work_updates, like))
         outputs: Dict[str, list] = {}  # the NS outputs of every matrix orthogonalized here
         narrow = set(self._narrow_directions(split.values(), like)) if split else set()
         directions.update(self._gather_step([i for i in infos if i.tp_method != "distributed_gram"], work_updates,
@@ -311,13 +316,14 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
             # (a TP-replicated matrix's momentum lives on its TP owner: only that TP rank's DP group sends it)
             sent = [i.dp_split for i in split.values() if self.holds_momentum(i)]
             assembled = self.dp.to_homes(sent, {n: updates[n] for n in split if n in updates}, like)
-        return {name: full.view(split[name].local_shape) for name, full in assembled.items()}
+        return {name: full if split[name].dp_split.team else full.view(split[name].local_shape)
+                for name, full in assembled.items()}
 
     def split_from_homes(self, split: Dict[str, MatrixInfo], outputs, directions, narrow, like) -> Dict[str, torch.Tensor]:
         """The split layout's way back: this rank's piece of the direction of every matrix of ``split``
         it holds a piece of (a home sends its ``directions``, or for the ``narrow`` ones its NS
         ``outputs`` as 16-bit bits, which the holder widens and scales: runtime/narrow_directions.py)."""
-        homed = {n: i for n, i in split.items() if i.dp_split.home == self.dp.rank}
+        homed = {n: i for n, i in split.items() if any(h == self.dp.rank for h, _, _ in i.dp_split.homes()[1])}
         with record_function("dmuon.dp_exchange"):
             back = self.dp.from_homes(
                 [i.dp_split for i in split.values()],
@@ -346,8 +352,8 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
             return []
         if self.orthogonalizer is not None:  # (what a custom one returns is its own business)
             return []
-        return sorted(narrow_directions([i.name for i in infos], self.tp.size, self.muon.ns_dtype.itemsize,
-                                        like.element_size()))
+        return sorted(narrow_directions([i.name for i in infos if not i.dp_split.team], self.tp.size,
+                                        self.muon.ns_dtype.itemsize, like.element_size()))
 
     @property
     def _narrow_decoder(self) -> NarrowDecoder:
@@ -477,6 +483,37 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
                                                 extra_scale=s.extra_scale, dtype=like.dtype)[0]
             if owner == self.tp.rank:  # the owner ran the Gram-space iteration: its NS
                 self.stats["ns_matrices"] += len(members)
+        return out
+
+    def _team_gram_step(self, infos, blocks, like) -> Dict[str, torch.Tensor]:
+        """This home's block of the direction of each team-shared matrix of ``infos`` (``blocks``: this
+        home's block of each update, flattened in the block's order; planning/split_layout.py): distributed
+        Gram NS over the team's homes, each multiplying its own column block of the wide orientation,
+        the Gram matrices summed across the team (dp_exchange.TeamReduce) and the m x m iteration run on
+        every home alike. One matrix at a time, in name order, on every home (the teams' point-to-point
+        rounds then meet in one order)."""
+        s = self.muon
+        out = {}
+        for info in infos:
+            split = info.dp_split
+            (rows, cols), team = split.homes()
+            first, end = split.block_of(self.dp.rank)
+            tall = rows >= cols
+            block = blocks[info.name].view(end - first, cols) if tall else blocks[info.name].view(rows, end - first)
+            reduce = TeamReduce(self.dp, [h for h, _, _ in team])
+            choice = self.muon.ns_resolver(like.device).choice(rows, cols, 1, requested="gram")
+
+            def gram_to_q(partial, segment, normalise):
+                return gram_space_polynomial(reduce(partial), segment, normalise)
+
+            result = gram_newton_schulz_sharded(block.mT if tall else block, reduce, gram_to_q,
+                                                max_over_shards=lambda t: reduce(t, "max"),
+                                                **dict(choice.schedule, compute_dtype=choice.compute_dtype))
+            direction = muon_direction([result.mT if tall else result], None, shape=info.shape, scale_mode=s.scale_mode,
+                                       extra_scale=s.extra_scale, dtype=like.dtype)[0]
+            out[info.name] = direction.reshape(-1)
+            if team[0][0] == self.dp.rank:  # (counted once, on the team's first home)
+                self.stats["ns_matrices"] += 1
         return out
 
     def orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:
