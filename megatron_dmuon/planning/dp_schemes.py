@@ -90,14 +90,15 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
                        stage: int = 0, overlap_grad_reduce: bool = True, bucket_size: Optional[int] = None,
                        two_level: bool = False, param_bytes: Optional[int] = None, momentum_bytes: int = 4,
                        seq_length: int = 4096, global_batch: int = 1024, split: Optional[dict] = None,
-                       overlapped_step: bool = False, ns_method: str = "auto") -> dict:
+                       overlapped_step: bool = False, ns_method: str = "auto", shared_ns: bool = False) -> dict:
     """Every (instances, scheme) candidate of ``model``'s dense buffer of pipeline stage ``stage`` at
     DP ``par.dp_size`` (MoE expert buffers are not covered), and the pick: {'candidates': [...],
     'picked': index, 'why': str, 'adamw': AdamW's figures}. ``opt``: the cluster config's optimizer
     section (grad/param bytes per element); ``global_batch`` sequences of ``seq_length`` tokens per
     iteration; ``split``: the optimizer's split flags (default Megatron's QKV split); ``overlapped_step``:
-    the run's step is overlapped (its pick: ``choose_scheme``); ``ns_method``: the run's NS method (the split
-    layout shares tall matrices' NS over teams where it may: split_layout.shares_ns)."""
+    the run's step is overlapped (its pick: ``choose_scheme``); ``ns_method``: the run's NS method;
+    ``shared_ns``: the split layout may share matrices' NS over teams where the method allows
+    (split_layout.shares_ns; off, as in runs, until teams are taken there)."""
     from .compute_model import iteration_flops, model_tflops
 
     dp, tp = par.dp_size, par.tp
@@ -135,7 +136,7 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
         for scheme in schemes:
             loads = [0.0] * (d * tp)
             layout = (plan_split_layout(items, d, bucket, loads, tp, rates, exchange.move, per_node,
-                                        exchange.node_move, shares_ns(ns_method, overlapped_step))
+                                        exchange.node_move, shared_ns and shares_ns(ns_method, overlapped_step))
                       if scheme == "split" else
                       plan_owner_layout(items, d, bucket, 0.02, loads, tp, "cost", elementwise=rates))
             planned[scheme] = (layout, loads)

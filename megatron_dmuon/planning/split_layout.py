@@ -109,8 +109,22 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
     (planning/cost_model.py ``exchange_costs``). A node's incoming pieces are charged to every cell of
     the node (each forwards its share), so homes of large matrices spread over the nodes.
     ``shared_ns``: a tall matrix whose rows span nodes may get a team of homes, one per node (module
-    docstring; ``team_eligible``), where that loads its busiest home less than one home would."""
+    docstring; ``team_eligible``), where that loads its busiest home less than one home would; the
+    layout with teams is kept only where its busiest cell is less loaded than without them (teams put
+    the m x m iteration on every home, which a greedy choice per matrix can overdo)."""
     rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, elementwise)
+    args = (items, world_size, bucket_size, tp_size, elementwise, move_cost, ranks_per_node, node_move_cost)
+    if not shared_ns or tp_size != 1:
+        return _plan_split(*args, rank_cost, False)
+    loads = [list(rank_cost), list(rank_cost)]
+    alone, shared = _plan_split(*args, loads[0], False), _plan_split(*args, loads[1], True)
+    keep = 1 if shared.teams and max(loads[1]) < max(loads[0]) else 0
+    rank_cost[:] = loads[keep]
+    return (alone, shared)[keep]
+
+
+def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost, ranks_per_node, node_move_cost,
+                rank_cost, shared_ns) -> OwnerLayout:
     ranges, buckets = megatron_buckets(items, bucket_size, world_size)
     nodes = dp_nodes(world_size, ranks_per_node)
     if elementwise:

@@ -114,7 +114,8 @@ def _check_layer_assignment(chunks, shape) -> None:
 def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freeze=None, ranks_per_node=0,
            split=None, coefficients="keller", muon_kw=None, blockwise=False, perturb=False, balance="cost",
            grad_reduce_in_fp32=None, publish_dtype="param", optimizer_publish=None, megabatch=False,
-           fold_clipping=True, align_param_gather=False, config_kw=None, dp_layout="auto", instances=1, **kw):
+           fold_clipping=True, align_param_gather=False, config_kw=None, dp_layout="auto", instances=1,
+           shared_ns=False, **kw):
     """Model chunks, DDPs, optimizer and scheduler of one run (parallel state already initialized):
     one chunk, or under the interleaved schedule one per virtual stage, each in its own DDP (as
     Megatron-LM's get_model: bucketing off for every chunk but the first).
@@ -159,7 +160,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         cfg = DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
                           publish_dtype=optimizer_publish or publish_dtype, fold_clipping=fold_clipping,
                           layout=LayoutOptions(ranks_per_node=ranks_per_node, balance=balance, megabatch=megabatch,
-                                               dp_layout=dp_layout),
+                                               dp_layout=dp_layout, shared_ns=shared_ns),
                           **_split_kwargs(split))
     chunks = []
     for i, model in enumerate(models):

@@ -5,6 +5,7 @@ float64 reference, through saves at one layout and resumes at another; and the p
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -315,3 +316,71 @@ def test_the_split_layout_meets_the_goals_at_128_to_1024_ranks(preset):
         picked = report["candidates"][report["picked"]]
         assert picked["scheme"] == "split" or (preset, dp) == ("qwen2.5-32b", 128), (preset, dp, report["why"])
         assert f"{picked['bytes_vs_adamw']:.2f}x AdamW's bytes" in report["why"]
+
+
+# ------------------------------------------------------------------------------------- shared NS
+def test_a_team_block_is_a_run_of_every_piece_and_goes_back_where_it_came_from():
+    from megatron_dmuon.planning.owner_layout import block_numel, block_span
+    from megatron_dmuon.runtime.dp_exchange import put_block, take_block
+
+    for rows, cols in ((12, 5), (5, 12), (3, 7)):
+        flat = torch.arange(1.0, rows * cols + 1, dtype=torch.float64)
+        long_side = max(rows, cols)
+        for first, end in ((0, long_side), (1, 3), (2, long_side), (0, 1)):
+            m = flat.view(rows, cols)
+            block = (m[first:end] if rows >= cols else m[:, first:end]).reshape(-1)
+            assert block_numel((rows, cols), first, end) == block.numel()
+            for lo in range(rows * cols):
+                for hi in range(lo + 1, rows * cols + 1):
+                    a, b = block_span((rows, cols), first, end, lo, hi)
+                    part = take_block(flat[lo:hi], lo, hi, rows, cols, first, end)
+                    assert torch.equal(part, block[a:b]), (rows, cols, first, end, lo, hi)
+                    back = torch.zeros(hi - lo, dtype=torch.float64)
+                    put_block(back, lo, hi, rows, cols, first, end, part)
+                    assert torch.equal(back[back != 0], part.sort().values)
+
+
+@pytest.mark.parametrize("preset,dp", [("qwen2.5-7b", 128), ("qwen2.5-7b", 1024), ("qwen2.5-32b", 256)])
+def test_teams_share_the_largest_matrices_ns_one_home_per_node(preset, dp):
+    from megatron_dmuon.planning.cost_model import cluster_spec, exchange_costs
+    from megatron_dmuon.planning.split_layout import exchange_ways_ms, long_side_blocks, to_home_transfers
+
+    par = ParallelSpec(dp=dp)
+    items = buffer_items(stage_params(PRESETS[preset], par)["dense"])
+    cluster = cluster_spec("h200")
+    exchange = exchange_costs(cluster.device, cluster, dp, 1, "flops")
+    plan = dict(bucket_size=megatron_bucket_size(dp, True, None), move_cost=exchange.move, ranks_per_node=8,
+                node_move_cost=exchange.node_move, elementwise=None)
+    alone = plan_split_layout(items, dp, **plan)
+    shared = plan_split_layout(items, dp, **plan, shared_ns=True)
+    assert not alone.teams and max(shared.rank_cost) <= max(alone.rank_cost)  # never worse for the busiest rank
+    if preset == "qwen2.5-32b":  # (m = 5120: the m x m iteration on every home outweighs what teams save here)
+        assert shared == alone
+        return
+    nodes = [r // 8 for r in range(dp)]
+    fc1 = [n for n in shared.teams if "fc1" in n]
+    assert fc1  # the largest matrix shares its NS (where the planner's cost model finds a team less loaded)
+    assert max(shared.rank_cost) < max(alone.rank_cost)  # the planner's objective: the busiest rank
+    for name, team in shared.teams.items():
+        (rows, cols), blocks = shared.homes(name)
+        assert len({nodes[h] for h, _, _ in blocks}) == len(blocks) > 1  # one home per node
+        assert [b[1:] for b in blocks] == [b[1:] for b in long_side_blocks((rows, cols), shared.pieces(name), nodes)]
+    # a tall matrix's block comes from its home's own node (its rows' first elements lie there)
+    far = [t for t in to_home_transfers(shared) if t[0] in fc1 and nodes[t[1]] != nodes[t[2]]]
+    assert sum(t[4] - t[3] for t in far) < 0.01 * sum(it.numel for it in items if it.name in fc1)
+    # the busiest rank's way in: less than with one home per matrix
+    links = (cluster.intra, cluster.inter, 8)
+    assert max(exchange_ways_ms(shared, *links)[0]) < max(exchange_ways_ms(alone, *links)[0])
+
+
+def test_a_ns_shared_by_a_team_equals_the_reference():
+    # 8 ranks as 8 'nodes' (LOCAL_WORLD_SIZE=1) and Gram NS: the planner gives fc1 a team of homes (distributed
+    # Gram NS on each home's row block, the Gram matrices summed over the team); every update equals the
+    # single-process float64 reference
+    kw = dict(ONE_LAYER, steps=3, dp_layout="split", muon_kw=dict(ns_method="gram"), shared_ns=True)
+    results = run_distributed("megatron_dmuon.testing.workers:dmuon_train", 8, kwargs=kw, env={"LOCAL_WORLD_SIZE": "1"})
+    teams = [json.loads(text).get("teams", {}) for text in results[0]["layouts"]]
+    assert any(any("fc1" in n and len(t["blocks"]) > 1 for n, t in team.items()) for team in teams), teams
+    ref = run_reference(8, **{k: v for k, v in kw.items() if k not in ("dp_layout", "shared_ns")})
+    assert max(rel_diffs(full_params(results), ref["params"]).values()) <= TOL
+    assert sum(r["dp_bytes"] for r in results) > 0
