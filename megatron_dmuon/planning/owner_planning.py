@@ -71,7 +71,7 @@ class OwnerPlanningOptions:
     # alone (``choose_scheme``)
     overlapped_step: bool = False
     # the split layout may share a tall matrix's NS over a team of homes, one per node (planning/
-    # split_layout.py): the run's NS may run Gram (--dmuon-ns-method gram or auto) and its step is not overlapped
+    # split_layout.py): the run's NS may run Gram (its NS method gram or auto) and its step is not overlapped
     shared_ns: bool = False
 
 
