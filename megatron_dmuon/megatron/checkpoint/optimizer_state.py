@@ -470,13 +470,24 @@ def megatron_name(piece, key: str, adam_master: str = "param") -> str:
     return MEGATRON_MASTER if piece.muon else adam_master
 
 
+def dist_param_state(state_dict) -> Optional[dict]:
+    """The per-param tensors of a dist_checkpointing load ({} on a rank whose shards hold none: the
+    reader drops an empty ``param_state``, but the format key comes to every rank), or None for the
+    torch format. Every rank must take the dist branch alike: it runs collectives."""
+    if not isinstance(state_dict, dict):
+        return None
+    if "param_state" in state_dict or "param_state_sharding_type" in state_dict:
+        return state_dict.get("param_state") or {}
+    return None
+
+
 def load_optimizer_state(parts, state_dict, request=None) -> None:
     """Load what ``optimizer_state_dict`` (torch format: then ``load_param_state_file``) or
     ``sharded_optimizer_state`` (dist) saved; ``request``: the ``LoadRequest`` it was read by (None:
     this run's record is gathered now). Every check runs on every rank before any state changes; a
     dist load ends with the publish."""
     info = state_dict.get("dmuon") if isinstance(state_dict, dict) else None
-    param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
+    param_state = dist_param_state(state_dict)
     if param_state is not None:  # dist_checkpointing: every rank is here
         if request is None:
             meta = model_sharded_metadata(model_state(model_chunks_of(parts)))

@@ -56,7 +56,7 @@ def load_optimizer_state(parts, request, state_dict) -> None:
     """``checkpoint.load_optimizer_state``, or, where the load's request (``request``, a
     ``LoadRequest`` or None) asked for a Megatron Muon checkpoint's names (``prepare_load``), its
     tensors into DMuon's pieces (``load_megatron_state``)."""
-    param_state = state_dict.get("param_state") if isinstance(state_dict, dict) else None
+    param_state = ckpt.dist_param_state(state_dict)
     if request is not None and request.megatron_source is not None and param_state is not None:
         return load_megatron_state(parts, param_state, request.megatron_source, request.param_ids)
     return ckpt.load_optimizer_state(parts, state_dict, request)
