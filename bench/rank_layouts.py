@@ -65,8 +65,9 @@ def make_plans(model, par, bucket_size, cfg, planners, rank_profile=None, milp_o
         kw = dict(bucket_size=bucket_size, cost_fn=cost_fn, split=split)
         if name in ("greedy", "milp", "split"):  # the milp's greedy warm start is exactly the greedy plan
             kw["elementwise"] = elementwise_costs(device_spec("H200"))
-        if name == "split" and os.environ.get("DMUON_BENCH_SHARED_NS") == "1":  # (teams: not yet taken in runs)
-            kw["shared_ns"] = shares_ns(muon.ns_method, OverlapMode(muon.overlap_step).cuts_per_need_group)
+        if name == "split":  # (--dmuon-ns-teams auto in the flags: teams where the planner finds them better)
+            kw["shared_ns"] = cfg.layout.ns_teams == "auto" and shares_ns(
+                muon.ns_method, OverlapMode(muon.overlap_step).cuts_per_need_group)
         if name == "milp":
             if rank_profile is None:
                 raise ValueError("the milp plan needs --rank-profile (a calibrate run's rank cost model)")

@@ -37,6 +37,7 @@ from ..algorithms.flops import NS_METHODS
 from ..algorithms.update_rule import UPDATE_RULES, UpdateRule
 from ..kernels.autotune import CACHE_ENV
 from ..planning.caches import default_plan_cache_path
+from ..planning.split_layout import NS_TEAMS, shares_ns
 from ..planning.owner_layout import BALANCE, DEFAULT_BALANCE, DP_LAYOUTS, Balance, BalanceMethod, DpLayout
 from ..planning.owner_planning import OwnerPlanningOptions
 from ..planning.overlap_mode import OVERLAP_STEP_MODES, OverlapMode
@@ -78,9 +79,9 @@ class LayoutOptions:
     """The MILPs' options (backend, time_limit_s, ...)."""
     elementwise: object = "auto"
     """(AdamW, Muon) work per element in the planner's units, 'auto' (the cluster config's) or None."""
-    shared_ns: bool = False
-    """Planner input for experiments and tests: the split layout may share a matrix's NS over a team of
-    homes (planning/split_layout.py; not yet taken in runs by default: its resume test is open)."""
+    ns_teams: str = "off"
+    """'auto': the split layout may share a large matrix's NS over a team of homes, one per node, where the
+    planner's cost model finds it better (planning/split_layout.py); 'off': one home per matrix."""
     cost_fn: Optional[Callable] = dataclasses.field(default=None, compare=False)
     """Planner input for experiments and tests: cost_fn(piece shape) -> NS cost of one piece (None:
     ``planning.ns_choice.owner_ns_cost`` under the run's Muon settings)."""
@@ -153,7 +154,8 @@ class DMuonConfig:
                 "ns_method": m.ns_method, "tp_method": m.tp_method, "ns_steps": m.ns_steps,
                 "coefficients": m.coefficients if isinstance(m.coefficients, str) else [list(c) for c in m.coefficients],
                 "ranks_per_node": self.layout.ranks_per_node, "balance": self.layout.balance,
-                "megabatch": self.layout.megabatch, "dp_layout": self.layout.dp_layout}
+                "megabatch": self.layout.megabatch, "dp_layout": self.layout.dp_layout,
+                **({"ns_teams": self.layout.ns_teams} if self.layout.ns_teams != "off" else {})}
 
     def split_flags(self) -> dict:
         """``rule_for_megatron_param``'s split flags: how the optimizer cuts matrices before NS."""
@@ -225,6 +227,10 @@ DMUON_FLAGS = (
          "the matrix count), split (Megatron's own equal shards cut matrices, each keeps its pieces' state and one NS "
          "home per matrix; AdamW's bytes at any DP), auto (the planner's cost model picks per buffer; "
          "docs/dmuon_dp.md)"),
+    Flag("--dmuon-ns-teams", "layout.ns_teams",
+         "split layout: auto lets one large matrix's NS be shared by a team of homes, one per node (each gathers "
+         "its block from its own node; distributed Gram NS; the planner's cost model decides per matrix; needs "
+         "--dmuon-ns-method gram or auto and a synchronous step), off keeps one home per matrix (docs/dmuon_dp.md)"),
     Flag("--dmuon-plan-budget", None,
          "--dmuon-balance milp: start-up seconds for the rank profile + the MILP on rank 0 (the best plan found by "
          "then is used; cached plans cost nothing)",
@@ -336,6 +342,12 @@ def check_config(cfg: DMuonConfig) -> None:
         raise ValueError(f"--dmuon-publish-dtype {cfg.publish_dtype} is not implemented with the two-level publish: "
                          "drop --dmuon-ranks-per-node or use --dmuon-publish-dtype param")
     _check_muon(m)
+    if layout.ns_teams != "off" and not shares_ns(m.ns_method, False):
+        raise ValueError(f"--dmuon-ns-teams {layout.ns_teams}: a team runs distributed Gram NS; --dmuon-ns-method "
+                         f"{m.ns_method} asks for another: pass --dmuon-ns-method gram or auto, or drop --dmuon-ns-teams")
+    if layout.ns_teams != "off" and m.overlap_step != "off":
+        raise ValueError(f"--dmuon-ns-teams {layout.ns_teams} runs in the synchronous step only; --dmuon-overlap-step "
+                         f"{m.overlap_step} overlaps it: drop one of the two flags")
     if traits.updates is not None and m.update not in traits.updates:
         first, *others = modes_training(m.update)
         why = " runs Megatron's own Muon" if traits.megatron_muon else f" trains {', '.join(traits.updates)} only"
@@ -350,6 +362,10 @@ def check_config(cfg: DMuonConfig) -> None:
 def _check_layout(layout: LayoutOptions) -> None:
     _choice("--dmuon-balance", layout.balance, BALANCE)
     _choice("--dmuon-dp-layout", layout.dp_layout, DP_LAYOUTS)
+    _choice("--dmuon-ns-teams", layout.ns_teams, NS_TEAMS)
+    if layout.ns_teams != "off" and layout.dp_layout == "whole":
+        raise ValueError(f"--dmuon-ns-teams {layout.ns_teams} shares NS homes of the split layout; --dmuon-dp-layout "
+                         "whole has none: drop one of the two flags")
     if layout.dp_layout == "split" and layout.balance != DEFAULT_BALANCE:
         raise ValueError(f"--dmuon-dp-layout split places NS homes by its own greedy; --dmuon-balance "
                          f"{layout.balance} places whole matrices: drop one of the two flags")

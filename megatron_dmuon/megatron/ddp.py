@@ -160,8 +160,7 @@ def planning_options(cfg, model_config=None):
     overlapped = OverlapMode(cfg.muon.overlap_step).cuts_per_need_group
     return cfg.layout.planning_options(split_allowed=split_layout_refusal(cfg, model_config) is None,
                                        overlapped_step=overlapped,
-                                       # (teams: only where LayoutOptions.shared_ns asks, until their resume test passes)
-                                       shared_ns=cfg.layout.shared_ns and shares_ns(cfg.muon.ns_method, overlapped))
+                                       shared_ns=cfg.layout.ns_teams == "auto" and shares_ns(cfg.muon.ns_method, overlapped))
 
 
 def check_split_layout(cfg, model_config=None) -> None:

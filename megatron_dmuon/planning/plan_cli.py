@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "kernel benchmark's JSON "
                                         "(docs/results/kernels/bench_kernels_h200_2026-11-30.json)")
     cost.add_argument("--ns-method", default="auto", choices=NS_METHODS)
+    cost.add_argument("--ns-teams", default="off", choices=["off", "auto"],
+                      help="--dmuon-ns-teams: the split layout may share a large matrix's NS over a team of homes")
     cost.add_argument("--ns-steps", type=int, default=5)
     cost.add_argument("--backend", default="auto", choices=BACKENDS)
     cost.add_argument("--time-limit", type=float, default=10.0, help="MILP seconds (default 10)")
@@ -451,7 +453,8 @@ def main(argv=None) -> int:
                 global_batch=args.global_batch,
                 split=dict(split_qkv=args.split_qkv or args.dmuon_split_heads, split_glu=args.dmuon_split_glu,
                            per_head=args.dmuon_split_heads),
-                overlapped_step=OverlapMode(args.overlap_step).cuts_per_need_group, ns_method=args.ns_method)
+                overlapped_step=OverlapMode(args.overlap_step).cuts_per_need_group, ns_method=args.ns_method,
+                shared_ns=args.ns_teams == "auto")
     report["warnings"] = sorted({str(w.message) for w in caught})
     report["cost_model"] = {"device": cluster.device.name, "profile": args.profile, "ns_method": args.ns_method,
                             "steps": args.ns_steps, "tflops_for_unprofiled_shapes": cost_model.tflops}

@@ -37,7 +37,7 @@ from ..algorithms.flops import newton_schulz_flops
 from .owner_layout import (PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, block_numel, block_span,
                            check_plan_inputs)
 
-__all__ = ["megatron_buckets", "shares_ns", "team_eligible", "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+__all__ = ["megatron_buckets", "NS_TEAMS", "shares_ns", "team_eligible", "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
            "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 
@@ -174,6 +174,9 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
                          teams=teams)
     layout.validate(items)
     return layout
+
+
+NS_TEAMS = ("off", "auto")  # --dmuon-ns-teams: no teams, or where the planner's cost model finds them better
 
 
 def shares_ns(ns_method: str, overlapped_step: bool) -> bool:

@@ -160,7 +160,7 @@ def _build(mode="dmuon", overlap=False, shape_kw=None, ns_dtype="float32", freez
         cfg = DMuonConfig(mode=mode, muon=_muon_settings(ns_dtype, coefficients=coefficients, **(muon_kw or {})),
                           publish_dtype=optimizer_publish or publish_dtype, fold_clipping=fold_clipping,
                           layout=LayoutOptions(ranks_per_node=ranks_per_node, balance=balance, megabatch=megabatch,
-                                               dp_layout=dp_layout, shared_ns=shared_ns),
+                                               dp_layout=dp_layout, ns_teams="auto" if shared_ns else "off"),
                           **_split_kwargs(split))
     chunks = []
     for i, model in enumerate(models):

@@ -276,6 +276,11 @@ def test_saved_split_at_dp8_resumes_at_other_layouts_and_instance_counts(tmp_pat
      "--num-distributed-optimizer-instances 2 shards the distributed optimizer"),
     (["--num-distributed-optimizer-instances", "2", "--dmuon-ranks-per-node", "2"],
      "--num-distributed-optimizer-instances 1"),
+    (["--dmuon-ns-teams", "auto", "--dmuon-dp-layout", "whole"], "--dmuon-dp-layout whole has none"),
+    (["--dmuon-ns-teams", "auto", "--dmuon-ns-method", "standard"], "--dmuon-ns-method standard asks for another"),
+    (["--dmuon-ns-teams", "auto", "--dmuon-overlap-step", "sync", "--overlap-grad-reduce", "--overlap-param-gather"],
+     "--dmuon-ns-teams auto runs in the synchronous step only"),
+    (["--dmuon-ns-teams", "on"], "--dmuon-ns-teams"),
 ])
 def test_a_layout_the_run_cannot_take_is_refused_by_name_at_parse_time(flags, named, capsys, monkeypatch):
     # the main job's start-up checks in this process, as launch/run_main.sh's --parse-only runs them on 4 ranks
@@ -373,14 +378,24 @@ def test_teams_share_the_largest_matrices_ns_one_home_per_node(preset, dp):
     assert max(exchange_ways_ms(shared, *links)[0]) < max(exchange_ways_ms(alone, *links)[0])
 
 
-def test_a_ns_shared_by_a_team_equals_the_reference():
-    # 8 ranks as 8 'nodes' (LOCAL_WORLD_SIZE=1) and Gram NS: the planner gives fc1 a team of homes (distributed
-    # Gram NS on each home's row block, the Gram matrices summed over the team); every update equals the
-    # single-process float64 reference
-    kw = dict(ONE_LAYER, steps=3, dp_layout="split", muon_kw=dict(ns_method="gram"), shared_ns=True)
-    results = run_distributed("megatron_dmuon.testing.workers:dmuon_train", 8, kwargs=kw, env={"LOCAL_WORLD_SIZE": "1"})
-    teams = [json.loads(text).get("teams", {}) for text in results[0]["layouts"]]
+def test_a_ns_shared_by_a_team_equals_the_reference_and_resumes_at_other_layouts(tmp_path):
+    # 8 ranks as 8 'nodes' (LOCAL_WORLD_SIZE=1), Gram NS, --dmuon-ns-teams auto: the planner gives fc1 a team
+    # of homes (distributed Gram NS on each home's row block, the Gram matrices summed over the team); every
+    # update equals the single-process float64 reference, through a save with the team and resumes at the
+    # whole layout (DP 8 > the matrix count: ranks whose shards hold no state) and at the split one without teams
+    env = {"LOCAL_WORLD_SIZE": "1"}
+    common = dict(resume_at=2, steps=4, grad_accum=1, ns_dtype="float64", shape_kw=dict(fp64=True, num_layers=1),
+                  fmt="dist", muon_kw=dict(ns_method="gram"))
+    saved = run_distributed(RESUME, 8, kwargs=dict(common, save_dir=str(tmp_path), dp_layout="split", shared_ns=True,
+                                                   resume_here=False), env=env)
+    uninterrupted = [r["uninterrupted"] for r in saved]
+    teams = [json.loads(text).get("teams", {}) for text in uninterrupted[0]["layouts"]]
     assert any(any("fc1" in n and len(t["blocks"]) > 1 for n, t in team.items()) for team in teams), teams
-    ref = run_reference(8, **{k: v for k, v in kw.items() if k not in ("dp_layout", "shared_ns")})
-    assert max(rel_diffs(full_params(results), ref["params"]).values()) <= TOL
-    assert sum(r["dp_bytes"] for r in results) > 0
+    ref = run_reference(8, **{k: v for k, v in common.items() if k not in ("resume_at", "fmt")})
+    assert max(rel_diffs(full_params(uninterrupted), ref["params"]).values()) <= TOL
+    for layout in ("whole", "split"):
+        resumed = [r["resumed"] for r in run_distributed(RESUME, 8, kwargs=dict(common, load_dir=str(tmp_path),
+                                                                                  dp_layout=layout), env=env)]
+        assert max(rel_diffs(full_params(resumed), full_params(uninterrupted)).values()) <= TOL, layout
+        assert max(state_diffs(full_optimizer_state(resumed), full_optimizer_state(uninterrupted)).values()) <= TOL
+        assert resumed[0]["layouts"] != uninterrupted[0]["layouts"]  # really another plan
