@@ -345,7 +345,7 @@ def check_config(cfg: DMuonConfig) -> None:
     if layout.ns_teams != "off" and not shares_ns(m.ns_method, False):
         raise ValueError(f"--dmuon-ns-teams {layout.ns_teams}: a team runs distributed Gram NS; --dmuon-ns-method "
                          f"{m.ns_method} asks for another: pass --dmuon-ns-method gram or auto, or drop --dmuon-ns-teams")
-    if layout.ns_teams != "off" and m.overlap_step != "off":
+    if layout.ns_teams != "off" and OverlapMode(m.overlap_step).cuts_per_need_group:
         raise ValueError(f"--dmuon-ns-teams {layout.ns_teams} runs in the synchronous step only; --dmuon-overlap-step "
                          f"{m.overlap_step} overlaps it: drop one of the two flags")
     if traits.updates is not None and m.update not in traits.updates:

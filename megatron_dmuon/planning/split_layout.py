@@ -176,7 +176,7 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
     return layout
 
 
-NS_TEAMS = ("off", "auto")  # --dmuon-ns-teams: no teams, or where the planner's cost model finds them better
+NS_TEAMS = ("off", "auto")  # no teams, or teams where the planner's cost model finds them better
 
 
 def shares_ns(ns_method: str, overlapped_step: bool) -> bool:

@@ -36,10 +36,12 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
+from ..kernels.ns_driver import sharded_gram_ops
 from ..planning.owner_layout import block_numel, block_span
 from ..planning.split_layout import NARROW_TAG_BYTES, Routes
 
-__all__ = ["SplitMatrix", "DPExchange", "TeamReduce", "node_of_dp_ranks", "take_block", "put_block"]
+__all__ = ["SplitMatrix", "DPExchange", "TeamReduce", "team_orthogonalize", "node_of_dp_ranks", "take_block", "put_block"]
 
 _TAG_BYTES = NARROW_TAG_BYTES  # the tag: so that every part of a message starts 8-byte aligned (views of it)
 
@@ -362,3 +364,19 @@ class TeamReduce:
             c_send, c_recv = (i + 1 - step) % k, (i - step) % k
             self._swap(chunks[c_send], nxt, chunks[c_recv], prev)
         return flat.view(t.shape)
+
+
+def team_orthogonalize(local: torch.Tensor, reduce, choice) -> torch.Tensor:
+    """This home's column block of a team-shared matrix's NS (``local``: its block of the wide
+    orientation, [m, n_block]): distributed Gram NS (``choice``: the Gram NSChoice of the whole matrix),
+    the Gram matrices and the norm summed by ``reduce`` (``TeamReduce``; an identity gives one home's
+    compute alone, as bench/rank_balance.py times it), the m x m iteration on every home, on the symmetric
+    kernels where they run for this block (as the TP path's distributed Gram)."""
+    ops = sharded_gram_ops(local.unsqueeze(0), choice.compute_dtype)
+    gram, segment_q = ops if ops is not None else (None, gram_space_polynomial)
+
+    def gram_to_q(partial, segment, normalise):
+        return segment_q(reduce(partial), segment, normalise)
+
+    return gram_newton_schulz_sharded(local, reduce, gram_to_q, max_over_shards=lambda t: reduce(t, "max"), gram=gram,
+                                      **dict(choice.schedule, compute_dtype=choice.compute_dtype))

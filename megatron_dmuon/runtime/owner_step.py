@@ -26,8 +26,7 @@ from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
 from .overlapped_step import OverlappedStep, OwnerOverlap
 from .row_update_step import row_update_step
-from ..algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
-from .dp_exchange import DPExchange, TeamReduce
+from .dp_exchange import DPExchange, TeamReduce, team_orthogonalize
 from .narrow_directions import NarrowDecoder, encode_direction
 from .matrix_info import MatrixInfo, with_ns_choices  # noqa: F401 (the owner step's public names)
 from .ns_run import default_orthogonalizer, fp32_orthogonalizer, run_ns  # noqa: F401 (ditto)
@@ -500,15 +499,9 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
             first, end = split.block_of(self.dp.rank)
             tall = rows >= cols
             block = blocks[info.name].view(end - first, cols) if tall else blocks[info.name].view(rows, end - first)
-            reduce = TeamReduce(self.dp, [h for h, _, _ in team])
             choice = self.muon.ns_resolver(like.device).choice(rows, cols, 1, requested="gram")
-
-            def gram_to_q(partial, segment, normalise):
-                return gram_space_polynomial(reduce(partial), segment, normalise)
-
-            result = gram_newton_schulz_sharded(block.mT if tall else block, reduce, gram_to_q,
-                                                max_over_shards=lambda t: reduce(t, "max"),
-                                                **dict(choice.schedule, compute_dtype=choice.compute_dtype))
+            result = team_orthogonalize(block.mT if tall else block, TeamReduce(self.dp, [h for h, _, _ in team]),
+                                        choice)
             direction = muon_direction([result.mT if tall else result], None, shape=info.shape, scale_mode=s.scale_mode,
                                        extra_scale=s.extra_scale, dtype=like.dtype)[0]
             out[info.name] = direction.reshape(-1)
