@@ -84,7 +84,7 @@ def time_all(jobs, cfg, rounds, iters, warmup, device, log):
                 ms, _ = time_adamw_rank(frags, iters=iters, warmup=warmup, device=device)
             else:
                 ms, _ = time_owner_step(mats, frags, cfg.muon, iters=iters, warmup=warmup, device=device,
-                                        tp_shards=job.get("shards", ()))
+                                        tp_shards=job.get("shards", ()), team_blocks=job.get("blocks", ()))
             times[key].append(ms)
             log({"round": rnd, "job": str(key), "ms": round(ms, 3), "wall_s": round(time.perf_counter() - t0, 2)})
     return times
@@ -114,15 +114,17 @@ def emulate(args, cfg, log):
             cells = (split_cell_work(plan, par) if name == "split" else
                      tp_cell_work(plan, par) if par.tp > 1 and name not in BASELINES else None)
             for r, (mats, frags) in enumerate(work[name]):
-                shards, exchange_ms = cells[r] if cells else ([], 0.0)
+                shards, exchange_ms, *blocks = cells[r] if cells else ([], 0.0)
+                # (blocks of one shape within 256 of the long side time alike: one job for them)
+                blocks = sorted((r_, c_, (e_ - f_) // 256 * 256 or e_ - f_) for r_, c_, f_, e_ in (blocks[0] if blocks else ()))
                 runner = name if name in BASELINES else None
-                sig = (runner, shard_signature(shards)) + signature(mats, frags)
+                sig = (runner, shard_signature(shards), tuple(blocks)) + signature(mats, frags)
                 if sig not in sigs:
                     sigs[sig] = len(sigs)
                     jobs[sigs[sig]] = {"mats": mats, "frags": frags, "shards": shards, "runner": runner,
-                                       "model": model}
+                                       "model": model, "blocks": [(r_, c_, 0, n_) for r_, c_, n_ in blocks]}
                 ranks.append(dict(describe(mats, frags), gpu=r, job=sigs[sig], tp_shard_elements=sum(shards),
-                                  tp_exchange_ms=exchange_ms))
+                                  tp_exchange_ms=exchange_ms, team_blocks=len(blocks)))
             per_plan[name] = {"ranks": ranks, "plan_s": plan["plan_s"], "info": plan["info"],
                               "predicted": [c for layout in plan["layouts"].values() for c in layout.rank_cost]}
         log({"layout": spec, "plans": list(plans), "gpus": par.dp_size * par.tp, "distinct_ranks": len(jobs)})

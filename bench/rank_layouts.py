@@ -88,7 +88,7 @@ def gpu_work(plan, model, par, split):
     owned = {kind: {} for kind in plan["layouts"]}  # per kind: {(DP rank, TP rank): [its matrices]}
     for kind, layout in plan["layouts"].items():
         for p in plan["params"][kind]:
-            if p.is_matrix:
+            if p.is_matrix and p.name not in layout.teams:  # (a team's blocks: split_cell_work)
                 cell = (layout.owners[p.name], layout.tp_owners.get(p.name, 0))
                 owned[kind].setdefault(cell, []).append((p.name, tuple(p.full_shape), rules[p.name]))
     out = []
@@ -141,8 +141,11 @@ def split_cell_work(plan, par, cluster="h200"):
     (its own pieces of them only, in the job: an upper bound here). The exchange (runtime/dp_exchange.py:
     pieces to their homes in fp32, directions back as their bf16 NS outputs' bits, point to point) is
     modelled at the link the DP group crosses (planning/clusters.json, its routes through the homes'
-    node-mates: split_layout.exchange_ms), not timed: one GPU has no peer."""
-    from megatron_dmuon.planning.split_layout import exchange_ms, narrow_directions
+    node-mates: split_layout.exchange_ms), not timed: one GPU has no peer. A matrix whose NS a team
+    shares (--dmuon-ns-teams auto): every piece of it is element-wise work where it lies; each home gets
+    (rows, cols, first, end) of its block (a third entry per GPU), whose NS ``time_owner_step`` times as
+    one home computes it, and the team's Gram reductions (split_layout.team_reduce_ms) join the exchange."""
+    from megatron_dmuon.planning.split_layout import exchange_ms, narrow_directions, team_reduce_ms
 
     if par.tp > 1:
         raise ValueError("the split layout is emulated at TP = 1 only")
@@ -150,23 +153,40 @@ def split_cell_work(plan, par, cluster="h200"):
     per_kind = {}
     for kind, layout in plan["layouts"].items():
         pieces = [[] for _ in range(layout.world_size)]  # per DP rank: its pieces of matrices homed elsewhere
+        blocks = [[] for _ in range(layout.world_size)]  # per DP rank: the team blocks homed on it
         for p in plan["params"][kind]:
             if p.is_matrix:
                 for rank, lo, hi in layout.pieces(p.name):
-                    if rank != layout.owners[p.name]:
+                    if rank != layout.owners[p.name] or p.name in layout.teams:
                         pieces[rank].append(hi - lo)
+            if p.name in layout.teams:
+                shape, team = layout.homes(p.name)
+                for home, first, end in team:
+                    blocks[home].append((*shape, first, end))
         narrow = narrow_directions([p.name for p in plan["params"][kind] if p.is_matrix and p.name not in layout.teams],
                                    par.tp)
-        per_kind[kind] = (pieces, exchange_ms(layout, spec.intra, spec.inter, spec.gpus_per_node // par.tp, narrow=narrow))
+        moving = exchange_ms(layout, spec.intra, spec.inter, spec.gpus_per_node // par.tp, narrow=narrow)
+        reduce = team_reduce_ms(layout, _items(plan, kind), spec.inter)
+        per_kind[kind] = (pieces, [a + b for a, b in zip(moving, reduce)], blocks)
     out = []
     for r in range(par.dp_size):
-        shards, ms = [], 0.0
-        for kind, (pieces, times) in per_kind.items():
+        shards, ms, homed = [], 0.0, []
+        for kind, (pieces, times, blocks) in per_kind.items():
             dp = gpu_cells(par, r)[kind]
             shards += pieces[dp]
             ms += times[dp]
-        out.append((shards, ms))
+            homed += blocks[dp]
+        out.append((shards, ms, homed))
     return out
+
+
+def _items(plan, kind):
+    """The planner items of a buffer's team matrices (team_reduce_ms reads their shapes)."""
+    from megatron_dmuon.planning.owner_layout import ParamItem
+
+    layout = plan["layouts"][kind]
+    return [ParamItem(name, team["shape"][0] * team["shape"][1], True, pieces=(tuple(team["shape"]),))
+            for name, team in layout.teams.items()]
 
 
 def shard_signature(shards):

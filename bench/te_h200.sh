@@ -195,14 +195,14 @@ PY
       done
       cp "$DMUON_AUTOTUNE_CACHE" "$R/rb_autotune.json" 2>/dev/null ;;
     rb_scale)  # [scale-past-matrices] every GPU of RB_LAYOUTS emulated under the whole-matrix greedy and the split
-      # layout (RB_PLANS: also Megatron's LayerWise Muon and AdamW), one layout at a time, each layout's files kept as it
+      # layout (RB_PLANS: also Megatron's LayerWise Muon and AdamW; RB_FLAGS: the main job's dmuon flags), one layout at a time, each layout's files kept as it
       # ends, none started after RB_STOP seconds (default 480); then the scale table of what ran (bench/rank_scale.py)
       local stop=$(( $(date +%s) + ${RB_STOP:-480} )) spec name
       for spec in ${RB_LAYOUTS:-qwen2.5-7b/dp128/buckets qwen2.5-7b/dp1024/buckets qwen2.5-32b/dp1024/buckets}; do
         [ "$(date +%s)" -ge "$stop" ] && { echo "== rb_scale: stopped before $spec"; break; }
         name=${spec//\//_}
         python3 bench/rank_balance.py emulate --layouts "$spec" --plans ${RB_PLANS:-greedy split megatron_layerwise megatron_adamw} \
-          --rounds ${RB_ROUNDS:-2} --iters ${RB_ITERS:-3} --warmup ${RB_WARMUP:-1} --out "$R/emu_$name" > "$R/emu_$name.log" 2>&1
+          ${RB_FLAGS:+--flags="$RB_FLAGS"} --rounds ${RB_ROUNDS:-2} --iters ${RB_ITERS:-3} --warmup ${RB_WARMUP:-1} --out "$R/emu_$name" > "$R/emu_$name.log" 2>&1
         echo "== emulate $spec rc=$? $(( $(date +%s) - t0 )) s"; grep "^| [a-z_]* | \*\*" "$R/emu_$name.md" 2>/dev/null | cut -c1-140
         grep -h "Error" "$R/emu_$name.log" | tail -2
       done

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Collection, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..algorithms.flops import newton_schulz_flops
+from .cost_model import SPLIT_EXCHANGE_BYTES
 from .owner_layout import (PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, block_numel, block_span,
                            check_plan_inputs)
 
@@ -264,7 +265,11 @@ def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, nod
     blocks = long_side_blocks(shape, pieces, nodes)
     if len(blocks) < 2:
         return None
-    reduce = node_move_cost * team_reduce_elements(it, len(blocks))
+    # the reductions run over each home's own network link, not shared by its node's: per element,
+    # ``node_move_cost`` (an exchanged element's bytes into a node over its links) x the node's links x
+    # 4 bytes / the exchanged element's bytes
+    reduce = node_move_cost * len(members_of(nodes, blocks[0][0])) * 4 / SPLIT_EXCHANGE_BYTES \
+        * team_reduce_elements(it, len(blocks))
     members: Dict[int, List[int]] = {}
     for r, node in enumerate(nodes):
         members.setdefault(node, []).append(r)
@@ -286,6 +291,10 @@ def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, nod
         home = min(members[node], key=lambda r: (load(r), -mine.get(r, 0), r))
         team.append((home, load(home), (first, end)))
     return team, pieces
+
+
+def members_of(nodes: Sequence[int], node: int) -> List[int]:
+    return [r for r, n in enumerate(nodes) if n == node]
 
 
 def _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in) -> None:

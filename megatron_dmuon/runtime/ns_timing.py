@@ -58,7 +58,7 @@ def time_steps(step, *, iters: int, warmup: int, device) -> list:
 
 def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], settings: MuonSettings, *,
                     iters: int = 5, warmup: int = 2, device="cuda", seed: int = 0,
-                    tp_shards: Sequence[int] = ()):
+                    tp_shards: Sequence[int] = (), team_blocks: Sequence[tuple] = ()):
     """(median ms, every timed ms) of one rank's owner step, as the job runs it: one
     ``OwnerMuonAdamW`` holding ``matrices`` (``(name, full shape, split rule or None)``, owned
     whole, TP = 1) and AdamW params of the sizes in ``fragments`` (its shards' element-wise
@@ -67,9 +67,12 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
     ``tp_shards``: element counts of a TP cell's shards of the matrices its DP row owns and
     another TP rank orthogonalizes; their momentum and apply run here too, inside the same
     events (``muon_momentum_`` then ``muon_apply_`` per shard, fp32, the direction standing in
-    for the one the TP owner returns). The start-up rank profile and bench/rank_balance.py's
-    per-rank emulation time this."""
+    for the one the TP owner returns). ``team_blocks``: (rows, cols, first, end) of the team blocks
+    homed here (planning/split_layout.py): each one's distributed Gram NS as one home computes it
+    (``dp_exchange.team_orthogonalize``; the team's reductions are modelled, not timed). The start-up
+    rank profile and bench/rank_balance.py's per-rank emulation time this."""
     from ..algorithms.muon import muon_apply_, muon_momentum_
+    from .dp_exchange import team_orthogonalize
     from .owner_step import MatrixInfo, OwnerMuonAdamW, with_ns_choices
 
     device = torch.device(device)
@@ -83,6 +86,9 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
     muon = [param(tuple(shape)) for _, shape, _ in matrices]
     adamw = [param((int(n),)) for n in fragments]
     shards = [(param((int(n),)), torch.zeros(int(n), device=device)) for n in tp_shards]
+    resolver = settings.ns_resolver(device)
+    blocks = [(torch.randn((min(r, c), (e - f)), device=device, generator=gen) * 1e-3,
+               resolver.choice(r, c, 1, requested="gram")) for r, c, f, e in team_blocks]
     beta, nesterov = settings.momentum, settings.nesterov
 
     @torch.no_grad()
@@ -92,7 +98,7 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
 
     groups = ([{"params": muon, "use_muon": True}] if muon else []) + ([{"params": adamw, "use_muon": False}]
                                                                        if adamw else [])
-    if not groups and not shards:
+    if not groups and not shards and not blocks:
         return 0.0, []
     opt = OwnerMuonAdamW(groups, lr=1e-4, weight_decay=0.1, muon=settings) if groups else None
     infos = [MatrixInfo(name, tuple(shape), rule) for name, shape, rule in matrices]
@@ -103,9 +109,11 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
         if opt is not None:
             opt.step()
         shard_passes()
+        for block, choice in blocks:
+            team_orthogonalize(block, lambda t, op="sum": t, choice)
     times = time_steps(step, iters=iters, warmup=warmup, device=device)
     opt = None  # free the step's tensors before emptying the cache
-    for held in (muon, adamw, shards):
+    for held in (muon, adamw, shards, blocks):
         held.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
