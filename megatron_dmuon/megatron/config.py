@@ -37,7 +37,7 @@ from ..algorithms.flops import NS_METHODS
 from ..algorithms.update_rule import UPDATE_RULES, UpdateRule
 from ..kernels.autotune import CACHE_ENV
 from ..planning.caches import default_plan_cache_path
-from ..planning.split_layout import NS_TEAMS, shares_ns
+from ..planning.split_layout import NS_TEAMS, NsTeams, shares_ns
 from ..planning.owner_layout import BALANCE, DEFAULT_BALANCE, DP_LAYOUTS, Balance, BalanceMethod, DpLayout
 from ..planning.owner_planning import OwnerPlanningOptions
 from ..planning.overlap_mode import OVERLAP_STEP_MODES, OverlapMode
@@ -79,7 +79,7 @@ class LayoutOptions:
     """The MILPs' options (backend, time_limit_s, ...)."""
     elementwise: object = "auto"
     """(AdamW, Muon) work per element in the planner's units, 'auto' (the cluster config's) or None."""
-    ns_teams: str = "off"
+    ns_teams: NsTeams = "off"
     """'auto': the split layout may share a large matrix's NS over a team of homes, one per node, where the
     planner's cost model finds it better (planning/split_layout.py); 'off': one home per matrix."""
     cost_fn: Optional[Callable] = dataclasses.field(default=None, compare=False)

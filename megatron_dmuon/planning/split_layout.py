@@ -31,14 +31,14 @@ whole m x m iteration (``team_block_cost``) and the team's reductions (``team_re
 """
 from __future__ import annotations
 
-from typing import Collection, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Collection, Dict, Iterable, List, Literal, Optional, Sequence, Set, Tuple, get_args
 
 from ..algorithms.flops import newton_schulz_flops
 from .cost_model import SPLIT_EXCHANGE_BYTES
 from .owner_layout import (PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, block_numel, block_span,
                            check_plan_inputs)
 
-__all__ = ["megatron_buckets", "NS_TEAMS", "shares_ns", "team_eligible", "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+__all__ = ["megatron_buckets", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible", "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
            "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 
@@ -177,7 +177,8 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
     return layout
 
 
-NS_TEAMS = ("off", "auto")  # no teams, or teams where the planner's cost model finds them better
+NsTeams = Literal["off", "auto"]  # no teams, or teams where the planner's cost model finds them better
+NS_TEAMS: tuple = get_args(NsTeams)
 
 
 def shares_ns(ns_method: str, overlapped_step: bool) -> bool:
