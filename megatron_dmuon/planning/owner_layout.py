@@ -192,7 +192,7 @@ class OwnerLayout:
 
     def homes(self, name: str) -> Tuple[Tuple[int, int], List[Tuple[int, int, int]]]:
         """(shape, ``[(DP rank, first, end)]``): where the NS of matrix ``name`` runs and on which block
-        of its long side (``block_span`` reads them): its team's blocks, or its one home on the whole
+        of its long side (split_layout.block_span reads them): its team's blocks, or its one home on the whole
         (then as a [numel, 1] column, whose blocks are flat ranges)."""
         if name in self.teams:
             team = self.teams[name]
@@ -247,27 +247,6 @@ class OwnerLayout:
         for bucket in self.buckets:
             require(bucket.end - bucket.start == bucket.shard_size * self.world_size,
                     f"bucket [{bucket.start}, {bucket.end}) is not {self.world_size} shards of {bucket.shard_size}")
-
-
-def block_span(shape: Sequence[int], first: int, end: int, lo: int, hi: int) -> Tuple[int, int]:
-    """The elements ``[lo, hi)`` of a flattened ``shape`` matrix that lie in its long-side block
-    ``[first, end)`` (rows of a tall matrix, columns of a wide one), as a range of the block's own
-    row-major order (a flat range holds a contiguous run of any such block)."""
-    rows, cols = shape
-    if rows >= cols:
-        return (min(max(lo, first * cols), end * cols) - first * cols,
-                min(max(hi, first * cols), end * cols) - first * cols)
-    width = end - first
-
-    def before(x):  # the block's elements at flat positions < x
-        r, c = divmod(x, cols)
-        return r * width + min(max(c - first, 0), width)
-
-    return before(lo), before(hi)
-
-
-def block_numel(shape: Sequence[int], first: int, end: int) -> int:
-    return (end - first) * min(shape)
 
 
 def min_shard(items, members, world_size) -> int:

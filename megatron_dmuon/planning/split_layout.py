@@ -35,12 +35,32 @@ from typing import Collection, Dict, Iterable, List, Literal, Optional, Sequence
 
 from ..algorithms.flops import newton_schulz_flops
 from .cost_model import SPLIT_EXCHANGE_BYTES
-from .owner_layout import (PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, block_numel, block_span,
-                           check_plan_inputs)
+from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
-__all__ = ["megatron_buckets", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible", "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+__all__ = ["megatron_buckets", "block_span", "block_numel", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible", "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
            "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
+
+
+def block_span(shape: Sequence[int], first: int, end: int, lo: int, hi: int) -> Tuple[int, int]:
+    """The elements ``[lo, hi)`` of a flattened ``shape`` matrix that lie in its long-side block
+    ``[first, end)`` (rows of a tall matrix, columns of a wide one), as a range of the block's own
+    row-major order (a flat range holds a contiguous run of any such block)."""
+    rows, cols = shape
+    if rows >= cols:
+        return (min(max(lo, first * cols), end * cols) - first * cols,
+                min(max(hi, first * cols), end * cols) - first * cols)
+    width = end - first
+
+    def before(x):  # the block's elements at flat positions < x
+        r, c = divmod(x, cols)
+        return r * width + min(max(c - first, 0), width)
+
+    return before(lo), before(hi)
+
+
+def block_numel(shape: Sequence[int], first: int, end: int) -> int:
+    return (end - first) * min(shape)
 
 
 def bucket_end_divisor(world_size: int) -> int:

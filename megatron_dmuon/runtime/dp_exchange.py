@@ -19,7 +19,7 @@ assembles are the same, so the result is bit-identical (tests/planning/test_spli
 A matrix whose NS a team of homes shares (planning/split_layout.py: one home per block of its long
 side) travels the same way, each holder sending every home its part of that home's block (a contiguous
 run of the block's row-major order, ``block_span``; a strided one of its own piece where the blocks are
-columns). The homes then run distributed Gram NS together (``TeamReduce`` sums their Gram matrices).
+columns). The homes then run distributed Gram NS together (runtime/team_ns.py).
 
 Directions can come back as 16-bit bits (``narrow``): where the NS returns its 16-bit compute dtype,
 a direction is those outputs widened (and, for QKV / head / GLU pieces, each scaled by its piece's lr
@@ -36,12 +36,9 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..algorithms.gram_newton_schulz import gram_newton_schulz_sharded, gram_space_polynomial
-from ..kernels.ns_driver import sharded_gram_ops
-from ..planning.owner_layout import block_numel, block_span
-from ..planning.split_layout import NARROW_TAG_BYTES, Routes
+from ..planning.split_layout import NARROW_TAG_BYTES, Routes, block_numel, block_span
 
-__all__ = ["SplitMatrix", "DPExchange", "TeamReduce", "team_orthogonalize", "node_of_dp_ranks", "take_block", "put_block"]
+__all__ = ["SplitMatrix", "DPExchange", "node_of_dp_ranks", "take_block", "put_block"]
 
 _TAG_BYTES = NARROW_TAG_BYTES  # the tag: so that every part of a message starts 8-byte aligned (views of it)
 
@@ -313,70 +310,3 @@ def _bytes_of(t: torch.Tensor) -> List[torch.Tensor]:
     raw = t.contiguous().view(torch.uint8).reshape(-1)
     pad = _aligned(raw.numel()) - raw.numel()
     return [raw, raw.new_zeros(pad)] if pad else [raw]
-
-
-class TeamReduce:
-    """Sums (or maxes) a tensor over the homes of one team (``members``: DP ranks in block order), point
-    to point over the DP group: a ring all-reduce (each home sends and receives 2 (k-1)/k of the tensor,
-    what the planner costs: split_layout.team_reduce_elements), or for a tensor of fewer elements than
-    homes every home's whole tensor to every other, summed in member order. Every home ends with the
-    same bits: each chunk is reduced once, in a fixed order, and copied to the others."""
-
-    def __init__(self, exchange: "DPExchange", members: Sequence[int]):
-        self.exchange = exchange
-        self.members = list(members)
-        self.index = self.members.index(exchange.rank)
-
-    def _swap(self, send: Optional[torch.Tensor], to: int, recv: Optional[torch.Tensor], frm: int) -> None:
-        ex = self.exchange
-        ops = []
-        if recv is not None:
-            ops.append(torch.distributed.P2POp(torch.distributed.irecv, recv, group=ex.group, group_peer=frm))
-        if send is not None:
-            ops.append(torch.distributed.P2POp(torch.distributed.isend, send, group=ex.group, group_peer=to))
-            ex.bytes_sent += send.numel() * send.element_size()
-        for request in torch.distributed.batch_isend_irecv(ops):
-            request.wait()
-
-    def __call__(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        k, i = len(self.members), self.index
-        combine = torch.add if op == "sum" else torch.maximum
-        flat = t.contiguous().reshape(-1).clone()
-        if k == 1:
-            return flat.view(t.shape)
-        if flat.numel() < k:
-            whole = [flat if j == i else torch.empty_like(flat) for j in range(k)]
-            for step in range(1, k):  # every home's tensor to every other, one peer pair per round
-                to, frm = self.members[(i + step) % k], self.members[(i - step) % k]
-                self._swap(flat, to, whole[(i - step) % k], frm)
-            out = whole[0]
-            for other in whole[1:]:
-                out = combine(out, other)
-            return out.view(t.shape)
-        chunks = list(flat.tensor_split(k))
-        nxt, prev = self.members[(i + 1) % k], self.members[(i - 1) % k]
-        for step in range(k - 1):  # reduce-scatter: home i ends with chunk (i + 1) % k summed
-            c_send, c_recv = (i - step) % k, (i - step - 1) % k
-            incoming = torch.empty_like(chunks[c_recv])
-            self._swap(chunks[c_send], nxt, incoming, prev)
-            chunks[c_recv].copy_(combine(incoming, chunks[c_recv]))
-        for step in range(k - 1):  # all-gather of the summed chunks
-            c_send, c_recv = (i + 1 - step) % k, (i - step) % k
-            self._swap(chunks[c_send], nxt, chunks[c_recv], prev)
-        return flat.view(t.shape)
-
-
-def team_orthogonalize(local: torch.Tensor, reduce, choice) -> torch.Tensor:
-    """This home's column block of a team-shared matrix's NS (``local``: its block of the wide
-    orientation, [m, n_block]): distributed Gram NS (``choice``: the Gram NSChoice of the whole matrix),
-    the Gram matrices and the norm summed by ``reduce`` (``TeamReduce``; an identity gives one home's
-    compute alone, as bench/rank_balance.py times it), the m x m iteration on every home, on the symmetric
-    kernels where they run for this block (as the TP path's distributed Gram)."""
-    ops = sharded_gram_ops(local.unsqueeze(0), choice.compute_dtype)
-    gram, segment_q = ops if ops is not None else (None, gram_space_polynomial)
-
-    def gram_to_q(partial, segment, normalise):
-        return segment_q(reduce(partial), segment, normalise)
-
-    return gram_newton_schulz_sharded(local, reduce, gram_to_q, max_over_shards=lambda t: reduce(t, "max"), gram=gram,
-                                      **dict(choice.schedule, compute_dtype=choice.compute_dtype))

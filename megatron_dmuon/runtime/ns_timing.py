@@ -72,7 +72,7 @@ def time_owner_step(matrices: Sequence[tuple], fragments: Sequence[int], setting
     (``dp_exchange.team_orthogonalize``; the team's reductions are modelled, not timed). The start-up
     rank profile and bench/rank_balance.py's per-rank emulation time this."""
     from ..algorithms.muon import muon_apply_, muon_momentum_
-    from .dp_exchange import team_orthogonalize
+    from .team_ns import team_orthogonalize
     from .owner_step import MatrixInfo, OwnerMuonAdamW, with_ns_choices
 
     device = torch.device(device)

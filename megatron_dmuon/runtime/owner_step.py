@@ -26,7 +26,8 @@ from .ns_stacks import StackJob, StackPlan
 from .muon_settings import ADAPTIVE_SCHEDULE, NS_CHECK_MARGIN, NS_LAUNCH_MODES, MuonSettings  # noqa: F401
 from .overlapped_step import OverlappedStep, OwnerOverlap
 from .row_update_step import row_update_step
-from .dp_exchange import DPExchange, TeamReduce, team_orthogonalize
+from .dp_exchange import DPExchange
+from .team_ns import team_directions
 from .narrow_directions import NarrowDecoder, encode_direction
 from .matrix_info import MatrixInfo, with_ns_choices  # noqa: F401 (the owner step's public names)
 from .ns_run import default_orthogonalizer, fp32_orthogonalizer, run_ns  # noqa: F401 (ditto)
@@ -288,7 +289,7 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
         infos = [work[n] for n in sorted(work)]  # the same order on every TP rank of this DP index
         directions = self._distributed_gram_step([i for i in infos if i.tp_method == "distributed_gram"], work_updates,
                                                  like)
-        directions.update(self._team_gram_step([teams[n] for n in sorted(teams)], work_updates, like))
+        directions.update(team_directions(self, [teams[n] for n in sorted(teams)], work_updates, like))
         outputs: Dict[str, list] = {}  # the NS outputs of every matrix orthogonalized here
         narrow = set(self._narrow_directions(split.values(), like)) if split else set()
         directions.update(self._gather_step([i for i in infos if i.tp_method != "distributed_gram"], work_updates,
@@ -482,31 +483,6 @@ class OwnerMuonAdamW(OwnerOverlap, torch.optim.AdamW):
                                                 extra_scale=s.extra_scale, dtype=like.dtype)[0]
             if owner == self.tp.rank:  # the owner ran the Gram-space iteration: its NS
                 self.stats["ns_matrices"] += len(members)
-        return out
-
-    def _team_gram_step(self, infos, blocks, like) -> Dict[str, torch.Tensor]:
-        """This home's block of the direction of each team-shared matrix of ``infos`` (``blocks``: this
-        home's block of each update, flattened in the block's order; planning/split_layout.py): distributed
-        Gram NS over the team's homes, each multiplying its own column block of the wide orientation,
-        the Gram matrices summed across the team (dp_exchange.TeamReduce) and the m x m iteration run on
-        every home alike. One matrix at a time, in name order, on every home (the teams' point-to-point
-        rounds then meet in one order)."""
-        s = self.muon
-        out = {}
-        for info in infos:
-            split = info.dp_split
-            (rows, cols), team = split.homes()
-            first, end = split.block_of(self.dp.rank)
-            tall = rows >= cols
-            block = blocks[info.name].view(end - first, cols) if tall else blocks[info.name].view(rows, end - first)
-            choice = self.muon.ns_resolver(like.device).choice(rows, cols, 1, requested="gram")
-            result = team_orthogonalize(block.mT if tall else block, TeamReduce(self.dp, [h for h, _, _ in team]),
-                                        choice)
-            direction = muon_direction([result.mT if tall else result], None, shape=info.shape, scale_mode=s.scale_mode,
-                                       extra_scale=s.extra_scale, dtype=like.dtype)[0]
-            out[info.name] = direction.reshape(-1)
-            if team[0][0] == self.dp.rank:  # (counted once, on the team's first home)
-                self.stats["ns_matrices"] += 1
         return out
 
     def orthogonalize_owned(self, jobs) -> Dict[str, List[torch.Tensor]]:

@@ -325,7 +325,7 @@ def test_the_split_layout_meets_the_goals_at_128_to_1024_ranks(preset):
 
 # ------------------------------------------------------------------------------------- shared NS
 def test_a_team_block_is_a_run_of_every_piece_and_goes_back_where_it_came_from():
-    from megatron_dmuon.planning.owner_layout import block_numel, block_span
+    from megatron_dmuon.planning.split_layout import block_numel, block_span
     from megatron_dmuon.runtime.dp_exchange import put_block, take_block
 
     for rows, cols in ((12, 5), (5, 12), (3, 7)):
