@@ -18,16 +18,18 @@ the pieces it lacks (``move_cost`` per element, in the same units as the NS cost
 are charged the moving of their pieces. A holder of the biggest piece wins ties, so a matrix stays
 where most of it is unless that rank is busy.
 
-**Shared NS.** Megatron shards every bucket over all DP ranks, so at DP 128 and past a large matrix's
-pieces lie on most ranks, and one home receives the whole matrix through its node's network links and
-runs its NS alone (Qwen2.5-7B's fc1: 543 MB of fp32, ~8 ms of NS on one H100). A tall matrix (rows >=
-2 x cols, no split rule, an NS that may run Gram) whose rows lie on several nodes can instead get a
-**team**: one home per node, which receives the rows whose first element lies on its node (from its
-node-mates, over the node's own links) and runs its row block of a distributed Gram NS with the others
-(runtime/dp_exchange.TeamReduce: the m x m Gram matrices of the blocks summed across the team, the
-TP path's ``gram_newton_schulz_sharded``). The planner takes a team where its busiest home is less
-loaded than the best single home; a home's block costs its rows' share of the m x n products plus the
-whole m x m iteration (``team_block_cost``) and the team's reductions (``team_reduce_elements``).
+**Shared NS** (the layout option ``ns_teams``; ``shared_ns`` here). Megatron shards every bucket over
+all DP ranks, so at DP 128 and past a large matrix's pieces lie on most ranks, and one home receives the
+whole matrix through its node's network links and runs its NS alone (Qwen2.5-7B's fc1: 543 MB of fp32,
+~8 ms of NS on one H100). A matrix with one NS piece and aspect >= 2 (an NS that may run Gram) whose
+pieces lie on several nodes can instead get a **team**: one home per node, each with a block of the long
+side (``long_side_blocks``: a tall matrix's rows by the node holding each row's first element, so the
+way in stays on the node's own links; a wide one's equal column blocks, so it spreads over the nodes),
+running distributed Gram NS with the others (runtime/team_ns.py: the m x m Gram matrices of the blocks
+summed across the team, the TP path's ``gram_newton_schulz_sharded``). The planner takes a team where
+its busiest home is less loaded than the best single home; a home's block costs its share of the m x n
+products plus the whole m x m iteration (``team_block_cost``) and the team's reductions over its own
+link (``team_reduce_elements``); the layout with teams is kept only where its busiest cell gains.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from ..algorithms.flops import newton_schulz_flops
 from .cost_model import SPLIT_EXCHANGE_BYTES
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
-__all__ = ["megatron_buckets", "block_span", "block_numel", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible", "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+__all__ = ["megatron_buckets", "block_span", "block_numel", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible",
+           "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
            "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 

@@ -252,6 +252,9 @@ class OwnerOverlap:
         the ways back run in the forward, after this step returns)."""
         like = self._master_like(entries)
         split = self.split_of(entries)
+        if any(i.dp_split.team for i in split.values()):  # (the config refuses the two together; a plan could not)
+            raise RuntimeError("DMuon: a matrix whose NS a team shares runs in the synchronous step only; this plan "
+                               "has teams under an overlapped step: plan without teams")
         self.stats["dp_bytes"], self.dp.bytes_sent = self.dp.bytes_sent, 0
         with record_function("dmuon.momentum"):
             updates = self._momentum_updates(entries)
