@@ -60,9 +60,15 @@ class Profile:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.prof.stop()
+        from torch.autograd.profiler_util import EventList
+
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        print(f"> profile of {self.what}\n" + self.prof.key_averages().table(sort_by=sort, row_limit=45,
-                                                                               max_name_column_width=90), flush=True)
+        averages = self.prof.key_averages()
+        # every DMuon phase apart too: on a busy host the top rows can leave some out
+        phases = EventList([e for e in averages if e.key.startswith("dmuon.")])
+        print(f"> profile of {self.what}\n" + averages.table(sort_by=sort, row_limit=45, max_name_column_width=90)
+              + ("\n> DMuon's phases\n" + phases.table(sort_by=sort, max_name_column_width=90) if len(phases) else ""),
+              flush=True)
         if self.trace_path:
             self.prof.export_chrome_trace(self.trace_path)
 
