@@ -98,6 +98,7 @@ class DPExchange:
         # the node of every DP rank (None: derived at the first exchange, node_of_dp_ranks)
         self._nodes = list(nodes) if nodes is not None else None
         self._plans: Dict[tuple, list] = {}
+        self._transfer_lists: Dict[tuple, list] = {}
         self._routes: Optional[Routes] = None
         self._tags: Dict[str, tuple] = {}  # each narrow direction's tag, as its home sent it
 
@@ -157,10 +158,18 @@ class DPExchange:
         return held
 
     # ------------------------------------------------------------------------------ exchange
-    @staticmethod
-    def _transfers(mats: Sequence[SplitMatrix]):
+    def _transfers(self, mats: Sequence[SplitMatrix]):
         """(matrix key, holder, home, a, b) of every part of a piece bound for another home, [a, b) in
-        the home's block order (planning/split_layout.to_home_transfers: the same list)."""
+        the home's block order (planning/split_layout.to_home_transfers: the same list); once per set of
+        matrices (the plan's: fixed for the run)."""
+        key = tuple(sorted(m.key for m in mats))
+        cached = self._transfer_lists.get(key)
+        if cached is None:
+            cached = self._transfer_lists[key] = self._list_transfers(mats)
+        return cached
+
+    @staticmethod
+    def _list_transfers(mats: Sequence[SplitMatrix]):
         out = []
         for m in mats:
             shape, blocks = m.homes()
