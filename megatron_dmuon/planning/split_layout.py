@@ -40,7 +40,7 @@ from .cost_model import SPLIT_EXCHANGE_BYTES
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
 __all__ = ["megatron_buckets", "block_span", "block_numel", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible",
-           "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+           "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "block_transfers", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
            "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 
@@ -292,11 +292,11 @@ def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, nod
     # the reductions run over each home's own network link, not shared by its node's: per element,
     # ``node_move_cost`` (an exchanged element's bytes into a node over its links) x the node's links x
     # 4 bytes / the exchanged element's bytes
-    reduce = node_move_cost * len(members_of(nodes, blocks[0][0])) * 4 / SPLIT_EXCHANGE_BYTES \
-        * team_reduce_elements(it, len(blocks))
     members: Dict[int, List[int]] = {}
     for r, node in enumerate(nodes):
         members.setdefault(node, []).append(r)
+    reduce = node_move_cost * len(members[blocks[0][0]]) * 4 / SPLIT_EXCHANGE_BYTES \
+        * team_reduce_elements(it, len(blocks))
     team = []
     for node, first, end in blocks:
         size = block_numel(shape, first, end)
@@ -315,10 +315,6 @@ def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, nod
         home = min(members[node], key=lambda r: (load(r), -mine.get(r, 0), r))
         team.append((home, load(home), (first, end)))
     return team, pieces
-
-
-def members_of(nodes: Sequence[int], node: int) -> List[int]:
-    return [r for r, n in enumerate(nodes) if n == node]
 
 
 def _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in) -> None:
@@ -380,14 +376,20 @@ def to_home_transfers(layout: OwnerLayout) -> list:
     """(matrix, holder, home, lo, hi) of every piece that is not on its home, or of each part of it in
     a team block homed elsewhere (``lo, hi``: in the block's own order, OwnerLayout.homes; the directions
     go back the other way)."""
+    return [t for name in sorted(layout.owners)
+            for t in block_transfers(name, *layout.homes(name), layout.pieces(name))]
+
+
+def block_transfers(key, shape, blocks, pieces) -> list:
+    """(key, holder, home, a, b) of every part of a piece (DP rank, lo, hi) that lies in a block (home,
+    first, end) homed elsewhere, [a, b) in that block's order (``block_span``): the planner's model and
+    the runtime's exchange (runtime/dp_exchange.py) list the same transfers."""
     out = []
-    for name in sorted(layout.owners):
-        shape, blocks = layout.homes(name)
-        for home, first, end in blocks:
-            for r, lo, hi in layout.pieces(name):
-                a, b = block_span(shape, first, end, lo, hi)
-                if r != home and a < b:
-                    out.append((name, r, home, a, b))
+    for home, first, end in blocks:
+        for r, lo, hi in pieces:
+            a, b = block_span(shape, first, end, lo, hi)
+            if r != home and a < b:
+                out.append((key, r, home, a, b))
     return out
 
 

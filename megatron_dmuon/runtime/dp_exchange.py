@@ -36,7 +36,7 @@ from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..planning.split_layout import NARROW_TAG_BYTES, Routes, block_numel, block_span
+from ..planning.split_layout import NARROW_TAG_BYTES, Routes, block_numel, block_span, block_transfers
 
 __all__ = ["SplitMatrix", "DPExchange", "node_of_dp_ranks", "take_block", "put_block"]
 
@@ -165,20 +165,9 @@ class DPExchange:
         key = tuple(sorted(m.key for m in mats))
         cached = self._transfer_lists.get(key)
         if cached is None:
-            cached = self._transfer_lists[key] = self._list_transfers(mats)
+            cached = [t for m in mats for t in block_transfers(m.key, *m.homes(), m.pieces)]
+            self._transfer_lists[key] = cached
         return cached
-
-    @staticmethod
-    def _list_transfers(mats: Sequence[SplitMatrix]):
-        out = []
-        for m in mats:
-            shape, blocks = m.homes()
-            for home, first, end in blocks:
-                for r, lo, hi in m.pieces:
-                    a, b = block_span(shape, first, end, lo, hi)
-                    if r != home and a < b:
-                        out.append((m.key, r, home, a, b))
-        return out
 
     def to_homes(self, mats: Sequence[SplitMatrix], local: Dict[str, torch.Tensor],
                  like: torch.Tensor) -> Dict[str, torch.Tensor]:
