@@ -80,7 +80,7 @@ class LayoutOptions:
     elementwise: object = "auto"
     """(AdamW, Muon) work per element in the planner's units, 'auto' (the cluster config's) or None."""
     ns_teams: NsTeams = "off"
-    """'auto': the split layout may share a large matrix's NS over a team of homes, one per node, where the
+    """'auto': the split layout may share a large matrix's NS over a team of homes on several nodes, where the
     planner's cost model finds it better (planning/split_layout.py); 'off': one home per matrix."""
     cost_fn: Optional[Callable] = dataclasses.field(default=None, compare=False)
     """Planner input for experiments and tests: cost_fn(piece shape) -> NS cost of one piece (None:
@@ -228,8 +228,9 @@ DMUON_FLAGS = (
          "home per matrix; AdamW's bytes at any DP), auto (the planner's cost model picks per buffer; "
          "docs/dmuon_dp.md)"),
     Flag("--dmuon-ns-teams", "layout.ns_teams",
-         "split layout: auto lets one large matrix's NS be shared by a team of homes, one per node (each gathers "
-         "its block from its own node; distributed Gram NS; the planner's cost model decides per matrix; needs "
+         "split layout: auto lets one large matrix's NS be shared by a team of homes on several nodes (each gathers "
+         "its block from its own nodes; distributed Gram NS; the planner's cost model picks the matrices and team "
+         "sizes; needs "
          "--dmuon-ns-method gram or auto and a synchronous step), off keeps one home per matrix (docs/dmuon_dp.md)"),
     Flag("--dmuon-plan-budget", None,
          "--dmuon-balance milp: start-up seconds for the rank profile + the MILP on rank 0 (the best plan found by "

@@ -70,7 +70,7 @@ class OwnerPlanningOptions:
     # the run's step is overlapped (MuonSettings.overlap_step 'on' or 'sync'): 'auto' weighs the layouts by padding
     # alone (``choose_scheme``)
     overlapped_step: bool = False
-    # the split layout may share a tall matrix's NS over a team of homes, one per node (planning/
+    # the split layout may share a large matrix's NS over a team of homes on several nodes (planning/
     # split_layout.py): the run's NS may run Gram (its NS method gram or auto) and its step is not overlapped
     shared_ns: bool = False
 

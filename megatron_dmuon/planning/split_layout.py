@@ -22,14 +22,19 @@ where most of it is unless that rank is busy.
 all DP ranks, so at DP 128 and past a large matrix's pieces lie on most ranks, and one home receives the
 whole matrix through its node's network links and runs its NS alone (Qwen2.5-7B's fc1: 543 MB of fp32,
 ~8 ms of NS on one H100). A matrix with one NS piece and aspect >= 2 (an NS that may run Gram) whose
-pieces lie on several nodes can instead get a **team**: one home per node, each with a block of the long
-side (``long_side_blocks``: a tall matrix's rows by the node holding each row's first element, so the
-way in stays on the node's own links; a wide one's equal column blocks, so it spreads over the nodes),
-running distributed Gram NS with the others (runtime/team_ns.py: the m x m Gram matrices of the blocks
-summed across the team, the TP path's ``gram_newton_schulz_sharded``). The planner takes a team where
-its busiest home is less loaded than the best single home; a home's block costs its share of the m x n
-products plus the whole m x m iteration (``team_block_cost``) and the team's reductions over its own
-link (``team_reduce_elements``); the layout with teams is kept only where its busiest cell gains.
+pieces lie on several nodes can instead get a **team** of homes on different nodes, each with a block of
+the long side: per node (``long_side_blocks``: a tall matrix's rows by the node holding each row's first
+element, so the way in stays on the node's own links; a wide one's equal column blocks, so it spreads
+over the nodes), or fewer, each block then a run of consecutive nodes (``team_groups``), running
+distributed Gram NS with the others (runtime/team_ns.py: the m x m Gram matrices of the blocks summed
+across the team, the TP path's ``gram_newton_schulz_sharded``). A home's block costs its share of the
+m x n products plus the whole m x m iteration (``team_block_cost``) and the team's reductions over its
+own link (``team_reduce_elements``), so the best team size depends on the matrix and on how loaded the
+ranks already are: per matrix the planner takes the team size (``team_sizes``) whose busiest home is
+least loaded, and a team only where that home is less loaded than the best single home. A greedy choice
+per matrix can overdo teams (each puts the m x m iteration on all its homes), so the whole layout is
+planned once per rule of ``TEAM_SIZE_RULES`` (one home per node, at most 2, 4 or 8 homes, any) and
+once without teams, and the least loaded busiest cell wins, teams only ``TEAM_MIN_GAIN`` below none.
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ from .cost_model import SPLIT_EXCHANGE_BYTES
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
 __all__ = ["megatron_buckets", "block_span", "block_numel", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible",
-           "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "block_transfers", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
+           "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "team_groups", "team_sizes",
+           "TEAM_SIZE_RULES", "TEAM_MIN_GAIN", "block_transfers", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
            "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 
@@ -132,23 +138,34 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
     (``ranks_per_node`` DP ranks a node, numbered node-major), both in the NS cost's units
     (planning/cost_model.py ``exchange_costs``). A node's incoming pieces are charged to every cell of
     the node (each forwards its share), so homes of large matrices spread over the nodes.
-    ``shared_ns``: a tall matrix whose rows span nodes may get a team of homes, one per node (module
-    docstring; ``team_eligible``), where that loads its busiest home less than one home would; the
-    layout with teams is kept only where its busiest cell is less loaded than without them (teams put
-    the m x m iteration on every home, which a greedy choice per matrix can overdo)."""
+    ``shared_ns``: a matrix whose pieces span nodes may get a team of homes on different nodes (module
+    docstring; ``team_eligible``), where that loads its busiest home less than one home would; of the
+    passes with each team size rule (``TEAM_SIZE_RULES``) and the one without teams the least loaded
+    busiest cell wins, teams only ``TEAM_MIN_GAIN`` below none (each team puts the m x m iteration on
+    all its homes, which a greedy choice per matrix can overdo)."""
     rank_cost = check_plan_inputs(items, world_size, tp_size, rank_cost, elementwise)
     args = (items, world_size, bucket_size, tp_size, elementwise, move_cost, ranks_per_node, node_move_cost)
     if not shared_ns or tp_size != 1:
-        return _plan_split(*args, rank_cost, False)
-    loads = [list(rank_cost), list(rank_cost)]
-    alone, shared = _plan_split(*args, loads[0], False), _plan_split(*args, loads[1], True)
-    keep = 1 if shared.teams and max(loads[1]) < max(loads[0]) else 0
-    rank_cost[:] = loads[keep]
-    return (alone, shared)[keep]
+        return _plan_split(*args, rank_cost, None)
+    loads = list(rank_cost)
+    layout = _plan_split(*args, loads, None)
+    alone = (max(loads), loads, layout)
+    shared = []  # (its busiest cell's load, its loads, the layout) of each team size rule that made teams
+    for rule in TEAM_SIZE_RULES:
+        loads = list(rank_cost)
+        layout = _plan_split(*args, loads, rule)
+        if layout.teams:
+            shared.append((max(loads), loads, layout))
+    best = min(shared, key=lambda p: p[0], default=alone)  # (the first of equals)
+    _, loads, layout = best if best[0] < (1.0 - TEAM_MIN_GAIN) * alone[0] else alone
+    rank_cost[:] = loads
+    return layout
 
 
 def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost, ranks_per_node, node_move_cost,
-                rank_cost, shared_ns) -> OwnerLayout:
+                rank_cost, team_rule) -> OwnerLayout:
+    """One greedy pass (``plan_split_layout``); ``team_rule``: None, one home per matrix, else the team
+    sizes tried (``team_sizes``)."""
     ranges, buckets = megatron_buckets(items, bucket_size, world_size)
     nodes = dp_nodes(world_size, ranks_per_node)
     if elementwise:
@@ -175,8 +192,8 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
                     + node_move_cost * incoming)
 
         cell = min(range(world_size * tp_size), key=lambda c: (load_after(c), -held.get(c // tp_size, 0), c))
-        team = (_plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost)
-                if shared_ns and tp_size == 1 and team_eligible(it) else None)
+        team = (_plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, team_rule)
+                if team_rule is not None and tp_size == 1 and team_eligible(it) else None)
         if team is not None and max(load for _, load, _ in team[0]) < load_after(cell):
             team, pieces = team
             _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in)
@@ -202,6 +219,11 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
 
 NsTeams = Literal["off", "auto"]  # no teams, or teams where the planner's cost model finds them better
 NS_TEAMS: tuple = get_args(NsTeams)
+
+TEAM_SIZE_RULES = ("nodes", 2, 4, 8, "any")  # the rules plan_split_layout tries (``team_sizes``), the first kept on a tie
+# teams are kept only where they load the busiest cell this much less than one home per matrix: within the
+# cost model's error (~6%, docs/load_balancing.md) one home, which reduces nothing across nodes, stays
+TEAM_MIN_GAIN = 0.05
 
 
 def shares_ns(ns_method: str, overlapped_step: bool) -> bool:
@@ -281,40 +303,76 @@ def long_side_blocks(shape: Sequence[int], pieces: Sequence[Tuple[int, int, int]
     return [(node, cuts[i], cuts[i + 1]) for i, node in enumerate(holding[:k])]
 
 
-def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost):
-    """([(home, its load after, (first, end))], the pieces) of a team for ``it`` (one home per block
-    of ``long_side_blocks``, the least loaded rank of its node), or None where it has one block."""
+def team_groups(shape: Sequence[int], blocks: Sequence[Tuple[int, int, int]], size: int) -> List[Tuple[Tuple[int, ...], int, int]]:
+    """``[(nodes, first, end)]``: ``long_side_blocks``' per-node ``blocks`` of a matrix of ``shape`` as a team
+    of ``size`` homes, each block one run of consecutive nodes. Tall: the node blocks joined where the rows
+    cut most evenly (each home's rows still come from its own nodes). Wide: ``size`` equal column blocks,
+    each homed on a run of the holding nodes."""
+    size = max(1, min(size, len(blocks)))
+    if shape[0] >= shape[1]:
+        total = blocks[-1][2] - blocks[0][1]
+        cuts, i = [0], 0
+        for g in range(1, size):  # the block boundary nearest to g / size of the rows, one block a group at least
+            target = blocks[0][1] + total * g / size
+            i = max(i + 1, min(range(i + 1, len(blocks) - (size - g) + 1), key=lambda j: abs(blocks[j][1] - target)))
+            cuts.append(i)
+        cuts.append(len(blocks))
+        return [(tuple(b[0] for b in blocks[a:z]), blocks[a][1], blocks[z - 1][2]) for a, z in zip(cuts, cuts[1:])]
+    cols, holding = shape[1], [b[0] for b in blocks]
+    edges = [cols * g // size for g in range(size + 1)]
+    spread = [len(holding) * g // size for g in range(size + 1)]
+    return [(tuple(holding[spread[g]:spread[g + 1]]), edges[g], edges[g + 1]) for g in range(size)]
+
+
+def team_sizes(nodes_spanned: int, rule="nodes") -> List[int]:
+    """The team sizes the planner tries for a matrix whose pieces lie on ``nodes_spanned`` nodes under
+    ``rule``: 'nodes', one home per node; an int, the powers of two up to it; 'any', the powers of two and
+    the node count."""
+    if rule == "nodes":
+        return [nodes_spanned]
+    top = nodes_spanned if rule == "any" else min(nodes_spanned, rule)
+    return sorted({k for k in (2 ** e for e in range(1, top.bit_length())) if k <= top} | ({top} if rule == "any" else set()))
+
+
+def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, rule):
+    """([(home, its load after, (first, end))], the pieces) of the best team for ``it`` (``team_groups`` of
+    each of ``team_sizes``, each home the least loaded rank of its nodes; the team whose busiest home is
+    least loaded, the smaller on a tie), or None where its pieces lie on one node."""
     pieces = OwnerLayout(world_size, ranges, {}, buckets, [], scheme="split").pieces(it.name)
     shape = it.pieces[0]
     blocks = long_side_blocks(shape, pieces, nodes)
     if len(blocks) < 2:
         return None
-    # the reductions run over each home's own network link, not shared by its node's: per element,
-    # ``node_move_cost`` (an exchanged element's bytes into a node over its links) x the node's links x
-    # 4 bytes / the exchanged element's bytes
     members: Dict[int, List[int]] = {}
     for r, node in enumerate(nodes):
         members.setdefault(node, []).append(r)
-    reduce = node_move_cost * len(members[blocks[0][0]]) * 4 / SPLIT_EXCHANGE_BYTES \
-        * team_reduce_elements(it, len(blocks))
-    team = []
-    for node, first, end in blocks:
-        size = block_numel(shape, first, end)
-        mine = {}
-        for r, lo, hi in pieces:
-            if nodes[r] == node:
+    best = None
+    for size in team_sizes(len(blocks), rule):
+        # the reductions run over each home's own network link, not shared by its node's: per element,
+        # ``node_move_cost`` (an exchanged element's bytes into a node over its links) x the node's links x
+        # 4 bytes / the exchanged element's bytes
+        reduce = node_move_cost * len(members[blocks[0][0]]) * 4 / SPLIT_EXCHANGE_BYTES \
+            * team_reduce_elements(it, size)
+        team = []
+        for group, first, end in team_groups(shape, blocks, size):
+            size_ = block_numel(shape, first, end)
+            mine: Dict[int, int] = {}
+            for r, lo, hi in pieces:
                 a, b = block_span(shape, first, end, lo, hi)
-                mine[r] = b - a
-        base = team_block_cost(it, end - first) + reduce
-        # (what comes from other nodes into the home's node: the forwarding share of its node-mates)
-        far = node_move_cost * (size - sum(mine.values()))
+                if b > a:
+                    mine[r] = b - a
+            base = team_block_cost(it, end - first) + reduce
 
-        def load(r):
-            return rank_cost[r] + base + far + move_cost * (size - mine.get(r, 0))
+            def load(r):  # (what comes into the home's node from other nodes: the forwarding share of its node-mates)
+                on_node = sum(n for q, n in mine.items() if nodes[q] == nodes[r])
+                return rank_cost[r] + base + node_move_cost * (size_ - on_node) + move_cost * (size_ - mine.get(r, 0))
 
-        home = min(members[node], key=lambda r: (load(r), -mine.get(r, 0), r))
-        team.append((home, load(home), (first, end)))
-    return team, pieces
+            candidates = [r for node in group for r in members[node]]
+            home = min(candidates, key=lambda r: (load(r), -mine.get(r, 0), r))
+            team.append((home, load(home), (first, end)))
+        if best is None or max(x[1] for x in team) < max(x[1] for x in best):
+            best = team
+    return best, pieces
 
 
 def _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in) -> None:
