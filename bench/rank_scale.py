@@ -82,7 +82,9 @@ def scale(args, log):
                         f"{key}_reduce_ms": comm(b, 4)}
                 step = row[f"{key}_ms"] + row[f"{key}_publish_ms"]
                 row[f"{key}_iteration_ms"] = fwd_bwd + step + max(0.0, row[f"{key}_reduce_ms"] - 2 / 3 * fwd_bwd)
-                if key in ("dmuon", "dmuon_split") and "ranks" in plans[plan]:
+                # (not where the split plan has teams: --dmuon-overlap-step refuses --dmuon-ns-teams' teams)
+                teams = bufs in made and any(lay.teams for lay in made[bufs]["layouts"].values())
+                if key in ("dmuon", "dmuon_split") and "ranks" in plans[plan] and not teams:
                     on = overlapped_step_ms(made[bufs], par, cluster, plans[plan]["ranks"], narrow=key == "dmuon_split")
                     row[f"{key}_on_ms"] = on
                     row[f"{key}_on_iteration_ms"] = fwd_bwd + on + max(0.0, row[f"{key}_reduce_ms"] - 2 / 3 * fwd_bwd)

@@ -207,7 +207,8 @@ PY
         grep -h "Error" "$R/emu_$name.log" | tail -2
       done
       ls "$R"/emu_*.json >/dev/null 2>&1 && python3 bench/rank_balance.py scale --emulation "$R"/emu_*.json \
-        --out "$R/scale_h200_links" > "$R/scale.log" 2>&1; echo "== scale rc=$?"; cat "$R/scale_h200_links.md" 2>/dev/null
+        ${RB_FLAGS:+--flags="$RB_FLAGS"} --out "$R/scale_h200_links" > "$R/scale.log" 2>&1; echo "== scale rc=$?"
+      cat "$R/scale_h200_links.md" 2>/dev/null
       cp "$DMUON_AUTOTUNE_CACHE" "$R/rb_autotune.json" 2>/dev/null ;;
     *) echo "unknown part $part" ;;
   esac

@@ -45,7 +45,7 @@ from .cost_model import SPLIT_EXCHANGE_BYTES
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
 __all__ = ["megatron_buckets", "block_span", "block_numel", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible",
-           "team_block_cost", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "team_groups", "team_sizes",
+           "team_block_cost", "TEAM_MXM_WEIGHT", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "team_groups", "team_sizes",
            "TEAM_SIZE_RULES", "TEAM_MIN_GAIN", "block_transfers", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
            "exchange_ways_ms",
            "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
@@ -247,13 +247,23 @@ def _gram_flops(m: int, n: int) -> float:
     return newton_schulz_flops(m, n, 5, "gram", symmetric=True, min_aspect_ratio=1.0)
 
 
+# the m x m iteration's weight against its FLOPs in a team home's NS: it runs as smaller products and
+# element-wise steps, below the m x n products' rate. Measured on one H100 (bench/team_block_cost.py,
+# docs/results/dp_layouts/team_block_cost_h100_2026-12-07.md): with 2 the model's share of one home's NS
+# is never below the measured one for Qwen2.5-7B's and 32B's fc1 and fc2 at 2-16 homes (no team taken where
+# it would not gain) and at most 0.11 above it (0.04 for 7B's fc1)
+TEAM_MXM_WEIGHT = 2.0
+
+
 def team_block_cost(it: ParamItem, long_part: int) -> float:
     """One team home's NS cost, in ``it.cost``'s units: its block's share (``long_part`` of the long
-    side) of the m x n products, and the whole m x m iteration (every home runs it on the summed Gram)."""
+    side) of the m x n products, and the whole m x m iteration (every home runs it on the summed Gram),
+    weighed ``TEAM_MXM_WEIGHT`` times its FLOPs; the whole long side costs ``it.cost``."""
     m, n = sorted(it.pieces[0])
     full = _gram_flops(m, n)
     per_long = (_gram_flops(m, 2 * n) - full) / n  # the m x n products grow with the long side, the rest not
-    return it.cost * (per_long * long_part + full - per_long * n) / full
+    square = TEAM_MXM_WEIGHT * (full - per_long * n)
+    return it.cost * (per_long * long_part + square) / (per_long * n + square)
 
 
 def team_reduce_elements(it: ParamItem, team_size: int, segments: int = 2) -> float:
@@ -356,16 +366,18 @@ def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, nod
         team = []
         for group, first, end in team_groups(shape, blocks, size):
             size_ = block_numel(shape, first, end)
-            mine: Dict[int, int] = {}
+            mine: Dict[int, int] = {}  # of the block, by holder and by node
+            on_node: Dict[int, int] = {}
             for r, lo, hi in pieces:
                 a, b = block_span(shape, first, end, lo, hi)
                 if b > a:
                     mine[r] = b - a
+                    on_node[nodes[r]] = on_node.get(nodes[r], 0) + b - a
             base = team_block_cost(it, end - first) + reduce
 
             def load(r):  # (what comes into the home's node from other nodes: the forwarding share of its node-mates)
-                on_node = sum(n for q, n in mine.items() if nodes[q] == nodes[r])
-                return rank_cost[r] + base + node_move_cost * (size_ - on_node) + move_cost * (size_ - mine.get(r, 0))
+                return (rank_cost[r] + base + node_move_cost * (size_ - on_node.get(nodes[r], 0))
+                        + move_cost * (size_ - mine.get(r, 0)))
 
             candidates = [r for node in group for r in members[node]]
             home = min(candidates, key=lambda r: (load(r), -mine.get(r, 0), r))
