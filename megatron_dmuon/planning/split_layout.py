@@ -38,6 +38,7 @@ once without teams, and the least loaded busiest cell wins, teams only ``TEAM_MI
 """
 from __future__ import annotations
 
+import bisect
 from typing import Collection, Dict, Iterable, List, Literal, Optional, Sequence, Set, Tuple, get_args
 
 from ..algorithms.flops import newton_schulz_flops
@@ -70,6 +71,16 @@ def block_span(shape: Sequence[int], first: int, end: int, lo: int, hi: int) -> 
 
 def block_numel(shape: Sequence[int], first: int, end: int) -> int:
     return (end - first) * min(shape)
+
+
+def _pieces_in_block(shape: Sequence[int], first: int, end: int, pieces: Sequence[Tuple[int, int, int]],
+                     his: Sequence[int]) -> Sequence[Tuple[int, int, int]]:
+    """The pieces (DP rank, lo, hi; ordered by ``lo``, ``his`` their ends) that may hold elements of the
+    long-side block ``[first, end)``: of a tall matrix the run that overlaps its rows, of a wide one all."""
+    rows, cols = shape
+    if rows < cols:
+        return pieces
+    return pieces[bisect.bisect_right(his, first * cols):bisect.bisect_left(his, end * cols) + 1]
 
 
 def bucket_end_divisor(world_size: int) -> int:
@@ -151,9 +162,10 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
     layout = _plan_split(*args, loads, None)
     alone = (max(loads), loads, layout)
     shared = []  # (its busiest cell's load, its loads, the layout) of each team size rule that made teams
+    known: dict = {}
     for rule in TEAM_SIZE_RULES:
         loads = list(rank_cost)
-        layout = _plan_split(*args, loads, rule)
+        layout = _plan_split(*args, loads, rule, known)
         if layout.teams:
             shared.append((max(loads), loads, layout))
     best = min(shared, key=lambda p: p[0], default=alone)  # (the first of equals)
@@ -163,9 +175,10 @@ def plan_split_layout(items: Sequence[ParamItem], world_size: int, bucket_size: 
 
 
 def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost, ranks_per_node, node_move_cost,
-                rank_cost, team_rule) -> OwnerLayout:
+                rank_cost, team_rule, known=None) -> OwnerLayout:
     """One greedy pass (``plan_split_layout``); ``team_rule``: None, one home per matrix, else the team
-    sizes tried (``team_sizes``)."""
+    sizes tried (``team_sizes``); ``known``: ``_plan_team``'s, shared by the passes."""
+    known = {} if known is None else known
     ranges, buckets = megatron_buckets(items, bucket_size, world_size)
     nodes = dp_nodes(world_size, ranks_per_node)
     if elementwise:
@@ -192,8 +205,8 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
                     + node_move_cost * incoming)
 
         cell = min(range(world_size * tp_size), key=lambda c: (load_after(c), -held.get(c // tp_size, 0), c))
-        team = (_plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, team_rule)
-                if team_rule is not None and tp_size == 1 and team_eligible(it) else None)
+        team = (_plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, team_rule,
+                           known) if team_rule is not None and tp_size == 1 and team_eligible(it) else None)
         if team is not None and max(load for _, load, _ in team[0]) < load_after(cell):
             team, pieces = team
             _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in)
@@ -344,13 +357,16 @@ def team_sizes(nodes_spanned: int, rule="nodes") -> List[int]:
     return sorted({k for k in (2 ** e for e in range(1, top.bit_length())) if k <= top} | ({top} if rule == "any" else set()))
 
 
-def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, rule):
+def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, rule, known):
     """([(home, its load after, (first, end))], the pieces) of the best team for ``it`` (``team_groups`` of
     each of ``team_sizes``, each home the least loaded rank of its nodes; the team whose busiest home is
-    least loaded, the smaller on a tie), or None where its pieces lie on one node."""
-    pieces = OwnerLayout(world_size, ranges, {}, buckets, [], scheme="split").pieces(it.name)
-    shape = it.pieces[0]
-    blocks = long_side_blocks(shape, pieces, nodes)
+    least loaded, the smaller on a tie), or None where its pieces lie on one node. ``known``: what does not
+    depend on the loads (pieces, blocks, each size's groups and who holds what of them), kept across the
+    passes of ``plan_split_layout``."""
+    if it.name not in known:
+        pieces = OwnerLayout(world_size, ranges, {}, buckets, [], scheme="split").pieces(it.name)
+        known[it.name] = (pieces, long_side_blocks(it.pieces[0], pieces, nodes), {})
+    pieces, blocks, sizes = known[it.name]
     if len(blocks) < 2:
         return None
     members: Dict[int, List[int]] = {}
@@ -358,28 +374,21 @@ def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, nod
         members.setdefault(node, []).append(r)
     best = None
     for size in team_sizes(len(blocks), rule):
+        if size not in sizes:
+            sizes[size] = _team_parts(it, pieces, blocks, size, nodes, members)
         # the reductions run over each home's own network link, not shared by its node's: per element,
         # ``node_move_cost`` (an exchanged element's bytes into a node over its links) x the node's links x
         # 4 bytes / the exchanged element's bytes
         reduce = node_move_cost * len(members[blocks[0][0]]) * 4 / SPLIT_EXCHANGE_BYTES \
             * team_reduce_elements(it, size)
         team = []
-        for group, first, end in team_groups(shape, blocks, size):
-            size_ = block_numel(shape, first, end)
-            mine: Dict[int, int] = {}  # of the block, by holder and by node
-            on_node: Dict[int, int] = {}
-            for r, lo, hi in pieces:
-                a, b = block_span(shape, first, end, lo, hi)
-                if b > a:
-                    mine[r] = b - a
-                    on_node[nodes[r]] = on_node.get(nodes[r], 0) + b - a
+        for candidates, first, end, numel, mine, on_node in sizes[size]:
             base = team_block_cost(it, end - first) + reduce
 
             def load(r):  # (what comes into the home's node from other nodes: the forwarding share of its node-mates)
-                return (rank_cost[r] + base + node_move_cost * (size_ - on_node.get(nodes[r], 0))
-                        + move_cost * (size_ - mine.get(r, 0)))
+                return (rank_cost[r] + base + node_move_cost * (numel - on_node.get(nodes[r], 0))
+                        + move_cost * (numel - mine.get(r, 0)))
 
-            candidates = [r for node in group for r in members[node]]
             home = min(candidates, key=lambda r: (load(r), -mine.get(r, 0), r))
             team.append((home, load(home), (first, end)))
         if best is None or max(x[1] for x in team) < max(x[1] for x in best):
@@ -387,13 +396,33 @@ def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, nod
     return best, pieces
 
 
+def _team_parts(it, pieces, blocks, size, nodes, members):
+    """Per block of a ``size`` team (``team_groups``): (the ranks of its nodes, first, end, its elements,
+    the elements each holder holds of it, the elements each node holds of it)."""
+    shape = it.pieces[0]
+    his = [hi for _, _, hi in pieces]
+    parts = []
+    for group, first, end in team_groups(shape, blocks, size):
+        mine: Dict[int, int] = {}
+        on_node: Dict[int, int] = {}
+        for r, lo, hi in _pieces_in_block(shape, first, end, pieces, his):
+            a, b = block_span(shape, first, end, lo, hi)
+            if b > a:
+                mine[r] = b - a
+                on_node[nodes[r]] = on_node.get(nodes[r], 0) + b - a
+        parts.append(([r for node in group for r in members[node]], first, end, block_numel(shape, first, end),
+                      mine, on_node))
+    return parts
+
+
 def _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in) -> None:
     """Charge a team's loads: each home its block and reductions; each holder the moving of what it
     holds of other homes' blocks; each node what comes into it from other nodes."""
     shape = it.pieces[0]
+    his = [hi for _, _, hi in pieces]
     for home, load, (first, end) in team:
         rank_cost[home] = load
-        for r, lo, hi in pieces:
+        for r, lo, hi in _pieces_in_block(shape, first, end, pieces, his):
             a, b = block_span(shape, first, end, lo, hi)
             if b > a and r != home:
                 rank_cost[r] += move_cost * (b - a)
