@@ -163,6 +163,8 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
                 "state_vs_adamw": state / ((master + 8) * unpadded / d),
                 "max_ns_ms": max(ns), "ns_vs_bound": max(ns) / ns_bound if ns_bound else 1.0,
                 "idle_ranks": sum(1 for r in range(d) if not any(ns[r * tp:(r + 1) * tp])),
+                # the matrices whose NS a team of homes shares (--dmuon-ns-teams auto): homes per team
+                "team_homes": sorted(len(t["blocks"]) for t in layout.teams.values()),
                 "optimizer_step_ms": step, "publish_ms": publish, "grad_reduce_ms": reduce_ms,
                 "iteration_ms": fwd_bwd + step + max(0.0, reduce_ms - 2 / 3 * fwd_bwd),
             })
@@ -202,6 +204,9 @@ def dp_layout_lines(report: dict) -> List[str]:
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for i, c in enumerate(report["candidates"]):
         mark = " **picked**" if i == report["picked"] else ""
+        homes = c.get("team_homes")
+        if homes:
+            mark += f" ({len(homes)} teams of {homes[0]}-{homes[-1]} NS homes)"
         lines.append(f"| {c['instances']} | {c['scheme']}{mark} | {c['bytes_per_rank'] / 1e9:.2f} "
                      f"({c['bytes_vs_adamw']:.2f}) | {c['padding_bytes'] / 1e9:.2f} | {c['max_state_bytes'] / 1e9:.2f} "
                      f"({c['state_vs_adamw']:.2f}) | {c['max_ns_ms']:.2f} ({c['ns_vs_bound']:.2f}) | "
