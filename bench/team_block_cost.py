@@ -46,8 +46,8 @@ def main(argv=None) -> int:
         long = max(r, c)
         for k in map(int, args.sizes.split(",")):
             part = -(-long // k)
-            ms, _ = time_owner_step([], [], MuonSettings(ns_method="gram"), iters=args.iters, warmup=args.warmup, device=args.device,
-                                    team_blocks=[(r, c, 0, part)])
+            ms, _ = time_owner_step([], [], MuonSettings(ns_method="gram"), iters=args.iters, warmup=args.warmup,
+                                    device=args.device, team_blocks=[(r, c, 0, part)])
             rows.append({"matrix": name, "shape": [r, c], "team_size": k, "block_long": part, "block_ms": ms,
                          "whole_ms": whole, "measured_share": ms / whole, "model_share": team_block_cost(item, part)})
             print(json.dumps(rows[-1]), flush=True)

@@ -46,10 +46,10 @@ from .cost_model import SPLIT_EXCHANGE_BYTES
 from .owner_layout import PARAM_ALIGN, BucketLayout, OwnerLayout, ParamItem, align_up, check_plan_inputs
 
 __all__ = ["megatron_buckets", "block_span", "block_numel", "NsTeams", "NS_TEAMS", "shares_ns", "team_eligible",
-           "team_block_cost", "TEAM_MXM_WEIGHT", "team_reduce_elements", "team_reduce_ms", "long_side_blocks", "team_groups", "team_sizes",
-           "TEAM_SIZE_RULES", "TEAM_MIN_GAIN", "block_transfers", "plan_split_layout", "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent",
-           "exchange_ways_ms",
-           "exchange_ms", "Routes", "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
+           "team_block_cost", "TEAM_MXM_WEIGHT", "team_reduce_elements", "team_reduce_ms", "long_side_blocks",
+           "team_groups", "team_sizes", "TEAM_SIZE_RULES", "TEAM_MIN_GAIN", "block_transfers", "plan_split_layout",
+           "bucket_end_divisor", "exchange_bytes", "exchange_bytes_sent", "exchange_ways_ms", "exchange_ms", "Routes",
+           "dp_nodes", "to_home_transfers", "narrow_directions", "NARROW_TAG_BYTES"]
 
 
 def block_span(shape: Sequence[int], first: int, end: int, lo: int, hi: int) -> Tuple[int, int]:
@@ -233,7 +233,8 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
 NsTeams = Literal["off", "auto"]  # no teams, or teams where the planner's cost model finds them better
 NS_TEAMS: tuple = get_args(NsTeams)
 
-TEAM_SIZE_RULES = ("nodes", 2, 4, 8, "any")  # the rules plan_split_layout tries (``team_sizes``), the first kept on a tie
+# the rules plan_split_layout tries (``team_sizes``), the first kept on a tie
+TEAM_SIZE_RULES = ("nodes", 2, 4, 8, "any")
 # teams are kept only where they load the busiest cell this much less than one home per matrix: within the
 # cost model's error (~6%, docs/load_balancing.md) one home, which reduces nothing across nodes, stays
 TEAM_MIN_GAIN = 0.05
@@ -326,7 +327,8 @@ def long_side_blocks(shape: Sequence[int], pieces: Sequence[Tuple[int, int, int]
     return [(node, cuts[i], cuts[i + 1]) for i, node in enumerate(holding[:k])]
 
 
-def team_groups(shape: Sequence[int], blocks: Sequence[Tuple[int, int, int]], size: int) -> List[Tuple[Tuple[int, ...], int, int]]:
+def team_groups(shape: Sequence[int], blocks: Sequence[Tuple[int, int, int]],
+                size: int) -> List[Tuple[Tuple[int, ...], int, int]]:
     """``[(nodes, first, end)]``: ``long_side_blocks``' per-node ``blocks`` of a matrix of ``shape`` as a team
     of ``size`` homes, each block one run of consecutive nodes. Tall: the node blocks joined where the rows
     cut most evenly (each home's rows still come from its own nodes). Wide: ``size`` equal column blocks,
@@ -354,7 +356,8 @@ def team_sizes(nodes_spanned: int, rule="nodes") -> List[int]:
     if rule == "nodes":
         return [nodes_spanned]
     top = nodes_spanned if rule == "any" else min(nodes_spanned, rule)
-    return sorted({k for k in (2 ** e for e in range(1, top.bit_length())) if k <= top} | ({top} if rule == "any" else set()))
+    powers = {k for k in (2 ** e for e in range(1, top.bit_length())) if k <= top}
+    return sorted(powers | ({top} if rule == "any" else set()))
 
 
 def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, rule, known):
