@@ -163,7 +163,7 @@ def compare_dp_layouts(model: ModelSpec, par: ParallelSpec, cost_model: CostMode
                 "state_vs_adamw": state / ((master + 8) * unpadded / d),
                 "max_ns_ms": max(ns), "ns_vs_bound": max(ns) / ns_bound if ns_bound else 1.0,
                 "idle_ranks": sum(1 for r in range(d) if not any(ns[r * tp:(r + 1) * tp])),
-                # the matrices whose NS a team of homes shares (--dmuon-ns-teams auto): homes per team
+                # the matrices whose NS a team of homes shares (the layout option ns_teams): homes per team
                 "team_homes": sorted(len(t["blocks"]) for t in layout.teams.values()),
                 "optimizer_step_ms": step, "publish_ms": publish, "grad_reduce_ms": reduce_ms,
                 "iteration_ms": fwd_bwd + step + max(0.0, reduce_ms - 2 / 3 * fwd_bwd),
