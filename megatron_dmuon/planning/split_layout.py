@@ -181,6 +181,9 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
     known = {} if known is None else known
     ranges, buckets = megatron_buckets(items, bucket_size, world_size)
     nodes = dp_nodes(world_size, ranks_per_node)
+    members: Dict[int, List[int]] = {}  # the DP ranks of each node
+    for r, node in enumerate(nodes):
+        members.setdefault(node, []).append(r)
     if elementwise:
         adamw, muon = elementwise
         for it in items:
@@ -205,8 +208,8 @@ def _plan_split(items, world_size, bucket_size, tp_size, elementwise, move_cost,
                     + node_move_cost * incoming)
 
         cell = min(range(world_size * tp_size), key=lambda c: (load_after(c), -held.get(c // tp_size, 0), c))
-        team = (_plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, team_rule,
-                           known) if team_rule is not None and tp_size == 1 and team_eligible(it) else None)
+        team = (_plan_team(it, ranges, buckets, world_size, nodes, members, rank_cost, move_cost, node_move_cost,
+                           team_rule, known) if team_rule is not None and tp_size == 1 and team_eligible(it) else None)
         if team is not None and max(load for _, load, _ in team[0]) < load_after(cell):
             team, pieces = team
             _take_team(it, team, pieces, nodes, rank_cost, move_cost, node_in)
@@ -360,21 +363,18 @@ def team_sizes(nodes_spanned: int, rule="nodes") -> List[int]:
     return sorted(powers | ({top} if rule == "any" else set()))
 
 
-def _plan_team(it, ranges, buckets, world_size, nodes, rank_cost, move_cost, node_move_cost, rule, known):
+def _plan_team(it, ranges, buckets, world_size, nodes, members, rank_cost, move_cost, node_move_cost, rule, known):
     """([(home, its load after, (first, end))], the pieces) of the best team for ``it`` (``team_groups`` of
     each of ``team_sizes``, each home the least loaded rank of its nodes; the team whose busiest home is
-    least loaded, the smaller on a tie), or None where its pieces lie on one node. ``known``: what does not
-    depend on the loads (pieces, blocks, each size's groups and who holds what of them), kept across the
-    passes of ``plan_split_layout``."""
+    least loaded, the smaller on a tie), or None where its pieces lie on one node. ``members``: the DP
+    ranks of each node; ``known``: what does not depend on the loads (pieces, blocks, each size's groups
+    and who holds what of them), kept across the passes of ``plan_split_layout``."""
     if it.name not in known:
         pieces = OwnerLayout(world_size, ranges, {}, buckets, [], scheme="split").pieces(it.name)
         known[it.name] = (pieces, long_side_blocks(it.pieces[0], pieces, nodes), {})
     pieces, blocks, sizes = known[it.name]
     if len(blocks) < 2:
         return None
-    members: Dict[int, List[int]] = {}
-    for r, node in enumerate(nodes):
-        members.setdefault(node, []).append(r)
     best = None
     for size in team_sizes(len(blocks), rule):
         if size not in sizes:
